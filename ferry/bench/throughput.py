@@ -1,0 +1,195 @@
+"""`ferry bench throughput`: offline throughput of ferry vs HF transformers, in one run.
+
+Default workload (seeded): 64 requests, prompt lengths U[32, 512] of random
+token ids, output lengths U[32, 256], EOS ignored, greedy. ferry gets all
+requests at once (continuous batching); HF runs static batches of 8 in
+arrival order. Also prints ferry's step-time breakdown and the FLOP rate of
+its large-batch decode steps as a fraction of a torch fp32 matmul measured
+in the same process.
+
+`--prefix`: a shared-prefix workload (one long system prompt, short unique
+suffixes) through ferry with prefix caching on, then off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine, load_model
+from ferry.engine.model_runner import StepRecord
+from ferry.models.config import ModelConfig
+from ferry.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers reference")
+    p.add_argument("--prefix", action="store_true", help="shared-prefix workload, prefix caching on vs off")
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
+    p.add_argument("--prefix-output-len", type=int, default=32)
+    p.add_argument("--min-decode-batch", type=int, default=32, help="decode steps at least this large count as 'large'")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def synthetic_requests(n: int, in_range, out_range, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen = rng.randint(*in_range)
+        reqs.append(([rng.randrange(100, vocab - 100) for _ in range(plen)], rng.randint(*out_range)))
+    return reqs
+
+
+def prefix_requests(n: int, prefix_len: int, suffix_range, out_len: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, vocab - 100) for _ in range(prefix_len)]
+    return [
+        (prefix + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(*suffix_range))], out_len)
+        for _ in range(n)
+    ]
+
+
+def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048, reps: int = 10) -> float:
+    """The machine's dense matmul rate, measured now (the roofline for compute-bound steps)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def linear_flops_per_token(cfg: ModelConfig) -> int:
+    """2 × the parameters a token multiplies through, lm_head included."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    return 2 * (cfg.num_hidden_layers * per_layer + h * cfg.vocab_size)
+
+
+def step_flops(rec: StepRecord, cfg: ModelConfig) -> float:
+    """Linear-layer FLOPs of a decode step plus its attention (QK^T and PV over the context)."""
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * rec.decode_context_tokens
+    return rec.num_decodes * linear_flops_per_token(cfg) + attn
+
+
+def run_ferry(engine: LLMEngine, requests, tag: str) -> dict:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    # Warm-up outside the timed region (first-call allocations, thread pools).
+    engine.add_request("warmup", {"prompt_token_ids": requests[0][0][:16]}, SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.core.step_records = records = []
+    t0 = time.perf_counter()
+    for i, ((ids, _), p) in enumerate(zip(requests, params)):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, p)
+    out_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                out_tokens += len(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - t0
+    engine.core.step_records = None
+    stats = engine.get_stats()
+    return {"seconds": elapsed, "output_tokens": out_tokens, "tokens_per_s": out_tokens / elapsed,
+            "steps": len(records), "records": records, "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_cache_queries": stats.prefix_cache_queries, "preemptions": stats.num_preemptions}
+
+
+def breakdown(records: list[StepRecord]) -> dict[str, float]:
+    phases = ("schedule", "prepare", "forward", "sample", "update")
+    totals = {ph: sum(getattr(r, ph) for r in records) for ph in phases}
+    whole = sum(totals.values()) or 1.0
+    return {ph: totals[ph] / whole for ph in phases} | {"seconds": whole}
+
+
+def main(args: argparse.Namespace) -> int:
+    eargs = EngineArgs.from_cli_args(args)
+    eargs.model = args.model
+    model, tokenizer, device, dtype, path = load_model(eargs)
+    cfg = model.config
+    engine_kw = dict(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+    engine = LLMEngine(eargs, **engine_kw)
+    engine.runner.profile = True
+    result: dict = {"model": path, "dtype": str(dtype), "device": str(device), "machine": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "engine_args": asdict(eargs)}
+
+    if args.prefix:
+        reqs = prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.prefix_output_len,
+                               cfg.vocab_size, args.bench_seed)
+        on = run_ferry(engine, reqs, "on")
+        eargs_off = EngineArgs(**{**asdict(eargs), "enable_prefix_caching": False})
+        off = run_ferry(LLMEngine(eargs_off, **engine_kw), reqs, "off")
+        print(f"shared-prefix workload: {args.num_prompts} requests, prefix {args.prefix_len} tokens, "
+              f"suffix U{args.suffix_len}, output {args.prefix_output_len}")
+        for name, r in (("caching on ", on), ("caching off", off)):
+            print(f"  {name}: {r['seconds']:7.2f} s  {r['tokens_per_s']:8.1f} output tok/s  "
+                  f"prefix hits {r['prefix_cache_hits']}/{r['prefix_cache_queries']} tokens")
+        speedup = off["seconds"] / on["seconds"]
+        print(f"  speed-up from prefix caching: {speedup:.2f}x")
+        result["prefix"] = {k: {kk: vv for kk, vv in v.items() if kk != "records"} for k, v in (("on", on), ("off", off))}
+        result["prefix"]["speedup"] = speedup
+    else:
+        reqs = synthetic_requests(args.num_prompts, args.input_len, args.output_len, cfg.vocab_size, args.bench_seed)
+        r = run_ferry(engine, reqs, "tp")
+        peak = matmul_gflops(dtype, device)
+        print(f"workload: {args.num_prompts} requests, prompt U{args.input_len}, output U{args.output_len}, "
+              f"seed {args.bench_seed}, {sum(len(p) for p, _ in reqs)} prompt tokens")
+        print(f"ferry: {r['seconds']:.2f} s, {r['output_tokens']} output tokens, {r['tokens_per_s']:.1f} tok/s, "
+              f"{r['steps']} steps, {r['preemptions']} preemptions")
+        bd = breakdown(r["records"])
+        print("ferry step-time breakdown: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in bd.items() if k != "seconds"))
+        large = [x for x in r["records"] if x.num_prefill_tokens == 0 and x.num_decodes >= args.min_decode_batch]
+        result["ferry"] = {k: v for k, v in r.items() if k != "records"} | {"breakdown": bd}
+        result["matmul_gflops"] = peak
+        print(f"torch {dtype} matmul 2048^3: {peak:.1f} GFLOP/s")
+        if large:
+            fl = sum(step_flops(x, cfg) for x in large)
+            t_step = sum(x.total for x in large)
+            t_fwd = sum(x.forward for x in large)
+            frac_step, frac_fwd = fl / t_step / 1e9 / peak, fl / t_fwd / 1e9 / peak
+            print(f"decode steps with batch >= {args.min_decode_batch}: {len(large)} steps, "
+                  f"median batch {statistics.median(x.num_decodes for x in large):.0f}, "
+                  f"{fl / t_step / 1e9:.1f} GFLOP/s per whole step = {frac_step * 100:.1f}% of matmul; "
+                  f"forward only {fl / t_fwd / 1e9:.1f} GFLOP/s = {frac_fwd * 100:.1f}%")
+            result["large_decode"] = {"steps": len(large), "gflops_step": fl / t_step / 1e9,
+                                      "fraction_step": frac_step, "fraction_forward": frac_fwd}
+        if not args.no_hf:
+            from ferry.bench.hf_baseline import load_hf_model, run_static_batches
+
+            hf = load_hf_model(path, dtype)
+            run_static_batches(hf, [(reqs[0][0][:16], 4)], 1)  # warm-up
+            hf_s, hf_tokens = run_static_batches(hf, reqs, args.hf_batch_size, pad_token_id=tokenizer.pad_token_id or 0)
+            ratio = (r["tokens_per_s"]) / (hf_tokens / hf_s)
+            print(f"HF transformers static batches of {args.hf_batch_size}: {hf_s:.2f} s, {hf_tokens / hf_s:.1f} tok/s")
+            print(f"ferry / HF throughput: {ratio:.2f}x")
+            result["hf"] = {"seconds": hf_s, "output_tokens": hf_tokens, "tokens_per_s": hf_tokens / hf_s}
+            result["ratio"] = ratio
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,90 @@
+"""The `ferry` command: `ferry generate`, `ferry bench throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ferry.config import EngineArgs
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ferry.engine.llm_engine import LLMEngine
+    from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    if args.chat:
+        tok = engine.tokenizer
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        prompt = {"prompt_token_ids": list(ids)}
+    else:
+        prompt = args.prompt
+    engine.add_request("cli", prompt, params)
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+                finish = c.finish_reason or finish
+    sys.stdout.write("\n")
+    logging.getLogger("ferry").info("finish_reason=%s", finish)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description="ferry: LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion of PROMPT to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_sampling_args(gen)
+    EngineArgs.add_cli_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from ferry.bench.throughput import add_args as add_throughput_args
+    from ferry.bench.throughput import main as throughput_main
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput vs HF transformers static batching")
+    add_throughput_args(tp)
+    EngineArgs.add_cli_args(tp)
+    tp.set_defaults(func=throughput_main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # a user mistake: say what to change, no traceback
+        print(f"ferry: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

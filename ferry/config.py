@@ -1,0 +1,63 @@
+"""Engine arguments (vLLM's names) and their command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+_GiB = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory budget below
+    kv_cache_memory_bytes: int | None = None  # default: 2 GiB on CPU
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--kebab-case` flag per field (the model is positional elsewhere)."""
+        g = parser.add_argument_group("engine")
+        for f in fields(cls):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
+                g.add_argument(flag, type=kind, default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB

@@ -1,0 +1,122 @@
+"""EngineCore: the busy loop's body: schedule → execute → update.
+
+It knows tokens only: it appends sampled tokens, applies the token-level
+stop conditions (EOS, stop_token_ids, max_tokens, max_model_len) and frees
+finished requests' blocks. Text-level work (detokenization, stop strings,
+n > 1 aggregation) is the OutputProcessor's, which may run in another
+process and aborts a request here when one of its stop strings matches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from ferry.engine.kv_cache_manager import KVCacheManager
+from ferry.engine.model_runner import ModelRunner, StepRecord
+from ferry.engine.request import Request, RequestStatus
+from ferry.engine.scheduler import Scheduler
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: (logprob, rank, top ids, top logprobs).
+    new_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_evictions: int
+
+
+class EngineCore:
+    def __init__(
+        self, scheduler: Scheduler, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: set[int]
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        # When a list, every step appends its StepRecord (the `--profile` breakdown).
+        self.step_records: list[StepRecord] | None = None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.scheduler.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if sched.is_empty:
+            return []
+        record = StepRecord(0, 0, 0, schedule=t1 - t0)
+        requests, sampled = self.runner.execute(sched, record)
+        t2 = time.perf_counter()
+        outputs = []
+        for i, request in enumerate(requests):
+            token = sampled.token_ids[i]
+            request.append_token(token)
+            lp = sampled.logprobs[i]
+            finish = self._check_stop(request, token)
+            out = EngineCoreOutput(
+                request.request_id,
+                [token],
+                [lp] if lp is not None else None,
+                finish_reason=finish,
+                stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            outputs.append(out)
+        record.update = time.perf_counter() - t2
+        if self.step_records is not None:
+            self.step_records.append(record)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> str | None:
+        params = request.sampling_params
+        status = None
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.all_stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+        if status is None and (
+            request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.scheduler.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return None
+        self.scheduler.finish_request(request, status)
+        return status.value
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=pool.usage(),
+            num_kv_blocks=pool.num_blocks,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evictions=pool.num_evictions,
+        )

@@ -1,0 +1,86 @@
+"""Per-request KV blocks on top of the BlockPool: prefix lookup, allocation, freeing."""
+
+from __future__ import annotations
+
+from ferry.engine.block_pool import BlockPool, KVCacheBlock
+from ferry.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Prefix-cache counters, in tokens (as vLLM's prefix_cache_queries/hits).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks at the start of the request.
+
+        At least one token is always left to compute: the last token's logits
+        are needed, so a fully cached prompt gives up its last block.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        return self.get_computed_blocks(request)[1]
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out.
+
+        `new_computed_blocks` are prefix-cache hits for a request being
+        scheduled for the first time; they are referenced, not copied.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Hits on free blocks leave the free queue, so they use up free capacity too.
+        hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(needed, 0) + hits_on_free > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(new_computed_blocks)
+        blocks = blocks + new_computed_blocks
+        if needed > 0:
+            blocks += self.pool.allocate(needed)
+        self.req_blocks[request.request_id] = blocks
+        # Blocks that will be full once this step's tokens are written get published
+        # now, so that a request scheduled later in this same step can share them.
+        if self.enable_prefix_caching:
+            num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
+            for i in range(num_computed // self.block_size, num_full):
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its prefix is evicted last."""
+        blocks = self.req_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(list(reversed(blocks)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def usage(self) -> float:
+        return self.pool.usage()

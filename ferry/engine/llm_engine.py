@@ -1,0 +1,214 @@
+"""LLMEngine: the step API (add_request / abort_request / step) over EngineCore + OutputProcessor."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from ferry.engine.core import EngineCore, EngineStats
+from ferry.engine.kv_cache_manager import KVCacheManager, cdiv
+from ferry.engine.model_runner import ModelRunner
+from ferry.engine.output_processor import OutputProcessor
+from ferry.engine.request import Request
+from ferry.engine.scheduler import Scheduler
+from ferry.models.config import ModelConfig
+from ferry.models.llama import LlamaForCausalLM
+from ferry.models.loader import load_checkpoint
+from ferry.outputs import RequestOutput
+from ferry.sampling_params import SamplingParams
+from ferry.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are ~2x slower than fp32 on CPUs without AMX
+    return torch.bfloat16 if cfg.dtype in ("float32", "bfloat16") else getattr(torch, cfg.dtype)
+
+
+def load_model(args: EngineArgs) -> tuple[LlamaForCausalLM, Any, torch.device, torch.dtype, str]:
+    """Build our model from the checkpoint and load its tokenizer (separate so tests can share them)."""
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, ckpt.config)
+    max_len = args.max_model_len or ckpt.config.max_position_embeddings
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ckpt.config, max_position=max(max_len, ckpt.config.max_position_embeddings))
+    model = model.to_empty(device=device)
+    model.load_weights(ckpt.iter_weights())
+    model.to(dtype)
+    model.init_rotary()  # to_empty left the tables uninitialised; they stay fp32
+    model.eval()
+    tokenizer = load_tokenizer(args.tokenizer or ckpt.path)
+    logger.info("loaded %s (%s) in %.1fs", ckpt.path, dtype, time.perf_counter() - t0)
+    return model, tokenizer, device, dtype, ckpt.path
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, *, model=None, tokenizer=None, device=None, dtype=None) -> None:
+        """Build an engine; pass an already loaded `model` (with tokenizer, device, dtype) to reuse it."""
+        self.args = args
+        if model is None:
+            model, tokenizer, device, dtype, _ = load_model(args)
+        self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
+        cfg: ModelConfig = model.config
+        self.model_config = cfg
+        torch.manual_seed(args.seed)
+
+        bs = args.block_size
+        block_bytes = ModelRunner.kv_bytes_per_block(cfg, bs, dtype)
+        num_blocks = args.num_kv_blocks or self._blocks_from_budget(block_bytes)
+        capacity = num_blocks * bs
+        max_len = args.max_model_len or cfg.max_position_embeddings
+        if cfg.sliding_window is not None and cfg.sliding_window < max_len:
+            logger.warning("sliding-window attention is not implemented; capping max_model_len to %d", cfg.sliding_window)
+            max_len = cfg.sliding_window
+        if max_len > capacity:
+            if args.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {args.max_model_len} needs {cdiv(args.max_model_len, bs)} KV blocks, "
+                    f"but the KV cache has {num_blocks}; raise num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
+                )
+            logger.warning("KV cache holds %d tokens; capping max_model_len from %d", capacity, max_len)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+
+        self.kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+        )
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_len})"
+            )
+        self.runner = ModelRunner(model, self.kv, num_blocks, bs, device, dtype)
+        self.core = EngineCore(self.scheduler, self.runner, self.kv, self.eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * block_bytes / 2**30)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    def _blocks_from_budget(self, block_bytes: int) -> int:
+        if self.args.kv_cache_memory_bytes is not None:
+            budget = self.args.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Leave room for activations of the largest batch (hidden states, logits rows).
+            reserve = 64 * self.args.max_num_batched_tokens * self.model_config.hidden_size * 4
+            budget = int(total * self.args.gpu_memory_utilization) - used - reserve
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        blocks = budget // block_bytes
+        if blocks < 1:
+            raise ValueError(f"KV-cache budget {budget} bytes is smaller than one block ({block_bytes} bytes)")
+        return int(blocks)
+
+    # -- requests ---------------------------------------------------------
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field, changing nothing."""
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "no room left to generate; shorten the prompt"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < vocabulary size {vocab}")
+        if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params.clone()
+        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, ids, params, seq_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        for i, sid in enumerate(seq_ids):
+            child = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
+            child.all_stop_token_ids = params.all_stop_token_ids
+            self.core.add_request(
+                Request(sid, ids, child, priority=priority, arrival_time=arrival, block_size=self.args.block_size,
+                        max_tokens=max_tokens)
+            )
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            self.core.abort_requests(self.output_processor.seq_ids(rid))
+            self.output_processor.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; returns outputs of the requests that progressed."""
+        core_outputs = self.core.step()
+        outputs, to_abort = self.output_processor.process(core_outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        return self.core.stats()

@@ -1,0 +1,101 @@
+"""One sequence being generated, as the engine core sees it.
+
+A user prompt with `n > 1` becomes n Requests (ids `<id>`, `<id>#1`, ...)
+that share the prompt's KV blocks through the prefix cache, as in vLLM v1.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from ferry.engine.block_hash import BlockHash, hash_block_tokens
+from ferry.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        block_size: int = 16,
+        cache_extras: bytes = b"",
+        max_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.max_tokens = max_tokens  # resolved against max_model_len by the engine
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # Tokens whose K/V are in the cache (or being written this step).
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at first scheduling (for usage stats).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_size = block_size
+        self.cache_extras = cache_extras
+        self.block_hashes: list[BlockHash] = []
+        self._update_block_hashes()
+        # Per-request RNG so a seeded request samples the same tokens in any batch.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Hash every newly completed full block (chained on the previous hash)."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.cache_extras))
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower runs first: priority, then arrival (FCFS)."""
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"

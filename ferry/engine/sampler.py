@@ -1,0 +1,176 @@
+"""Batched, vectorized sampling over the rows of a logits matrix.
+
+Order (as vLLM): logit bias, min_tokens (stop tokens masked), repetition /
+presence / frequency penalties, then greedy argmax or temperature, top-k,
+top-p, min-p and a draw. The draw is `argmax(p / q)` with `q ~ Exp(1)`, which
+samples from `p`; seeded requests draw `q` from their own generator, so their
+tokens do not depend on what else is in the batch. Logprobs are of the raw
+model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferry.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (sampled logprob, sampled rank, top token ids, top logprobs) or None.
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties. Repetition covers prompt and output tokens; presence and
+    frequency only generated ones. All per row tensors are [B] or [B, 1]."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition.unsqueeze(1).expand_as(logits)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, scaled, logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    logits = logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside top-k, the top-p nucleus and min-p.
+
+    `top_k` [B] long with 0 = off, `top_p` [B] in (0, 1], `min_p` [B] in [0, 1].
+    Rows of already temperature-scaled logits.
+    """
+    if top_k is not None or top_p is not None:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if top_k is not None:
+            vocab = logits.shape[-1]
+            k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+            mask |= ranks >= k.unsqueeze(1)
+        if top_p is not None:
+            probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+            # Drop a token when the mass strictly before it already reaches top_p;
+            # the most likely token is always kept.
+            mass_before = probs.cumsum(dim=-1) - probs
+            mask |= mass_before >= top_p.unsqueeze(1)
+            mask[:, 0] = False
+        logits = logits.scatter(-1, sorted_idx, sorted_logits.masked_fill(mask, float("-inf")))
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample one token for each row; row i belongs to requests[i]."""
+        logits = logits.float()
+        device = logits.device
+        B, V = logits.shape
+        params = [r.sampling_params for r in requests]
+        want_logprobs = [p.logprobs is not None for p in params]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+
+        logits = self._apply_logit_bias_and_min_tokens(logits, requests)
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+            logits = self._penalize(logits, requests)
+
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        if bool(greedy.all()):
+            sampled = logits.argmax(dim=-1)
+        else:
+            temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+            scaled = logits / temp.unsqueeze(1)
+            top_k = top_p = min_p = None
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([p.top_k for p in params], device=device)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+            if any(p.min_p > 0.0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
+            scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+            probs = scaled.softmax(dim=-1)
+            q = self._exponential_noise(B, V, requests, device)
+            drawn = (probs / q).argmax(dim=-1)
+            sampled = torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+        token_ids = sampled.tolist()
+        logprob_rows: list = [None] * B
+        if raw_logprobs is not None:
+            rows = [i for i in range(B) if want_logprobs[i]]
+            k = max(params[i].logprobs for i in rows)
+            sub = raw_logprobs[rows]
+            chosen = sub.gather(1, sampled[rows].unsqueeze(1))
+            ranks = (sub > chosen).sum(dim=-1) + 1
+            top_vals, top_idx = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
+            chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+            top_vals_l, top_idx_l = top_vals.tolist(), top_idx.tolist()
+            for j, i in enumerate(rows):
+                n = params[i].logprobs
+                logprob_rows[i] = (chosen_l[j], ranks_l[j], top_idx_l[j][:n], top_vals_l[j][:n])
+        return SamplerOutput(token_ids, logprob_rows)
+
+    def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows, cols, vals = [], [], []
+        ban_rows, ban_cols = [], []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if p.logit_bias:
+                for tok, bias in p.logit_bias.items():
+                    rows.append(i)
+                    cols.append(int(tok))
+                    vals.append(float(bias))
+            if r.num_output_tokens < p.min_tokens:
+                for tok in p.all_stop_token_ids:
+                    ban_rows.append(i)
+                    ban_cols.append(tok)
+        if rows:
+            logits = logits.clone()
+            logits[rows, cols] += torch.tensor(vals, device=logits.device)
+        if ban_rows:
+            logits = logits.clone() if not rows else logits
+            logits[ban_rows, ban_cols] = float("-inf")
+        return logits
+
+    def _penalize(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        B, V = logits.shape
+        device = logits.device
+        prompt_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
+        output_counts = torch.zeros(B, V, dtype=logits.dtype, device=device)
+        for i, r in enumerate(requests):
+            if r.prompt_token_ids:
+                prompt_mask[i, torch.tensor(r.prompt_token_ids, device=device)] = True
+            if r.output_token_ids:
+                toks = torch.tensor(r.output_token_ids, device=device)
+                output_counts[i].index_add_(0, toks, torch.ones(len(toks), dtype=logits.dtype, device=device))
+        params = [r.sampling_params for r in requests]
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)
+        pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
+        return apply_penalties(logits, prompt_mask, output_counts, rep, pres, freq)
+
+    @staticmethod
+    def _exponential_noise(B: int, V: int, requests: list[Request], device: torch.device) -> torch.Tensor:
+        q = torch.empty(B, V, device=device).exponential_()
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                # Drawn on the CPU from the request's own generator: the same
+                # numbers whatever the batch, device or step interleaving.
+                q[i] = torch.empty(V).exponential_(generator=r.generator).to(device)
+        return q.clamp_(min=1e-10)

@@ -1,0 +1,150 @@
+"""Iteration-level scheduler: one token budget per step shared by decode and chunked prefill.
+
+Each step: running requests first (in priority order), each asking for the
+tokens it has not computed yet (1 for decode, the rest of its prompt for a
+partial prefill); when blocks run out, the lowest-priority, latest-arriving
+running request is preempted (blocks freed, requeued, recomputed later).
+Then waiting requests, by priority and, with prefix caching, longest cached
+prefix first (FCFS among equals), chunked to fit what is left of the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferry.engine.kv_cache_manager import KVCacheManager
+from ferry.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of tokens to compute this step), in batch order.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from the queues and release its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=Request.sort_key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            scheduled = True
+            while not self.kv.allocate_slots(request, num_new):
+                # Out of blocks: the victim is the lowest-priority, latest request.
+                # Running is sorted, so it is the last one and was not scheduled yet.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+
+        # New work only when nothing was preempted: the freed blocks belong to the victims.
+        if not out.preempted:
+            self._order_waiting()
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if num_new > budget and not self.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                request.num_computed_tokens = 0
+                if not self.kv.allocate_slots(request, num_new, hits):
+                    break
+                self.waiting.pop(0)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                self.kv.record_prefix_lookup(request, num_hit_tokens)
+                request.num_computed_tokens = num_hit_tokens
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.scheduled.append((request, num_new))
+                budget -= num_new
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        # Tokens scheduled now count as computed: their K/V are written by this step.
+        for request, n in out.scheduled:
+            request.num_computed_tokens += n
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+
+    def _order_waiting(self) -> None:
+        """Priority first; within a priority, longest cached prefix, then arrival."""
+        if len(self.waiting) < 2:
+            return
+        if self.kv.enable_prefix_caching:
+            cached = {id(r): self.kv.num_cached_prefix_tokens(r) for r in self.waiting}
+            self.waiting.sort(key=lambda r: (r.priority, -cached[id(r)], r.arrival_time))
+        else:
+            self.waiting.sort(key=Request.sort_key)

@@ -1,0 +1,114 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)`, as vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine, PromptType
+from ferry.outputs import RequestOutput
+from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (e.g. one sharing already-loaded weights)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        llm._counter = itertools.count()
+        return llm
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        A prompt is a string, `{"prompt_token_ids": [...]}` or `{"prompt": str}`.
+        A bad prompt or parameter raises ValueError before anything runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = str(next(self._counter))
+                engine.add_request(
+                    rid, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                    priority=priority[i] if priority else 0,
+                )
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # nothing half-queued survives a bad prompt
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate."""
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False,
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

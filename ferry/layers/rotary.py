@@ -1,0 +1,83 @@
+"""Rotary position embeddings (NeoX / Hugging Face half-split layout) with the config's scaling.
+
+Supported `rope_type`s: default, linear, dynamic (NTK, applied for the
+maximum length up front), llama3, yarn. Frequencies follow transformers'
+`ROPE_INIT_FUNCTIONS`, which the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
+    """Return (inverse frequencies [head_dim/2], attention scaling for cos/sin)."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
+    inv_freq = _default_inv_freq(head_dim, base)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "dynamic":
+        # NTK-aware base for the longest sequence this engine will serve.
+        orig = scaling.get("original_max_position_embeddings", max_position)
+        seq = max(max_position, orig)
+        new_base = base * ((factor * seq / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return _default_inv_freq(head_dim, new_base), 1.0
+    if rope_type == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        orig = scaling.get("original_max_position_embeddings", max_position)
+        beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+        mscale = scaling.get("attention_factor")
+        if mscale is None:
+            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        def correction_dim(rot: float) -> float:
+            return (head_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+        return inv, float(mscale)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None) -> None:
+        super().__init__()
+        inv_freq, attn_scale = rope_inv_freq(head_dim, base, scaling, max_position)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos() * attn_scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attn_scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D], positions: [T]."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

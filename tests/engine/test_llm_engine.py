@@ -1,0 +1,150 @@
+"""The step API on the real SmolLM2: validation, abort, n > 1, seeds, stops, logprobs, stats."""
+
+import pytest
+from conftest import assert_no_blocks_referenced, run_to_completion
+
+from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Then the dog"
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    return make_engine(max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(engine):
+    engine.add_request("ref", PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    out = run_to_completion(engine)["ref"].outputs[0]
+    return out.token_ids, out.text
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", SamplingParams(), "prompt"),
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+        ("word " * 300, SamplingParams(), "max_model_len"),
+        ({"prompt_token_ids": [1, 2, 10**6]}, SamplingParams(), "prompt_token_ids"),
+        ({"prompt_token_ids": [1, -3]}, SamplingParams(), "prompt_token_ids"),
+        ("hi", dict(max_tokens=0), "max_tokens"),
+        ("hi", dict(max_tokens=-2), "max_tokens"),
+        ("hi", dict(temperature=-0.1), "temperature"),
+        ("hi", dict(top_p=0.0), "top_p"),
+        ("hi", dict(top_p=1.5), "top_p"),
+        ("hi", dict(n=0), "n"),
+        ("hi", dict(stop_token_ids=[10**7]), "stop_token_ids"),
+    ],
+)
+def test_bad_input_is_a_value_error_and_engine_keeps_serving(engine, greedy_ref, prompt, params, field):
+    engine.add_request("good", PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    with pytest.raises(ValueError, match=field):
+        p = SamplingParams(**params) if isinstance(params, dict) else params
+        engine.add_request("bad", prompt, p)
+    done = run_to_completion(engine)
+    assert set(done) == {"good"}
+    assert done["good"].outputs[0].token_ids == greedy_ref[0]
+    assert_no_blocks_referenced(engine)
+
+
+def test_abort_any_time_frees_blocks(engine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", PROMPT * 3, params)
+    engine.add_request("b", PROMPT, params)
+    engine.add_request("c", PROMPT + " waits", params)
+    engine.step()
+    assert engine.kv.pool.num_referenced() > 0
+    engine.abort_request("a")  # running
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["b", "c", "never-existed"])
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert_no_blocks_referenced(engine)
+
+
+def test_n_sequences_share_prompt_blocks(engine):
+    ids = engine.tokenizer.encode(PROMPT * 3)
+    full_blocks = len(ids) // 16
+    engine.kv.pool.reset_prefix_cache()
+    engine.add_request("n", {"prompt_token_ids": ids}, SamplingParams(n=3, seed=5, max_tokens=8, temperature=1.0))
+    engine.step()
+    shared = [b for b in engine.kv.req_blocks["n#0"][:full_blocks]]
+    assert all(b.ref_cnt == 3 for b in shared)
+    assert engine.kv.req_blocks["n#1"][:full_blocks] == shared
+    stats = engine.get_stats()
+    done = run_to_completion(engine)["n"]
+    assert [o.index for o in done.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 8 for o in done.outputs)
+    assert len({tuple(o.token_ids) for o in done.outputs}) > 1  # seeds 5, 6, 7 differ
+    assert stats.prefix_cache_hits >= 2 * full_blocks * 16
+    assert_no_blocks_referenced(engine)
+
+
+def test_seeded_sampling_same_in_any_batch(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    engine.add_request("alone", PROMPT, params)
+    alone = run_to_completion(engine)["alone"].outputs[0].token_ids
+    engine.add_request("x", "Something else entirely, with more words", SamplingParams(temperature=1.0, max_tokens=20))
+    engine.add_request("y", "Short", SamplingParams(temperature=0.5, seed=9, max_tokens=5))
+    engine.step()
+    engine.add_request("seeded", PROMPT, params)
+    engine.add_request("z", PROMPT, SamplingParams(temperature=1.0, max_tokens=16))
+    done = run_to_completion(engine)
+    assert done["seeded"].outputs[0].token_ids == alone
+
+
+def test_stop_string_across_token_boundary(engine, greedy_ref):
+    ids, text = greedy_ref
+    tok = engine.tokenizer
+    # A stop string made of the end of token 5 and the start of token 6.
+    pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+    a, b = pieces[4], pieces[5]
+    assert len(a) >= 2 and len(b) > len(a) + 1
+    stop = a[-2:] + b[len(a) : len(a) + 2]
+    params = SamplingParams(temperature=0, max_tokens=24, stop=[stop], output_kind=RequestOutputKind.DELTA)
+    engine.add_request("s", PROMPT, params)
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].text)
+            if out.finished:
+                final = out.outputs[0]
+    expected = text[: text.index(stop)]
+    assert "".join(deltas) == expected
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert stop not in "".join(deltas)
+    engine.add_request("s2", PROMPT, params.clone(include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY))
+    assert run_to_completion(engine)["s2"].outputs[0].text == text[: text.index(stop) + len(stop)]
+    assert_no_blocks_referenced(engine)
+
+
+def test_stop_token_ids_max_tokens_and_logprobs(engine, greedy_ref):
+    ids, _ = greedy_ref
+    engine.add_request("t", PROMPT, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[2]]))
+    out = run_to_completion(engine)["t"].outputs[0]
+    assert out.token_ids == ids[:3] and out.finish_reason == "stop" and out.stop_reason == ids[2]
+    engine.add_request("m", PROMPT, SamplingParams(temperature=0, max_tokens=5, logprobs=3))
+    out = run_to_completion(engine)["m"].outputs[0]
+    assert out.token_ids == ids[:5] and out.finish_reason == "length"
+    assert len(out.logprobs) == 5
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert entry[tok].rank == 1 and len(entry) == 3  # greedy token is the top-1
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_stats_while_running(engine):
+    for i in range(3):
+        engine.add_request(f"q{i}", PROMPT * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    s0 = engine.get_stats()
+    assert s0.num_waiting == 3 and s0.num_running == 0
+    engine.step()
+    s1 = engine.get_stats()
+    assert s1.num_running == 3 and s1.kv_cache_usage > 0
+    run_to_completion(engine)
+    s2 = engine.get_stats()
+    assert s2.num_running == 0 and s2.kv_cache_usage == 0.0
+    # q1 and q2 share q0's first full block, published when q0 was scheduled in the same step.
+    assert s2.prefix_cache_hits - s0.prefix_cache_hits >= 2 * 16

@@ -1,0 +1,106 @@
+import math
+
+import pytest
+import torch
+
+from ferry.engine.request import Request
+from ferry.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from ferry.sampling_params import SamplingParams
+
+NEG = float("-inf")
+
+
+def make_req(params, prompt=(1, 2), output=()):
+    r = Request("r", list(prompt), params, block_size=4, max_tokens=100)
+    for t in output:
+        r.append_token(t)
+    return r
+
+
+def test_top_k_masks_all_but_k():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [1.0, 4.0, 3.0, 2.0]])
+    out = apply_top_k_top_p_min_p(logits, torch.tensor([2, 0]), None, None)
+    assert out[0].tolist() == [NEG, 4.0, 3.0, NEG]
+    assert out[1].tolist() == [1.0, 4.0, 3.0, 2.0]  # 0 = disabled
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().repeat(3, 1)
+    out = apply_top_k_top_p_min_p(logits, None, torch.tensor([0.8, 0.81, 0.1]), None)
+    assert torch.isinf(out[0]).tolist() == [True, False, True, False]  # 0.5 + 0.3 reaches 0.8
+    assert torch.isinf(out[1]).tolist() == [True, False, False, False]  # needs 0.15 too
+    assert torch.isinf(out[2]).tolist() == [True, False, True, True]  # the top token always stays
+
+
+def test_min_p_relative_to_top_probability():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    out = apply_top_k_top_p_min_p(probs.log(), None, None, torch.tensor([0.2]))  # threshold 0.1
+    assert torch.isinf(out[0]).tolist() == [True, False, False, False]
+
+
+def test_penalties_hand_computed():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
+    prompt_mask = torch.tensor([[True, False, False, False]])
+    counts = torch.tensor([[0.0, 2.0, 1.0, 0.0]])
+    out = apply_penalties(logits, prompt_mask, counts, torch.tensor([2.0]), torch.tensor([0.1]), torch.tensor([0.5]))
+    expected = [2.0 / 2, -1.0 * 2 - 0.5 * 2 - 0.1, 0.5 / 2 - 0.5 - 0.1, 0.0]
+    assert out[0].tolist() == pytest.approx(expected)
+
+
+def test_sampler_penalties_from_requests():
+    s = Sampler(4)
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]])
+    greedy = make_req(SamplingParams(temperature=0), prompt=[3])
+    assert s(logits, [greedy]).token_ids == [0]
+    rep = make_req(SamplingParams(temperature=0, repetition_penalty=1.5), prompt=[0])
+    assert s(logits, [rep]).token_ids == [1]  # 2.0 / 1.5 < 1.9
+    freq = make_req(SamplingParams(temperature=0, frequency_penalty=0.2), prompt=[3], output=[0])
+    assert s(logits, [freq]).token_ids == [1]
+
+
+def test_logit_bias_and_min_tokens():
+    s = Sampler(4)
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0]])
+    p = SamplingParams(temperature=0, logit_bias={2: 10.0})
+    assert s(logits, [make_req(p)]).token_ids == [2]
+    p = SamplingParams(temperature=0, min_tokens=2)
+    p.all_stop_token_ids = {0}
+    assert s(logits, [make_req(p, output=[3])]).token_ids == [1]  # EOS (0) banned before min_tokens
+    assert s(logits, [make_req(p, output=[3, 3])]).token_ids == [0]
+
+
+def test_sampling_follows_the_distribution():
+    s = Sampler(3)
+    torch.manual_seed(0)
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    reqs = [make_req(SamplingParams(temperature=1.0)) for _ in range(4000)]
+    toks = torch.tensor(s(probs.log().repeat(4000, 1), reqs).token_ids)
+    freq = torch.bincount(toks, minlength=3) / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+    # top_k=1 is greedy whatever the temperature.
+    assert set(s(probs.log().repeat(50, 1), [make_req(SamplingParams(top_k=1)) for _ in range(50)]).token_ids) == {0}
+
+
+def test_seeded_rows_do_not_depend_on_batch():
+    s = Sampler(50)
+    logits = torch.randn(1, 50)
+    alone = [s(logits, [r]).token_ids[0] for r in [make_req(SamplingParams(seed=7))] * 1]
+    r1 = make_req(SamplingParams(seed=7))
+    first = [s(logits, [r1]).token_ids[0] for _ in range(5)]
+    r2 = make_req(SamplingParams(seed=7))
+    others = [make_req(SamplingParams()) for _ in range(3)]
+    batched = [s(logits.repeat(4, 1), others[:1] + [r2] + others[1:]).token_ids[1] for _ in range(5)]
+    assert first == batched and first[0] == alone[0]
+
+
+def test_logprobs_of_raw_distribution():
+    s = Sampler(4)
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = s(logits, [make_req(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.0))])
+    lp, rank, top_ids, top_lps = out.logprobs[0]
+    ref = torch.log_softmax(logits, -1)[0]
+    assert out.token_ids == [1] and rank == 1
+    assert lp == pytest.approx(ref[1].item()) and top_ids == [1, 2]
+    assert top_lps == pytest.approx([ref[1].item(), ref[2].item()])
+    assert math.isclose(sum(math.exp(x) for x in ref.tolist()), 1.0, rel_tol=1e-6)

@@ -1,0 +1,170 @@
+"""Token-exact greedy parity with Hugging Face transformers on the same fp32 weights.
+
+Each engine configuration (one request at a time, all batched, warm prefix
+cache, tiny prefill chunks, a KV cache so small that preemption must happen)
+must reproduce HF's greedy continuation of every prompt exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import assert_no_blocks_referenced, run_to_completion
+
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine, load_model
+from ferry.sampling_params import SamplingParams
+
+MAX_TOKENS = 24
+SHARED = (
+    "You are a careful assistant. Answer briefly and precisely, and say so when you do not know. "
+    "The user is a student who is learning about geography and history. "
+)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    SHARED + "Question: what is the largest ocean on Earth?",
+    SHARED + "Question: who built the pyramids of Giza?",
+    "1, 2, 3, 4,",
+]
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    hf_model.generation_config.eos_token_id = None  # like ignore_eos: always max_new_tokens
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def ferry_greedy(engine: LLMEngine, prompts_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts_ids):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    done = run_to_completion(engine)
+    assert_no_blocks_referenced(engine)
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts_ids))]
+
+
+# ---------------------------------------------------------------- SmolLM2 (GGUF)
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm):
+    from transformers import AutoModelForCausalLM
+
+    _, tokenizer, _, _, path = smollm
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32)
+    hf.eval()
+    prompts_ids = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts_ids]
+    del hf
+    return prompts_ids, expected
+
+
+def test_smollm_one_at_a_time(make_engine, smol_reference):
+    prompts_ids, expected = smol_reference
+    engine = make_engine()
+    for ids, exp in zip(prompts_ids, expected):
+        assert ferry_greedy(engine, [ids], MAX_TOKENS) == [exp]
+
+
+def test_smollm_batched(make_engine, smol_reference):
+    prompts_ids, expected = smol_reference
+    assert ferry_greedy(make_engine(), prompts_ids, MAX_TOKENS) == expected
+
+
+def test_smollm_warm_prefix_cache(make_engine, smol_reference):
+    prompts_ids, expected = smol_reference
+    engine = make_engine()
+    ferry_greedy(engine, prompts_ids[2:3], MAX_TOKENS)  # warms the shared system prefix
+    hits_before = engine.get_stats().prefix_cache_hits
+    assert ferry_greedy(engine, prompts_ids, MAX_TOKENS) == expected
+    stats = engine.get_stats()
+    # Both shared-prefix prompts hit at least the full blocks of the system text.
+    assert stats.prefix_cache_hits - hits_before >= 2 * (len(prompts_ids[2]) // 16 - 1) * 16
+
+
+def test_smollm_tiny_chunks(make_engine, smol_reference):
+    prompts_ids, expected = smol_reference
+    engine = make_engine(max_num_batched_tokens=7, enable_prefix_caching=False)
+    assert ferry_greedy(engine, prompts_ids, MAX_TOKENS) == expected
+
+
+def test_smollm_preemption(make_engine, smol_reference):
+    prompts_ids, expected = smol_reference
+    longest = max(len(p) for p in prompts_ids) + MAX_TOKENS
+    # Room for about two sequences at a time: the others must be preempted and recomputed.
+    engine = make_engine(block_size=4, num_kv_blocks=2 * (longest // 4 + 1) + 2, max_model_len=longest + 4)
+    assert ferry_greedy(engine, prompts_ids, MAX_TOKENS) == expected
+    assert engine.get_stats().num_preemptions > 0
+
+
+# ---------------------------------------------------- tiny random-weight configs
+
+
+def _tiny_config(arch: str):
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **common)
+    if arch == "llama3":  # Llama with llama3 RoPE scaling and tied embeddings
+        common.update(tie_word_embeddings=True, num_key_value_heads=1)
+        return transformers.LlamaConfig(
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+            **common)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "mistral", "llama3"])
+def tiny_model(request, tmp_path_factory):
+    """A random-weight model saved as safetensors, HF's greedy outputs, and our loaded model."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = _tiny_config(request.param)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts_ids = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 40, 33)]
+    prompts_ids.append(prompts_ids[2][:32] + [7, 8, 9])  # shares two 16-token blocks with prompt 2
+    expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts_ids]
+    loaded = load_model(EngineArgs(model=str(path), device="cpu", dtype="float32"))
+    return loaded, prompts_ids, expected
+
+
+def _tiny_engine(loaded, **kwargs) -> LLMEngine:
+    model, tokenizer, device, dtype, path = loaded
+    kwargs.setdefault("num_kv_blocks", 64)
+    return LLMEngine(EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
+                     model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def test_tiny_models_match_hf(tiny_model):
+    loaded, prompts_ids, expected = tiny_model
+    one = _tiny_engine(loaded)
+    assert [ferry_greedy(one, [ids], MAX_TOKENS)[0] for ids in prompts_ids] == expected
+    batched = _tiny_engine(loaded)
+    assert ferry_greedy(batched, prompts_ids, MAX_TOKENS) == expected
+    # Warm cache: the same prompts again hit their full blocks.
+    assert ferry_greedy(batched, prompts_ids, MAX_TOKENS) == expected
+    assert batched.get_stats().prefix_cache_hits > 0
+    chunked = _tiny_engine(loaded, max_num_batched_tokens=5)
+    assert ferry_greedy(chunked, prompts_ids, MAX_TOKENS) == expected
+    longest = max(len(p) for p in prompts_ids) + MAX_TOKENS
+    small = _tiny_engine(loaded, block_size=4, num_kv_blocks=longest // 4 + 8, max_model_len=longest + 4)
+    assert ferry_greedy(small, prompts_ids, MAX_TOKENS) == expected
+    assert small.get_stats().num_preemptions > 0

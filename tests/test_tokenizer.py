@@ -1,0 +1,103 @@
+"""ferry.tokenizer against transformers' own GGUF tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from transformers import AutoTokenizer
+
+import ferry.tokenizer as ferry_tokenizer
+from ferry.models.loader import default_model_path
+from ferry.tokenizer import gguf_tokenizer_cache_dir, load_tokenizer
+
+TEXT = "Hello, world!"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+class _SpyAutoTokenizer:
+    """Records what ferry asks AutoTokenizer to load, and loads it."""
+
+    calls: list[tuple[str, dict]] = []
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        cls.calls.append((str(path), kwargs))
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def test_gguf_tokenizer_matches_transformers_and_is_cached(tmp_path, monkeypatch, reference) -> None:
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ferry_tokenizer, "AutoTokenizer", _SpyAutoTokenizer)
+    _SpyAutoTokenizer.calls = []
+    path = default_model_path()
+    cache_dir = gguf_tokenizer_cache_dir(path)
+    assert cache_dir.startswith(str(tmp_path / "tokenizers"))
+    assert not os.path.exists(cache_dir)
+
+    cold = load_tokenizer(path)
+    assert _SpyAutoTokenizer.calls[-1][1].get("gguf_file") == os.path.basename(path)
+    assert os.path.isfile(os.path.join(cache_dir, "tokenizer.json"))
+
+    warm = load_tokenizer(path)
+    assert _SpyAutoTokenizer.calls[-1] == (cache_dir, {})  # second load reads the cache, not the GGUF
+
+    expected = reference(TEXT).input_ids
+    for tok in (cold, warm):
+        ids = tok(TEXT).input_ids
+        assert ids == expected == [19556, 28, 905, 17]
+        assert tok.decode(ids) == reference.decode(expected) == TEXT
+        assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+        assert tok.bos_token_id == 1
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": "What is 2+2?"}], tokenize=False, add_generation_prompt=True
+        )
+        assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in rendered
+        assert rendered.endswith("<|im_start|>assistant\n")
+
+
+def test_cache_key_follows_file_identity(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"a")
+    first = gguf_tokenizer_cache_dir(str(f))
+    assert gguf_tokenizer_cache_dir(str(f)) == first
+    os.utime(f, ns=(0, 12345))
+    assert gguf_tokenizer_cache_dir(str(f)) != first
+
+
+def test_chat_template_filled_from_gguf_metadata(tmp_path, reference) -> None:
+    """When transformers leaves the template unset, it comes from the GGUF's tokenizer.chat_template."""
+    reference.save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    tok.chat_template = None
+    ferry_tokenizer._fill_from_gguf_metadata(tok, default_model_path())
+    assert tok.chat_template == reference.chat_template
+    assert "<|im_start|>" in tok.chat_template
+
+
+def test_hf_directory_tokenizer(tmp_path, reference) -> None:
+    reference.save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert tok(TEXT).input_ids == reference(TEXT).input_ids
+    assert tok.chat_template == reference.chat_template
+
+
+def test_hf_directory_without_tokenizer_returns_none(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    assert load_tokenizer(str(tmp_path)) is None
+
+
+def test_bad_tokenizer_paths(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "missing"))
+    other = tmp_path / "vocab.txt"
+    other.write_text("x")
+    with pytest.raises(ValueError, match=".gguf file or a Hugging Face model directory"):
+        load_tokenizer(str(other))
