@@ -163,7 +163,16 @@ def main(args: argparse.Namespace) -> int:
               f"{r['steps']} steps, {r['preemptions']} preemptions")
         bd = breakdown(r["records"])
         print("ferry step-time breakdown: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in bd.items() if k != "seconds"))
-        large = [x for x in r["records"] if x.num_prefill_tokens == 0 and x.num_decodes >= args.min_decode_batch]
+        mixed = [x for x in r["records"] if x.num_prefill_tokens]
+        pure = [x for x in r["records"] if not x.num_prefill_tokens]
+        t_mixed, t_pure = sum(x.total for x in mixed), sum(x.total for x in pure)
+        print(f"steps with prefill: {len(mixed)}, {t_mixed:.2f} s, "
+              f"{sum(x.num_prefill_tokens for x in mixed) / max(t_mixed, 1e-9):.0f} prompt tok/s; "
+              f"decode-only steps: {len(pure)}, {t_pure:.2f} s, "
+              f"{sum(x.num_decodes for x in pure) / max(t_pure, 1e-9):.0f} tok/s")
+        result["step_split"] = {"prefill_steps": len(mixed), "prefill_seconds": t_mixed,
+                                "decode_steps": len(pure), "decode_seconds": t_pure}
+        large = [x for x in pure if x.num_decodes >= args.min_decode_batch]
         result["ferry"] = {k: v for k, v in r.items() if k != "records"} | {"breakdown": bd}
         result["matmul_gflops"] = peak
         print(f"torch {dtype} matmul 2048^3: {peak:.1f} GFLOP/s")

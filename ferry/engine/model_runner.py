@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferry.engine.cpu_allocator import tune_cpu_allocator
 from ferry.engine.kv_cache_manager import KVCacheManager
 from ferry.engine.request import Request
 from ferry.engine.sampler import Sampler, SamplerOutput
 from ferry.engine.scheduler import SchedulerOutput
-from ferry.layers.attention import AttentionMetadata, PrefillChunk
+from ferry.layers.attention import AttentionMetadata, PrefillChunk, cpu_decode_kernel_usable
 from ferry.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        if device.type == "cpu":
+            tune_cpu_allocator()
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         cache_dtype = kv_cache_dtype or dtype
@@ -80,6 +83,7 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(cfg.vocab_size)
+        self.use_cpu_kernel = cpu_decode_kernel_usable(device, cache_dtype) and dtype == torch.float32
         self.profile = False  # sync the device between phases for an exact breakdown
 
     @staticmethod
@@ -122,11 +126,13 @@ class ModelRunner:
                     sampling.append(r)
             pos_parts.append(dec_pos)
             slot_parts.append(dec_slot)
-            mask = np.arange(max_blocks * bs)[None, :] < seq_lens[:, None]
             meta.num_decodes = nd
-            meta.decode_block_ids = torch.from_numpy(table.reshape(-1)).to(self.device)
-            meta.decode_max_blocks = max_blocks
-            meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+            meta.decode_block_tables = torch.from_numpy(table).to(self.device)
+            meta.decode_seq_lens = torch.from_numpy(seq_lens).to(self.device)
+            meta.use_cpu_kernel = self.use_cpu_kernel
+            if not self.use_cpu_kernel:
+                mask = np.arange(max_blocks * bs)[None, :] < seq_lens[:, None]
+                meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
             decode_ctx = int(seq_lens.sum())
 
         start = nd

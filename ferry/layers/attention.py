@@ -3,8 +3,9 @@
 The batch is one flat list of tokens, decode requests (one query token each)
 first, then prefill chunks. Every layer first writes the new K/V into the
 paged cache through the slot mapping, then attends:
-  - decode rows together: their blocks are gathered with one index_select
-    into [B, max_len] and masked by length;
+  - decode rows together: with the CPU kernel (fp32), straight from the
+    blocks; otherwise their blocks are gathered with one index_select into
+    [B, max_len] and masked by length;
   - each prefill chunk on its own: to its cached prefix (gathered from the
     cache) plus its own tokens, causally.
 Because all writes of a layer happen before any read, a request may use
@@ -34,10 +35,19 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     num_decodes: int = 0
-    decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] flattened block table
-    decode_max_blocks: int = 0
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with 0
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens attended to
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool (reference path)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    use_cpu_kernel: bool = False  # decode rows through ferry.kernels (fp32 on the CPU)
+
+
+def cpu_decode_kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    from ferry.kernels.cpu import cpu_kernels
+
+    return cpu_kernels() is not None
 
 
 def paged_attention(
@@ -58,10 +68,18 @@ def paged_attention(
 
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
-        length = meta.decode_max_blocks * block_size
-        kd = k_cache.index_select(0, meta.decode_block_ids).view(nd, length, kvh, d).transpose(1, 2)
-        vd = v_cache.index_select(0, meta.decode_block_ids).view(nd, length, kvh, d).transpose(1, 2)
+    if nd and meta.use_cpu_kernel:
+        from ferry.kernels.cpu import cpu_kernels
+
+        out[:nd] = cpu_kernels().paged_decode_attention(
+            q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    elif nd:
+        max_blocks = meta.decode_block_tables.shape[1]
+        length = max_blocks * block_size
+        ids = meta.decode_block_tables.reshape(-1)
+        kd = k_cache.index_select(0, ids).view(nd, length, kvh, d).transpose(1, 2)
+        vd = v_cache.index_select(0, ids).view(nd, length, kvh, d).transpose(1, 2)
         qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
             qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=meta.decode_mask, scale=scale, enable_gqa=True

@@ -1,0 +1,52 @@
+"""CPU kernels compiled on first use with torch's C++ extension builder.
+
+Decode attention over a paged cache is bound by reading K/V; the torch
+reference first gathers every sequence's blocks into a padded copy and then
+reads that copy again, which at large batches costs several times the
+bandwidth. The C++ kernel reads each K/V row once, straight from its block.
+If no compiler is available, or FERRY_CPU_KERNELS=0, callers fall back to
+the reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def cpu_kernels():
+    """The compiled extension, or None when unavailable (the reason is logged once)."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        if os.environ.get("FERRY_CPU_KERNELS", "1") == "0":
+            _failed = True
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            src = Path(__file__).parent / "csrc" / "paged_decode_attention_cpu.cpp"
+            _module = load(
+                name="ferry_cpu_kernels",
+                sources=[str(src)],
+                # -fopenmp: at::parallel_for is OpenMP inline code; without it the kernel runs
+                # on one thread. The libgomp.so.1 torch already loaded is the one used.
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as e:  # no compiler / headers: the torch reference still works
+            logger.warning("CPU kernels unavailable, using the torch reference attention: %s", e)
+            _failed = True
+    return _module

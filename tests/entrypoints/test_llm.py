@@ -1,0 +1,45 @@
+"""The vLLM-style offline API over the shared SmolLM2 engine."""
+
+import pytest
+from conftest import assert_no_blocks_referenced
+
+from ferry import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(make_engine):
+    return LLM.from_engine(make_engine(max_model_len=512))
+
+
+def test_generate_strings_and_token_ids_in_order(llm):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(["The capital of France is", {"prompt_token_ids": tok.encode("1, 2, 3,")}], params)
+    assert [o.prompt_token_ids for o in outs] == [tok.encode("The capital of France is"), tok.encode("1, 2, 3,")]
+    assert outs[1].prompt is None and outs[0].prompt == "The capital of France is"
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and len(c.token_ids) == 8 and c.finish_reason == "length"
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    # One SamplingParams per prompt.
+    outs2 = llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=3)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) <= n for o, n in zip(outs2, (2, 3))] == [True, True]
+
+
+def test_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert_no_blocks_referenced(llm.llm_engine)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_chat_applies_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2+2? Answer with a number."}],
+                   SamplingParams(temperature=0, max_tokens=16))[0]
+    tok = llm.get_tokenizer()
+    prompt_text = tok.decode(out.prompt_token_ids)
+    assert "<|im_start|>user\nWhat is 2+2?" in prompt_text and prompt_text.endswith("<|im_start|>assistant\n")
+    assert "4" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # SmolLM2 ends its turn with <|im_end|>

@@ -1,0 +1,31 @@
+"""`ferry generate` as a user runs it: a real process printing a streamed completion."""
+
+import os
+import subprocess
+import sys
+
+
+def _ferry(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "ferry.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_generate_streams_greedy_completion(smollm, make_engine):
+    from ferry.sampling_params import SamplingParams
+
+    proc = _ferry("generate", "The capital of France is", "--max-tokens", "12", "--num-kv-blocks", "64",
+                  "--max-model-len", "256")
+    assert proc.returncode == 0, proc.stderr
+    engine = make_engine(max_model_len=256)
+    engine.add_request("x", "The capital of France is", SamplingParams(temperature=0, max_tokens=12))
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+    assert proc.stdout == text + "\n"
+
+
+def test_bad_flag_value_is_a_clear_error():
+    proc = _ferry("generate", "hi", "--temperature", "-1", "--num-kv-blocks", "8", "--max-model-len", "64")
+    assert proc.returncode == 2
+    assert "temperature" in proc.stderr and "Traceback" not in proc.stderr
