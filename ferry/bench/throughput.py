@@ -27,6 +27,7 @@ import torch
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine, load_model
 from ferry.engine.model_runner import StepRecord
+from ferry.layers.linear import pack_weight, packed_linear, should_pack
 from ferry.models.config import ModelConfig
 from ferry.sampling_params import SamplingParams
 
@@ -67,20 +68,28 @@ def prefix_requests(n: int, prefix_len: int, suffix_range, out_len: int, vocab: 
     ]
 
 
-def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048, reps: int = 10) -> float:
-    """The machine's dense matmul rate, measured now (the roofline for compute-bound steps)."""
+def matmul_gflops(dtype: torch.dtype, device: torch.device, n: int = 2048, reps: int = 10) -> dict[str, float]:
+    """The machine's dense n³ matmul rate, measured now: torch.matmul, and on the CPU in
+    fp32 also oneDNN's packed linear (the GEMM ferry uses there, faster than MKL on AMD)."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+    fns = {"torch.matmul": lambda: a @ b}
+    if should_pack(device, dtype):
+        packed = pack_weight(b)
+        fns["oneDNN linear"] = lambda: packed_linear(a, packed, None)
+    rates = {}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates[name] = 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+    return rates
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:
@@ -175,18 +184,18 @@ def main(args: argparse.Namespace) -> int:
         large = [x for x in pure if x.num_decodes >= args.min_decode_batch]
         result["ferry"] = {k: v for k, v in r.items() if k != "records"} | {"breakdown": bd}
         result["matmul_gflops"] = peak
-        print(f"torch {dtype} matmul 2048^3: {peak:.1f} GFLOP/s")
+        print(f"{dtype} 2048^3 GEMM: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items()))
         if large:
             fl = sum(step_flops(x, cfg) for x in large)
             t_step = sum(x.total for x in large)
             t_fwd = sum(x.forward for x in large)
-            frac_step, frac_fwd = fl / t_step / 1e9 / peak, fl / t_fwd / 1e9 / peak
+            rate_step, rate_fwd = fl / t_step / 1e9, fl / t_fwd / 1e9
             print(f"decode steps with batch >= {args.min_decode_batch}: {len(large)} steps, "
                   f"median batch {statistics.median(x.num_decodes for x in large):.0f}, "
-                  f"{fl / t_step / 1e9:.1f} GFLOP/s per whole step = {frac_step * 100:.1f}% of matmul; "
-                  f"forward only {fl / t_fwd / 1e9:.1f} GFLOP/s = {frac_fwd * 100:.1f}%")
-            result["large_decode"] = {"steps": len(large), "gflops_step": fl / t_step / 1e9,
-                                      "fraction_step": frac_step, "fraction_forward": frac_fwd}
+                  f"{rate_step:.1f} GFLOP/s per whole step ({rate_fwd:.1f} in the forward pass) = "
+                  + ", ".join(f"{rate_step / v * 100:.1f}% of {k}" for k, v in peak.items()))
+            result["large_decode"] = {"steps": len(large), "gflops_step": rate_step, "gflops_forward": rate_fwd,
+                                      "fraction_step": {k: rate_step / v for k, v in peak.items()}}
         if not args.no_hf:
             from ferry.bench.hf_baseline import load_hf_model, run_static_batches
 

@@ -15,6 +15,8 @@ from ferry.engine.model_runner import ModelRunner
 from ferry.engine.output_processor import OutputProcessor
 from ferry.engine.request import Request
 from ferry.engine.scheduler import Scheduler
+from ferry.kernels.cpu import cpu_kernels_enabled
+from ferry.layers.linear import should_pack
 from ferry.models.config import ModelConfig
 from ferry.models.llama import LlamaForCausalLM
 from ferry.models.loader import load_checkpoint
@@ -55,6 +57,8 @@ def load_model(args: EngineArgs) -> tuple[LlamaForCausalLM, Any, torch.device, t
     model.to(dtype)
     model.init_rotary()  # to_empty left the tables uninitialised; they stay fp32
     model.eval()
+    if should_pack(device, dtype) and cpu_kernels_enabled():
+        model.pack_linear_weights()
     tokenizer = load_tokenizer(args.tokenizer or ckpt.path)
     logger.info("loaded %s (%s) in %.1fs", ckpt.path, dtype, time.perf_counter() - t0)
     return model, tokenizer, device, dtype, ckpt.path

@@ -22,6 +22,11 @@ _module = None
 _failed = False
 
 
+def cpu_kernels_enabled() -> bool:
+    """FERRY_CPU_KERNELS=0 selects the plain torch paths on the CPU (no C++ attention, no oneDNN packing)."""
+    return os.environ.get("FERRY_CPU_KERNELS", "1") != "0"
+
+
 def cpu_kernels():
     """The compiled extension, or None when unavailable (the reason is logged once)."""
     global _module, _failed
@@ -30,7 +35,7 @@ def cpu_kernels():
     with _lock:
         if _module is not None or _failed:
             return _module
-        if os.environ.get("FERRY_CPU_KERNELS", "1") == "0":
+        if not cpu_kernels_enabled():
             _failed = True
             return None
         try:

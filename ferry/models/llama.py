@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.layers.attention import AttentionMetadata, paged_attention
+from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
 from ferry.models.config import ModelConfig
 
@@ -37,10 +38,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not.
         o_bias = cfg.attention_bias and cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -65,8 +66,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -96,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._packed_lm_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -119,8 +121,19 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.rotary = rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self._packed_lm_head is not None:
+            return packed_linear(hidden, self._packed_lm_head, None)
+        return F.linear(hidden, self._lm_head_weight())
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_linear_weights(self) -> None:
+        """Switch every projection (and the output head) to oneDNN-packed fp32 weights (CPU)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self._packed_lm_head = pack_weight(self._lm_head_weight())
 
     # -- weights --------------------------------------------------------
 

@@ -1,0 +1,52 @@
+"""Linear layers, with oneDNN-packed weights for fp32 on the CPU.
+
+torch's CPU matmul goes through MKL, which on the AMD EPYC machines we
+measure on reaches ~200 GFLOP/s in fp32; oneDNN's linear with a weight
+reordered once into its blocked layout reaches ~450 GFLOP/s on the same
+2048³ problem, with fp32 accuracy (relative error ~7e-7 vs a float64
+reference, MKL ~3e-7). Decode and prefill are dominated by these matmuls,
+so the model packs every projection once after loading. Off the CPU, in
+other dtypes, or where torch lacks the oneDNN ops, `F.linear` is used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def onednn_packing_available() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An opaque oneDNN copy of a [out, in] fp32 weight (valid for any batch size)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can switch to a oneDNN-packed copy of its weight."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Pack the current weight; call again after changing it."""
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def should_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and onednn_packing_available()
