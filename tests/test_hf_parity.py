@@ -168,3 +168,14 @@ def test_tiny_models_match_hf(tiny_model):
     small = _tiny_engine(loaded, block_size=4, num_kv_blocks=longest // 4 + 8, max_model_len=longest + 4)
     assert ferry_greedy(small, prompts_ids, MAX_TOKENS) == expected
     assert small.get_stats().num_preemptions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_models_match_hf_on_cuda(tiny_model):
+    """The same engine on CUDA (reference attention, fp32) reproduces HF's greedy tokens."""
+    (_, _, _, _, path), prompts_ids, expected = tiny_model
+    model, tokenizer, device, dtype, _ = load_model(EngineArgs(model=path, device="cuda", dtype="float32"))
+    engine = LLMEngine(EngineArgs(model=path, device="cuda", dtype="float32", num_kv_blocks=64),
+                       model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+    assert ferry_greedy(engine, prompts_ids, MAX_TOKENS) == expected

@@ -104,7 +104,8 @@ class Scheduler:
 
         # New work only when nothing was preempted: the freed blocks belong to the victims.
         if not out.preempted:
-            self._order_waiting()
+            if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                self._order_waiting()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)

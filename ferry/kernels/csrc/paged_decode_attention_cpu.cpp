@@ -56,6 +56,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         const int64_t n = std::min(BS, L - j * BS);
         const float* kb = kp + (blk * BS * KVH + h) * D;
         const float* vb = vp + (blk * BS * KVH + h) * D;
+        if ((j + 1) * BS < L) {
+          // The next block lives elsewhere in the pool: start its loads now so
+          // they overlap this block's arithmetic (one 64-byte line at a time).
+          const int64_t nblk = btp[b * MAXB + j + 1];
+          const char* nk = reinterpret_cast<const char*>(kp + (nblk * BS * KVH + h) * D);
+          const char* nv = reinterpret_cast<const char*>(vp + (nblk * BS * KVH + h) * D);
+          for (int64_t t = 0; t < BS; ++t)
+            for (int64_t off = 0; off < D * 4; off += 64) {
+              __builtin_prefetch(nk + t * KVH * D * 4 + off);
+              __builtin_prefetch(nv + t * KVH * D * 4 + off);
+            }
+        }
         // Scores of this block for all G heads, exponentiated in one vectorizable
         // loop, then an online-softmax update of the accumulators.
         // Four keys at a time: independent accumulators hide the FMA latency.
