@@ -22,6 +22,18 @@ _module = None
 _failed = False
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip package's binary sits in the
+    virtualenv's bin/, which is not on PATH when .venv/bin/ferry is run directly."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
 def cpu_kernels_enabled() -> bool:
     """FERRY_CPU_KERNELS=0 selects the plain torch paths on the CPU (no C++ attention, no oneDNN packing)."""
     return os.environ.get("FERRY_CPU_KERNELS", "1") != "0"
@@ -42,6 +54,8 @@ def cpu_kernels():
             from torch.utils.cpp_extension import load
 
             src = Path(__file__).parent / "csrc" / "paged_decode_attention_cpu.cpp"
+            _put_ninja_on_path()
+            logger.info("loading the CPU kernels (compiled on first use, ~20 s)")
             _module = load(
                 name="ferry_cpu_kernels",
                 sources=[str(src)],
