@@ -27,15 +27,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)  # validate everything before loading the model
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
         output_kind=RequestOutputKind.DELTA,
     )
     engine = LLMEngine(engine_args)
     if args.chat:
         tok = engine.tokenizer
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         prompt = {"prompt_token_ids": list(ids)}
     else:
         prompt = args.prompt

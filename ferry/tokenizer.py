@@ -43,9 +43,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     """
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise ValueError(
-                f"tokenizer path {path!r} must be a .gguf file or a Hugging Face model directory"
-            )
+            raise ValueError(f"tokenizer path {path!r} must be a .gguf file or a Hugging Face model directory")
         return _load_gguf_tokenizer(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")

@@ -26,8 +26,13 @@ def make_engine(smollm):
 
     def make(**kwargs) -> LLMEngine:
         kwargs.setdefault("num_kv_blocks", 256)
-        return LLMEngine(EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
-                         model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+        return LLMEngine(
+            EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
+            model=model,
+            tokenizer=tokenizer,
+            device=device,
+            dtype=dtype,
+        )
 
     return make
 

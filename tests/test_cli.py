@@ -6,15 +6,21 @@ import sys
 
 
 def _ferry(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "ferry.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "ferry.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def test_generate_streams_greedy_completion(smollm, make_engine):
     from ferry.sampling_params import SamplingParams
 
-    proc = _ferry("generate", "The capital of France is", "--max-tokens", "12", "--num-kv-blocks", "64",
-                  "--max-model-len", "256")
+    proc = _ferry(
+        "generate", "The capital of France is", "--max-tokens", "12", "--num-kv-blocks", "64", "--max-model-len", "256"
+    )
     assert proc.returncode == 0, proc.stderr
     engine = make_engine(max_model_len=256)
     engine.add_request("x", "The capital of France is", SamplingParams(temperature=0, max_tokens=12))

@@ -35,9 +35,10 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
     ids = torch.tensor([prompt_ids])
     hf_model.generation_config.eos_token_id = None  # like ignore_eos: always max_new_tokens
     with torch.no_grad():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def ferry_greedy(engine: LLMEngine, prompts_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -57,8 +58,9 @@ def smol_reference(smollm):
     from transformers import AutoModelForCausalLM
 
     _, tokenizer, _, _, path = smollm
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     hf.eval()
     prompts_ids = [tokenizer.encode(p) for p in PROMPTS]
     expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts_ids]
@@ -110,9 +112,17 @@ def test_smollm_preemption(make_engine, smol_reference):
 def _tiny_config(arch: str):
     import transformers
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.2, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=16, **common)
     if arch == "qwen2":
@@ -122,9 +132,15 @@ def _tiny_config(arch: str):
     if arch == "llama3":  # Llama with llama3 RoPE scaling and tied embeddings
         common.update(tie_word_embeddings=True, num_key_value_heads=1)
         return transformers.LlamaConfig(
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
-            **common)
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+            **common,
+        )
     raise ValueError(arch)
 
 
@@ -149,8 +165,13 @@ def tiny_model(request, tmp_path_factory):
 def _tiny_engine(loaded, **kwargs) -> LLMEngine:
     model, tokenizer, device, dtype, path = loaded
     kwargs.setdefault("num_kv_blocks", 64)
-    return LLMEngine(EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
-                     model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+    return LLMEngine(
+        EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+    )
 
 
 def test_tiny_models_match_hf(tiny_model):
@@ -176,6 +197,11 @@ def test_tiny_models_match_hf_on_cuda(tiny_model):
     """The same engine on CUDA (reference attention, fp32) reproduces HF's greedy tokens."""
     (_, _, _, _, path), prompts_ids, expected = tiny_model
     model, tokenizer, device, dtype, _ = load_model(EngineArgs(model=path, device="cuda", dtype="float32"))
-    engine = LLMEngine(EngineArgs(model=path, device="cuda", dtype="float32", num_kv_blocks=64),
-                       model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+    engine = LLMEngine(
+        EngineArgs(model=path, device="cuda", dtype="float32", num_kv_blocks=64),
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+    )
     assert ferry_greedy(engine, prompts_ids, MAX_TOKENS) == expected

@@ -12,7 +12,9 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+        )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
@@ -42,7 +44,10 @@ def run_static_batches(
             mask[i, width - len(p) :] = 1
         new = max(n for _, n in batch)
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            do_sample=False,
             pad_token_id=pad_token_id,
         )
         assert out.shape[1] == width + new

@@ -124,9 +124,16 @@ def run_ferry(engine: LLMEngine, requests, tag: str) -> dict:
     elapsed = time.perf_counter() - t0
     engine.core.step_records = None
     stats = engine.get_stats()
-    return {"seconds": elapsed, "output_tokens": out_tokens, "tokens_per_s": out_tokens / elapsed,
-            "steps": len(records), "records": records, "prefix_cache_hits": stats.prefix_cache_hits,
-            "prefix_cache_queries": stats.prefix_cache_queries, "preemptions": stats.num_preemptions}
+    return {
+        "seconds": elapsed,
+        "output_tokens": out_tokens,
+        "tokens_per_s": out_tokens / elapsed,
+        "steps": len(records),
+        "records": records,
+        "prefix_cache_hits": stats.prefix_cache_hits,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "preemptions": stats.num_preemptions,
+    }
 
 
 def breakdown(records: list[StepRecord]) -> dict[str, float]:
@@ -144,43 +151,66 @@ def main(args: argparse.Namespace) -> int:
     engine_kw = dict(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
     engine = LLMEngine(eargs, **engine_kw)
     engine.runner.profile = True
-    result: dict = {"model": path, "dtype": str(dtype), "device": str(device), "machine": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "engine_args": asdict(eargs)}
+    result: dict = {
+        "model": path,
+        "dtype": str(dtype),
+        "device": str(device),
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "engine_args": asdict(eargs),
+    }
 
     if args.prefix:
-        reqs = prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.prefix_output_len,
-                               cfg.vocab_size, args.bench_seed)
+        reqs = prefix_requests(
+            args.num_prompts, args.prefix_len, args.suffix_len, args.prefix_output_len, cfg.vocab_size, args.bench_seed
+        )
         on = run_ferry(engine, reqs, "on")
         eargs_off = EngineArgs(**{**asdict(eargs), "enable_prefix_caching": False})
         off = run_ferry(LLMEngine(eargs_off, **engine_kw), reqs, "off")
-        print(f"shared-prefix workload: {args.num_prompts} requests, prefix {args.prefix_len} tokens, "
-              f"suffix U{args.suffix_len}, output {args.prefix_output_len}")
+        print(
+            f"shared-prefix workload: {args.num_prompts} requests, prefix {args.prefix_len} tokens, "
+            f"suffix U{args.suffix_len}, output {args.prefix_output_len}"
+        )
         for name, r in (("caching on ", on), ("caching off", off)):
-            print(f"  {name}: {r['seconds']:7.2f} s  {r['tokens_per_s']:8.1f} output tok/s  "
-                  f"prefix hits {r['prefix_cache_hits']}/{r['prefix_cache_queries']} tokens")
+            print(
+                f"  {name}: {r['seconds']:7.2f} s  {r['tokens_per_s']:8.1f} output tok/s  "
+                f"prefix hits {r['prefix_cache_hits']}/{r['prefix_cache_queries']} tokens"
+            )
         speedup = off["seconds"] / on["seconds"]
         print(f"  speed-up from prefix caching: {speedup:.2f}x")
-        result["prefix"] = {k: {kk: vv for kk, vv in v.items() if kk != "records"} for k, v in (("on", on), ("off", off))}
+        result["prefix"] = {
+            k: {kk: vv for kk, vv in v.items() if kk != "records"} for k, v in (("on", on), ("off", off))
+        }
         result["prefix"]["speedup"] = speedup
     else:
         reqs = synthetic_requests(args.num_prompts, args.input_len, args.output_len, cfg.vocab_size, args.bench_seed)
         r = run_ferry(engine, reqs, "tp")
         peak = matmul_gflops(dtype, device)
-        print(f"workload: {args.num_prompts} requests, prompt U{args.input_len}, output U{args.output_len}, "
-              f"seed {args.bench_seed}, {sum(len(p) for p, _ in reqs)} prompt tokens")
-        print(f"ferry: {r['seconds']:.2f} s, {r['output_tokens']} output tokens, {r['tokens_per_s']:.1f} tok/s, "
-              f"{r['steps']} steps, {r['preemptions']} preemptions")
+        print(
+            f"workload: {args.num_prompts} requests, prompt U{args.input_len}, output U{args.output_len}, "
+            f"seed {args.bench_seed}, {sum(len(p) for p, _ in reqs)} prompt tokens"
+        )
+        print(
+            f"ferry: {r['seconds']:.2f} s, {r['output_tokens']} output tokens, {r['tokens_per_s']:.1f} tok/s, "
+            f"{r['steps']} steps, {r['preemptions']} preemptions"
+        )
         bd = breakdown(r["records"])
         print("ferry step-time breakdown: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in bd.items() if k != "seconds"))
         mixed = [x for x in r["records"] if x.num_prefill_tokens]
         pure = [x for x in r["records"] if not x.num_prefill_tokens]
         t_mixed, t_pure = sum(x.total for x in mixed), sum(x.total for x in pure)
-        print(f"steps with prefill: {len(mixed)}, {t_mixed:.2f} s, "
-              f"{sum(x.num_prefill_tokens for x in mixed) / max(t_mixed, 1e-9):.0f} prompt tok/s; "
-              f"decode-only steps: {len(pure)}, {t_pure:.2f} s, "
-              f"{sum(x.num_decodes for x in pure) / max(t_pure, 1e-9):.0f} tok/s")
-        result["step_split"] = {"prefill_steps": len(mixed), "prefill_seconds": t_mixed,
-                                "decode_steps": len(pure), "decode_seconds": t_pure}
+        print(
+            f"steps with prefill: {len(mixed)}, {t_mixed:.2f} s, "
+            f"{sum(x.num_prefill_tokens for x in mixed) / max(t_mixed, 1e-9):.0f} prompt tok/s; "
+            f"decode-only steps: {len(pure)}, {t_pure:.2f} s, "
+            f"{sum(x.num_decodes for x in pure) / max(t_pure, 1e-9):.0f} tok/s"
+        )
+        result["step_split"] = {
+            "prefill_steps": len(mixed),
+            "prefill_seconds": t_mixed,
+            "decode_steps": len(pure),
+            "decode_seconds": t_pure,
+        }
         large = [x for x in pure if x.num_decodes >= args.min_decode_batch]
         result["ferry"] = {k: v for k, v in r.items() if k != "records"} | {"breakdown": bd}
         result["matmul_gflops"] = peak
@@ -190,12 +220,18 @@ def main(args: argparse.Namespace) -> int:
             t_step = sum(x.total for x in large)
             t_fwd = sum(x.forward for x in large)
             rate_step, rate_fwd = fl / t_step / 1e9, fl / t_fwd / 1e9
-            print(f"decode steps with batch >= {args.min_decode_batch}: {len(large)} steps, "
-                  f"median batch {statistics.median(x.num_decodes for x in large):.0f}, "
-                  f"{rate_step:.1f} GFLOP/s per whole step ({rate_fwd:.1f} in the forward pass) = "
-                  + ", ".join(f"{rate_step / v * 100:.1f}% of {k}" for k, v in peak.items()))
-            result["large_decode"] = {"steps": len(large), "gflops_step": rate_step, "gflops_forward": rate_fwd,
-                                      "fraction_step": {k: rate_step / v for k, v in peak.items()}}
+            print(
+                f"decode steps with batch >= {args.min_decode_batch}: {len(large)} steps, "
+                f"median batch {statistics.median(x.num_decodes for x in large):.0f}, "
+                f"{rate_step:.1f} GFLOP/s per whole step ({rate_fwd:.1f} in the forward pass) = "
+                + ", ".join(f"{rate_step / v * 100:.1f}% of {k}" for k, v in peak.items())
+            )
+            result["large_decode"] = {
+                "steps": len(large),
+                "gflops_step": rate_step,
+                "gflops_forward": rate_fwd,
+                "fraction_step": {k: rate_step / v for k, v in peak.items()},
+            }
         if not args.no_hf:
             from ferry.bench.hf_baseline import load_hf_model, run_static_batches
 

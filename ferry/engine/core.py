@@ -41,9 +41,7 @@ class EngineStats(msgspec.Struct):
 
 
 class EngineCore:
-    def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: set[int]
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: set[int]) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv

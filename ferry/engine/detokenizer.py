@@ -36,7 +36,9 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return None
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special)
+        prefix = self.tokenizer.decode(
+            self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special
+        )
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix) :]

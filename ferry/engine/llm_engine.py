@@ -81,13 +81,16 @@ class LLMEngine:
         capacity = num_blocks * bs
         max_len = args.max_model_len or cfg.max_position_embeddings
         if cfg.sliding_window is not None and cfg.sliding_window < max_len:
-            logger.warning("sliding-window attention is not implemented; capping max_model_len to %d", cfg.sliding_window)
+            logger.warning(
+                "sliding-window attention is not implemented; capping max_model_len to %d", cfg.sliding_window
+            )
             max_len = cfg.sliding_window
         if max_len > capacity:
             if args.max_model_len is not None:
                 raise ValueError(
                     f"max_model_len {args.max_model_len} needs {cdiv(args.max_model_len, bs)} KV blocks, "
-                    f"but the KV cache has {num_blocks}; raise num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
+                    f"but the KV cache has {num_blocks}; raise num_kv_blocks / kv_cache_memory_bytes "
+                    "or lower max_model_len"
                 )
             logger.warning("KV cache holds %d tokens; capping max_model_len from %d", capacity, max_len)
             max_len = capacity
@@ -181,21 +184,30 @@ class LLMEngine:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        in_use = self.output_processor.requests.keys() | self.scheduler.requests.keys()
+        taken = [i for i in (request_id, *seq_ids) if i in in_use]
+        if taken:
+            raise ValueError(f"request_id {request_id!r} is already in use ({taken[0]!r} is running)")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         self.output_processor.add_request(request_id, text, ids, params, seq_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         for i, sid in enumerate(seq_ids):
             child = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
             child.all_stop_token_ids = params.all_stop_token_ids
             self.core.add_request(
-                Request(sid, ids, child, priority=priority, arrival_time=arrival, block_size=self.args.block_size,
-                        max_tokens=max_tokens)
+                Request(
+                    sid,
+                    ids,
+                    child,
+                    priority=priority,
+                    arrival_time=arrival,
+                    block_size=self.args.block_size,
+                    max_tokens=max_tokens,
+                )
             )
 
     def abort_request(self, request_id: str | list[str]) -> None:

@@ -152,7 +152,11 @@ class ModelRunner:
                 ctx_slots = blocks[ctx_pos // bs] * bs + ctx_pos % bs
                 mask = ctx_pos[None, :] <= pos[:, None]
                 chunk = PrefillChunk(
-                    start, n, end_ctx, torch.from_numpy(ctx_slots).to(self.device), torch.from_numpy(mask).to(self.device)
+                    start,
+                    n,
+                    end_ctx,
+                    torch.from_numpy(ctx_slots).to(self.device),
+                    torch.from_numpy(mask).to(self.device),
                 )
             meta.prefills.append(chunk)
             if end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
@@ -179,7 +183,9 @@ class ModelRunner:
             _sync(self.device)
         t1 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices)) if batch.sampling_requests else None
+        logits = (
+            self.model.compute_logits(hidden.index_select(0, batch.logits_indices)) if batch.sampling_requests else None
+        )
         if self.profile:
             _sync(self.device)
         t2 = time.perf_counter()

@@ -50,15 +50,26 @@ class OutputProcessor:
         self.seq_to_request: dict[str, str] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, seq_ids: list[str]
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seq_ids: list[str],
     ) -> None:
         seqs = {}
         for i, sid in enumerate(seq_ids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+                self.tokenizer,
+                prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
             )
             seqs[sid] = SequenceState(
-                i, detok, logprobs=[] if params.logprobs is not None else None,
+                i,
+                detok,
+                logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             self.seq_to_request[sid] = request_id

@@ -91,11 +91,15 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.cache_extras))
+            self.block_hashes.append(
+                hash_block_tokens(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.cache_extras)
+            )
 
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first: priority, then arrival (FCFS)."""
         return (self.priority, self.arrival_time)
 
     def __repr__(self) -> str:
-        return f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -47,7 +47,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
@@ -58,7 +60,9 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._counter))
                 engine.add_request(
-                    rid, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                    rid,
+                    prompt,
+                    p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
                     priority=priority[i] if priority else 0,
                 )
                 ids.append(rid)
@@ -84,7 +88,10 @@ class LLM:
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True,
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
                 return_dict=False,
             )
             prompts.append({"prompt_token_ids": list(ids)})

@@ -40,9 +40,7 @@ def normalize_rope_scaling(rope: dict[str, Any] | None) -> dict[str, Any] | None
 
 def check_architecture(arch: str) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"architecture {arch!r} is not supported; ferry supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise ValueError(f"architecture {arch!r} is not supported; ferry supports {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def eos_ids(value: int | list[int] | None) -> list[int]:

@@ -102,9 +102,7 @@ def resolve_model_path(model: str | None) -> str:
             )
         return path
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(
-            f"model directory {model!r} has no config.json; it must be a Hugging Face model directory"
-        )
+        raise ValueError(f"model directory {model!r} has no config.json; it must be a Hugging Face model directory")
     if not _safetensors_files(path):
         raise ValueError(
             f"model directory {model!r} has no *.safetensors weights (ferry does not read "
@@ -217,8 +215,7 @@ def _gguf_architecture(reader: Any) -> tuple[str, str]:
     arch = _gguf_value(reader, "general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; "
-            f"ferry reads {', '.join(_GGUF_ARCHITECTURES)} GGUF files"
+            f"GGUF architecture {arch!r} is not supported; ferry reads {', '.join(_GGUF_ARCHITECTURES)} GGUF files"
         )
     hf_arch = _GGUF_ARCHITECTURES[arch]
     # Same rule as transformers' GGUF loader: llama.cpp writes Mistral models as "llama".
@@ -333,7 +330,5 @@ def load_checkpoint(model: str | None) -> Checkpoint:
         # Some exports drop the head of a tied model without saying so in config.json.
         logger.warning("%s has no lm_head.weight; tying it to the input embedding", path)
         config.tie_word_embeddings = True
-    logger.info(
-        "safetensors checkpoint %s: %s, %d layers", path, config.architecture, config.num_hidden_layers
-    )
+    logger.info("safetensors checkpoint %s: %s, %d layers", path, config.architecture, config.num_hidden_layers)
     return Checkpoint(path=path, config=config, format="safetensors")

@@ -8,7 +8,9 @@ def tok(smollm):
     return smollm[1]
 
 
-@pytest.mark.parametrize("text", ["Hello, world! How are you?", "naïve café – 😀 emoji 🚀 and 中文字符", "  two  spaces\nnew line"])
+@pytest.mark.parametrize(
+    "text", ["Hello, world! How are you?", "naïve café – 😀 emoji 🚀 and 中文字符", "  two  spaces\nnew line"]
+)
 def test_incremental_equals_full_decode(tok, text):
     prompt = tok.encode("Say:")
     ids = tok.encode(text)

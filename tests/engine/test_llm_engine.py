@@ -115,7 +115,9 @@ def test_stop_string_across_token_boundary(engine, greedy_ref):
     assert "".join(deltas) == expected
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert stop not in "".join(deltas)
-    engine.add_request("s2", PROMPT, params.clone(include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request(
+        "s2", PROMPT, params.clone(include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    )
     assert run_to_completion(engine)["s2"].outputs[0].text == text[: text.index(stop) + len(stop)]
     assert_no_blocks_referenced(engine)
 
@@ -148,3 +150,16 @@ def test_stats_while_running(engine):
     assert s2.num_running == 0 and s2.kv_cache_usage == 0.0
     # q1 and q2 share q0's first full block, published when q0 was scheduled in the same step.
     assert s2.prefix_cache_hits - s0.prefix_cache_hits >= 2 * 16
+
+
+def test_request_id_collisions_are_rejected_without_side_effects(engine):
+    params = SamplingParams(temperature=0, max_tokens=2, n=2)
+    engine.add_request("dup", PROMPT, params)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("dup", PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("dup#1", PROMPT, SamplingParams(max_tokens=2))  # a child's id
+    done = run_to_completion(engine)
+    assert list(done) == ["dup"] and len(done["dup"].outputs) == 2
+    assert not engine.output_processor.requests and not engine.output_processor.seq_to_request
+    assert_no_blocks_referenced(engine)

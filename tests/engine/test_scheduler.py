@@ -12,13 +12,21 @@ BS = 4
 
 def make(num_blocks=16, budget=64, max_seqs=8, caching=True, chunked=True):
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
-    return kv, Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1000,
-                         enable_chunked_prefill=chunked)
+    return kv, Scheduler(
+        kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1000, enable_chunked_prefill=chunked
+    )
 
 
 def req(rid, tokens, priority=0, arrival=0.0, max_tokens=100):
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=arrival,
-                   block_size=BS, max_tokens=max_tokens)
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=max_tokens),
+        priority=priority,
+        arrival_time=arrival,
+        block_size=BS,
+        max_tokens=max_tokens,
+    )
 
 
 def fake_step(sched, out, token=7):

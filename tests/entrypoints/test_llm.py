@@ -36,8 +36,10 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
 
 
 def test_chat_applies_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is 2+2? Answer with a number."}],
-                   SamplingParams(temperature=0, max_tokens=16))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is 2+2? Answer with a number."}],
+        SamplingParams(temperature=0, max_tokens=16),
+    )[0]
     tok = llm.get_tokenizer()
     prompt_text = tok.decode(out.prompt_token_ids)
     assert "<|im_start|>user\nWhat is 2+2?" in prompt_text and prompt_text.endswith("<|im_start|>assistant\n")

@@ -57,7 +57,13 @@ def test_paged_attention_paths_agree(kernels):
     for use_kernel in (True, False):
         kc, vc = k_cache.clone(), v_cache.clone()
         mask = (torch.arange(3 * bs)[None, :] < lens[:, None])[:, None, None, :]
-        meta = AttentionMetadata(slot_mapping=slots, num_decodes=2, decode_block_tables=table,
-                                 decode_seq_lens=lens, decode_mask=mask, use_cpu_kernel=use_kernel)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decodes=2,
+            decode_block_tables=table,
+            decode_seq_lens=lens,
+            decode_mask=mask,
+            use_cpu_kernel=use_kernel,
+        )
         outs.append(paged_attention(q, k, v, kc, vc, meta, d**-0.5))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

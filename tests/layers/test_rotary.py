@@ -6,8 +6,13 @@ from ferry.layers.rotary import RotaryEmbedding, rope_inv_freq
 CASES = [
     None,
     {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 8192},
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
     {"rope_type": "dynamic", "factor": 2.0},
 ]
@@ -18,8 +23,13 @@ def test_inv_freq_matches_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096 if scaling else 2048,
-                      rope_theta=10000.0, rope_scaling=dict(scaling) if scaling else None)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=4096 if scaling else 2048,
+        rope_theta=10000.0,
+        rope_scaling=dict(scaling) if scaling else None,
+    )
     ours, scale = rope_inv_freq(64, 10000.0, scaling, cfg.max_position_embeddings)
     if scaling is None:
         ref = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
@@ -38,11 +48,13 @@ def test_rotation_preserves_norm_and_relative_position():
     rot = RotaryEmbedding(16, 64, 10000.0, None)
     q = torch.randn(1, 2, 16)
     k = torch.randn(1, 1, 16)
+
     # <R(m) q, R(n) k> depends only on m - n.
     def score(m, n):
         qm, _ = rot(torch.tensor([m]), q, k)
         _, kn = rot(torch.tensor([n]), q, k)
         return (qm[0, 0] * kn[0, 0]).sum()
+
     assert score(10, 7).item() == pytest.approx(score(5, 2).item(), rel=1e-5)
     qr, _ = rot(torch.tensor([13]), q, k)
     assert qr.norm().item() == pytest.approx(q.norm().item(), rel=1e-5)
