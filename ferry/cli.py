@@ -59,6 +59,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ferry.entrypoints.openai.api_server import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="ferry: LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from ferry.entrypoints.openai.api_server import add_serve_args
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(srv)
+    EngineArgs.add_cli_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

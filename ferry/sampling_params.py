@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
+
+
+class InvalidParameterError(ValueError):
+    """A bad request parameter; `param` names it (the OpenAI error body's `param`)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestOutputKind(enum.Enum):
@@ -63,8 +72,12 @@ class SamplingParams:
         """Raise ValueError naming the first invalid field."""
 
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            raise InvalidParameterError(name, f"{name} {why}, got {getattr(self, name)!r}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(name, "must be a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if self.temperature < 0.0:
@@ -89,12 +102,18 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", "must be a non-negative integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - self.n):
+            bad("seed", "must be an integer in [-2**63, 2**63 - n)")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                for b in self.logit_bias.values()
+            ):
+                bad("logit_bias", "must map token ids to finite numbers")
 
     @property
     def greedy(self) -> bool:

@@ -11,33 +11,12 @@ from __future__ import annotations
 
 import time
 
-import msgspec
-
+from ferry.engine.input_processor import resolve_stop_token_ids
 from ferry.engine.kv_cache_manager import KVCacheManager
+from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ferry.engine.model_runner import ModelRunner, StepRecord
 from ferry.engine.request import Request, RequestStatus
 from ferry.engine.scheduler import Scheduler
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int]
-    # Per new token: (logprob, rank, top ids, top logprobs).
-    new_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    num_cached_tokens: int = 0
-
-
-class EngineStats(msgspec.Struct):
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-    num_preemptions: int
-    num_evictions: int
 
 
 class EngineCore:
@@ -49,7 +28,20 @@ class EngineCore:
         # When a list, every step appends its StepRecord (the `--profile` breakdown).
         self.step_records: list[StepRecord] | None = None
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request | EngineCoreRequest) -> None:
+        if isinstance(request, EngineCoreRequest):
+            params = request.sampling_params
+            # Sets do not survive the wire; EOS ids are the core's to add anyway.
+            resolve_stop_token_ids(params, self.eos_token_ids)
+            request = Request(
+                request.request_id,
+                request.prompt_token_ids,
+                params,
+                priority=request.priority,
+                arrival_time=request.arrival_time or None,
+                block_size=self.kv.block_size,
+                max_tokens=request.max_tokens,
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -81,6 +73,9 @@ class EngineCore:
                 finish_reason=finish,
                 stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                queue_time=(request.first_scheduled_time or request.arrival_time) - request.arrival_time
+                if request.num_output_tokens == 1
+                else None,
             )
             outputs.append(out)
         record.update = time.perf_counter() - t2

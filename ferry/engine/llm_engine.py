@@ -9,11 +9,12 @@ from typing import Any
 import torch
 
 from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
-from ferry.engine.core import EngineCore, EngineStats
+from ferry.engine.core import EngineCore
+from ferry.engine.input_processor import InputProcessor, PromptType
 from ferry.engine.kv_cache_manager import KVCacheManager, cdiv
+from ferry.engine.messages import EngineInfo, EngineStats
 from ferry.engine.model_runner import ModelRunner
 from ferry.engine.output_processor import OutputProcessor
-from ferry.engine.request import Request
 from ferry.engine.scheduler import Scheduler
 from ferry.kernels.cpu import cpu_kernels_enabled
 from ferry.layers.linear import should_pack
@@ -25,8 +26,6 @@ from ferry.sampling_params import SamplingParams
 from ferry.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | dict[str, Any] | list[int]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -115,6 +114,15 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv, num_blocks, bs, device, dtype)
         self.core = EngineCore(self.scheduler, self.runner, self.kv, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
+        self.info = EngineInfo(
+            model_path=str(getattr(args, "model", None) or ""),
+            max_model_len=max_len,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            block_size=bs,
+            num_kv_blocks=num_blocks,
+        )
+        self.input_processor = InputProcessor(tokenizer, self.info)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * block_bytes / 2**30)
 
     @classmethod
@@ -140,20 +148,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
-        return prompt, self.tokenizer.encode(prompt)
+        return self.input_processor.tokenize(prompt)
 
     def add_request(
         self,
@@ -165,50 +160,13 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field, changing nothing."""
-        params = params or SamplingParams()
-        text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "no room left to generate; shorten the prompt"
-            )
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < vocabulary size {vocab}")
-        if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         in_use = self.output_processor.requests.keys() | self.scheduler.requests.keys()
-        taken = [i for i in (request_id, *seq_ids) if i in in_use]
-        if taken:
-            raise ValueError(f"request_id {request_id!r} is already in use ({taken[0]!r} is running)")
-        params = params.clone()
-        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.output_processor.add_request(request_id, text, ids, params, seq_ids)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        for i, sid in enumerate(seq_ids):
-            child = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
-            child.all_stop_token_ids = params.all_stop_token_ids
-            self.core.add_request(
-                Request(
-                    sid,
-                    ids,
-                    child,
-                    priority=priority,
-                    arrival_time=arrival,
-                    block_size=self.args.block_size,
-                    max_tokens=max_tokens,
-                )
-            )
+        req = self.input_processor.process(
+            request_id, prompt, params or SamplingParams(), priority=priority, arrival_time=arrival_time, in_use=in_use
+        )
+        self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
+        for core_request in req.core_requests:
+            self.core.add_request(core_request)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

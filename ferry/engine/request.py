@@ -56,6 +56,7 @@ class Request:
         # Prompt tokens found in the prefix cache at first scheduling (for usage stats).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
         self.block_size = block_size
         self.cache_extras = cache_extras
         self.block_hashes: list[BlockHash] = []

@@ -10,6 +10,7 @@ prefix first (FCFS among equals), chunked to fit what is left of the budget.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from ferry.engine.kv_cache_manager import KVCacheManager
@@ -119,6 +120,7 @@ class Scheduler:
                 self.waiting.pop(0)
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
+                    request.first_scheduled_time = time.monotonic()
                 self.kv.record_prefix_lookup(request, num_hit_tokens)
                 request.num_computed_tokens = num_hit_tokens
                 request.status = RequestStatus.RUNNING

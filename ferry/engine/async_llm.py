@@ -1,0 +1,352 @@
+"""AsyncLLM: the API process's handle on an EngineCore running in its own process.
+
+It owns the front half of the engine: validation and tokenization
+(`InputProcessor`), incremental detokenization and stop strings
+(`OutputProcessor`), one asyncio queue per request, and the request-level
+metrics. The model and the scheduler live in the core process
+(`core_proc.py`); the two talk over ZMQ with msgspec messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ferry.config import EngineArgs
+from ferry.engine.core_proc import run_engine_core
+from ferry.engine.input_processor import InputProcessor, PromptType
+from ferry.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreOutputs,
+    CoreReady,
+    EngineCoreOutput,
+    EngineInfo,
+    EngineStats,
+    OutputMessage,
+    UtilityCall,
+    UtilityResult,
+)
+from ferry.engine.output_processor import OutputProcessor
+from ferry.outputs import RequestOutput
+from ferry.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process is gone; nothing more can be served."""
+
+
+@dataclass
+class SeqTiming:
+    """Per-sequence timestamps (time.monotonic) for the latency histograms."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    num_prompt_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class MetricsSink:
+    """What AsyncLLM reports to; the server's Prometheus metrics implement it."""
+
+    def on_stats(self, stats: EngineStats) -> None: ...
+    def on_first_token(self, ttft: float, queue_time: float | None) -> None: ...
+    def on_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None: ...
+    def on_prompt(self, num_tokens: int) -> None: ...
+    def on_finished(self, reason: str, e2e: float) -> None: ...
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, tokenizer=None, metrics: MetricsSink | None = None) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.metrics = metrics or MetricsSink()
+        self.info: EngineInfo | None = None
+        self.input_processor: InputProcessor | None = None
+        self.output_processor = OutputProcessor(tokenizer)
+        self.streams: dict[str, RequestStream] = {}
+        self.timings: dict[str, SeqTiming] = {}  # core (sequence) id -> timing
+        self.unstarted: set[str] = set()  # sequence ids without a first token yet
+        self.stats: EngineStats | None = None
+        self.dead: str | None = None  # why the core is gone
+        self.on_dead: Callable[[str], None] | None = None
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self._ipc_dir = tempfile.mkdtemp(prefix="ferry-ipc-")
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(f"ipc://{self._ipc_dir}/input")
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(f"ipc://{self._ipc_dir}/output")
+        self.proc: multiprocessing.Process | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def start(self, timeout: float = 600.0, tokenizer_loader: Callable[[], Any] | None = None) -> None:
+        """Spawn the core process and wait until it has loaded and warmed the model.
+
+        `tokenizer_loader` runs in a thread meanwhile (the first GGUF conversion takes seconds).
+        """
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        addrs = (f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output")
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel()),
+            name="ferry-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+        logger.info("EngineCore process %d started", self.proc.pid)
+        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(tokenizer_loader)) if tokenizer_loader else None
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self._output.poll(200):
+                msg = self._decoder.decode(await self._output.recv())
+                if isinstance(msg, CoreReady):
+                    break
+                if isinstance(msg, CoreFailed):
+                    self._mark_dead(f"EngineCore failed to start: {msg.message}")
+                    raise EngineDeadError(self.dead)
+            elif not self.proc.is_alive():
+                self._mark_dead(f"EngineCore exited with code {self.proc.exitcode} while starting")
+                raise EngineDeadError(self.dead)
+            elif time.monotonic() > deadline:
+                self._mark_dead(f"EngineCore did not become ready within {timeout:.0f}s")
+                raise EngineDeadError(self.dead)
+        if tokenizer_task is not None:
+            self.tokenizer = await tokenizer_task
+            self.output_processor.tokenizer = self.tokenizer
+        self.info = msg.info
+        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self._loop_task = asyncio.create_task(self._output_loop(), name="ferry-output-loop")
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self._send(UtilityCall(-1, "shutdown"))
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(self.proc.join, timeout)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                await asyncio.to_thread(self.proc.join, 2.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self._input.close()
+        self._output.close()
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.dead is None
+
+    # -- requests ---------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        strict_context: bool = True,
+    ) -> RequestStream:
+        """Validate (raises InvalidParameterError, changing nothing) and send to the core."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if self.input_processor is None:
+            raise EngineDeadError("the engine is still starting")
+        arrival = time.monotonic()
+        in_use = self.streams.keys() | self.output_processor.seq_to_request.keys()
+        req = self.input_processor.process(
+            request_id, prompt, params, priority=priority, arrival_time=arrival, in_use=in_use,
+            strict_context=strict_context,
+        )  # fmt: skip
+        self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
+        stream = RequestStream(request_id, len(req.prompt_token_ids))
+        self.streams[request_id] = stream
+        for sid in req.seq_ids:
+            self.timings[sid] = SeqTiming(arrival)
+            self.unstarted.add(sid)
+        self.metrics.on_prompt(len(req.prompt_token_ids))
+        self._send(AddRequest(req.core_requests))
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        strict_context: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; aborts the request if the consumer stops early (disconnect)."""
+        stream = self.add_request(request_id, prompt, params, priority=priority, strict_context=strict_context)
+        async for out in self.iterate(stream):
+            yield out
+
+    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.finished = True
+        seq_ids = self.output_processor.seq_ids(request_id)
+        self.output_processor.abort_request(request_id)
+        now = time.monotonic()
+        for sid in seq_ids:
+            timing = self.timings.pop(sid, None)
+            self.unstarted.discard(sid)
+            if timing is not None:
+                self.metrics.on_finished("abort", now - timing.arrival)
+        if seq_ids and self.dead is None:
+            self._send(AbortRequests(seq_ids))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Sequences sent to the core that have not produced a token yet (waiting or prefilling)."""
+        return len(self.unstarted)
+
+    async def call(self, method: str, timeout: float = 5.0) -> EngineStats | None:
+        """A utility call into the core loop (answered between steps)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(UtilityCall(call_id, method))
+            result: UtilityResult = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if not result.ok:
+            raise RuntimeError(result.error)
+        return result.value
+
+    # -- the output loop ------------------------------------------------------
+
+    def _send(self, msg) -> None:
+        # PUSH with no high-water mark never blocks; a plain send keeps aborts synchronous.
+        self._input.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+
+    async def _output_loop(self) -> None:
+        try:
+            while self.dead is None:
+                if not await self._output.poll(500):
+                    if self.proc is not None and not self.proc.is_alive():
+                        self._mark_dead(f"EngineCore exited unexpectedly with code {self.proc.exitcode}")
+                    continue
+                msg = self._decoder.decode(await self._output.recv())
+                if isinstance(msg, CoreOutputs):
+                    self.stats = msg.stats
+                    self.metrics.on_stats(msg.stats)
+                    if msg.outputs:
+                        self._process_outputs(msg.outputs)
+                elif isinstance(msg, UtilityResult):
+                    fut = self._calls.get(msg.call_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif isinstance(msg, CoreFailed):
+                    self._mark_dead(f"EngineCore failed: {msg.message}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not leave requests hanging forever
+            logger.exception("output loop crashed")
+            self._mark_dead(f"output loop crashed: {e}")
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        now = time.monotonic()
+        for co in outputs:
+            timing = self.timings.get(co.request_id)
+            if timing is None or not co.new_token_ids:
+                continue
+            if timing.first_token is None:
+                timing.first_token = now
+                self.unstarted.discard(co.request_id)
+                self.metrics.on_first_token(now - timing.arrival, co.queue_time)
+                self.metrics.on_tokens(len(co.new_token_ids), None)
+            else:
+                self.metrics.on_tokens(len(co.new_token_ids), now - timing.last_token)
+            timing.last_token = now
+        request_outputs, to_abort = self.output_processor.process(outputs)
+        if to_abort:  # stop strings matched: the core must stop these sequences
+            self._send(AbortRequests(to_abort))
+        finished = {co.request_id: co.finish_reason for co in outputs if co.finish_reason is not None}
+        finished.update({sid: "stop" for sid in to_abort})
+        for sid, reason in finished.items():
+            timing = self.timings.pop(sid, None)
+            self.unstarted.discard(sid)
+            if timing is not None:
+                self.metrics.on_finished(reason, now - timing.arrival)
+        for out in request_outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                stream.finished = True
+                del self.streams[out.request_id]
+            stream.queue.put_nowait(out)
+
+    def _mark_dead(self, why: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = why
+        logger.error("%s", why)
+        err = EngineDeadError(why)
+        for stream in self.streams.values():
+            stream.finished = True
+            stream.queue.put_nowait(err)
+        self.streams.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if self.on_dead is not None:
+            self.on_dead(why)

@@ -1,0 +1,157 @@
+"""The EngineCore process: loads the model, then runs the busy loop.
+
+Loop: drain the input socket (add / abort / utility calls), run one engine
+step, push its outputs and stats to the API process. It blocks on the socket
+only when there is nothing to run (waking every `HEARTBEAT_S` to send stats
+and to notice a dead parent), so HTTP never stalls the model and the model
+never waits on HTTP. Any exception is fatal: the scheduler may be half-way
+through a step, so the process reports `CoreFailed` and exits non-zero, and
+the API process turns not-ready and exits too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from ferry.config import EngineArgs
+from ferry.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreOutputs,
+    CoreReady,
+    EngineCoreRequest,
+    InputMessage,
+    UtilityCall,
+    UtilityResult,
+)
+from ferry.sampling_params import SamplingParams
+
+logger = logging.getLogger("ferry.engine_core")
+
+HEARTBEAT_S = 0.5
+
+
+class EngineCoreProc:
+    def __init__(self, args: EngineArgs, input_addr: str, output_addr: str) -> None:
+        from ferry.engine.llm_engine import LLMEngine
+
+        self.ctx = zmq.Context(1)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_addr)
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.RCVHWM, 0)
+        self.input.connect(input_addr)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.parent_pid = os.getppid()
+
+        self.engine = LLMEngine(args)
+        self.core = self.engine.core
+        self._warm_up()
+        self.send(CoreReady(self.engine.info))
+        self.running = True
+
+    def _warm_up(self) -> None:
+        """Run one full-budget prefill and a few decode steps so first requests don't pay for
+        lazy initialisation (kernel builds, allocator growth); then forget them in the stats."""
+        info = self.engine.info
+        n = max(1, min(self.engine.args.max_num_batched_tokens, info.max_model_len - 8, 512))
+        ids = [(i * 7919) % info.vocab_size for i in range(n)]
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        self.core.add_request(EngineCoreRequest("__warmup__", ids, params, 4))
+        t0 = time.perf_counter()
+        while self.core.has_unfinished_requests():
+            self.core.step()
+        self.core.kv.pool.reset_prefix_cache()
+        self.core.kv.prefix_queries = self.core.kv.prefix_hits = 0
+        logger.info("warm-up (%d-token prefill + 3 decode steps) took %.2fs", n, time.perf_counter() - t0)
+
+    def send(self, msg) -> None:
+        self.output.send(self.encoder.encode(msg), copy=False)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            for r in msg.requests:
+                self.core.add_request(r)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+        elif isinstance(msg, UtilityCall):
+            value, error = None, None
+            if msg.method == "ping":
+                pass
+            elif msg.method == "stats":
+                value = self.core.stats()
+            elif msg.method == "reset_prefix_cache":
+                if not self.core.kv.pool.reset_prefix_cache():
+                    error = "cannot reset the prefix cache while requests hold blocks"
+            elif msg.method == "shutdown":
+                self.running = False
+            else:
+                error = f"unknown method {msg.method!r}"
+            self.send(UtilityResult(msg.call_id, error is None, value, error))
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        last_heartbeat = time.monotonic()
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
+            while poller.poll(timeout_ms):
+                self.handle(self.decoder.decode(self.input.recv(copy=False).buffer))
+                timeout_ms = 0
+            if not self.running:
+                break
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self.send(CoreOutputs(outputs, self.core.stats()))
+                last_heartbeat = time.monotonic()
+            elif time.monotonic() - last_heartbeat >= HEARTBEAT_S:
+                if os.getppid() != self.parent_pid:
+                    logger.error("the API process is gone; exiting")
+                    return
+                self.send(CoreOutputs([], self.core.stats()))
+                last_heartbeat = time.monotonic()
+
+    def close(self) -> None:
+        self.output.close()
+        self.input.close()
+        self.ctx.term()
+
+
+def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_level: int = logging.INFO) -> None:
+    """Entry point of the core process (multiprocessing target)."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    # The API process owns signals: SIGINT from a terminal goes to the whole group, and the
+    # API process decides when the core stops (after draining), so ignore it here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    proc = None
+    try:
+        proc = EngineCoreProc(args, input_addr, output_addr)
+        proc.run()
+    except Exception as e:  # fatal by design, see the module docstring
+        logger.error("EngineCore failed:\n%s", traceback.format_exc())
+        try:
+            ctx = zmq.Context.instance()
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(output_addr)
+            sock.send(msgspec.msgpack.encode(CoreFailed(f"{type(e).__name__}: {e}")))
+            sock.close()
+        finally:
+            sys.exit(1)
+    finally:
+        if proc is not None:
+            proc.close()

@@ -1,0 +1,131 @@
+"""Turns a user prompt + SamplingParams into validated EngineCoreRequests.
+
+Runs wherever requests enter: in `LLMEngine` (same process as the model) and
+in the API server's process (which has only the tokenizer and `EngineInfo`).
+Every check happens here, before anything is queued, so a bad request raises
+`InvalidParameterError` naming the field and changes no state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+from ferry.engine.messages import EngineCoreRequest, EngineInfo
+from ferry.sampling_params import InvalidParameterError, SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+@dataclass
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seq_ids: list[str]  # one core request per sequence: `<id>` for n == 1, else `<id>#0` ...
+    core_requests: list[EngineCoreRequest]
+
+
+def resolve_stop_token_ids(params: SamplingParams, eos_token_ids: set[int]) -> None:
+    """Fill `all_stop_token_ids`: the user's stop ids plus EOS unless `ignore_eos`."""
+    params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
+def context_length_message(max_model_len: int, num_prompt: int, max_tokens: int) -> str:
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
+        "Please reduce the length of the prompt or completion."
+    )
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, info: EngineInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_ids = set(info.eos_token_ids)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidParameterError("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidParameterError(
+                "prompt", f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}"
+            )
+        if self.tokenizer is None:
+            raise InvalidParameterError("prompt", "this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        in_use: Container[str] = (),
+        strict_context: bool = False,
+    ) -> ProcessedRequest:
+        """Validate and build the core requests.
+
+        `strict_context`: reject prompt + max_tokens > max_model_len (the server's behaviour,
+        as OpenAI's) instead of shortening max_tokens to the room left (LLM.generate's).
+        """
+        text, ids = self.tokenize(prompt)
+        info = self.info
+        if not ids:
+            raise InvalidParameterError("prompt", "prompt must not be empty")
+        vocab = info.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError(
+                "prompt", f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab})"
+            )
+        if len(ids) >= info.max_model_len:
+            raise InvalidParameterError(
+                "prompt",
+                f"prompt has {len(ids)} tokens, but max_model_len is {info.max_model_len}: "
+                "no room left to generate; shorten the prompt",
+            )
+        room = info.max_model_len - len(ids)
+        if strict_context and params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidParameterError(
+                "max_tokens", context_length_message(info.max_model_len, len(ids), params.max_tokens)
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be < vocabulary size {vocab}")
+        if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
+            raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidParameterError("stop", "stop strings need a tokenizer; use stop_token_ids")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        taken = [i for i in (request_id, *seq_ids) if i in in_use]
+        if taken:
+            raise InvalidParameterError(
+                "request_id", f"request_id {request_id!r} is already in use ({taken[0]!r} is running)"
+            )
+        params = params.clone()
+        if params.top_k >= vocab:
+            params.top_k = 0  # keeps every token anyway; avoids huge ints on the device
+        resolve_stop_token_ids(params, self.eos_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        core_requests = []
+        for i, sid in enumerate(seq_ids):
+            child = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
+            child.all_stop_token_ids = params.all_stop_token_ids
+            core_requests.append(EngineCoreRequest(sid, ids, child, max_tokens, priority, arrival))
+        return ProcessedRequest(request_id, text, ids, params, seq_ids, core_requests)

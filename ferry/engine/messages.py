@@ -1,0 +1,103 @@
+"""Messages between the API process and the EngineCore process (msgspec, never pickle).
+
+API -> core: `AddRequest`, `AbortRequests`, `UtilityCall` (a tagged union, `InputMessage`).
+core -> API: `CoreReady` once loaded and warmed, then `CoreOutputs` after every step (and as a
+heartbeat when idle), `UtilityResult` for each call, and `CoreFailed` right before the core
+process exits on an error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ferry.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    """One sequence to generate: a user request with n > 1 becomes n of these."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # already resolved against max_model_len
+    priority: int = 0
+    arrival_time: float = 0.0  # time.monotonic(): system-wide on Linux, so comparable across processes
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: (logprob, rank, top ids, top logprobs).
+    new_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    # Seconds from arrival to first scheduling; set on a request's first output only.
+    queue_time: float | None = None
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_evictions: int
+
+
+class EngineInfo(msgspec.Struct):
+    """What the API process needs to validate and tokenize without the model."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+
+
+# -- API -> core ---------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    method: str  # "ping" | "stats" | "reset_prefix_cache" | "shutdown"
+
+
+InputMessage = AddRequest | AbortRequests | UtilityCall
+
+
+# -- core -> API ---------------------------------------------------------------
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    info: EngineInfo
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+
+
+class UtilityResult(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    ok: bool
+    value: EngineStats | None = None
+    error: str | None = None
+
+
+class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+OutputMessage = CoreReady | CoreOutputs | UtilityResult | CoreFailed

@@ -1,0 +1,299 @@
+"""`ferry serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+This process validates, tokenizes, detokenizes and streams; the model runs in
+the EngineCore process (see `ferry/engine/core_proc.py`). Probes:
+`/health` (liveness: this process answers and the core answers a ping),
+`/ready` (503 until the model is loaded and warmed, and while draining).
+SIGTERM drains: readiness turns 503, new requests get 503, in-flight
+requests get `--drain-timeout` seconds to finish, then the server exits 0.
+If the core dies, readiness turns 503 and the server exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ferry.config import EngineArgs
+from ferry.engine.async_llm import AsyncLLM, EngineDeadError
+from ferry.entrypoints.openai.metrics import ServerMetrics
+from ferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from ferry.entrypoints.openai.serving import RequestAbortedError, ServerState, as_openai_error
+from ferry.entrypoints.openai.serving_chat import create_chat_completion
+from ferry.entrypoints.openai.serving_completion import create_completion
+from ferry.models.loader import resolve_model_path
+from ferry.tokenizer import load_tokenizer
+
+logger = logging.getLogger("ferry.server")
+
+
+def _error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _validation_error(e: ValidationError) -> OpenAIError:
+    first = e.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    msg = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+    return OpenAIError(400, msg, param=param, code=400)
+
+
+async def _parse(request: Request, model: type) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise OpenAIError(400, f"malformed JSON body: {e}", code=400) from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code=400)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
+
+
+class Server:
+    """The app, its engine and its lifecycle (start, drain, die)."""
+
+    def __init__(self, engine_args: EngineArgs, served_model_names: list[str], *, max_queue_len: int,
+                 drain_timeout: float) -> None:  # fmt: skip
+        self.engine_args = engine_args
+        self.state = ServerState(served_model_names, max_queue_len)
+        self.metrics = ServerMetrics(served_model_names[0])
+        self.drain_timeout = drain_timeout
+        self.model_path = resolve_model_path(engine_args.model)
+        self.uvicorn: uvicorn.Server | None = None
+        self.exit_code = 0
+        self._start_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def _start_engine(self) -> None:
+        engine = AsyncLLM(self.engine_args, tokenizer=None, metrics=self.metrics)
+        engine.on_dead = self._on_engine_dead
+        self.state.engine = engine
+        try:
+            await engine.start(tokenizer_loader=lambda: load_tokenizer(self.engine_args.tokenizer or self.model_path))
+        except Exception as e:
+            logger.error("engine failed to start: %s", e)
+            self.state.startup_error = str(e)
+            self._on_engine_dead(str(e))
+            return
+        self.metrics.set_engine_info(engine.info)
+        logger.info("ready: serving %s (max_model_len %d)", self.state.served_model_names, engine.info.max_model_len)
+
+    def _on_engine_dead(self, why: str) -> None:
+        logger.error("EngineCore is gone (%s); exiting", why)
+        self.exit_code = 1
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+
+    def start_drain(self) -> None:
+        if self.state.draining:
+            return
+        self.state.draining = True
+        logger.info("draining: %d requests in flight, up to %.0fs", self._in_flight(), self.drain_timeout)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    def _in_flight(self) -> int:
+        return self.state.engine.num_in_flight if self.state.engine is not None else 0
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self._in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.abort_all("drain timeout")
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+
+    def abort_all(self, why: str) -> None:
+        engine = self.state.engine
+        if engine is None:
+            return
+        streams = list(engine.streams.values())
+        if streams:
+            logger.warning("aborting %d requests: %s", len(streams), why)
+        for stream in streams:
+            engine.abort(stream.request_id)
+            stream.queue.put_nowait(RequestAbortedError(f"the request was aborted: {why}"))
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI):
+        self._start_task = asyncio.create_task(self._start_engine())
+        yield
+        self.abort_all("server shutdown")
+        if self._start_task is not None and not self._start_task.done():
+            self._start_task.cancel()
+        if self.state.engine is not None:
+            await self.state.engine.shutdown()
+
+    # -- routes -----------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="ferry", lifespan=self._lifespan, docs_url=None, redoc_url=None)
+        state = self.state
+
+        @app.exception_handler(OpenAIError)
+        async def _openai_error(request: Request, exc: OpenAIError):
+            return _error_response(exc)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException):
+            kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+            return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind, code=exc.status_code))
+
+        @app.exception_handler(Exception)
+        async def _internal_error(request: Request, exc: Exception):
+            logger.exception("internal error on %s", request.url.path)
+            return _error_response(as_openai_error(exc))
+
+        @app.get("/health")
+        async def health() -> Response:
+            engine = state.engine
+            if engine is None or engine.dead is not None:
+                return JSONResponse({"status": "dead", "reason": engine.dead if engine else None}, status_code=503)
+            if not engine.ready:  # loading: the process is alive, the core is starting
+                alive = engine.proc is not None and engine.proc.is_alive()
+                return JSONResponse({"status": "loading"}, status_code=200 if alive else 503)
+            try:
+                await engine.call("ping", timeout=10.0)
+            except (EngineDeadError, asyncio.TimeoutError, RuntimeError) as e:
+                return JSONResponse({"status": "unresponsive", "reason": str(e)}, status_code=503)
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/ready")
+        async def ready() -> Response:
+            engine = state.engine
+            if state.draining:
+                return JSONResponse({"status": "draining"}, status_code=503)
+            if engine is None or engine.dead is not None:
+                return JSONResponse({"status": "dead"}, status_code=503)
+            if not engine.ready:
+                return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse({"status": "ready"})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            engine = state.engine
+            max_len = engine.info.max_model_len if engine is not None and engine.info is not None else None
+            data = [
+                {"id": name, "object": "model", "created": 0, "owned_by": "ferry", "root": self.model_path,
+                 "max_model_len": max_len}
+                for name in state.served_model_names
+            ]  # fmt: skip
+            return JSONResponse({"object": "list", "data": data})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await _parse(request, CompletionRequest)
+            try:
+                response = await create_completion(request, state, body)
+            except (ValueError, EngineDeadError, RequestAbortedError) as e:
+                raise as_openai_error(e) from None
+            return response if response is not None else Response(status_code=499)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            body = await _parse(request, ChatCompletionRequest)
+            try:
+                response = await create_chat_completion(request, state, body)
+            except (ValueError, EngineDeadError, RequestAbortedError) as e:
+                raise as_openai_error(e) from None
+            return response if response is not None else Response(status_code=499)
+
+        return app
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn, with SIGTERM meaning 'drain' and no re-raised signal after shutdown."""
+
+    def __init__(self, config: uvicorn.Config, owner: Server) -> None:
+        super().__init__(config)
+        self.owner = owner
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit or self.owner.state.draining:
+            self.force_exit = sig == signal.SIGINT  # a second Ctrl-C stops without waiting
+            self.should_exit = True
+        elif sig == signal.SIGTERM and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.owner.start_drain)
+        else:
+            self.should_exit = True
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a .gguf file or HF model directory (default: the bundled SmolLM2)")  # fmt: skip
+    p.add_argument("--model", default=None, help="same as the positional MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="answer 429 when this many requests wait for their first token")  # fmt: skip
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--uvicorn-log-level", default="warning")
+
+
+def default_served_name(model: str | None, path: str) -> str:
+    if model:
+        return model
+    name = os.path.basename(path)
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def serve(args: argparse.Namespace) -> int:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag or args.model
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.max_queue_len < 1:
+        raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
+    path = resolve_model_path(engine_args.model)
+    if not os.path.exists(path):
+        raise ValueError(f"model {path!r} does not exist")
+    names = args.served_model_name or [default_served_name(engine_args.model, path)]
+    server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout)
+    config = uvicorn.Config(
+        server.app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=5,
+    )
+    uv = _UvicornServer(config, server)
+    server.uvicorn = uv
+    logger.info("ferry serve on http://%s:%d (model %s)", args.host, args.port, path)
+    uv.run()
+    if not uv.started and server.exit_code == 0:
+        return 1  # could not bind the port
+    return server.exit_code

@@ -1,0 +1,99 @@
+"""Prometheus metrics of `ferry serve`: vLLM's names with the `ferry:` prefix.
+
+Dashboards and the Gateway API Inference Extension written for vLLM work by
+changing `vllm:` to `ferry:`. Gauges and cache counters come from the core's
+EngineStats (sent with every step); latency histograms are measured in the
+API process, where tokens reach the client.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from ferry.engine.async_llm import MetricsSink
+from ferry.engine.messages import EngineInfo, EngineStats
+
+disable_created_metrics()  # `*_created` series only double the scrape size
+
+# vLLM's buckets, so percentiles compare across the two.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0]  # fmt: skip
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+
+
+class ServerMetrics(MetricsSink):
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"ferry:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"ferry:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(f"ferry:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.model_name = model_name
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._success = Counter(
+            "ferry:request_success", "Finished sequences by reason.", ["model_name", "finished_reason"], registry=r
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduling.", REQUEST_BUCKETS)
+        self._cache_info = Gauge(
+            "ferry:cache_config_info", "KV-cache configuration.", ["block_size", "num_gpu_blocks"], registry=r
+        )
+        self._last: EngineStats | None = None
+
+    def set_engine_info(self, info: EngineInfo) -> None:
+        self._cache_info.labels(str(info.block_size), str(info.num_kv_blocks)).set(1)
+
+    def on_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last
+        # The core sends running totals; counters take the increments.
+        for counter, now, before in (
+            (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
+            (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits if last else 0),
+            (self.preemptions, stats.num_preemptions, last.num_preemptions if last else 0),
+        ):
+            if now > before:
+                counter.inc(now - before)
+        self._last = stats
+
+    def on_prompt(self, num_tokens: int) -> None:
+        self.prompt_tokens.inc(num_tokens)
+
+    def on_first_token(self, ttft: float, queue_time: float | None) -> None:
+        self.ttft.observe(ttft)
+        if queue_time is not None:
+            self.queue.observe(max(queue_time, 0.0))
+
+    def on_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if inter_token_latency is not None:
+            self.itl.observe(inter_token_latency)
+
+    def on_finished(self, reason: str, e2e: float) -> None:
+        self._success.labels(self.model_name, reason).inc()
+        self.e2e.observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

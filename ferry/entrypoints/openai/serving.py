@@ -1,0 +1,186 @@
+"""What the completion and chat handlers share: admission, errors, SSE, usage, stream merging."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+
+from ferry.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from ferry.entrypoints.openai.protocol import OpenAIError
+from ferry.outputs import RequestOutput
+from ferry.sampling_params import InvalidParameterError
+
+_DONE = object()
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted a request (drain timeout, shutdown)."""
+
+
+@dataclass
+class ServerState:
+    served_model_names: list[str]
+    max_queue_len: int
+    engine: AsyncLLM | None = None
+    draining: bool = False
+    startup_error: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    """The served name to report; 404 for a model this server does not serve."""
+    if model is None or model == "":
+        return state.model_name
+    if model not in state.served_model_names:
+        raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
+    return model
+
+
+def admit(state: ServerState) -> AsyncLLM:
+    """The engine, if this server takes new requests now (503 while loading or draining, 429 when full)."""
+    engine = state.engine
+    if state.draining:
+        raise OpenAIError(503, "the server is shutting down", "service_unavailable", code=503)
+    if engine is None or not engine.ready:
+        why = engine.dead if engine is not None and engine.dead else "the model is still loading"
+        raise OpenAIError(503, why, "service_unavailable", code=503)
+    if engine.num_queued >= state.max_queue_len:
+        raise OpenAIError(
+            429,
+            f"the server's waiting queue is full ({engine.num_queued} requests waiting, --max-queue-len "
+            f"{state.max_queue_len}); retry later",
+            "rate_limit_exceeded",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )
+    return engine
+
+
+def as_openai_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, InvalidParameterError):
+        return OpenAIError(400, str(exc), param=exc.param, code=400)
+    if isinstance(exc, ValueError):
+        return OpenAIError(400, str(exc), code=400)
+    if isinstance(exc, (EngineDeadError, RequestAbortedError)):
+        return OpenAIError(503, str(exc), "service_unavailable", code=503)
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error", code=500)
+
+
+def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params, priority: int) -> list[RequestStream]:
+    """One engine request per prompt; all or nothing."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(engine.add_request(rid, prompt, params, priority=priority))
+    except Exception:
+        for s in streams:
+            engine.abort(s.request_id)
+        raise
+    return streams
+
+
+async def merged_outputs(engine: AsyncLLM, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several requests as they come; closing it aborts the unfinished."""
+    if len(streams) == 1:
+        async for out in engine.iterate(streams[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in engine.iterate(stream):
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:  # the pumps' own cleanup may not have run yet
+            if not s.finished:
+                engine.abort(s.request_id)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, agen: AsyncIterator) -> AsyncIterator:
+    """Iterate `agen` until it ends or the client disconnects (then `agen` is closed, aborting its
+    requests), even while no output is due, e.g. when the request waits in the queue."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(agen.__anext__())
+            done, _ = await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if step not in done:
+                step.cancel()
+                await asyncio.wait({step})  # let the generator unwind before closing it
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        watcher.cancel()
+        await agen.aclose()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def finite(x: float) -> float:
+    """JSON has no -inf; a token with probability 0 gets a very negative number."""
+    return x if x > -9999.0 else -9999.0

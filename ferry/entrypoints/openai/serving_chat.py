@@ -1,0 +1,162 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ferry.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from ferry.entrypoints.openai.serving import (
+    SSE_DONE,
+    ServerState,
+    add_requests,
+    admit,
+    as_openai_error,
+    check_model,
+    finite,
+    merged_outputs,
+    now_s,
+    random_id,
+    sse,
+    until_disconnect,
+    usage,
+)
+from ferry.outputs import CompletionOutput
+
+
+def render_chat_prompt(tokenizer, body: ChatCompletionRequest) -> dict[str, Any]:
+    """Apply the model's chat template; the engine gets the text and its token ids."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages", code=400)
+    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    if body.continue_final_message and conversation[-1]["role"] != "assistant":
+        raise OpenAIError(
+            400, "continue_final_message needs a final assistant message", param="continue_final_message", code=400
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as e:  # jinja raises on conversations the template rejects
+        raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages", code=400) from e
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
+    content = []
+    for tok, entry in zip(c.token_ids, c.logprobs or []):
+        sampled = entry[tok]
+        text = sampled.decoded_token or ""
+        alternatives = sorted((e for e in entry.values() if e.rank <= top), key=lambda e: e.rank)
+        content.append(
+            {
+                "token": text,
+                "logprob": finite(sampled.logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {
+                        "token": e.decoded_token or "",
+                        "logprob": finite(e.logprob),
+                        "bytes": list((e.decoded_token or "").encode()),
+                    }
+                    for e in alternatives
+                ],
+            }
+        )
+    return {"content": content}
+
+
+async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
+    model = check_model(state, body.model)
+    engine = admit(state)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code=400)
+    top = body.top_logprobs or 0
+    prompt = render_chat_prompt(engine.tokenizer, body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    base_id = random_id("chatcmpl")
+    streams = add_requests(engine, base_id, [prompt], params, body.priority)
+    created = now_s()
+    if body.stream:
+        return StreamingResponse(
+            _stream(request, engine, streams, body, model, base_id, created, top), media_type="text/event-stream"
+        )
+    final = None
+    async for _, out in until_disconnect(request, merged_outputs(engine, streams)):
+        final = out
+    if final is None or not final.finished:
+        return None  # the client went away
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _logprobs(c, top) if body.logprobs else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in sorted(final.outputs, key=lambda c: c.index)
+    ]
+    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    return JSONResponse(
+        {
+            "id": base_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
+        }
+    )
+
+
+async def _stream(request, engine, streams, body, model, base_id, created, top) -> AsyncIterator[bytes]:
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse(
+            {
+                "id": base_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
+        )
+
+    # The role comes first, in its own chunk per choice, as OpenAI sends it.
+    yield chunk(
+        [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(body.n)
+        ]
+    )
+    completion_tokens, prompt_tokens, cached = 0, 0, 0
+    try:
+        async for _, out in until_disconnect(request, merged_outputs(engine, streams)):
+            prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+            choices = []
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append(
+                    {
+                        "index": c.index,
+                        "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                        "logprobs": _logprobs(c, top) if body.logprobs else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+            if choices:
+                yield chunk(choices)
+        if body.include_usage:
+            yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
+    except Exception as e:  # headers are sent: report in-band, as vLLM does
+        yield sse(as_openai_error(e).body())
+    yield SSE_DONE

@@ -1,0 +1,169 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ferry.entrypoints.openai.protocol import CompletionRequest, OpenAIError
+from ferry.entrypoints.openai.serving import (
+    SSE_DONE,
+    ServerState,
+    add_requests,
+    admit,
+    as_openai_error,
+    check_model,
+    finite,
+    merged_outputs,
+    now_s,
+    random_id,
+    sse,
+    until_disconnect,
+    usage,
+)
+from ferry.outputs import CompletionOutput
+
+
+def _prompts(prompt: Any) -> list:
+    """OpenAI's four prompt forms as a list of engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError(400, "prompt must not be empty", param="prompt", code=400)
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+class LogprobsBuilder:
+    """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, start_offset: int = 0) -> None:
+        self.offset = start_offset
+
+    def build(self, c: CompletionOutput) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tok, entry in zip(c.token_ids, c.logprobs or []):
+            sampled = entry[tok]
+            text = sampled.decoded_token or ""
+            tokens.append(text)
+            token_lps.append(finite(sampled.logprob))
+            tops.append({(e.decoded_token or ""): finite(e.logprob) for e in entry.values()})
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def create_completion(request: Request, state: ServerState, body: CompletionRequest):
+    model = check_model(state, body.model)
+    engine = admit(state)
+    if body.suffix:
+        raise OpenAIError(400, "suffix is not supported", param="suffix", code=400)
+    prompts = _prompts(body.prompt)
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    base_id = random_id("cmpl")
+    streams = add_requests(engine, base_id, prompts, params, body.priority)
+    n = params.n
+    created = now_s()
+    tokenizer = engine.tokenizer
+
+    def echo_text(i: int) -> str:
+        p = prompts[i]
+        if isinstance(p, str):
+            return p
+        return tokenizer.decode(p) if tokenizer is not None else ""
+
+    if body.stream:
+        return StreamingResponse(
+            _stream(request, engine, streams, body, model, base_id, created, n, echo_text),
+            media_type="text/event-stream",
+        )
+
+    finals: dict[int, Any] = {}
+    async for i, out in until_disconnect(request, merged_outputs(engine, streams)):
+        finals[i] = out
+    if len(finals) < len(streams):
+        return None  # the client went away
+    choices, completion_tokens, prompt_tokens, cached = [], 0, 0, 0
+    for i in range(len(streams)):
+        out = finals[i]
+        prompt_tokens += len(out.prompt_token_ids)
+        cached += out.num_cached_tokens
+        prefix = echo_text(i) if body.echo else ""
+        for c in out.outputs:
+            completion_tokens += len(c.token_ids)
+            lp = LogprobsBuilder(len(prefix)).build(c) if body.logprobs is not None else None
+            choices.append(
+                {
+                    "index": i * n + c.index,
+                    "text": prefix + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    choices.sort(key=lambda ch: ch["index"])
+    return JSONResponse(
+        {
+            "id": base_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached),
+        }
+    )
+
+
+async def _stream(request, engine, streams, body, model, base_id, created, n, echo_text) -> AsyncIterator[bytes]:
+    lp_builders: dict[int, LogprobsBuilder] = {}
+    echoed: set[int] = set()
+    completion_tokens = 0
+    prompt_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    try:
+        async for i, out in until_disconnect(request, merged_outputs(engine, streams)):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            cached[i] = out.num_cached_tokens
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                text = c.text
+                if body.echo and index not in echoed:
+                    echoed.add(index)
+                    text = echo_text(i) + text
+                completion_tokens += len(c.token_ids)
+                lp = None
+                if body.logprobs is not None:
+                    builder = lp_builders.setdefault(index, LogprobsBuilder(len(echo_text(i)) if body.echo else 0))
+                    lp = builder.build(c)
+                choices.append(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+            if choices:
+                yield sse(
+                    {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+                )
+        if body.include_usage:
+            yield sse(
+                {
+                    "id": base_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(sum(prompt_tokens.values()), completion_tokens, sum(cached.values())),
+                }
+            )
+    except Exception as e:  # headers are sent: report in-band, as vLLM does
+        yield sse(as_openai_error(e).body())
+    yield SSE_DONE

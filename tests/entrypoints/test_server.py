@@ -1,0 +1,341 @@
+"""`ferry serve` as users run it: a real process on 127.0.0.1, driven with the official openai client."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess
+
+LONG_PROMPT = "Here is a story about a lighthouse keeper who counted the ships passing by at night. " * 4
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "8", "--served-model-name", "smol", "extra-name")
+    yield s
+    assert s.stop() == 0, s.logs()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wait_idle(server: ServerProcess, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric("ferry:kv_cache_usage_perc") == 0 and server.metric("ferry:num_requests_running") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("KV cache not released: usage %s" % server.metric("ferry:kv_cache_usage_perc"))
+
+
+def test_probes_and_models(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").status_code == 200
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["smol", "extra-name"]
+
+
+def test_completion_stream_equals_non_stream(client):
+    kwargs = dict(model="smol", prompt="The capital of France is", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs)
+    assert full.object == "text_completion"
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 24 and full.usage.prompt_tokens == 5
+    assert full.usage.total_tokens == 29
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and "Paris" in text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_equals_non_stream_and_multi_turn(client):
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ]
+    full = client.chat.completions.create(model="smol", messages=messages, max_tokens=20, temperature=0)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert full.usage.prompt_tokens > 20
+    stream = client.chat.completions.create(
+        model="smol", messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # A different conversation gives a different prompt: the template really saw the turns.
+    other = client.chat.completions.create(
+        model="smol", messages=messages[:2], max_tokens=1, temperature=0
+    ).usage.prompt_tokens  # fmt: skip
+    assert other < full.usage.prompt_tokens
+
+
+def test_prefix_cache_hits_are_reported_as_cached_tokens(server, client):
+    first = client.completions.create(model="smol", prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    second = client.completions.create(model="smol", prompt=LONG_PROMPT, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16 * ((n - 1) // 16) > 0
+    assert server.metric("ferry:prefix_cache_hits_total") >= second.usage.prompt_tokens_details.cached_tokens
+
+
+def test_n_and_seed(client):
+    kw = dict(model="smol", prompt="Once upon a time", max_tokens=12, temperature=1.0, n=2, seed=1234)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # children get seed + i
+    assert a.usage.completion_tokens == 24
+    c = client.completions.create(**{**kw, "seed": 99})
+    assert [x.text for x in c.choices] != [x.text for x in a.choices]
+    chunks = list(client.completions.create(stream=True, **kw))
+    by_index = {0: "", 1: ""}
+    for ch in chunks:
+        for choice in ch.choices:
+            by_index[choice.index] += choice.text
+    assert [by_index[0], by_index[1]] == [x.text for x in a.choices]
+
+
+def test_stop_string(client):
+    base = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    word = text.split()[2]  # a word from the middle of the greedy continuation
+    out = client.completions.create(
+        model="smol", prompt="The capital of France is", max_tokens=24, temperature=0, stop=[word]
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[: text.index(word)]
+    assert out.choices[0].model_extra["stop_reason"] == word
+
+
+def test_logprobs(client):
+    out = client.completions.create(model="smol", prompt="1, 2, 3, 4,", max_tokens=5, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == out.choices[0].text
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) >= 3
+        assert max(top.values()) == pytest.approx(value)  # greedy: the sampled token is the top one
+    chat = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Count: 1, 2, 3"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+
+
+def test_prompt_forms_and_extras(client, server):
+    tok_ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    outs = client.completions.create(
+        model="smol", prompt=["The capital of France is", "Hello"], max_tokens=4, temperature=0
+    )
+    assert [c.index for c in outs.choices] == [0, 1]
+    by_ids = client.completions.create(model="smol", prompt=tok_ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == outs.choices[0].text
+    two = client.completions.create(model="smol", prompt=[tok_ids, tok_ids[:3]], max_tokens=4, temperature=0)
+    assert two.choices[0].text == outs.choices[0].text and len(two.choices) == 2
+    extra = client.completions.create(
+        model="smol", prompt="Hello", max_tokens=6, temperature=0.8, user="u1",
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 6,
+                    "priority": -1},
+    )  # fmt: skip
+    assert extra.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"10": 500}}, 400, "logit_bias"),
+        ({"prompt": [10**9]}, 400, "prompt"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+        ({"prompt": "x", "seed": 2**70}, 400, "seed"),
+        ({"max_tokens": 3}, 400, "prompt"),
+    ],
+)
+def test_errors_are_openai_shaped(server, body, status, param):
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+
+
+def test_context_length_error_names_the_numbers(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smol", prompt="Hello there", max_tokens=600)
+    msg = e.value.body["message"]
+    assert "512" in msg and "600" in msg and "602" in msg
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', timeout=10)
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": "smol", "prompt": LONG_PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    aborted_before = _success(server, "abort")
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens, then hang up
+        assert any(line.startswith("data: ") for line in got)
+        assert server.metric("ferry:kv_cache_usage_perc") > 0
+    wait_idle(server)
+    # Non-streaming: the client times out while the request runs.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    wait_idle(server)
+    assert _success(server, "abort") >= aborted_before + 2
+
+
+def _success(server: ServerProcess, reason: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith("ferry:request_success_total{") and f'finished_reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_names(server, client):
+    client.completions.create(model="smol", prompt="Hi", max_tokens=3, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in [
+        "ferry:num_requests_running", "ferry:num_requests_waiting", "ferry:kv_cache_usage_perc",
+        "ferry:prefix_cache_queries_total", "ferry:prefix_cache_hits_total", "ferry:prompt_tokens_total",
+        "ferry:generation_tokens_total", "ferry:request_success_total", "ferry:num_preemptions_total",
+        "ferry:time_to_first_token_seconds_bucket", "ferry:inter_token_latency_seconds_bucket",
+        "ferry:e2e_request_latency_seconds_bucket", "ferry:request_queue_time_seconds_bucket",
+        'ferry:cache_config_info{block_size="16"',
+    ]:  # fmt: skip
+        assert name in text, name
+    assert server.metric("ferry:generation_tokens_total") >= 3
+    assert server.metric("ferry:time_to_first_token_seconds_count") >= 1
+
+
+def _mutations(rng: random.Random):
+    junk = [None, True, -1, 0, 1.5, 10**30, -(10**30), "", "x" * 50, [], {}, [1, "a"], {"a": 1}, [[1, 2], 3],
+            float("inf"), [[]], [-5], [1.0, 2.0], "NaN"]  # fmt: skip
+    fields = ["prompt", "model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "logprobs",
+              "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
+              "min_tokens", "priority", "stop_token_ids", "stream_options", "echo", "ignore_eos", "messages",
+              "top_logprobs", "max_completion_tokens", "user"]  # fmt: skip
+    for _ in range(160):
+        base = (
+            {"prompt": "Hi", "max_tokens": 2}
+            if rng.random() < 0.5
+            else {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        )
+        for _ in range(rng.randint(1, 3)):
+            base[rng.choice(fields)] = rng.choice(junk)
+        raw = json.dumps(base, allow_nan=True).encode()
+        if rng.random() < 0.15:
+            cut = rng.randint(0, len(raw))
+            raw = raw[:cut] + bytes([rng.randint(0, 255)]) + raw[cut + 1 :]
+        yield rng.choice(["/v1/completions", "/v1/chat/completions"]), raw
+    yield "/v1/completions", b"[" * 100_000
+    yield "/v1/completions", b"\xff\xfe"
+    yield "/v1/completions", b'"just a string"'
+    yield "/v1/chat/completions", b'{"messages": [{"role": "tool", "content": "x"}]}'
+    yield "/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'
+
+
+def test_fuzz_malformed_bodies_never_5xx(server):
+    rng = random.Random(0)
+    with httpx.Client(timeout=60) as http:
+        for path, raw in _mutations(rng):
+            r = http.post(server.url + path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code < 500, (raw[:300], r.status_code, r.text[:300])
+            if r.status_code >= 400:
+                assert "error" in r.json()
+            elif b'"stream": true' in raw:
+                assert r.text.rstrip().endswith("data: [DONE]")
+    assert httpx.get(server.url + "/health").status_code == 200
+    wait_idle(server)
+
+
+# -- lifecycle: queue limit, drain on SIGTERM, EngineCore death ----------------------------------------------------
+
+
+def test_queue_limit_then_sigterm_drain():
+    s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "1", "--max-queue-len", "1",
+                      "--drain-timeout", "60")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        results: dict[str, object] = {}
+
+        def long_stream(name: str, max_tokens: int) -> None:
+            try:
+                chunks = list(client.completions.create(
+                    model=None, prompt="Tell me a story.", max_tokens=max_tokens, stream=True,
+                    extra_body={"ignore_eos": True}, temperature=0,
+                ))  # fmt: skip
+                results[name] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            except Exception as e:  # noqa: BLE001 - recorded for the assertion below
+                results[name] = e
+
+        running = threading.Thread(target=long_stream, args=("running", 60))
+        running.start()
+        _wait_metric(s, "ferry:num_requests_running", 1)
+        queued = threading.Thread(target=long_stream, args=("queued", 5))
+        queued.start()
+        _wait_metric(s, "ferry:num_requests_waiting", 1)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(prompt="x", max_tokens=2, model=None)
+        assert e.value.response.headers["retry-after"] == "1"
+
+        s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/ready").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        running.join(120)
+        queued.join(120)
+        assert results == {"running": "length", "queued": "length"}  # in-flight requests finished
+        assert s.proc.wait(60) == 0, s.logs()
+    finally:
+        s.stop()
+
+
+def _wait_metric(s: ServerProcess, name: str, value: float, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while s.metric(name) < value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.05)
+
+
+def test_engine_core_death_makes_server_unready_and_exit_nonzero():
+    s = ServerProcess("--max-model-len", "256")
+    try:
+        import os
+
+        core = s.core_pid()
+        os.kill(core, signal.SIGKILL)
+        code = s.proc.wait(30)
+        assert code != 0
+        assert "EngineCore" in s.logs()
+    finally:
+        s.stop()
