@@ -93,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(tp)
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=throughput_main)
+
+    from ferry.bench.serve import add_args as add_serve_bench_args
+    from ferry.bench.serve import main as serve_bench_main
+
+    sb = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
+    add_serve_bench_args(sb)
+    sb.set_defaults(func=serve_bench_main)
+
+    from ferry.bench.serve_compare import add_args as add_compare_args
+    from ferry.bench.serve_compare import main as compare_main
+
+    sc = bench_sub.add_parser(
+        "serve-compare", help="offline LLM.generate vs ferry serve vs llama-server on one workload, in one run"
+    )
+    add_compare_args(sc)
+    EngineArgs.add_cli_args(sc)
+    sc.set_defaults(func=compare_main)
     return parser
 
 
@@ -102,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # a user mistake: say what to change, no traceback
+    except (ValueError, FileNotFoundError) as e:  # a user mistake: say what to change, no traceback
         print(f"ferry: error: {e}", file=sys.stderr)
         return 2
 

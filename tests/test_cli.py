@@ -35,3 +35,14 @@ def test_bad_flag_value_is_a_clear_error():
     proc = _ferry("generate", "hi", "--temperature", "-1", "--num-kv-blocks", "8", "--max-model-len", "64")
     assert proc.returncode == 2
     assert "temperature" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_rejects_bad_flags_before_loading():
+    for args, word in (
+        (["--max-queue-len", "0"], "max_queue_len"),
+        (["--block-size", "0"], "block_size"),
+        (["/nonexistent/model.gguf"], "does not exist"),
+    ):
+        proc = _ferry("serve", "--port", "1", *args, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert word in proc.stderr and "Traceback" not in proc.stderr

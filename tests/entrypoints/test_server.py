@@ -339,3 +339,19 @@ def test_engine_core_death_makes_server_unready_and_exit_nonzero():
         assert "EngineCore" in s.logs()
     finally:
         s.stop()
+
+
+def test_bench_serve_load_generator(server):
+    """`ferry bench serve`'s client against the real server: exact token counts, sane latencies."""
+    import math
+
+    from ferry.bench.serve import bench_once, parse_slos
+
+    requests = [([100 + i, 200, 300, 400], n) for i, n in enumerate((3, 5, 8))]
+    run = bench_once(server.url, None, requests, math.inf, 2, 60, 0, parse_slos(["ttft:60000", "tpot:60000"]))
+    assert run["completed"] == 3 and run["failed"] == 0 and run["model"] == "smol"
+    assert run["output_tokens"] == 16 and run["prompt_tokens"] == 12
+    assert 0 < run["ttft"]["p50"] <= run["e2e"]["p50"]
+    assert run["tpot"]["mean"] > 0 and run["goodput"] == pytest.approx(run["request_throughput"])
+    strict = bench_once(server.url, None, requests[:1], math.inf, None, 60, 0, parse_slos(["ttft:0.001"]))
+    assert strict["goodput"] == 0 and strict["completed"] == 1

@@ -277,9 +277,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
-    path = resolve_model_path(engine_args.model)
-    if not os.path.exists(path):
-        raise ValueError(f"model {path!r} does not exist")
+    path = resolve_model_path(engine_args.model)  # FileNotFoundError: a clear message, exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout)
     config = uvicorn.Config(

@@ -1,0 +1,55 @@
+"""Start a server process for a benchmark, wait until it answers, stop it afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedServer:
+    """`with LaunchedServer(cmd, port, ready_path="/ready") as url:`; the log goes to a temp file."""
+
+    def __init__(self, cmd: list[str], port: int, ready_path: str = "/health", timeout: float = 600.0,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.cmd, self.port, self.ready_path, self.timeout = cmd, port, ready_path, timeout
+        self.env = {**os.environ, **(env or {})}
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="ferry-bench-server-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.cmd[0]} exited with {self.proc.returncode}; log: {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
+                    if r.status == 200:
+                        return self.url
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"{self.cmd[0]} not ready after {self.timeout}s; log: {self.log.name}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
