@@ -143,6 +143,12 @@ async def run_load(url: str, model: str | None, requests, rate: float, max_concu
         return results, time.perf_counter() - t0, model
 
 
+def salted(requests: list[tuple[list[int], int]], salt: int) -> list[tuple[list[int], int]]:
+    """The same workload with a pass-specific first token: block hashes chain from the first
+    block, so no pass can hit the prefix cache filled by an earlier pass on the same server."""
+    return [([100 + salt % 1000, *prompt[1:]], n) for prompt, n in requests]
+
+
 def _dist(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan")} | {f"p{p}": float("nan") for p in PERCENTILES}
@@ -267,9 +273,9 @@ def main(args: argparse.Namespace) -> int:
     label = args.label or args.url
     rates = args.sweep or [args.request_rate]
     runs = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
         run = bench_once(
-            args.url, args.model, requests, rate, args.max_concurrency, args.timeout, args.bench_seed, slos
+            args.url, args.model, salted(requests, i), rate, args.max_concurrency, args.timeout, args.bench_seed, slos
         )
         runs.append(run)
         print(format_summary(f"{label} rate={rate} concurrency={args.max_concurrency}", run))

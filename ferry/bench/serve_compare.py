@@ -21,7 +21,7 @@ from dataclasses import asdict, fields
 import torch
 
 from ferry.bench.launch import LaunchedServer, free_port
-from ferry.bench.serve import bench_once, format_summary, parse_slos
+from ferry.bench.serve import bench_once, format_summary, parse_slos, salted
 from ferry.bench.throughput import run_ferry, synthetic_requests
 from ferry.config import EngineArgs
 from ferry.models.loader import load_checkpoint
@@ -67,7 +67,10 @@ def main(args: argparse.Namespace) -> int:
                               args.bench_seed)  # fmt: skip
     del ckpt
     slos = parse_slos(args.goodput)
-    warmup = reqs[:2]
+    # Each timed pass gets its own salt (first token), so a server's prefix cache never carries
+    # over from an earlier pass; ferry's concurrency pass and llama-server's see the same prompts.
+    warmup = salted(reqs[:2], 0)
+    saturation_reqs, concurrency_reqs = salted(reqs, 1), salted(reqs, 2)
     result: dict = {
         "model": path,
         "machine": platform.processor() or platform.machine(),
@@ -83,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
         from ferry.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(eargs)
-        off = run_ferry(engine, reqs, "offline")
+        off = run_ferry(engine, saturation_reqs, "offline")
         result["offline"] = {k: v for k, v in off.items() if k != "records"}
         print(f"== offline LLMEngine (all {len(reqs)} at once): {off['seconds']:.2f} s, "
               f"{off['tokens_per_s']:.1f} output tok/s")  # fmt: skip
@@ -96,9 +99,9 @@ def main(args: argparse.Namespace) -> int:
         cmd.insert(4, args.model)
     with LaunchedServer(cmd, port, ready_path="/ready") as url:
         bench_once(url, None, warmup, math.inf, None, 600, 0, slos)
-        sat = bench_once(url, None, reqs, math.inf, None, 600, args.bench_seed, slos)
+        sat = bench_once(url, None, saturation_reqs, math.inf, None, 600, args.bench_seed, slos)
         print(format_summary(f"ferry serve, all {len(reqs)} at once", sat))
-        conc = bench_once(url, None, reqs, math.inf, args.concurrency, 600, args.bench_seed, slos)
+        conc = bench_once(url, None, concurrency_reqs, math.inf, args.concurrency, 600, args.bench_seed, slos)
         print(format_summary(f"ferry serve, concurrency {args.concurrency}", conc))
     result["ferry_serve_saturation"] = sat
     result["ferry_serve_concurrency"] = conc
@@ -115,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
                "-t", str(args.llama_threads), "--no-webui"]  # fmt: skip
         with LaunchedServer(cmd, port, ready_path="/health") as url:
             bench_once(url, None, warmup, math.inf, None, 600, 0, slos)
-            llama = bench_once(url, None, reqs, math.inf, args.concurrency, 600, args.bench_seed, slos)
+            llama = bench_once(url, None, concurrency_reqs, math.inf, args.concurrency, 600, args.bench_seed, slos)
             print(format_summary(f"llama-server, {args.concurrency} slots, concurrency {args.concurrency}", llama))
         result["llama_server"] = llama | {"cmd": " ".join(cmd)}
         ratio = conc["output_throughput"] / llama["output_throughput"]
