@@ -2,46 +2,25 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ferry.bench.launch import LaunchedServer, free_port
 
 
 class ServerProcess:
     def __init__(self, *args: str, ready_timeout: float = 180.0) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="ferry-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(self.port), *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.wait_ready(ready_timeout)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ferry serve exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"ferry serve not ready after {timeout}s:\n{self.logs()}")
+        self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env={"PYTHONUNBUFFERED": "1"})
+        self.log = self.launched.log
+        try:
+            self.url = self.launched.__enter__()
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}\n{self.logs()}") from None
+        self.proc = self.launched.proc
 
     def logs(self) -> str:
         with open(self.log.name, errors="replace") as f:
@@ -70,11 +49,5 @@ class ServerProcess:
         return total
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.launched.__exit__(None, None, None)
         return self.proc.returncode

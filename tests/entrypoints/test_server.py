@@ -332,10 +332,21 @@ def test_engine_core_death_makes_server_unready_and_exit_nonzero():
     try:
         import os
 
-        core = s.core_pid()
-        os.kill(core, signal.SIGKILL)
-        code = s.proc.wait(30)
-        assert code != 0
+        lines: list[str] = []
+        body = {"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        _wait_metric(s, "ferry:generation_tokens_total", 3)
+        os.kill(s.core_pid(), signal.SIGKILL)
+        reader.join(30)
+        assert not reader.is_alive(), "the in-flight stream hung after the core died"
+        assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"  # told in-band, then closed
+        assert s.proc.wait(30) != 0
         assert "EngineCore" in s.logs()
     finally:
         s.stop()

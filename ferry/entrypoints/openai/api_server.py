@@ -205,23 +205,22 @@ class Server:
             ]  # fmt: skip
             return JSONResponse({"object": "list", "data": data})
 
-        @app.post("/v1/completions")
-        async def completions(request: Request):
-            body = await _parse(request, CompletionRequest)
+        async def generate(request: Request, body_type: type, handler) -> Response:
+            body = await _parse(request, body_type)
             try:
-                response = await create_completion(request, state, body)
+                response = await handler(request, state, body)
             except (ValueError, EngineDeadError, RequestAbortedError) as e:
                 raise as_openai_error(e) from None
+            # None: the client disconnected; nobody reads this status, nginx's 499 names the case in logs.
             return response if response is not None else Response(status_code=499)
 
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await generate(request, CompletionRequest, create_completion)
+
         @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request):
-            body = await _parse(request, ChatCompletionRequest)
-            try:
-                response = await create_chat_completion(request, state, body)
-            except (ValueError, EngineDeadError, RequestAbortedError) as e:
-                raise as_openai_error(e) from None
-            return response if response is not None else Response(status_code=499)
+        async def chat_completions(request: Request) -> Response:
+            return await generate(request, ChatCompletionRequest, create_chat_completion)
 
         return app
 
