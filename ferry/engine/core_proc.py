@@ -40,6 +40,22 @@ logger = logging.getLogger("ferry.engine_core")
 HEARTBEAT_S = 0.5
 
 
+class ParentGone(Exception):
+    """The API process died; nobody reads our outputs any more."""
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (a SIGKILLed API process runs no
+    cleanup); getppid checks in the loop cover other systems and the start-up window."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class EngineCoreProc:
     def __init__(self, args: EngineArgs, input_addr: str, output_addr: str) -> None:
         from ferry.engine.llm_engine import LLMEngine
@@ -78,7 +94,20 @@ class EngineCoreProc:
         logger.info("warm-up (%d-token prefill + 3 decode steps) took %.2fs", n, time.perf_counter() - t0)
 
     def send(self, msg) -> None:
-        self.output.send(self.encoder.encode(msg), copy=False)
+        # A PUSH socket whose peer is gone blocks a plain send forever: send without blocking
+        # and, while the socket is mute, check that the API process is still there.
+        data = self.encoder.encode(msg)
+        while True:
+            try:
+                self.output.send(data, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                self.check_parent()
+                self.output.poll(500, zmq.POLLOUT)
+
+    def check_parent(self) -> None:
+        if os.getppid() != self.parent_pid:
+            raise ParentGone()
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -118,9 +147,7 @@ class EngineCoreProc:
                 self.send(CoreOutputs(outputs, self.core.stats()))
                 last_heartbeat = time.monotonic()
             elif time.monotonic() - last_heartbeat >= HEARTBEAT_S:
-                if os.getppid() != self.parent_pid:
-                    logger.error("the API process is gone; exiting")
-                    return
+                self.check_parent()
                 self.send(CoreOutputs([], self.core.stats()))
                 last_heartbeat = time.monotonic()
 
@@ -137,10 +164,14 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
     # API process decides when the core stops (after draining), so ignore it here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent()
     proc = None
     try:
         proc = EngineCoreProc(args, input_addr, output_addr)
         proc.run()
+    except ParentGone:
+        logger.error("the API process is gone; exiting")
+        sys.exit(1)
     except Exception as e:  # fatal by design, see the module docstring
         logger.error("EngineCore failed:\n%s", traceback.format_exc())
         try:
@@ -148,7 +179,8 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 2000)
             sock.connect(output_addr)
-            sock.send(msgspec.msgpack.encode(CoreFailed(f"{type(e).__name__}: {e}")))
+            if sock.poll(2000, zmq.POLLOUT):  # never block on an API process that is gone too
+                sock.send(msgspec.msgpack.encode(CoreFailed(f"{type(e).__name__}: {e}")), flags=zmq.NOBLOCK)
             sock.close()
         finally:
             sys.exit(1)

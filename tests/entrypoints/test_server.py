@@ -366,3 +366,27 @@ def test_bench_serve_load_generator(server):
     assert run["tpot"]["mean"] > 0 and run["goodput"] == pytest.approx(run["request_throughput"])
     strict = bench_once(server.url, None, requests[:1], math.inf, None, 60, 0, parse_slos(["ttft:0.001"]))
     assert strict["goodput"] == 0 and strict["completed"] == 1
+
+
+def test_engine_core_exits_when_the_api_process_is_killed():
+    s = ServerProcess("--max-model-len", "2048")
+    core = s.core_pid()
+    # ~2,000 decode steps (tens of seconds) of work left when the parent dies: the core must
+    # not finish them first.
+    body = {"prompt": "Tell me a story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())
+        s.proc.kill()
+    s.proc.wait(10)
+    deadline = time.monotonic() + 5
+    while _alive(core):
+        assert time.monotonic() < deadline, "EngineCore outlived its API process"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
