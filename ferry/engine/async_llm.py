@@ -97,8 +97,11 @@ class AsyncLLM:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._ipc_dir = tempfile.mkdtemp(prefix="ferry-ipc-")
+        # Inputs go through a plain (synchronous) socket: a send either happens now or raises,
+        # which keeps aborts from cancellation handlers simple; outputs are awaited.
+        self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
+        self._input = self._sync_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(f"ipc://{self._ipc_dir}/input")
@@ -154,7 +157,7 @@ class AsyncLLM:
         if self.proc is not None and self.proc.is_alive():
             try:
                 self._send(UtilityCall(-1, "shutdown"))
-            except zmq.ZMQError:
+            except EngineDeadError:
                 pass
             await asyncio.to_thread(self.proc.join, timeout)
             if self.proc.is_alive():
@@ -165,6 +168,7 @@ class AsyncLLM:
         self._input.close()
         self._output.close()
         self._ctx.term()
+        self._sync_ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     @property
@@ -274,8 +278,11 @@ class AsyncLLM:
     # -- the output loop ------------------------------------------------------
 
     def _send(self, msg) -> None:
-        # PUSH with no high-water mark never blocks; a plain send keeps aborts synchronous.
-        self._input.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+        # With no high-water mark a PUSH send only fails when the core is not connected.
+        try:
+            self._input.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("EngineCore is not connected") from None
 
     async def _output_loop(self) -> None:
         try:

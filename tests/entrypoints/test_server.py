@@ -390,3 +390,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_engine_that_cannot_start_makes_serve_exit_1_with_the_reason():
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry.cli", "serve", "--port", "0", "--num-kv-blocks", "2", "--max-model-len", "4096"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "needs 256 KV blocks, but the KV cache has 2" in proc.stderr
+    assert "never retrieved" not in proc.stderr and proc.stderr.count("EngineCore is gone") == 1

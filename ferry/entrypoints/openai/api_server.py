@@ -92,10 +92,11 @@ class Server:
         self.state.engine = engine
         try:
             await engine.start(tokenizer_loader=lambda: load_tokenizer(self.engine_args.tokenizer or self.model_path))
-        except Exception as e:
-            logger.error("engine failed to start: %s", e)
+        except Exception as e:  # EngineDeadError has already called _on_engine_dead
             self.state.startup_error = str(e)
-            self._on_engine_dead(str(e))
+            if engine.dead is None:
+                logger.exception("engine failed to start")
+                self._on_engine_dead(str(e))
             return
         self.metrics.set_engine_info(engine.info)
         logger.info("ready: serving %s (max_model_len %d)", self.state.served_model_names, engine.info.max_model_len)
