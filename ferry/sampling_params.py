@@ -6,6 +6,9 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
+# Temperatures below this sample greedily, as in vLLM.
+_GREEDY_EPS = 1e-5
+
 
 class InvalidParameterError(ValueError):
     """A bad request parameter; `param` names it (the OpenAI error body's `param`)."""
@@ -66,6 +69,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
+        if 0.0 < self.temperature < _GREEDY_EPS:
+            self.temperature = 0.0  # dividing logits by it would overflow float32 into NaN
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def verify(self) -> None:

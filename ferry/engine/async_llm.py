@@ -197,14 +197,19 @@ class AsyncLLM:
             request_id, prompt, params, priority=priority, arrival_time=arrival, in_use=in_use,
             strict_context=strict_context,
         )  # fmt: skip
+        message = self._encoder.encode(AddRequest(req.core_requests))  # before any state changes
         self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
         stream = RequestStream(request_id, len(req.prompt_token_ids))
         self.streams[request_id] = stream
         for sid in req.seq_ids:
             self.timings[sid] = SeqTiming(arrival)
             self.unstarted.add(sid)
+        try:
+            self._send_bytes(message)
+        except EngineDeadError:
+            self._forget(request_id)
+            raise
         self.metrics.on_prompt(len(req.prompt_token_ids))
-        self._send(AddRequest(req.core_requests))
         return stream
 
     async def generate(
@@ -235,9 +240,18 @@ class AsyncLLM:
                 self.abort(stream.request_id)
 
     def abort(self, request_id: str) -> None:
+        seq_ids = self._forget(request_id, count_abort=True)
+        if seq_ids and self.dead is None:
+            try:
+                self._send(AbortRequests(seq_ids))
+            except EngineDeadError:
+                pass  # nothing left to abort
+
+    def _forget(self, request_id: str, count_abort: bool = False) -> list[str]:
+        """Drop the API-side state of a request; returns its sequence ids."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
-            return
+            return []
         stream.finished = True
         seq_ids = self.output_processor.seq_ids(request_id)
         self.output_processor.abort_request(request_id)
@@ -245,10 +259,9 @@ class AsyncLLM:
         for sid in seq_ids:
             timing = self.timings.pop(sid, None)
             self.unstarted.discard(sid)
-            if timing is not None:
+            if timing is not None and count_abort:
                 self.metrics.on_finished("abort", now - timing.arrival)
-        if seq_ids and self.dead is None:
-            self._send(AbortRequests(seq_ids))
+        return seq_ids
 
     @property
     def num_in_flight(self) -> int:
@@ -278,9 +291,12 @@ class AsyncLLM:
     # -- the output loop ------------------------------------------------------
 
     def _send(self, msg) -> None:
+        self._send_bytes(self._encoder.encode(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
         # With no high-water mark a PUSH send only fails when the core is not connected.
         try:
-            self._input.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+            self._input.send(data, flags=zmq.NOBLOCK)
         except zmq.Again:
             raise EngineDeadError("EngineCore is not connected") from None
 

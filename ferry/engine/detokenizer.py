@@ -50,13 +50,17 @@ class IncrementalDetokenizer:
         return None
 
     def _check_stop(self, new_start: int) -> str | None:
+        best: tuple[int, str] | None = None
         for s in self.stop:
             # Only a match that ends in the new characters is new.
             idx = self.text.find(s, max(new_start - len(s) + 1, 0))
-            if idx != -1:
-                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
-                return s
-        return None
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)  # the earliest match in the text wins, whatever the list order
+        if best is None:
+            return None
+        idx, s = best
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+        return s
 
     def delta(self, finished: bool) -> str:
         """Text not yet reported, holding back a possible stop-string prefix."""

@@ -103,6 +103,10 @@ class InputProcessor:
             raise InvalidParameterError(
                 "max_tokens", context_length_message(info.max_model_len, len(ids), params.max_tokens)
             )
+        if params.min_tokens > room:
+            raise InvalidParameterError(
+                "min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {room} tokens left in the context"
+            )
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be < vocabulary size {vocab}")
         if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):

@@ -95,6 +95,8 @@ class OutputProcessor:
                 continue  # aborted meanwhile
             state = self.requests[rid]
             seq = state.seqs[co.request_id]
+            if seq.finish_reason is not None:
+                continue  # a stop string ended it; the core's abort is still on its way
             state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
             for j, tok in enumerate(co.new_token_ids):
                 seq.token_ids.append(tok)

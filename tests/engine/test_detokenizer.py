@@ -52,3 +52,13 @@ def test_include_stop_str(tok):
 def test_no_tokenizer_means_no_text():
     d = IncrementalDetokenizer(None, [1, 2], stop=[])
     assert d.add_token(5) is None and d.text == ""
+
+
+def test_earliest_stop_match_wins_whatever_the_list_order(tok):
+    d = IncrementalDetokenizer(tok, [], stop=["ph", "al"])
+    hit = None
+    for t in tok.encode(" alpha beta"):
+        hit = d.add_token(t)
+        if hit:
+            break
+    assert hit == "al" and d.text == " "

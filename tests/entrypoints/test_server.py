@@ -173,6 +173,11 @@ def test_prompt_forms_and_extras(client, server):
         ({"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
         ({"prompt": "x", "seed": 2**70}, 400, "seed"),
         ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": None, "min_tokens": 600}, 400, "min_tokens"),
+        ({"prompt": "x", "min_tokens": 2**64}, 400, "min_tokens"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+        ({"prompt": ["x"] * 1025}, 400, "prompt"),
+        ({"prompt": ["x"] * 20, "n": 100}, 400, "n"),  # 2,000 sequences > --max-queue-len 1024
     ],
 )
 def test_errors_are_openai_shaped(server, body, status, param):
@@ -181,6 +186,24 @@ def test_errors_are_openai_shaped(server, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and err["message"]
+
+
+def test_chat_template_cannot_be_replaced_by_the_client(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_oversized_body_is_413(server):
+    r = httpx.post(server.url + "/v1/completions", content=b" " * (33 << 20), timeout=60)
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_tiny_temperature_is_greedy(client):
+    kw = dict(model="smol", prompt="The capital of France is", max_tokens=8)
+    assert client.completions.create(temperature=1e-30, **kw).choices[0].text == (
+        client.completions.create(temperature=0, **kw).choices[0].text
+    )
 
 
 def test_context_length_error_names_the_numbers(server, client):
@@ -295,9 +318,22 @@ def test_queue_limit_then_sigterm_drain():
             except Exception as e:  # noqa: BLE001 - recorded for the assertion below
                 results[name] = e
 
-        running = threading.Thread(target=long_stream, args=("running", 60))
+        running = threading.Thread(target=long_stream, args=("running", 240))
         running.start()
         _wait_metric(s, "ferry:num_requests_running", 1)
+
+        # A client that gives up while its request is still queued (nothing streamed yet) aborts it.
+        aborted_before = _success(s, "abort")
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 5,
+                              "stream": True}, timeout=httpx.Timeout(30, read=1.0)) as r:  # fmt: skip
+                for _ in r.iter_lines():
+                    pass
+        deadline = time.monotonic() + 5
+        while _success(s, "abort") < aborted_before + 1 or s.metric("ferry:num_requests_waiting") > 0:
+            assert time.monotonic() < deadline, "the queued request was not aborted on disconnect"
+            time.sleep(0.05)
+        assert s.metric("ferry:num_requests_running") == 1  # the long request is still going
         queued = threading.Thread(target=long_stream, args=("queued", 5))
         queued.start()
         _wait_metric(s, "ferry:num_requests_waiting", 1)

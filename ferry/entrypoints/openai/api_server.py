@@ -52,8 +52,18 @@ def _validation_error(e: ValidationError) -> OpenAIError:
     return OpenAIError(400, msg, param=param, code=400)
 
 
+MAX_BODY_BYTES = 32 << 20
+
+
 async def _parse(request: Request, model: type) -> Any:
-    raw = await request.body()
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > MAX_BODY_BYTES:
+            raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:

@@ -14,6 +14,14 @@ from ferry.sampling_params import InvalidParameterError, RequestOutputKind, Samp
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+MAX_INT = 2**31 - 1  # token counts: far above any context, far below what msgspec or torch choke on
+# chat_template_kwargs keys that would let a client swap the template or the rendering itself
+# (a client-supplied Jinja template can loop for hours: vLLM's CVE-2025-61620).
+FORBIDDEN_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "tools", "documents",
+                                       "return_dict", "return_tensors", "tokenizer_kwargs", "padding",
+                                       "truncation", "max_length", "add_generation_prompt",
+                                       "continue_final_message"})  # fmt: skip
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -58,13 +66,13 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, Finite] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: Finite | None = None
     repetition_penalty: Finite | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # lower runs first, as in vLLM
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -112,7 +120,7 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -140,8 +148,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True

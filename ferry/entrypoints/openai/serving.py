@@ -54,24 +54,34 @@ def check_model(state: ServerState, model: str | None) -> str:
     return model
 
 
-def admit(state: ServerState) -> AsyncLLM:
-    """The engine, if this server takes new requests now (503 while loading or draining, 429 when full)."""
+def ready_engine(state: ServerState) -> AsyncLLM:
+    """The engine, if this server takes new requests now (503 while loading or draining)."""
     engine = state.engine
     if state.draining:
         raise OpenAIError(503, "the server is shutting down", "service_unavailable", code=503)
     if engine is None or not engine.ready:
         why = engine.dead if engine is not None and engine.dead else "the model is still loading"
         raise OpenAIError(503, why, "service_unavailable", code=503)
-    if engine.num_queued >= state.max_queue_len:
+    return engine
+
+
+def admit(state: ServerState, engine: AsyncLLM, num_seqs: int) -> None:
+    """Room for `num_seqs` more sequences in the waiting queue, else 429 (400 if it could never fit)."""
+    limit = state.max_queue_len
+    if num_seqs > limit:
+        raise OpenAIError(
+            400, f"the request asks for {num_seqs} sequences (prompts x n); this server queues at most {limit}",
+            param="n", code=400,
+        )  # fmt: skip
+    if engine.num_queued + num_seqs > limit:
         raise OpenAIError(
             429,
-            f"the server's waiting queue is full ({engine.num_queued} requests waiting, --max-queue-len "
-            f"{state.max_queue_len}); retry later",
+            f"the server's waiting queue is full ({engine.num_queued} sequences waiting, --max-queue-len "
+            f"{limit}); retry later",
             "rate_limit_exceeded",
             code="rate_limit_exceeded",
             headers={"Retry-After": "1"},
         )
-    return engine
 
 
 def as_openai_error(exc: Exception) -> OpenAIError:
@@ -147,21 +157,27 @@ async def until_disconnect(request: Request, agen: AsyncIterator) -> AsyncIterat
     """Iterate `agen` until it ends or the client disconnects (then `agen` is closed, aborting its
     requests), even while no output is due, e.g. when the request waits in the queue."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(agen.__anext__())
             done, _ = await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if step not in done:
-                step.cancel()
-                await asyncio.wait({step})  # let the generator unwind before closing it
-                return
+                return  # disconnected; the finally block aborts
             try:
                 item = step.result()
             except StopAsyncIteration:
                 return
+            step = None
             yield item
     finally:
+        # Also reached when our caller is cancelled (Starlette cancels a response whose client
+        # left) while `step` still runs `agen`: cancel it and let it unwind (its own finally
+        # blocks abort the requests) before closing `agen`, which must not be running.
         watcher.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
         await agen.aclose()
 
 

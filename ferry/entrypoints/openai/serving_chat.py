@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ferry.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
+from ferry.entrypoints.openai.protocol import FORBIDDEN_TEMPLATE_KWARGS, ChatCompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import (
     SSE_DONE,
     ServerState,
@@ -20,6 +21,7 @@ from ferry.entrypoints.openai.serving import (
     merged_outputs,
     now_s,
     random_id,
+    ready_engine,
     sse,
     until_disconnect,
     usage,
@@ -32,6 +34,10 @@ def render_chat_prompt(tokenizer, body: ChatCompletionRequest) -> dict[str, Any]
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages", code=400)
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    kwargs = body.chat_template_kwargs or {}
+    forbidden = sorted(FORBIDDEN_TEMPLATE_KWARGS & kwargs.keys())
+    if forbidden:
+        raise OpenAIError(400, f"chat_template_kwargs may not set {forbidden}", param="chat_template_kwargs", code=400)
     if body.continue_final_message and conversation[-1]["role"] != "assistant":
         raise OpenAIError(
             400, "continue_final_message needs a final assistant message", param="continue_final_message", code=400
@@ -42,7 +48,7 @@ def render_chat_prompt(tokenizer, body: ChatCompletionRequest) -> dict[str, Any]
             tokenize=False,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            **kwargs,
         )
     except Exception as e:  # jinja raises on conversations the template rejects
         raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages", code=400) from e
@@ -75,13 +81,15 @@ def _logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
 
 async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
     model = check_model(state, body.model)
-    engine = admit(state)
+    engine = ready_engine(state)
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code=400)
     top = body.top_logprobs or 0
-    prompt = render_chat_prompt(engine.tokenizer, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    admit(state, engine, params.n)
+    # Rendering (Jinja) and tokenizing take milliseconds on long conversations: off the event loop.
+    prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body)
     base_id = random_id("chatcmpl")
     streams = add_requests(engine, base_id, [prompt], params, body.priority)
     created = now_s()
@@ -130,15 +138,15 @@ async def _stream(request, engine, streams, body, model, base_id, created, top) 
             }
         )
 
-    # The role comes first, in its own chunk per choice, as OpenAI sends it.
-    yield chunk(
-        [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(body.n)
-        ]
-    )
     completion_tokens, prompt_tokens, cached = 0, 0, 0
     try:
+        # The role comes first, in its own chunk per choice, as OpenAI sends it.
+        yield chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(body.n)
+            ]
+        )
         async for _, out in until_disconnect(request, merged_outputs(engine, streams)):
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             choices = []

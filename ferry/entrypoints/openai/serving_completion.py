@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ferry.entrypoints.openai.protocol import CompletionRequest, OpenAIError
+from ferry.entrypoints.openai.protocol import MAX_PROMPTS, CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import (
     SSE_DONE,
     ServerState,
@@ -20,6 +21,7 @@ from ferry.entrypoints.openai.serving import (
     merged_outputs,
     now_s,
     random_id,
+    ready_engine,
     sse,
     until_disconnect,
     usage,
@@ -35,7 +37,20 @@ def _prompts(prompt: Any) -> list:
         raise OpenAIError(400, "prompt must not be empty", param="prompt", code=400)
     if isinstance(prompt[0], int):
         return [list(prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt", code=400)
     return [p if isinstance(p, str) else list(p) for p in prompt]
+
+
+async def _tokenize(tokenizer, prompts: list) -> list:
+    """Text prompts tokenized off the event loop (long prompts take milliseconds)."""
+    if tokenizer is None or all(not isinstance(p, str) for p in prompts):
+        return prompts
+
+    def run() -> list:
+        return [{"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else p for p in prompts]
+
+    return await asyncio.to_thread(run)
 
 
 class LogprobsBuilder:
@@ -59,11 +74,15 @@ class LogprobsBuilder:
 
 async def create_completion(request: Request, state: ServerState, body: CompletionRequest):
     model = check_model(state, body.model)
-    engine = admit(state)
+    engine = ready_engine(state)
     if body.suffix:
         raise OpenAIError(400, "suffix is not supported", param="suffix", code=400)
+    if body.echo and body.logprobs is not None:
+        raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo", code=400)
     prompts = _prompts(body.prompt)
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    admit(state, engine, len(prompts) * params.n)
+    prompts = await _tokenize(engine.tokenizer, prompts)
     base_id = random_id("cmpl")
     streams = add_requests(engine, base_id, prompts, params, body.priority)
     n = params.n
@@ -72,8 +91,8 @@ async def create_completion(request: Request, state: ServerState, body: Completi
 
     def echo_text(i: int) -> str:
         p = prompts[i]
-        if isinstance(p, str):
-            return p
+        if isinstance(p, dict):
+            return p["prompt"]
         return tokenizer.decode(p) if tokenizer is not None else ""
 
     if body.stream:
