@@ -266,7 +266,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
     p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="answer 429 when this many requests wait for their first token")  # fmt: skip
+                   help="answer 429 past this many sequences (prompts x n) waiting for their first token")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--uvicorn-log-level", default="warning")
 
