@@ -7,12 +7,17 @@ from dataclasses import dataclass, fields
 
 _GiB = 1 << 30
 
+# None: run the weights in the model dtype (a GGUF's quantized tensors are dequantized).
+# int8: per-channel int8 weights, per-token int8 activations (ferry/layers/int8_linear.py).
+QUANTIZATION_METHODS = (None, "int8")
+
 
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str | None = None  # None | int8 (dynamic W8A8 on the CPU)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length
@@ -38,6 +43,9 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            choices = ", ".join(m for m in QUANTIZATION_METHODS if m)
+            raise ValueError(f"quantization must be one of {choices} (or unset), got {self.quantization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

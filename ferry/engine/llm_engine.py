@@ -17,7 +17,9 @@ from ferry.engine.model_runner import ModelRunner
 from ferry.engine.output_processor import OutputProcessor
 from ferry.engine.scheduler import Scheduler
 from ferry.kernels.cpu import cpu_kernels_enabled
+from ferry.layers.int8_linear import int8_linear_available
 from ferry.layers.linear import should_pack
+from ferry.layers.smoothquant import calibration_token_ids
 from ferry.models.config import ModelConfig
 from ferry.models.llama import LlamaForCausalLM
 from ferry.models.loader import load_checkpoint
@@ -42,12 +44,25 @@ def resolve_dtype(dtype: str, device: torch.device, cfg: ModelConfig) -> torch.d
     return torch.bfloat16 if cfg.dtype in ("float32", "bfloat16") else getattr(torch, cfg.dtype)
 
 
+def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Reject a quantization this device/dtype cannot run, before any weight is loaded."""
+    if method != "int8":
+        return
+    if device.type != "cpu":
+        raise ValueError("--quantization int8 runs on the CPU only (oneDNN's int8 GEMM)")
+    if dtype != torch.float32:
+        raise ValueError(f"--quantization int8 needs --dtype float32 (activations are fp32), got {dtype}")
+    if not int8_linear_available():
+        raise ValueError("--quantization int8: this torch build lacks oneDNN's int8 linear ops")
+
+
 def load_model(args: EngineArgs) -> tuple[LlamaForCausalLM, Any, torch.device, torch.dtype, str]:
     """Build our model from the checkpoint and load its tokenizer (separate so tests can share them)."""
     t0 = time.perf_counter()
     ckpt = load_checkpoint(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, ckpt.config)
+    check_quantization(args.quantization, device, dtype)
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max_position=max(max_len, ckpt.config.max_position_embeddings))
@@ -56,10 +71,13 @@ def load_model(args: EngineArgs) -> tuple[LlamaForCausalLM, Any, torch.device, t
     model.to(dtype)
     model.init_rotary()  # to_empty left the tables uninitialised; they stay fp32
     model.eval()
-    if should_pack(device, dtype) and cpu_kernels_enabled():
-        model.pack_linear_weights()
     tokenizer = load_tokenizer(args.tokenizer or ckpt.path)
-    logger.info("loaded %s (%s) in %.1fs", ckpt.path, dtype, time.perf_counter() - t0)
+    if args.quantization == "int8":
+        model.quantize_linear_weights_int8(calibration_token_ids(tokenizer, ckpt.config.vocab_size))
+    elif should_pack(device, dtype) and cpu_kernels_enabled():
+        model.pack_linear_weights()
+    quant = f", {args.quantization} weights" if args.quantization else ""
+    logger.info("loaded %s (%s%s) in %.1fs", ckpt.path, dtype, quant, time.perf_counter() - t0)
     return model, tokenizer, device, dtype, ckpt.path
 
 

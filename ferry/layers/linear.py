@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
+
 
 def onednn_packing_available() -> bool:
     return (
@@ -34,15 +36,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can switch to a oneDNN-packed copy of its weight."""
+    """nn.Linear that can switch to a oneDNN-packed fp32 copy of its weight, or to
+    an int8 one (`--quantization int8`, see int8_linear.py)."""
 
     packed: torch.Tensor | None = None
+    int8: Int8Weight | None = None
 
     def pack(self) -> None:
         """Pack the current weight; call again after changing it."""
-        self.packed = pack_weight(self.weight)
+        self.packed, self.int8 = pack_weight(self.weight), None
+
+    def quantize_int8(self) -> None:
+        """Quantize the current weight to int8 (per output channel); call again after changing it."""
+        self.packed, self.int8 = None, pack_int8_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return int8_linear(x, self.int8, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferry.layers.attention import AttentionMetadata, paged_attention
+from ferry.layers.attention import AttentionMetadata, PrefillChunk, paged_attention
+from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
+from ferry.layers.smoothquant import DEFAULT_ALPHA, record_input_absmax, smoothing_factors
 from ferry.models.config import ModelConfig
 
 
@@ -102,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._packed_lm_head: torch.Tensor | None = None
+        self._int8_lm_head: Int8Weight | None = None
 
     def forward(
         self,
@@ -125,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.rotary = rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._int8_lm_head is not None:
+            return int8_linear(hidden, self._int8_lm_head, None)
         if self._packed_lm_head is not None:
             return packed_linear(hidden, self._packed_lm_head, None)
         return F.linear(hidden, self._lm_head_weight())
@@ -137,7 +142,66 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self._packed_lm_head = pack_weight(self._lm_head_weight())
+        self._packed_lm_head, self._int8_lm_head = pack_weight(self._lm_head_weight()), None
+
+    def quantize_linear_weights_int8(self, calibration_ids: list[int], alpha: float = DEFAULT_ALPHA) -> None:
+        """Switch every projection and the output head to int8 weights with per-token int8
+        activations (CPU, `--quantization int8`), after SmoothQuant smoothing. The output head
+        is quantized too: it is the largest matrix of a small model, and llama.cpp's GGUFs keep
+        it in Q8_0 for the same trade."""
+        head = self.smooth_for_int8(calibration_ids, alpha)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
+        self._packed_lm_head, self._int8_lm_head = None, pack_int8_weight(head)
+
+    @torch.no_grad()
+    def smooth_for_int8(self, calibration_ids: list[int], alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
+        """SmoothQuant (layers/smoothquant.py), calibrated by one forward pass over `calibration_ids`.
+
+        Folds 1/s into the RMSNorm weights and the up projection's rows, and s into the
+        projections' columns: the fp32 model computes the same function, with smaller
+        activation outliers. The output head may share its weight with the embedding, so its
+        smoothed weight is returned as a copy that must replace the head's weight from now on
+        (the final norm divides by s)."""
+        targets: dict[str, nn.Module] = {}
+        for i, layer in enumerate(self.layers):
+            targets[f"{i}.qkv"] = layer.self_attn.qkv_proj
+            targets[f"{i}.gate_up"] = layer.mlp.gate_up_proj
+            targets[f"{i}.down"] = layer.mlp.down_proj
+        with record_input_absmax(targets) as absmax:
+            hidden = self._forward_prompt(calibration_ids)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            s = smoothing_factors(absmax[f"{i}.qkv"], attn.qkv_proj.weight, alpha)
+            layer.input_layernorm.weight.div_(s)
+            attn.qkv_proj.weight.mul_(s)
+            s = smoothing_factors(absmax[f"{i}.gate_up"], mlp.gate_up_proj.weight, alpha)
+            layer.post_attention_layernorm.weight.div_(s)
+            mlp.gate_up_proj.weight.mul_(s)
+            # down_proj's input is silu(gate) * up: linear in up, so up's rows take the division.
+            s = smoothing_factors(absmax[f"{i}.down"], mlp.down_proj.weight, alpha)
+            mlp.gate_up_proj.weight[mlp.intermediate :].div_(s[:, None])
+            mlp.down_proj.weight.mul_(s)
+        head = self._lm_head_weight()
+        s = smoothing_factors(hidden.abs().amax(dim=0), head, alpha)
+        self.norm.weight.div_(s)
+        return head * s
+
+    @torch.no_grad()
+    def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
+        """Final hidden states [T, hidden] of one prompt, with a throwaway KV cache (calibration)."""
+        cfg = self.config
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        T = len(token_ids)
+        shape = (T, 1, cfg.num_key_value_heads, cfg.head_dim)  # T blocks of one slot each
+        kv = [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in self.layers
+        ]
+        slots = torch.arange(T, device=device)
+        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, T, T, None, None)])
+        return self(torch.tensor(token_ids, device=device), slots, kv, meta)
 
     # -- weights --------------------------------------------------------
 
