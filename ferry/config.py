@@ -18,6 +18,7 @@ class EngineArgs:
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str | None = None  # None | int8 (dynamic W8A8 on the CPU)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length
@@ -43,6 +44,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             choices = ", ".join(m for m in QUANTIZATION_METHODS if m)
             raise ValueError(f"quantization must be one of {choices} (or unset), got {self.quantization!r}")

@@ -93,7 +93,8 @@ class LLMEngine:
         torch.manual_seed(args.seed)
 
         bs = args.block_size
-        block_bytes = ModelRunner.kv_bytes_per_block(cfg, bs, dtype)
+        self.kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        block_bytes = ModelRunner.kv_bytes_per_block(cfg, bs, self.kv_cache_dtype)
         num_blocks = args.num_kv_blocks or self._blocks_from_budget(block_bytes)
         capacity = num_blocks * bs
         max_len = args.max_model_len or cfg.max_position_embeddings
@@ -129,7 +130,7 @@ class LLMEngine:
                 f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({max_len})"
             )
-        self.runner = ModelRunner(model, self.kv, num_blocks, bs, device, dtype)
+        self.runner = ModelRunner(model, self.kv, num_blocks, bs, device, dtype, self.kv_cache_dtype)
         self.core = EngineCore(self.scheduler, self.runner, self.kv, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
         self.info = EngineInfo(

@@ -3,8 +3,8 @@
 The batch is one flat list of tokens, decode requests (one query token each)
 first, then prefill chunks. Every layer first writes the new K/V into the
 paged cache through the slot mapping, then attends:
-  - decode rows together: with the CPU kernel (fp32), straight from the
-    blocks; otherwise their blocks are gathered with one index_select into
+  - decode rows together: with the CPU kernel (fp32 queries, fp32 or bf16
+    cache), straight from the blocks; otherwise their blocks are gathered with one index_select into
     [B, max_len] and masked by length;
   - each prefill chunk on its own: to its cached prefix (gathered from the
     cache) plus its own tokens, causally.
@@ -39,11 +39,11 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens attended to
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool (reference path)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    use_cpu_kernel: bool = False  # decode rows through ferry.kernels (fp32 on the CPU)
+    use_cpu_kernel: bool = False  # decode rows through ferry.kernels (CPU, fp32 model)
 
 
-def cpu_decode_kernel_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or dtype != torch.float32:
+def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
         return False
     from ferry.kernels.cpu import cpu_kernels
 

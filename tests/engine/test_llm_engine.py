@@ -1,6 +1,7 @@
 """The step API on the real SmolLM2: validation, abort, n > 1, seeds, stops, logprobs, stats."""
 
 import pytest
+import torch
 from conftest import assert_no_blocks_referenced, run_to_completion
 
 from ferry.sampling_params import RequestOutputKind, SamplingParams
@@ -162,4 +163,17 @@ def test_request_id_collisions_are_rejected_without_side_effects(engine):
     done = run_to_completion(engine)
     assert list(done) == ["dup"] and len(done["dup"].outputs) == 2
     assert not engine.output_processor.requests and not engine.output_processor.seq_to_request
+    assert_no_blocks_referenced(engine)
+
+
+def test_bf16_kv_cache_decodes_like_fp32(make_engine, greedy_ref):
+    """--kv-cache-dtype bfloat16: the cache is stored in bf16, read by the C++ decode kernel, and
+    the 24 greedy tokens are the fp32 cache's (measured; a near-tie could one day flip one)."""
+    engine = make_engine(max_model_len=256, kv_cache_dtype="bfloat16")
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    assert k_cache.dtype == v_cache.dtype == torch.bfloat16
+    assert engine.runner.use_cpu_kernel
+    engine.add_request("bf16", PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    out = run_to_completion(engine)["bf16"].outputs[0]
+    assert out.token_ids == greedy_ref[0]
     assert_no_blocks_referenced(engine)

@@ -15,12 +15,14 @@ def kernels():
     return k
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1)])
-def test_decode_kernel_matches_reference(kernels, heads, kv_heads):
+def test_decode_kernel_matches_reference(kernels, heads, kv_heads, cache_dtype):
+    """A bf16 cache is widened exactly, so it matches the fp32 math on the same (rounded) values."""
     torch.manual_seed(0)
     nb, bs, d = 40, 4, 32
-    k_cache = torch.randn(nb, bs, kv_heads, d)
-    v_cache = torch.randn(nb, bs, kv_heads, d)
+    k_cache = torch.randn(nb, bs, kv_heads, d).to(cache_dtype)
+    v_cache = torch.randn(nb, bs, kv_heads, d).to(cache_dtype)
     lens = torch.tensor([1, 5, 16, 9])
     perm = torch.randperm(nb)
     table = torch.zeros(4, 4, dtype=torch.long)
@@ -35,8 +37,8 @@ def test_decode_kernel_matches_reference(kernels, heads, kv_heads):
     for i, n in enumerate(lens.tolist()):
         slots = torch.arange(n)
         blocks = table[i, slots // bs]
-        k = k_cache[blocks, slots % bs]  # [n, kvh, d]
-        v = v_cache[blocks, slots % bs]
+        k = k_cache[blocks, slots % bs].float()  # [n, kvh, d]
+        v = v_cache[blocks, slots % bs].float()
         g = heads // kv_heads
         kk = k.repeat_interleave(g, dim=1).transpose(0, 1)  # [h, n, d]
         vv = v.repeat_interleave(g, dim=1).transpose(0, 1)
@@ -44,11 +46,13 @@ def test_decode_kernel_matches_reference(kernels, heads, kv_heads):
         torch.testing.assert_close(got[i], (p @ vv).squeeze(1), rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_paths_agree(kernels):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_paths_agree(kernels, cache_dtype):
     """The same decode batch through the kernel and through gather + SDPA."""
     torch.manual_seed(1)
     nb, bs, kvh, h, d = 16, 4, 2, 4, 16
-    k_cache, v_cache = torch.randn(nb, bs, kvh, d), torch.randn(nb, bs, kvh, d)
+    k_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
+    v_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
     table = torch.tensor([[3, 7, 0], [1, 2, 5]])
     lens = torch.tensor([9, 12])
     slots = torch.tensor([7 * bs + 0, 5 * bs + 3])  # where the new tokens go

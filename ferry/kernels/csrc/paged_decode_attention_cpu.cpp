@@ -2,28 +2,51 @@
 // straight from the block-paged cache (no gathered copy), online over blocks.
 //
 // q:            [B, H, D]           float32
-// k/v_cache:    [NB, BS, KVH, D]    float32
+// k/v_cache:    [NB, BS, KVH, D]    float32 or bfloat16 (--kv-cache-dtype bfloat16)
 // block_tables: [B, MAXB]           int64
 // seq_lens:     [B]                 int64 (tokens attended to, including the new one)
 // out:          [B, H, D]           float32
 //
 // Work is split over (sequence, kv head); the G = H / KVH query heads that share
 // a kv head are processed together, so every K/V row is loaded once.
+// A bf16 cache halves the bytes read (decode attention is bound by them); each
+// block's rows of this head are widened to fp32 in an L1-resident scratch and
+// the fp32 loops run on that.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 // Built with -ffast-math (so expf vectorizes): no infinities, a large finite floor instead.
 constexpr float kNegBig = -1e30f;
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+// n rows of D values, `stride` elements apart, as fp32. A float cache is used in
+// place (returns src with its stride); bf16 is widened into `scratch` (stride D).
+inline const float* rows_as_f32(const float* src, int64_t, int64_t, int64_t stride, float*, int64_t& out_stride) {
+  out_stride = stride;
+  return src;
+}
+
+inline const float* rows_as_f32(const uint16_t* src, int64_t n, int64_t D, int64_t stride, float* scratch,
+                                int64_t& out_stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* row = src + t * stride;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(scratch + t * D);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<uint32_t>(row[d]) << 16;  // bf16 = high half of fp32
+  }
+  out_stride = D;
+  return scratch;
+}
+
+template <typename CacheT>
+torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t G = H / KVH;
@@ -32,8 +55,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const CacheT* kp = reinterpret_cast<const CacheT*>(k_cache.data_ptr());
+  const CacheT* vp = reinterpret_cast<const CacheT*>(v_cache.data_ptr());
+  constexpr int64_t kElem = sizeof(CacheT);
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -41,6 +65,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<float> kscratch(BS * D), vscratch(BS * D);
     std::vector<float> acc(G * D);
     std::vector<float> m(G), l(G), corr(G);
     for (int64_t task = begin; task < end; ++task) {
@@ -54,8 +79,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       for (int64_t j = 0; j * BS < L; ++j) {
         const int64_t blk = btp[b * MAXB + j];
         const int64_t n = std::min(BS, L - j * BS);
-        const float* kb = kp + (blk * BS * KVH + h) * D;
-        const float* vb = vp + (blk * BS * KVH + h) * D;
+        int64_t ks = 0, vs = 0;  // row strides of kb / vb in floats
+        const float* kb = rows_as_f32(kp + (blk * BS * KVH + h) * D, n, D, KVH * D, kscratch.data(), ks);
+        const float* vb = rows_as_f32(vp + (blk * BS * KVH + h) * D, n, D, KVH * D, vscratch.data(), vs);
         if ((j + 1) * BS < L) {
           // The next block lives elsewhere in the pool: start its loads now so
           // they overlap this block's arithmetic (one 64-byte line at a time).
@@ -63,9 +89,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           const char* nk = reinterpret_cast<const char*>(kp + (nblk * BS * KVH + h) * D);
           const char* nv = reinterpret_cast<const char*>(vp + (nblk * BS * KVH + h) * D);
           for (int64_t t = 0; t < BS; ++t)
-            for (int64_t off = 0; off < D * 4; off += 64) {
-              __builtin_prefetch(nk + t * KVH * D * 4 + off);
-              __builtin_prefetch(nv + t * KVH * D * 4 + off);
+            for (int64_t off = 0; off < D * kElem; off += 64) {
+              __builtin_prefetch(nk + t * KVH * D * kElem + off);
+              __builtin_prefetch(nv + t * KVH * D * kElem + off);
             }
         }
         // Scores of this block for all G heads, exponentiated in one vectorizable
@@ -75,10 +101,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           const float* qg = qb + g * D;
           int64_t t = 0;
           for (; t + 4 <= n; t += 4) {
-            const float* k0 = kb + t * KVH * D;
-            const float* k1 = k0 + KVH * D;
-            const float* k2 = k1 + KVH * D;
-            const float* k3 = k2 + KVH * D;
+            const float* k0 = kb + t * ks;
+            const float* k1 = k0 + ks;
+            const float* k2 = k1 + ks;
+            const float* k3 = k2 + ks;
             float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
             for (int64_t d = 0; d < D; ++d) {
@@ -93,7 +119,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
             scores[g * BS + t + 3] = s3 * fscale;
           }
           for (; t < n; ++t) {
-            const float* kt = kb + t * KVH * D;
+            const float* kt = kb + t * ks;
             float s0 = 0.f;
 #pragma omp simd reduction(+ : s0)
             for (int64_t d = 0; d < D; ++d) s0 += qg[d] * kt[d];
@@ -121,16 +147,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           float* ag = acc.data() + g * D;
           int64_t t = 0;
           for (; t + 4 <= n; t += 4) {
-            const float* v0 = vb + t * KVH * D;
-            const float* v1 = v0 + KVH * D;
-            const float* v2 = v1 + KVH * D;
-            const float* v3 = v2 + KVH * D;
+            const float* v0 = vb + t * vs;
+            const float* v1 = v0 + vs;
+            const float* v2 = v1 + vs;
+            const float* v3 = v2 + vs;
             const float p0 = pg[t], p1 = pg[t + 1], p2 = pg[t + 2], p3 = pg[t + 3];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
           }
           for (; t < n; ++t) {
-            const float* vt = vb + t * KVH * D;
+            const float* vt = vb + t * vs;
             const float p = pg[t];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
@@ -147,6 +173,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "k and v caches must share a dtype");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+  if (k_cache.dtype() == torch::kFloat32)
+    return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  TORCH_CHECK(k_cache.dtype() == torch::kBFloat16, "the cache must be float32 or bfloat16");
+  return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32 q, fp32 or bf16 cache)");
 }
