@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.kernels.cpu import cpu_kernels
+
 # The M the weight layout is tuned for; any M works.
 _PACK_HINT_ROWS = 16
 
@@ -60,6 +62,14 @@ def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] fp32 -> (uint8 [M, K] with zero point 128, scale [M, 1] fp32)."""
+    kernels = cpu_kernels()
+    if kernels is not None:
+        return kernels.quantize_per_token_u8(x)
+    return quantize_per_token_reference(x)
+
+
+def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch version of quantize_per_token (the C++ kernel's test oracle)."""
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-12).div_(127.0)
     q = torch.round(x / scale).add_(128.0).to(torch.uint8)
     return q, scale

@@ -71,3 +71,25 @@ def test_paged_attention_paths_agree(kernels, cache_dtype):
         )
         outs.append(paged_attention(q, k, v, kc, vc, meta, d**-0.5))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m, k", [(1, 576), (16, 1536), (300, 96), (0, 64), (3, 7)])
+def test_quantize_per_token_matches_reference(kernels, m, k):
+    from ferry.layers.int8_linear import quantize_per_token_reference
+
+    torch.manual_seed(0)
+    x = torch.randn(m, k) * torch.logspace(-4, 3, max(m, 1))[:m, None]  # rows of very different scale
+    if m > 2:
+        x[2] = 0.0  # an all-zero row: zero point only, no NaN
+    q, scale = kernels.quantize_per_token_u8(x)
+    q_ref, scale_ref = quantize_per_token_reference(x)
+    assert q.dtype == torch.uint8 and q.shape == (m, k) and scale.shape == (m, 1)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    # x * (1 / s) here vs x / s there: a value on a .5 boundary may round the other way.
+    if m:
+        assert (q.int() - q_ref.int()).abs().max().item() <= 1
+    if m > 2:
+        assert torch.all(q[2] == 128)
+    # A non-contiguous input is read correctly.
+    xt = torch.randn(k, 5).t()
+    torch.testing.assert_close(kernels.quantize_per_token_u8(xt)[1], quantize_per_token_reference(xt)[1])
