@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_args(sc)
     EngineArgs.add_cli_args(sc)
     sc.set_defaults(func=compare_main)
+
+    from ferry.bench.quality import add_args as add_quality_args
+    from ferry.bench.quality import main as quality_main
+
+    qb = bench_sub.add_parser("quality", help="a quantized model's next-token distributions against fp32")
+    add_quality_args(qb)
+    EngineArgs.add_cli_args(qb)
+    qb.set_defaults(func=quality_main)
     return parser
 
 

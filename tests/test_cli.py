@@ -42,7 +42,15 @@ def test_serve_rejects_bad_flags_before_loading():
         (["--max-queue-len", "0"], "max_queue_len"),
         (["--block-size", "0"], "block_size"),
         (["/nonexistent/model.gguf"], "does not exist"),
+        (["--quantization", "int4"], "quantization must be one of int8"),
+        (["--kv-cache-dtype", "fp8"], "kv_cache_dtype must be"),
     ):
         proc = _ferry("serve", "--port", "1", *args, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert word in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_quality_needs_a_quantization():
+    proc = _ferry("bench", "quality", timeout=60)
+    assert proc.returncode == 2
+    assert "--quantization int8" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,88 @@
+"""`ferry bench quality`: how far a quantization moves the model from the fp32 one.
+
+Both models read the same text teacher-forced (one prefill), and every
+position's next-token distribution is compared: mean KL(fp32 || quantized),
+top-1 agreement, and each model's perplexity on the text. This measures the
+weight and activation quantization (`--quantization`); the KV-cache dtype
+does not enter a single prefill (see tests/engine for its greedy check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import replace
+
+import torch
+
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import load_model
+
+# Held out from the SmoothQuant calibration text (ferry/layers/smoothquant.py): prose, code, Q&A.
+DEFAULT_TEXT = (
+    "The river begins high in the mountains, where snow melts each spring and feeds a hundred small "
+    "streams. By the time it reaches the valley it is wide and slow, and the town that grew up on its "
+    "banks has depended on it for centuries: for water, for fish, and for the barges that carried "
+    "grain and timber down to the sea. In the nineteenth century a railway arrived, and the barges "
+    "slowly disappeared. Today the old warehouses along the quay have become restaurants, a museum "
+    "and a library, and on summer evenings people sit by the water and watch the light fade.\n\n"
+    "To compute the average of a list of numbers in Python, add them with sum() and divide by len(); "
+    "for an empty list, decide first what the answer should be, because dividing by zero raises a "
+    "ZeroDivisionError. The statistics module offers mean(), median() and stdev() as well.\n\n"
+    "Q: What is the boiling point of water at sea level?\nA: 100 degrees Celsius, or 212 degrees "
+    "Fahrenheit. At higher altitudes the air pressure is lower, so water boils at a lower temperature."
+)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
+    p.add_argument("--text-file", default=None, help="text to score (default: a built-in held-out paragraph)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="score at most this many tokens of the text")
+    p.add_argument("--json", default=None)
+
+
+@torch.no_grad()
+def compare(reference, candidate, token_ids: list[int]) -> dict[str, float]:
+    """Teacher-forced comparison of two loaded models (LlamaForCausalLM) on one token sequence."""
+    ref = reference.compute_logits(reference._forward_prompt(token_ids)).float().log_softmax(-1)
+    got = candidate.compute_logits(candidate._forward_prompt(token_ids)).float().log_softmax(-1)
+    target = torch.tensor(token_ids[1:], device=ref.device)[:, None]
+    return {
+        "tokens": len(token_ids),
+        "kl_mean": (ref.exp() * (ref - got)).sum(-1).mean().item(),
+        "top1_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
+        "ppl_reference": math.exp(-ref[:-1].gather(1, target).mean().item()),
+        "ppl_candidate": math.exp(-got[:-1].gather(1, target).mean().item()),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    eargs = EngineArgs.from_cli_args(args)
+    eargs.model = args.model
+    if not eargs.quantization:
+        raise ValueError("give the quantization to measure, e.g. --quantization int8")
+    if args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    text = DEFAULT_TEXT
+    if args.text_file:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    reference, tokenizer, *_ = load_model(replace(eargs, quantization=None))
+    if tokenizer is None:
+        raise ValueError("the model has no tokenizer to encode the text with")
+    ids = tokenizer.encode(text)[: args.max_tokens]
+    if len(ids) < 2:
+        raise ValueError("the text is shorter than two tokens")
+    candidate, *_ = load_model(eargs)
+    result = {"quantization": eargs.quantization, **compare(reference, candidate, ids)}
+    print(
+        f"{eargs.quantization} vs unquantized over {result['tokens']} tokens: "
+        f"KL {result['kl_mean']:.4f}, top-1 agreement {result['top1_agreement']:.3f}, "
+        f"perplexity {result['ppl_reference']:.2f} -> {result['ppl_candidate']:.2f} "
+        f"({result['ppl_candidate'] / result['ppl_reference'] - 1:+.1%})"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
