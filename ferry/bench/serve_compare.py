@@ -79,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
                      "seed": args.bench_seed, "prompt_tokens": sum(len(p) for p, _ in reqs),
                      "output_tokens": sum(n for _, n in reqs)},
         "engine_args": asdict(eargs),
+        "ferry_flags": engine_cli_flags(eargs),
     }  # fmt: skip
     print(f"workload: {result['workload']}")
 
@@ -169,6 +170,9 @@ def plot(result: dict, path: str, concurrency: int) -> None:
         ax.set_ylabel("ms")
         ax.set_title(f"{metric.upper()} at concurrency {concurrency}")
         ax.legend()
-    fig.suptitle(f"{os.path.basename(result['model'])} on {result['cpus']} CPUs, {torch.__version__}")
+    flags = " ".join(result.get("ferry_flags") or []) or "default engine args"
+    fig.suptitle(
+        f"{os.path.basename(result['model'])} on {result['cpus']} CPUs, torch {torch.__version__}; ferry: {flags}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
