@@ -27,6 +27,7 @@ import zmq.asyncio
 from ferry.config import EngineArgs
 from ferry.engine.core_proc import run_engine_core
 from ferry.engine.input_processor import InputProcessor, PromptType
+from ferry.engine.kv_events import KVEventsConfig
 from ferry.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -79,8 +80,15 @@ class MetricsSink:
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, tokenizer=None, metrics: MetricsSink | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        tokenizer=None,
+        metrics: MetricsSink | None = None,
+        kv_events: KVEventsConfig | None = None,
+    ) -> None:
         self.args = args
+        self.kv_events = kv_events  # publish KV events from the core (for the gateway)
         self.tokenizer = tokenizer
         self.metrics = metrics or MetricsSink()
         self.info: EngineInfo | None = None
@@ -122,7 +130,7 @@ class AsyncLLM:
         addrs = (f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output")
         self.proc = ctx.Process(
             target=run_engine_core,
-            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel()),
+            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events),
             name="ferry-engine-core",
             daemon=True,
         )

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ferry.engine.block_hash import BlockHash
+from ferry.engine.kv_events import KVEventRecorder
 
 
 @dataclass(eq=False)
@@ -35,6 +36,11 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # KV events for the gateway (kv_events.py); None, and free, unless enabled.
+        self.events: KVEventRecorder | None = None
+
+    def enable_events(self) -> None:
+        self.events = KVEventRecorder()
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,6 +65,8 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -80,14 +88,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Publish a full block under its hash (first writer wins on duplicates)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, parent: BlockHash | None = None) -> None:
+        """Publish a full block under its hash (first writer wins on duplicates); `parent` is the
+        hash of the block before it in its sequence (None for the first), for KV events."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # the same content is already cached in another block
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent)
 
     def num_referenced(self) -> int:
         return sum(1 for b in self.blocks if b.ref_cnt > 0)
@@ -99,4 +110,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

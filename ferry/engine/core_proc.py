@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from ferry.config import EngineArgs
+from ferry.engine.kv_events import KVEventPublisher, KVEventsConfig
 from ferry.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -57,7 +58,9 @@ def _die_with_parent() -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, args: EngineArgs, input_addr: str, output_addr: str) -> None:
+    def __init__(
+        self, args: EngineArgs, input_addr: str, output_addr: str, kv_events: KVEventsConfig | None = None
+    ) -> None:
         from ferry.engine.llm_engine import LLMEngine
 
         self.ctx = zmq.Context(1)
@@ -75,6 +78,16 @@ class EngineCoreProc:
         self.engine = LLMEngine(args)
         self.core = self.engine.core
         self._warm_up()
+        self.publisher: KVEventPublisher | None = None
+        if kv_events is not None:
+            self.publisher = KVEventPublisher(self.ctx, kv_events)
+            self.core.kv.pool.enable_events()  # after the warm-up: its blocks are forgotten
+            info = self.engine.info
+            info.kv_events_host = self.publisher.host
+            info.kv_events_port = self.publisher.port
+            info.kv_events_replay_port = self.publisher.replay_port
+            logger.info("KV events on tcp://%s:%d (replay %d)", self.publisher.host, self.publisher.port,
+                        self.publisher.replay_port)  # fmt: skip
         self.send(CoreReady(self.engine.info))
         self.running = True
 
@@ -130,20 +143,31 @@ class EngineCoreProc:
                 error = f"unknown method {msg.method!r}"
             self.send(UtilityResult(msg.call_id, error is None, value, error))
 
+    def publish_kv_events(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self.core.kv.pool.events.take())
+
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
+        if self.publisher is not None:
+            poller.register(self.publisher.replay, zmq.POLLIN)
         last_heartbeat = time.monotonic()
         while self.running:
             busy = self.core.has_unfinished_requests()
             timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
-            while poller.poll(timeout_ms):
-                self.handle(self.decoder.decode(self.input.recv(copy=False).buffer))
+            while ready := dict(poller.poll(timeout_ms)):
+                if self.input in ready:
+                    self.handle(self.decoder.decode(self.input.recv(copy=False).buffer))
+                if self.publisher is not None and self.publisher.replay in ready:
+                    self.publisher.serve_replays(lambda: list(self.core.kv.pool.cached))
                 timeout_ms = 0
+            self.publish_kv_events()  # e.g. a reset_prefix_cache call
             if not self.running:
                 break
             if self.core.has_unfinished_requests():
                 outputs = self.core.step()
+                self.publish_kv_events()
                 self.send(CoreOutputs(outputs, self.core.stats()))
                 last_heartbeat = time.monotonic()
             elif time.monotonic() - last_heartbeat >= HEARTBEAT_S:
@@ -152,12 +176,20 @@ class EngineCoreProc:
                 last_heartbeat = time.monotonic()
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.output.close()
         self.input.close()
         self.ctx.term()
 
 
-def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_level: int = logging.INFO) -> None:
+def run_engine_core(
+    args: EngineArgs,
+    input_addr: str,
+    output_addr: str,
+    log_level: int = logging.INFO,
+    kv_events: KVEventsConfig | None = None,
+) -> None:
     """Entry point of the core process (multiprocessing target)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # The API process owns signals: SIGINT from a terminal goes to the whole group, and the
@@ -167,7 +199,7 @@ def run_engine_core(args: EngineArgs, input_addr: str, output_addr: str, log_lev
     _die_with_parent()
     proc = None
     try:
-        proc = EngineCoreProc(args, input_addr, output_addr)
+        proc = EngineCoreProc(args, input_addr, output_addr, kv_events)
         proc.run()
     except ParentGone:
         logger.error("the API process is gone; exiting")

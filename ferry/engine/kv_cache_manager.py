@@ -69,8 +69,9 @@ class KVCacheManager:
         # now, so that a request scheduled later in this same step can share them.
         if self.enable_prefix_caching:
             num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
+            hashes = request.block_hashes
             for i in range(num_computed // self.block_size, num_full):
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
         return True
 
     def free(self, request: Request) -> None:

@@ -56,6 +56,10 @@ class EngineInfo(msgspec.Struct):
     eos_token_ids: list[int]
     block_size: int
     num_kv_blocks: int
+    # Where the core publishes KV events (engine/kv_events.py); None unless enabled.
+    kv_events_host: str | None = None
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
 
 
 # -- API -> core ---------------------------------------------------------------

@@ -18,7 +18,8 @@ LONG_PROMPT = "Here is a story about a lighthouse keeper who counted the ships p
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "8", "--served-model-name", "smol", "extra-name")
+    s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "8", "--served-model-name", "smol", "extra-name",
+                      "--enable-kv-events")  # fmt: skip
     yield s
     assert s.stop() == 0, s.logs()
 
@@ -91,6 +92,49 @@ def test_prefix_cache_hits_are_reported_as_cached_tokens(server, client):
     n = first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= 16 * ((n - 1) // 16) > 0
     assert server.metric("ferry:prefix_cache_hits_total") >= second.usage.prompt_tokens_details.cached_tokens
+
+
+def test_kv_events_publish_the_prompt_blocks(server, client):
+    """/ferry/info says where the events are; a subscriber sees the hashes the gateway would compute."""
+    import msgspec
+    import zmq
+
+    from ferry.engine.block_hash import hash_prompt_blocks
+    from ferry.engine.kv_events import KVEventBatch, ReplayRequest, ReplayResponse
+
+    info = httpx.get(server.url + "/ferry/info", timeout=10).json()
+    assert info["block_size"] == 16 and info["block_hash"] == "sha256-chained-v1" and info["models"][0] == "smol"
+    ev = info["kv_events"]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, ev["topic"].encode())
+    sub.connect(f"tcp://{ev['host']}:{ev['port']}")
+    try:
+        time.sleep(0.3)  # let the subscription reach the publisher (PUB drops until then)
+        ids = [random.Random(7).randrange(100, 40000) for _ in range(40)]
+        client.completions.create(model="smol", prompt=ids, max_tokens=1, temperature=0)
+        want = hash_prompt_blocks(ids, 16)
+        seen: list[bytes] = []
+        seqs: list[int] = []
+        deadline = time.monotonic() + 10
+        while not set(want) <= set(seen) and time.monotonic() < deadline:
+            if sub.poll(200):
+                batch = msgspec.msgpack.decode(sub.recv_multipart()[1], type=KVEventBatch)
+                seqs.append(batch.seq)
+                seen += [h for e in batch.events if hasattr(e, "block_hashes") for h in e.block_hashes]
+        assert set(want) <= set(seen), (len(want), len(seen))
+        assert seqs == sorted(seqs)
+        # A snapshot from the replay socket holds them too.
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://{ev['host']}:{ev['replay_port']}")
+        dealer.send_multipart([b"", msgspec.msgpack.encode(ReplayRequest(0))])
+        assert dealer.poll(5000), "no replay answer"
+        snap = msgspec.msgpack.decode(dealer.recv_multipart()[-1], type=ReplayResponse).snapshot
+        assert set(want) <= set(snap.block_hashes) and snap.seq >= seqs[-1]
+        dealer.close(linger=0)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
 
 
 def test_n_and_seed(client):

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from ferry.config import EngineArgs
 from ferry.engine.async_llm import AsyncLLM, EngineDeadError
+from ferry.engine.kv_events import HASH_ALGORITHM, TOPIC, KVEventsConfig
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import RequestAbortedError, ServerState, as_openai_error
@@ -82,8 +83,9 @@ class Server:
     """The app, its engine and its lifecycle (start, drain, die)."""
 
     def __init__(self, engine_args: EngineArgs, served_model_names: list[str], *, max_queue_len: int,
-                 drain_timeout: float) -> None:  # fmt: skip
+                 drain_timeout: float, kv_events: KVEventsConfig | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
+        self.kv_events = kv_events
         self.state = ServerState(served_model_names, max_queue_len)
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
@@ -97,7 +99,7 @@ class Server:
     # -- lifecycle --------------------------------------------------------
 
     async def _start_engine(self) -> None:
-        engine = AsyncLLM(self.engine_args, tokenizer=None, metrics=self.metrics)
+        engine = AsyncLLM(self.engine_args, tokenizer=None, metrics=self.metrics, kv_events=self.kv_events)
         engine.on_dead = self._on_engine_dead
         self.state.engine = engine
         try:
@@ -216,6 +218,29 @@ class Server:
             ]  # fmt: skip
             return JSONResponse({"object": "list", "data": data})
 
+        @app.get("/ferry/info")
+        async def info() -> Response:
+            """What a router needs to mirror this replica's prefix cache (gateway, kv-aware policy)."""
+            engine = state.engine
+            if engine is None or engine.info is None:
+                return JSONResponse({"status": "loading"}, status_code=503)
+            i = engine.info
+            events = None
+            if i.kv_events_port is not None:
+                events = {"host": i.kv_events_host, "port": i.kv_events_port, "replay_port": i.kv_events_replay_port,
+                          "topic": TOPIC.decode()}  # fmt: skip
+            return JSONResponse({
+                "models": state.served_model_names,
+                "model_path": self.model_path,
+                "tokenizer": self.engine_args.tokenizer or self.model_path,
+                "block_size": i.block_size,
+                "num_kv_blocks": i.num_kv_blocks,
+                "max_model_len": i.max_model_len,
+                "prefix_caching": self.engine_args.enable_prefix_caching,
+                "block_hash": HASH_ALGORITHM,
+                "kv_events": events,
+            })  # fmt: skip
+
         async def generate(request: Request, body_type: type, handler) -> Response:
             body = await _parse(request, body_type)
             try:
@@ -269,6 +294,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 429 past this many sequences (prompts x n) waiting for their first token")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument(
+        "--enable-kv-events",
+        action="store_true",
+        help="publish KV-cache events over ZMQ for the gateway's kv-aware routing (see /ferry/info)",
+    )
+    p.add_argument("--kv-events-host", default=None, help="address to publish on (default: --host)")
+    p.add_argument("--kv-events-port", type=int, default=0, help="PUB port (0: any free one)")
+    p.add_argument("--kv-events-replay-port", type=int, default=0, help="replay port (0: any free one)")
 
 
 def default_served_name(model: str | None, path: str) -> str:
@@ -289,7 +322,11 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
     path = resolve_model_path(engine_args.model)  # FileNotFoundError: a clear message, exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
-    server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout)
+    kv_events = None
+    if args.enable_kv_events:
+        kv_events = KVEventsConfig(args.kv_events_host or args.host, args.kv_events_port, args.kv_events_replay_port)
+    server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
+                    kv_events=kv_events)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,
