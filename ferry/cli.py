@@ -84,6 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from ferry.gateway.main import add_gateway_args, run_gateway
+
+    gw = sub.add_parser("gateway", help="KV-aware router over ferry serve replicas (OpenAI API)")
+    add_gateway_args(gw)
+    gw.set_defaults(func=run_gateway)
+
+    from ferry.gateway.up import add_up_args, run_up
+
+    up = sub.add_parser("up", help="N ferry serve replicas and a gateway over them, on this machine")
+    add_up_args(up)
+    up.set_defaults(func=run_up)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from ferry.bench.throughput import add_args as add_throughput_args

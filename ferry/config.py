@@ -66,6 +66,21 @@ class EngineArgs:
                 kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
                 g.add_argument(flag, type=kind, default=f.default)
 
+    def to_cli_flags(self) -> list[str]:
+        """The non-default fields as flags (model excluded), to start a `ferry serve` like this."""
+        flags: list[str] = []
+        default = EngineArgs()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "model" or value == getattr(default, f.name):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            else:
+                flags += [flag, str(value)]
+        return flags
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

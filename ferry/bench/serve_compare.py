@@ -16,7 +16,7 @@ import math
 import os
 import platform
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 
@@ -42,22 +42,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None)
 
 
-def engine_cli_flags(eargs: EngineArgs) -> list[str]:
-    """The non-default engine args as `ferry serve` flags."""
-    flags = []
-    default = EngineArgs()
-    for f in fields(EngineArgs):
-        value = getattr(eargs, f.name)
-        if f.name == "model" or value == getattr(default, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
 def main(args: argparse.Namespace) -> int:
     eargs = EngineArgs.from_cli_args(args)
     eargs.model = args.model
@@ -79,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
                      "seed": args.bench_seed, "prompt_tokens": sum(len(p) for p, _ in reqs),
                      "output_tokens": sum(n for _, n in reqs)},
         "engine_args": asdict(eargs),
-        "ferry_flags": engine_cli_flags(eargs),
+        "ferry_flags": eargs.to_cli_flags(),
     }  # fmt: skip
     print(f"workload: {result['workload']}")
 
@@ -95,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         gc.collect()
 
     port = free_port()
-    cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(port), *engine_cli_flags(eargs)]
+    cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(port), *eargs.to_cli_flags()]
     if args.model:
         cmd.insert(4, args.model)
     with LaunchedServer(cmd, port, ready_path="/ready") as url:

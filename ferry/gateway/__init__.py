@@ -1,0 +1,1 @@
+"""`ferry gateway`: KV-aware routing over `ferry serve` replicas (app.py), and `ferry up` (up.py)."""

@@ -1,0 +1,343 @@
+"""`ferry gateway`: one OpenAI-compatible endpoint over many `ferry serve` replicas.
+
+A request's way through: parse the body (400 if it is not JSON), find the pool
+of healthy workers that serve its `model` (404 if no worker ever advertised
+it, 503 if none is healthy now), compute the prompt's block hashes when the
+policy needs them (the model's tokenizer and chat template, as the replica
+will), let the Router pick a worker, and forward the body untouched. The
+worker's response, streamed or not, is passed through byte for byte with an
+`x-ferry-worker` header. A worker that refuses the connection or answers 5xx
+before the first byte counts as a failure for its circuit breaker and the
+request is retried on another worker of the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import httpx
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ferry.engine.block_hash import hash_prompt_blocks
+from ferry.engine.kv_events import HASH_ALGORITHM
+from ferry.gateway.kv_index import KVEventSubscriber
+from ferry.gateway.policies import PolicyConfig, Router
+from ferry.gateway.prefix_index import PrefixIndex
+from ferry.gateway.worker import MonitorConfig, Worker, WorkerMonitor
+
+logger = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape otherwise
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+WORKER_HEADER = "x-ferry-worker"
+# Hop-by-hop and length headers are the gateway's own business, not the worker's.
+_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass
+class GatewayConfig:
+    workers: list[str]
+    policy: str = "kv-aware"
+    tokenizer: str | None = None  # default: what each worker's /ferry/info names
+    max_retries: int = 2
+    request_timeout: float = 600.0
+    prefix_index_blocks: int = 200_000
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter("ferry_gateway_routing_decisions", "routing decisions", ["model", "worker", "reason"],
+                                 registry=r)  # fmt: skip
+        self.overlap = Histogram("ferry_gateway_prefix_overlap", "cached share of the prompt on the chosen worker",
+                                 buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)  # fmt: skip
+        self.retries = Counter("ferry_gateway_retries", "requests retried on another worker", ["model"], registry=r)
+        self.failed = Counter("ferry_gateway_failed_requests", "requests no worker could take", ["model"], registry=r)
+        self.healthy = Gauge("ferry_gateway_worker_healthy", "1 if the worker is in its pools", ["worker"], registry=r)
+        self.in_flight = Gauge("ferry_gateway_worker_in_flight", "requests in flight", ["worker"], registry=r)
+
+    def render(self, workers: list[Worker]) -> bytes:
+        for w in workers:
+            self.healthy.labels(w.url).set(1.0 if w.healthy else 0.0)
+            self.in_flight.labels(w.url).set(w.in_flight)
+        return generate_latest(self.registry)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, monitor: MonitorConfig | None = None,
+                 policy: PolicyConfig | None = None) -> None:  # fmt: skip
+        if not config.workers:
+            raise ValueError("give at least one --worker URL")
+        self.config = config
+        self.monitor_config = monitor or MonitorConfig()
+        self.router = Router(config.policy, policy)
+        self.workers = [Worker(u.rstrip("/")) for u in dict.fromkeys(config.workers)]
+        self.metrics = GatewayMetrics()
+        self.prefix_index = PrefixIndex(config.prefix_index_blocks)
+        self.client: httpx.AsyncClient | None = None
+        self.monitors: list[WorkerMonitor] = []
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self._tokenizers: dict[str, object] = {}
+        self._zmq: zmq.asyncio.Context | None = None
+        self._sync_task: asyncio.Task | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits)
+        self._zmq = zmq.asyncio.Context()
+        self.monitors = [WorkerMonitor(w, self.client, self.monitor_config) for w in self.workers]
+        for m in self.monitors:
+            m.start()
+        await asyncio.wait([asyncio.create_task(m.first_check.wait()) for m in self.monitors], timeout=10)
+        self._sync_task = asyncio.create_task(self._sync_subscribers(), name="kv subscribers")
+        logger.info("gateway over %d workers, policy %s", len(self.workers), self.config.policy)
+
+    async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+        for m in self.monitors:
+            await m.stop()
+        for s in self.subscribers.values():
+            await s.stop()
+        if self.client is not None:
+            await self.client.aclose()
+        if self._zmq is not None:
+            self._zmq.term()
+
+    async def _sync_subscribers(self) -> None:
+        """Keep one KV-event subscriber per reachable worker that publishes events (kv-aware);
+        forget a worker's cache state when it goes away (it may come back empty)."""
+        while True:
+            for w in self.workers:
+                sub = self.subscribers.get(w.url)
+                if not w.reachable:
+                    if sub is not None:
+                        await sub.stop()
+                        del self.subscribers[w.url]
+                    self.prefix_index.forget_worker(w.url)
+                    w.info = None  # refetched on recovery: a restarted worker has new ports
+                    continue
+                if sub is None and self.config.policy == "kv-aware" and w.info and w.info.get("kv_events"):
+                    if w.info.get("block_hash") != HASH_ALGORITHM:
+                        logger.warning("worker %s hashes blocks with %s, not %s: routed by load", w.url,
+                                       w.info.get("block_hash"), HASH_ALGORITHM)  # fmt: skip
+                        continue
+                    ev = w.info["kv_events"]
+                    host = ev["host"]
+                    if host in ("0.0.0.0", "*", "::", ""):
+                        host = urlparse(w.url).hostname or "127.0.0.1"
+                    sub = KVEventSubscriber(self._zmq, host, ev["port"], ev["replay_port"], w.url)
+                    sub.start()
+                    self.subscribers[w.url] = sub
+            await asyncio.sleep(self.monitor_config.scrape_interval)
+
+    # -- routing ----------------------------------------------------------
+
+    def pool(self, model: str) -> tuple[list[Worker], bool]:
+        """(healthy workers serving `model`, whether any worker ever advertised it)."""
+        known = [w for w in self.workers if model in w.models]
+        return [w for w in known if w.healthy], bool(known)
+
+    def _tokenizer(self, worker: Worker):
+        source = self.config.tokenizer or (worker.info or {}).get("tokenizer")
+        if not source:
+            return None
+        if source not in self._tokenizers:
+            from ferry.tokenizer import load_tokenizer
+
+            self._tokenizers[source] = load_tokenizer(source)
+        return self._tokenizers[source]
+
+    def prompt_token_ids(self, kind: str, data: dict, worker: Worker) -> list[int] | None:
+        """The token ids the replica will see for this body (its first prompt), or None when
+        they cannot be known here (the replica then reports whatever is wrong)."""
+        try:
+            if kind == "completions":
+                prompt = data.get("prompt")
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                    prompt = prompt[0]  # several prompts go to one worker; route by the first
+                if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                    return prompt
+                tok = self._tokenizer(worker)
+                return tok.encode(prompt) if isinstance(prompt, str) and tok is not None else None
+            from ferry.entrypoints.openai.protocol import ChatCompletionRequest
+            from ferry.entrypoints.openai.serving_chat import render_chat_prompt
+
+            tok = self._tokenizer(worker)
+            if tok is None:
+                return None
+            return render_chat_prompt(tok, ChatCompletionRequest.model_validate(data))["prompt_token_ids"]
+        except Exception:  # a body the replica will reject: route it by load, let the replica say why
+            return None
+
+    async def decide(self, kind: str, model: str, data: dict, pool: list[Worker]):
+        hashes: list[bytes] = []
+        overlaps = None
+        if self.router.needs_block_hashes:
+            block_size = next((w.info["block_size"] for w in pool if w.info and w.info.get("block_size")), None)
+            ids = await asyncio.to_thread(self.prompt_token_ids, kind, data, pool[0]) if block_size else None
+            if ids:
+                hashes = hash_prompt_blocks(ids, block_size)
+                if self.router.policy == "kv-aware":
+                    overlaps = [
+                        self.subscribers[w.url].index.overlap(hashes) if w.url in self.subscribers else 0 for w in pool
+                    ]
+                else:
+                    overlaps = [self.prefix_index.overlap(hashes, w.url) for w in pool]
+        decision = self.router.choose(pool, len(hashes), overlaps)
+        if self.router.policy == "prefix" and hashes:
+            self.prefix_index.insert(hashes, decision.worker.url)
+        self.metrics.decisions.labels(model, decision.worker.url, decision.reason).inc()
+        if decision.overlap >= 0:
+            self.metrics.overlap.observe(decision.overlap)
+        return decision
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            return error_response(400, f"malformed JSON body: {e}")
+        if not isinstance(data, dict):
+            return error_response(400, "the request body must be a JSON object")
+        model = data.get("model")
+        if not isinstance(model, str):
+            return error_response(400, "`model` is required (see GET /v1/models)", param="model")
+        pool, known = self.pool(model)
+        if not known:
+            return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        tried: set[str] = set()
+        while True:
+            candidates = [w for w in pool if w.url not in tried]
+            if not candidates:
+                self.metrics.failed.labels(model).inc()
+                return error_response(503, f"no healthy worker for model `{model}`", "service_unavailable",
+                                      headers={"Retry-After": "1"})  # fmt: skip
+            decision = await self.decide(kind, model, data, candidates)
+            worker = decision.worker
+            tried.add(worker.url)
+            upstream = await self._send(worker, path, raw, request)
+            if upstream is not None:
+                return self._pass_through(worker, upstream)
+            if len(tried) > self.config.max_retries:
+                self.metrics.failed.labels(model).inc()
+                return error_response(503, f"no worker for model `{model}` could take the request",
+                                      "service_unavailable", headers={"Retry-After": "1"})  # fmt: skip
+            self.metrics.retries.labels(model).inc()
+            pool, _ = self.pool(model)
+
+    async def _send(self, worker: Worker, path: str, raw: bytes, request: Request) -> httpx.Response | None:
+        """The worker's response with its headers read, or None when it failed before any byte."""
+        headers = {"content-type": "application/json"}
+        if "accept" in request.headers:
+            headers["accept"] = request.headers["accept"]
+        worker.in_flight += 1
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True
+            )
+        except (httpx.TransportError, OSError) as e:
+            worker.in_flight -= 1
+            worker.record_failure(f"{type(e).__name__}: {e}", self.monitor_config)
+            logger.warning("worker %s failed before responding: %s", worker.url, e)
+            return None
+        if upstream.status_code >= 500:
+            await upstream.aclose()
+            worker.in_flight -= 1
+            worker.record_failure(f"HTTP {upstream.status_code}", self.monitor_config)
+            logger.warning("worker %s answered %d; retrying elsewhere", worker.url, upstream.status_code)
+            return None
+        worker.consecutive_failures = 0
+        return upstream
+
+    def _pass_through(self, worker: Worker, upstream: httpx.Response) -> Response:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+        headers[WORKER_HEADER] = worker.url
+        started = time.monotonic()
+
+        async def body():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.TransportError as e:  # the worker died mid-stream: nothing to retry on
+                logger.warning("worker %s broke a response after %.1fs: %s", worker.url,
+                               time.monotonic() - started, e)  # fmt: skip
+            finally:
+                worker.in_flight -= 1
+                await upstream.aclose()
+
+        return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+
+    # -- app --------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: FastAPI):
+            await self.start()
+            try:
+                yield
+            finally:
+                await self.stop()
+
+        app = FastAPI(title="ferry gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self.handle(request, "completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self.handle(request, "chat")
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            names = sorted({m for w in self.workers if w.healthy for m in w.models})
+            data = [{"id": n, "object": "model", "created": 0, "owned_by": "ferry"} for n in names]
+            return JSONResponse({"object": "list", "data": data})
+
+        @app.get("/health")
+        async def health() -> Response:
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/ready")
+        async def ready() -> Response:
+            healthy = [w.url for w in self.workers if w.healthy]
+            return JSONResponse({"status": "ready" if healthy else "no healthy worker", "workers": healthy},
+                                status_code=200 if healthy else 503)  # fmt: skip
+
+        @app.get("/gateway/workers")
+        async def workers() -> Response:
+            return JSONResponse([
+                {"url": w.url, "healthy": w.healthy, "models": sorted(w.models), "in_flight": w.in_flight,
+                 "waiting": w.waiting, "running": w.running, "kv_usage": w.kv_usage, "last_error": w.last_error,
+                 "kv_blocks_known": len(self.subscribers[w.url].index.hashes) if w.url in self.subscribers else None}
+                for w in self.workers
+            ])  # fmt: skip
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(self.workers), media_type="text/plain; version=0.0.4")
+
+        return app

@@ -1,0 +1,141 @@
+"""Per-worker mirrors of the replicas' prefix caches, fed by their KV events.
+
+A `KVEventSubscriber` per worker connects a SUB socket to the publisher that
+`/ferry/info` names, then asks the replay socket for a snapshot and applies
+batches newer than it. A batch whose sequence number skips ahead means some
+were dropped (PUB does that to slow or late subscribers): the subscriber asks
+for a replay from the first missing one, which returns the batches or, if they
+have left the publisher's buffer, a fresh snapshot.
+
+Hashes are chained (ferry/engine/block_hash.py), so "block i of this prompt is
+cached" implies its whole prefix is, and the overlap of a prompt with a worker
+is the count of its leading block hashes the worker holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ferry.engine.kv_events import (
+    TOPIC,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ReplayRequest,
+    ReplayResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class KVIndex:
+    """The block hashes one worker holds, as of event `seq`."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+        self.seq = 0
+        self.synced = False  # a snapshot has been applied
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                self.hashes.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                self.hashes.difference_update(e.block_hashes)
+            elif isinstance(e, AllBlocksCleared):
+                self.hashes.clear()
+        self.seq = batch.seq
+
+    def reset(self, seq: int, hashes: list[bytes]) -> None:
+        self.hashes = set(hashes)
+        self.seq = seq
+        self.synced = True
+
+    def overlap(self, block_hashes: list[bytes]) -> int:
+        """Leading blocks of a prompt this worker holds."""
+        n = 0
+        for h in block_hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n
+
+
+class KVEventSubscriber:
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, replay_port: int, name: str) -> None:
+        self.ctx, self.host, self.port, self.replay_port, self.name = ctx, host, port, replay_port, name
+        self.index = KVIndex()
+        self.task: asyncio.Task | None = None
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.replay_decoder = msgspec.msgpack.Decoder(ReplayResponse)
+        self.replays = 0  # how often a gap (or the start) needed the replay socket
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"kv events {self.name}")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.connect(f"tcp://{self.host}:{self.port}")
+        try:
+            await asyncio.sleep(0.1)  # let the subscription reach the publisher before the snapshot
+            await self._resync(0)
+            while True:
+                if not await sub.poll(1000):
+                    continue
+                frames = await sub.recv_multipart()
+                try:
+                    batch = self.decoder.decode(frames[-1])
+                except msgspec.DecodeError:
+                    continue
+                if batch.seq <= self.index.seq:
+                    continue  # already in the snapshot or a replay
+                if batch.seq > self.index.seq + 1:
+                    await self._resync(self.index.seq + 1)
+                    if batch.seq <= self.index.seq:
+                        continue
+                    if batch.seq > self.index.seq + 1:  # still a hole: start over from a snapshot
+                        await self._resync(0)
+                        continue
+                self.index.apply(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("KV event subscriber for %s failed; the worker is routed by load only", self.name)
+            self.index.synced = False
+        finally:
+            sub.close()
+
+    async def _resync(self, start_seq: int, timeout: float = 5.0) -> None:
+        """Replay from start_seq (0: a snapshot); retried until the publisher answers."""
+        self.replays += 1
+        while True:
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(f"tcp://{self.host}:{self.replay_port}")
+            try:
+                await dealer.send_multipart([b"", msgspec.msgpack.encode(ReplayRequest(start_seq))])
+                if await dealer.poll(int(timeout * 1000)):
+                    resp = self.replay_decoder.decode((await dealer.recv_multipart())[-1])
+                    break
+            finally:
+                dealer.close()
+            logger.warning("no KV-event replay from %s within %.0fs; retrying", self.name, timeout)
+        if resp.snapshot is not None:
+            self.index.reset(resp.snapshot.seq, resp.snapshot.block_hashes)
+        for batch in resp.batches or []:
+            if batch.seq == self.index.seq + 1:
+                self.index.apply(batch)

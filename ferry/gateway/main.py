@@ -1,0 +1,71 @@
+"""`ferry gateway` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from ferry.gateway.app import Gateway, GatewayConfig
+from ferry.gateway.policies import POLICIES, PolicyConfig
+from ferry.gateway.worker import MonitorConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) -> None:
+    if workers_required:
+        p.add_argument("--worker", action="append", required=True, metavar="URL",
+                       help="a ferry serve (or any OpenAI-compatible) replica; repeat for each")  # fmt: skip
+    p.add_argument("--policy", choices=POLICIES, default="kv-aware")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    if workers_required:  # under `ferry up`, --tokenizer is the engine flag (and the workers report it)
+        p.add_argument("--tokenizer", default=None, help="tokenizer for prompt hashing (default: the workers' own)")
+    p.add_argument("--max-retries", type=int, default=2, help="other workers to try when one fails before a byte")
+    d, m = PolicyConfig(), MonitorConfig()
+    g = p.add_argument_group("routing weights (kv-aware, prefix)")
+    g.add_argument("--prefix-weight", type=float, default=d.prefix_weight, help="weight of the cached share (0..1)")
+    g.add_argument("--load-weight", type=float, default=d.load_weight, help="weight of the relative load (0..1)")
+    g.add_argument("--kv-usage-weight", type=float, default=d.kv_usage_weight, help="weight of KV usage (0..1)")
+    g.add_argument(
+        "--balance-abs",
+        type=float,
+        default=d.balance_abs,
+        help="balance guard: route by load alone when the busiest worker has this many more requests",
+    )
+    g.add_argument("--balance-rel", type=float, default=d.balance_rel,
+                   help="... and this factor more (+1 each) than the least busy")  # fmt: skip
+    g = p.add_argument_group("health")
+    g.add_argument("--scrape-interval", type=float, default=m.scrape_interval, help="seconds between /metrics scrapes")
+    g.add_argument("--health-interval", type=float, default=m.health_interval, help="seconds between /health checks")
+    g.add_argument("--failure-threshold", type=int, default=m.failure_threshold,
+                   help="consecutive failures that take a worker out of its pool")  # fmt: skip
+    g.add_argument("--cooldown", type=float, default=m.cooldown, help="seconds a failed worker stays out")
+    p.add_argument("--uvicorn-log-level", default="warning")
+
+
+def build_gateway(args: argparse.Namespace, workers: list[str]) -> Gateway:
+    if args.max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {args.max_retries}")
+    for name in ("scrape_interval", "health_interval", "cooldown"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(args, name)}")
+    if args.failure_threshold < 1:
+        raise ValueError(f"failure_threshold must be >= 1, got {args.failure_threshold}")
+    config = GatewayConfig(workers, args.policy, getattr(args, "tokenizer", None), args.max_retries)
+    monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
+    policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,
+                          args.balance_rel)  # fmt: skip
+    return Gateway(config, monitor, policy)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    gateway = build_gateway(args, args.worker)
+    config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
+    logger.info("ferry gateway on http://%s:%d over %s", args.host, args.port, ", ".join(args.worker))
+    server.run()
+    return 0 if server.started else 1

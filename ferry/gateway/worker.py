@@ -1,0 +1,153 @@
+"""One `ferry serve` replica as the gateway sees it: models, health, load, circuit breaker.
+
+A monitor task per worker scrapes `/metrics` every `scrape_interval` (queue
+depth, running requests, KV usage) and checks `/health` + `/v1/models` every
+`health_interval`. The circuit breaker opens after `failure_threshold`
+consecutive failures (probes, or routed requests that could not connect or got
+a 5xx before any byte) and keeps the worker out of every pool for `cooldown`
+seconds; after that it is back as soon as a health check passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MonitorConfig:
+    scrape_interval: float = 0.25
+    health_interval: float = 1.0
+    failure_threshold: int = 3
+    cooldown: float = 5.0
+    timeout: float = 5.0
+
+
+@dataclass
+class Worker:
+    url: str
+    models: set[str] = field(default_factory=set)
+    info: dict | None = None  # /ferry/info, when the worker is a ferry serve
+    # Load: requests the gateway has in flight here, and what /metrics last said.
+    in_flight: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    # Health.
+    reachable: bool = False  # the last probe answered
+    consecutive_failures: int = 0
+    open_until: float = 0.0  # circuit open (out of the pool) until this monotonic time
+    last_error: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.reachable and time.monotonic() >= self.open_until
+
+    @property
+    def load(self) -> float:
+        """Requests this worker has to get through: the gateway's own in-flight count, or the
+        worker's running + waiting if other clients use it too (whichever is larger)."""
+        return max(float(self.in_flight), self.running + self.waiting)
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.reachable = True
+
+    def record_failure(self, why: str, config: MonitorConfig) -> None:
+        self.consecutive_failures += 1
+        self.last_error = why
+        if self.consecutive_failures >= config.failure_threshold and time.monotonic() >= self.open_until:
+            self.open_until = time.monotonic() + config.cooldown
+            logger.warning("worker %s out of the pool for %.0fs: %s", self.url, config.cooldown, why)
+
+
+_METRICS = {
+    "ferry:num_requests_waiting": "waiting",
+    "ferry:num_requests_running": "running",
+    "ferry:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_load_metrics(text: str) -> dict[str, float]:
+    """Sum each load gauge over its label sets (one model per replica, so one sample each)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        attr = _METRICS.get(name)
+        if attr is not None:
+            try:
+                out[attr] = out.get(attr, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out
+
+
+class WorkerMonitor:
+    """Keeps one Worker's health and load current."""
+
+    def __init__(self, worker: Worker, client: httpx.AsyncClient, config: MonitorConfig) -> None:
+        self.worker, self.client, self.config = worker, client, config
+        self.task: asyncio.Task | None = None
+        self.first_check = asyncio.Event()
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"monitor {self.worker.url}")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        next_health = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_health:
+                await self.check_health()
+                self.first_check.set()
+                next_health = now + self.config.health_interval
+            elif self.worker.reachable:
+                await self.scrape()
+            await asyncio.sleep(self.config.scrape_interval)
+
+    async def check_health(self) -> None:
+        w = self.worker
+        try:
+            r = await self.client.get(w.url + "/health", timeout=self.config.timeout)
+            if r.status_code != 200 or r.json().get("status") != "ok":
+                raise RuntimeError(f"/health answered {r.status_code} {r.text[:200]}")
+            models = await self.client.get(w.url + "/v1/models", timeout=self.config.timeout)
+            models.raise_for_status()
+            w.models = {m["id"] for m in models.json().get("data", [])}
+            if w.info is None:
+                info = await self.client.get(w.url + "/ferry/info", timeout=self.config.timeout)
+                w.info = info.json() if info.status_code == 200 else {}
+            await self.scrape()
+        except Exception as e:  # any failure to answer is the worker's problem, not the gateway's
+            if w.reachable or w.consecutive_failures == 0:
+                logger.warning("worker %s failed its health check: %s", w.url, e)
+            w.reachable = False
+            w.record_failure(f"health check: {e}", self.config)
+            return
+        if not w.reachable:
+            logger.info("worker %s is healthy (models %s)", w.url, sorted(w.models))
+        w.record_success()  # an open circuit still waits out its cooldown
+
+    async def scrape(self) -> None:
+        w = self.worker
+        try:
+            r = await self.client.get(w.url + "/metrics", timeout=self.config.timeout)
+            r.raise_for_status()
+        except Exception as e:
+            w.last_error = f"/metrics: {e}"
+            return
+        for attr, value in parse_load_metrics(r.text).items():
+            setattr(w, attr, value)
