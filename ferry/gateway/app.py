@@ -9,6 +9,12 @@ worker's response, streamed or not, is passed through byte for byte with an
 `x-ferry-worker` header. A worker that refuses the connection or answers 5xx
 before the first byte counts as a failure for its circuit breaker and the
 request is retried on another worker of the pool.
+
+Around that, in this order: the API key (`--api-keys`, auth.py; 401), the
+result cache (`--result-cache`, result_cache.py; a hit is answered here),
+the key's token rate limits (rate_limit.py; 429 with Retry-After), and after
+the response its usage, which reconciles the rate-limit charge and feeds the
+OpenTelemetry GenAI metrics (response_usage.py).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import httpx
@@ -29,24 +36,64 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ferry.engine.block_hash import hash_prompt_blocks
 from ferry.engine.kv_events import HASH_ALGORITHM
+from ferry.gateway.auth import ApiKeys
 from ferry.gateway.kv_index import KVEventSubscriber
 from ferry.gateway.policies import PolicyConfig, Router
 from ferry.gateway.prefix_index import PrefixIndex
+from ferry.gateway.rate_limit import Charge, TokenRateLimiter
+from ferry.gateway.response_usage import first_text_chunk, response_usage
+from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
 from ferry.gateway.worker import MonitorConfig, Worker, WorkerMonitor
 
 logger = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape otherwise
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_KEPT_BYTES = 8 * 1024 * 1024  # of a response, for usage and the result cache
 WORKER_HEADER = "x-ferry-worker"
+CACHE_HEADER = "x-ferry-cache"  # response: hit | miss; request: skip
 # Hop-by-hop and length headers are the gateway's own business, not the worker's.
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+                   headers: dict[str, str] | None = None, code: str | int | None = None) -> JSONResponse:  # fmt: skip
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code if code is not None else status}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+@dataclass
+class RequestContext:
+    kind: str  # "completions" | "chat"
+    path: str
+    raw: bytes
+    data: dict
+    model: str
+    key_name: str
+    streamed: bool
+    started: float = field(default_factory=time.monotonic)
+    cache_key: str | None = None
+    charge: Charge | None = None
+    _ids: list[int] | None = None
+    _ids_done: bool = False
+
+    async def token_ids(self, gateway: "Gateway", worker: Worker) -> list[int] | None:
+        """The prompt's token ids as the replica will see them, computed once per request."""
+        if not self._ids_done:
+            self._ids = await asyncio.to_thread(gateway.prompt_token_ids, self.kind, self.data, worker)
+            self._ids_done = True
+        return self._ids
+
+
+def _completion_estimate(data: dict, pool: list[Worker]) -> int:
+    """max_tokens (x n); without one, the room a replica's context leaves (or 1,024)."""
+    n = data.get("n") if isinstance(data.get("n"), int) and data.get("n") > 0 else 1
+    for field_name in ("max_completion_tokens", "max_tokens"):
+        value = data.get(field_name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value * n
+    max_len = next((w.info.get("max_model_len") for w in pool if w.info and w.info.get("max_model_len")), None)
+    return (max_len or 1024) * n
 
 
 @dataclass
@@ -57,6 +104,11 @@ class GatewayConfig:
     max_retries: int = 2
     request_timeout: float = 600.0
     prefix_index_blocks: int = 200_000
+    api_keys_file: str | None = None
+    result_cache: bool = False
+    result_cache_entries: int = 1024
+    result_cache_bytes: int = 64 << 20
+    result_cache_ttl: float = 600.0
 
 
 class GatewayMetrics:
@@ -69,6 +121,19 @@ class GatewayMetrics:
                                  buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)  # fmt: skip
         self.retries = Counter("ferry_gateway_retries", "requests retried on another worker", ["model"], registry=r)
         self.failed = Counter("ferry_gateway_failed_requests", "requests no worker could take", ["model"], registry=r)
+        self.cache = Counter("ferry_gateway_result_cache", "result cache lookups", ["result"], registry=r)
+        self.rate_limited = Counter("ferry_gateway_rate_limited", "requests refused by a token limit", ["key"],
+                                    registry=r)  # fmt: skip
+        # OpenTelemetry GenAI semantic conventions, as Prometheus names.
+        self.token_usage = Histogram("gen_ai_client_token_usage", "tokens per request",
+                                     ["gen_ai_request_model", "key", "gen_ai_token_type"], registry=r,
+                                     buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536))  # fmt: skip
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds", "time to the first token",
+                              ["gen_ai_request_model"], registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
+        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds", "time per output token after the first",
+                              ["gen_ai_request_model"], registry=r,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5))  # fmt: skip
         self.healthy = Gauge("ferry_gateway_worker_healthy", "1 if the worker is in its pools", ["worker"], registry=r)
         self.in_flight = Gauge("ferry_gateway_worker_in_flight", "requests in flight", ["worker"], registry=r)
 
@@ -90,6 +155,13 @@ class Gateway:
         self.workers = [Worker(u.rstrip("/")) for u in dict.fromkeys(config.workers)]
         self.metrics = GatewayMetrics()
         self.prefix_index = PrefixIndex(config.prefix_index_blocks)
+        self.api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
+        self.rate_limiter = TokenRateLimiter()
+        self.result_cache = (
+            ResultCache(config.result_cache_entries, config.result_cache_bytes, config.result_cache_ttl)
+            if config.result_cache
+            else None
+        )
         self.client: httpx.AsyncClient | None = None
         self.monitors: list[WorkerMonitor] = []
         self.subscribers: dict[str, KVEventSubscriber] = {}
@@ -189,12 +261,12 @@ class Gateway:
         except Exception:  # a body the replica will reject: route it by load, let the replica say why
             return None
 
-    async def decide(self, kind: str, model: str, data: dict, pool: list[Worker]):
+    async def decide(self, ctx: RequestContext, pool: list[Worker]):
         hashes: list[bytes] = []
         overlaps = None
         if self.router.needs_block_hashes:
             block_size = next((w.info["block_size"] for w in pool if w.info and w.info.get("block_size")), None)
-            ids = await asyncio.to_thread(self.prompt_token_ids, kind, data, pool[0]) if block_size else None
+            ids = await ctx.token_ids(self, pool[0]) if block_size else None
             if ids:
                 hashes = hash_prompt_blocks(ids, block_size)
                 if self.router.policy == "kv-aware":
@@ -206,12 +278,20 @@ class Gateway:
         decision = self.router.choose(pool, len(hashes), overlaps)
         if self.router.policy == "prefix" and hashes:
             self.prefix_index.insert(hashes, decision.worker.url)
-        self.metrics.decisions.labels(model, decision.worker.url, decision.reason).inc()
+        self.metrics.decisions.labels(ctx.model, decision.worker.url, decision.reason).inc()
         if decision.overlap >= 0:
             self.metrics.overlap.observe(decision.overlap)
         return decision
 
     async def handle(self, request: Request, kind: str) -> Response:
+        key_name = "none"
+        limits = None
+        if self.api_keys is not None:
+            key = self.api_keys.authenticate(request.headers.get("authorization"))
+            if key is None:
+                return error_response(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                                      param=None, code="invalid_api_key")  # fmt: skip
+            key_name, limits = key.name, key.limits
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -228,25 +308,56 @@ class Gateway:
         if not known:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        ctx = RequestContext(kind, path, raw, data, model, key_name, bool(data.get("stream")))
+
+        cache = self.result_cache
+        if cache is not None and request.headers.get(CACHE_HEADER, "").lower() != "skip" and is_deterministic(data):
+            ctx.cache_key = cache_key(path, data)
+            hit = cache.get(ctx.cache_key)
+            if hit is not None:
+                self.metrics.cache.labels("hit").inc()
+                headers = {**hit.headers, CACHE_HEADER: "hit", WORKER_HEADER: hit.worker}
+                return Response(hit.body, status_code=hit.status, headers=headers)
+            self.metrics.cache.labels("miss").inc()
+
+        if limits is not None and any(v is not None for v in vars(limits).values()):
+            prompt_estimate = await self._prompt_estimate(ctx, pool)
+            completion_estimate = _completion_estimate(data, pool)
+            charge, wait, why = self.rate_limiter.admit(key_name, limits, prompt_estimate, completion_estimate)
+            if charge is None:
+                self.metrics.rate_limited.labels(key_name).inc()
+                return error_response(429, f"Rate limit for this API key: {why}.", "rate_limit_exceeded",
+                                      code="rate_limit_exceeded",
+                                      headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
+            ctx.charge = charge
+
         tried: set[str] = set()
         while True:
             candidates = [w for w in pool if w.url not in tried]
             if not candidates:
-                self.metrics.failed.labels(model).inc()
-                return error_response(503, f"no healthy worker for model `{model}`", "service_unavailable",
-                                      headers={"Retry-After": "1"})  # fmt: skip
-            decision = await self.decide(kind, model, data, candidates)
+                return self._no_worker(ctx, f"no healthy worker for model `{model}`")
+            decision = await self.decide(ctx, candidates)
             worker = decision.worker
             tried.add(worker.url)
             upstream = await self._send(worker, path, raw, request)
             if upstream is not None:
-                return self._pass_through(worker, upstream)
+                return self._pass_through(ctx, worker, upstream)
             if len(tried) > self.config.max_retries:
-                self.metrics.failed.labels(model).inc()
-                return error_response(503, f"no worker for model `{model}` could take the request",
-                                      "service_unavailable", headers={"Retry-After": "1"})  # fmt: skip
+                return self._no_worker(ctx, f"no worker for model `{model}` could take the request")
             self.metrics.retries.labels(model).inc()
             pool, _ = self.pool(model)
+
+    def _no_worker(self, ctx: RequestContext, message: str) -> Response:
+        self.metrics.failed.labels(ctx.model).inc()
+        if ctx.charge is not None:
+            self.rate_limiter.reconcile(ctx.charge, 0, 0)  # nothing ran: nothing charged
+        return error_response(503, message, "service_unavailable", headers={"Retry-After": "1"})
+
+    async def _prompt_estimate(self, ctx: RequestContext, pool: list[Worker]) -> int:
+        ids = await ctx.token_ids(self, pool[0]) if pool else None
+        if ids is not None:
+            return len(ids)
+        return max(1, len(ctx.raw) // 4)  # no tokenizer here: ~4 bytes a token
 
     async def _send(self, worker: Worker, path: str, raw: bytes, request: Request) -> httpx.Response | None:
         """The worker's response with its headers read, or None when it failed before any byte."""
@@ -272,23 +383,62 @@ class Gateway:
         worker.consecutive_failures = 0
         return upstream
 
-    def _pass_through(self, worker: Worker, upstream: httpx.Response) -> Response:
+    def _pass_through(self, ctx: RequestContext, worker: Worker, upstream: httpx.Response) -> Response:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
         headers[WORKER_HEADER] = worker.url
-        started = time.monotonic()
+        if ctx.cache_key is not None:
+            headers[CACHE_HEADER] = "miss"
+        status = upstream.status_code
 
         async def body():
+            kept = bytearray()  # for usage and the result cache, up to a bound
+            overflow = complete = False
+            first_token_at = None
             try:
                 async for chunk in upstream.aiter_raw():
+                    if first_token_at is None and (not ctx.streamed or first_text_chunk(chunk)):
+                        first_token_at = time.monotonic()
+                    if not overflow:
+                        kept += chunk
+                        overflow = len(kept) > MAX_KEPT_BYTES
                     yield chunk
+                complete = True
             except httpx.TransportError as e:  # the worker died mid-stream: nothing to retry on
                 logger.warning("worker %s broke a response after %.1fs: %s", worker.url,
-                               time.monotonic() - started, e)  # fmt: skip
+                               time.monotonic() - ctx.started, e)  # fmt: skip
             finally:
                 worker.in_flight -= 1
                 await upstream.aclose()
+                self._finish(ctx, worker, status, headers, bytes(kept) if not overflow else None, complete,
+                             first_token_at)  # fmt: skip
 
-        return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+        return StreamingResponse(body(), status_code=status, headers=headers)
+
+    def _finish(self, ctx: RequestContext, worker: Worker, status: int, headers: dict[str, str],
+                body: bytes | None, complete: bool, first_token_at: float | None) -> None:  # fmt: skip
+        """After a passed-through response: usage, rate-limit reconciliation, metrics, cache."""
+        prompt = completion = None
+        if body is not None and status == 200:
+            prompt, completion = response_usage(body, ctx.streamed)
+        if ctx.charge is not None:
+            if status != 200:
+                self.rate_limiter.reconcile(ctx.charge, 0, 0)  # refused by the worker: nothing generated
+            elif complete:
+                self.rate_limiter.reconcile(ctx.charge, prompt, completion)
+        if status != 200:
+            return
+        m, labels = self.metrics, (ctx.model, ctx.key_name)
+        if prompt is not None:
+            m.token_usage.labels(*labels, "input").observe(prompt)
+        if completion is not None:
+            m.token_usage.labels(*labels, "output").observe(completion)
+        if first_token_at is not None:
+            m.ttft.labels(ctx.model).observe(first_token_at - ctx.started)
+            if completion and completion > 1 and complete:
+                m.tpot.labels(ctx.model).observe((time.monotonic() - first_token_at) / (completion - 1))
+        if complete and body is not None and ctx.cache_key is not None and self.result_cache is not None:
+            kept = {k: v for k, v in headers.items() if k.lower() == "content-type"}
+            self.result_cache.put(ctx.cache_key, status, kept, body, worker.url)
 
     # -- app --------------------------------------------------------------
 
@@ -312,7 +462,10 @@ class Gateway:
             return await self.handle(request, "chat")
 
         @app.get("/v1/models")
-        async def models() -> Response:
+        async def models(request: Request) -> Response:
+            if self.api_keys is not None and self.api_keys.authenticate(request.headers.get("authorization")) is None:
+                return error_response(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                                      code="invalid_api_key")  # fmt: skip
             names = sorted({m for w in self.workers if w.healthy for m in w.models})
             data = [{"id": n, "object": "model", "created": 0, "owned_by": "ferry"} for n in names]
             return JSONResponse({"object": "list", "data": data})

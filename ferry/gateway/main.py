@@ -24,6 +24,17 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
     if workers_required:  # under `ferry up`, --tokenizer is the engine flag (and the workers report it)
         p.add_argument("--tokenizer", default=None, help="tokenizer for prompt hashing (default: the workers' own)")
     p.add_argument("--max-retries", type=int, default=2, help="other workers to try when one fails before a byte")
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="require `Authorization: Bearer KEY`: one key per line, or JSON with per-key token limits",
+    )
+    g = p.add_argument_group("result cache (deterministic requests: temperature 0 or a seed)")
+    g.add_argument("--result-cache", action="store_true", help="answer repeated deterministic requests from a cache")
+    g.add_argument("--result-cache-entries", type=int, default=1024)
+    g.add_argument("--result-cache-bytes", type=int, default=64 << 20)
+    g.add_argument("--result-cache-ttl", type=float, default=600.0, help="seconds")
     d, m = PolicyConfig(), MonitorConfig()
     g = p.add_argument_group("routing weights (kv-aware, prefix)")
     g.add_argument("--prefix-weight", type=float, default=d.prefix_weight, help="weight of the cached share (0..1)")
@@ -54,7 +65,19 @@ def build_gateway(args: argparse.Namespace, workers: list[str]) -> Gateway:
             raise ValueError(f"{name} must be > 0, got {getattr(args, name)}")
     if args.failure_threshold < 1:
         raise ValueError(f"failure_threshold must be >= 1, got {args.failure_threshold}")
-    config = GatewayConfig(workers, args.policy, getattr(args, "tokenizer", None), args.max_retries)
+    if args.result_cache_entries < 1 or args.result_cache_bytes < 1 or args.result_cache_ttl <= 0:
+        raise ValueError("--result-cache-entries, --result-cache-bytes and --result-cache-ttl must be positive")
+    config = GatewayConfig(
+        workers,
+        args.policy,
+        getattr(args, "tokenizer", None),
+        args.max_retries,
+        api_keys_file=args.api_keys,
+        result_cache=args.result_cache,
+        result_cache_entries=args.result_cache_entries,
+        result_cache_bytes=args.result_cache_bytes,
+        result_cache_ttl=args.result_cache_ttl,
+    )
     monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
     policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,
                           args.balance_rel)  # fmt: skip

@@ -146,3 +146,60 @@ def test_killed_worker_is_routed_around(replicas):
         assert {w["url"]: w["healthy"] for w in workers}[victim.url] is False
     finally:
         gw.stop()
+
+
+def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(
+        '[{"key": "sk-open", "name": "open"}, {"key": "sk-small", "name": "small", "total_tokens_per_minute": 120}]'
+    )
+    gw = GatewayProcess([s.url for s in replicas], "--policy", "least-load", "--api-keys", str(keys), "--result-cache")
+    try:
+        for key in (None, "sk-wrong"):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(gw.url + "/v1/models", timeout=10).status_code == 401
+        assert "sk-" not in httpx.get(gw.url + "/metrics", timeout=10).text  # keys are never exposed
+
+        small = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-small", max_retries=0, timeout=60)
+        small.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=40, temperature=0.5,
+                                 extra_body={"ignore_eos": True})  # fmt: skip
+        with pytest.raises(openai.RateLimitError) as err:  # ~8 + 40 used; ~8 + 100 more do not fit in 120
+            small.completions.create(model=MODEL, prompt="Count: 4, 5, 6,", max_tokens=100, temperature=0.5)
+        assert int(err.value.response.headers["retry-after"]) >= 1
+
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-open", max_retries=0, timeout=60)
+
+        def prompt_tokens_on_workers() -> float:
+            return sum(s.metric("ferry:prompt_tokens_total") for s in replicas)
+
+        for stream in (False, True):
+            req = dict(model=MODEL, prompt=f"A list of rivers (stream={stream}):", max_tokens=12, temperature=0)
+            first = client.completions.with_raw_response.create(stream=stream, **req)
+            first_text = "".join(c.choices[0].text for c in first.parse()) if stream else first.parse().choices[0].text
+            assert first.headers["x-ferry-cache"] == "miss"
+            before = prompt_tokens_on_workers()
+            second = client.completions.with_raw_response.create(stream=stream, **req)
+            second_text = (
+                "".join(c.choices[0].text for c in second.parse()) if stream else second.parse().choices[0].text
+            )
+            assert second.headers["x-ferry-cache"] == "hit" and second_text == first_text
+            assert second.headers["x-ferry-worker"] == first.headers["x-ferry-worker"]
+            assert prompt_tokens_on_workers() == before  # a hit touches no worker
+        # Skipped on request; sampling requests are never cached.
+        skipped = client.completions.with_raw_response.create(
+            extra_headers={"x-ferry-cache": "skip"}, model=MODEL, prompt="A list of rivers (stream=False):",
+            max_tokens=12, temperature=0)  # fmt: skip
+        assert "x-ferry-cache" not in skipped.headers
+        sampled = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=1)
+        assert "x-ferry-cache" not in sampled.headers
+
+        assert gw.metric("ferry_gateway_result_cache_total", result="hit") == 2
+        assert gw.metric("ferry_gateway_rate_limited_total", key="small") == 1
+        assert gw.metric("gen_ai_client_token_usage_count", key="open", gen_ai_token_type="output") >= 2
+        assert gw.metric("gen_ai_client_token_usage_sum", key="open", gen_ai_token_type="input") > 0
+        assert gw.metric("gen_ai_server_time_to_first_token_seconds_count") >= 3
+        assert gw.metric("gen_ai_server_time_per_output_token_seconds_count") >= 1
+    finally:
+        gw.stop()

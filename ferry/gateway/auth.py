@@ -1,0 +1,97 @@
+"""API keys for the gateway (`--api-keys FILE`).
+
+The file is either one key per line (blank lines and `#` comments ignored),
+or JSON: a list of objects
+    {"key": "sk-...", "name": "team-a",
+     "prompt_tokens_per_minute": 20000, "completion_tokens_per_minute": 5000,
+     "total_tokens_per_minute": 22000}
+where every field but "key" is optional (no limit when absent). Clients send
+`Authorization: Bearer <key>`. Keys are compared in constant time against
+every configured key (no early exit, so the time does not say which key came
+close), and never logged: logs and metrics name a key by its "name" (default:
+"key-<n>", its position in the file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    prompt_tokens_per_minute: int | None = None
+    completion_tokens_per_minute: int | None = None
+    total_tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    name: str
+    digest: bytes  # sha256 of the key: compared, and kept instead of the key itself
+    limits: KeyLimits
+
+
+class ApiKeys:
+    def __init__(self, keys: list[tuple[str, str, KeyLimits]]) -> None:
+        if not keys:
+            raise ValueError("the API key file has no keys")
+        names = [n for n, _, _ in keys]
+        if len(set(names)) != len(names):
+            raise ValueError("API key names must be unique")
+        if len({k for _, k, _ in keys}) != len(keys):
+            raise ValueError("the API key file lists a key twice")
+        self.keys = [ApiKey(n, hashlib.sha256(k.encode()).digest(), lim) for n, k, lim in keys]
+
+    @classmethod
+    def from_file(cls, path: str) -> "ApiKeys":
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        stripped = text.lstrip()
+        if stripped.startswith("[") or stripped.startswith("{"):
+            return cls(_parse_json(text, path))
+        keys = [line.strip() for line in text.splitlines()]
+        keys = [k for k in keys if k and not k.startswith("#")]
+        return cls([(f"key-{i}", k, KeyLimits()) for i, k in enumerate(keys)])
+
+    def authenticate(self, authorization: str | None) -> ApiKey | None:
+        """The key named by an `Authorization: Bearer ...` header, or None."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        found = None
+        for key in self.keys:  # all of them, always: constant time in the position of the match
+            if hmac.compare_digest(digest, key.digest):
+                found = key
+        return found
+
+
+def _parse_json(text: str, path: str) -> list[tuple[str, str, KeyLimits]]:
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if isinstance(data, dict) and isinstance(data.get("keys"), list):
+        data = data["keys"]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of key objects")
+    out = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not entry["key"]:
+            raise ValueError(f"{path}: entry {i} needs a non-empty string 'key'")
+        limits = {}
+        for field in ("prompt_tokens_per_minute", "completion_tokens_per_minute", "total_tokens_per_minute"):
+            value = entry.get(field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{path}: entry {i}: {field} must be a positive integer")
+            limits[field] = value
+        unknown = set(entry) - {"key", "name", *limits}
+        if unknown:
+            raise ValueError(f"{path}: entry {i}: unknown fields {sorted(unknown)}")
+        out.append((str(entry.get("name") or f"key-{i}"), entry["key"], KeyLimits(**limits)))
+    return out

@@ -1,0 +1,79 @@
+"""Exact-match cache of deterministic responses: a hit touches no worker.
+
+Only requests whose output is a function of the body are cached: temperature 0
+(greedy) or a fixed `seed` (a seeded request's tokens do not depend on the
+batch it runs in, engine/sampler.py). The key is
+the endpoint and the body as canonical JSON (sorted keys), so a streamed and a
+non-streamed request are different entries and each is replayed in its own
+form, byte for byte. Only complete 200 responses are stored. Bounded by
+entries and bytes (LRU) and by a TTL; `x-ferry-cache: skip` on a request
+bypasses it (no lookup, no store).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class CachedResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    worker: str
+    stored_at: float
+
+
+def is_deterministic(data: dict) -> bool:
+    temperature = data.get("temperature", 1.0)  # OpenAI's default samples
+    if data.get("seed") is not None and isinstance(data.get("seed"), int):
+        return True
+    return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
+
+
+def cache_key(path: str, data: dict) -> str:
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"{path}\n{canonical}".encode()).hexdigest()
+
+
+class ResultCache:
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 64 << 20, ttl: float = 600.0,
+                 clock=time.monotonic) -> None:  # fmt: skip
+        if max_entries < 1 or max_bytes < 1 or ttl <= 0:
+            raise ValueError("result cache bounds must be positive")
+        self.max_entries, self.max_bytes, self.ttl, self.clock = max_entries, max_bytes, ttl, clock
+        self._entries: OrderedDict[str, CachedResponse] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> CachedResponse | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if self.clock() - entry.stored_at > self.ttl:
+            self._drop(key)
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: str, status: int, headers: dict[str, str], body: bytes, worker: str) -> bool:
+        """Store a complete response; False if it alone is over the byte bound."""
+        if len(body) > self.max_bytes:
+            return False
+        if key in self._entries:
+            self._drop(key)
+        self._entries[key] = CachedResponse(status, headers, body, worker, self.clock())
+        self.bytes += len(body)
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        return True
+
+    def _drop(self, key: str) -> None:
+        entry = self._entries.pop(key)
+        self.bytes -= len(entry.body)

@@ -1,0 +1,114 @@
+"""API keys, token rate limits, the result cache and usage parsing, on their own."""
+
+import json
+
+import pytest
+
+from ferry.gateway.auth import ApiKeys, KeyLimits
+from ferry.gateway.rate_limit import TokenRateLimiter
+from ferry.gateway.response_usage import first_text_chunk, response_usage
+from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_api_keys_from_lines_and_json(tmp_path):
+    lines = tmp_path / "keys.txt"
+    lines.write_text("# team keys\nsk-alpha\n\n  sk-beta  \n")
+    keys = ApiKeys.from_file(str(lines))
+    assert keys.authenticate("Bearer sk-alpha").name == "key-0"
+    assert keys.authenticate("bearer sk-beta").name == "key-1"
+    for bad in (None, "", "Bearer", "Bearer sk-gamma", "Basic sk-alpha", "sk-alpha", "Bearer sk-alph"):
+        assert keys.authenticate(bad) is None, bad
+    assert all(not hasattr(k, "key") for k in keys.keys)  # only digests are kept
+    js = tmp_path / "keys.json"
+    js.write_text(json.dumps([{"key": "sk-a", "name": "team-a", "total_tokens_per_minute": 100}, {"key": "sk-b"}]))
+    keys = ApiKeys.from_file(str(js))
+    a = keys.authenticate("Bearer sk-a")
+    assert a.name == "team-a" and a.limits == KeyLimits(total_tokens_per_minute=100)
+    assert keys.authenticate("Bearer sk-b").limits == KeyLimits()
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("", "no keys"),
+        ('[{"name": "x"}]', "needs a non-empty string 'key'"),
+        ('[{"key": "k", "total_tokens_per_minute": 0}]', "positive integer"),
+        ('[{"key": "k", "tpm": 5}]', "unknown fields"),
+        ('[{"key": "k"}, {"key": "k", "name": "other"}]', "twice"),
+        ("[not json", "not valid JSON"),
+    ],
+)
+def test_bad_key_files_are_clear_errors(tmp_path, content, match):
+    f = tmp_path / "keys"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        ApiKeys.from_file(str(f))
+
+
+def test_rate_limit_admits_on_estimate_reconciles_and_says_when():
+    clock = Clock()
+    rl = TokenRateLimiter(clock)
+    limits = KeyLimits(prompt_tokens_per_minute=100, total_tokens_per_minute=150)
+    c1, _, _ = rl.admit("k", limits, 60, 50)
+    assert c1 is not None
+    clock.t += 10
+    # 60 + 50 charged; another 50 + 40 breaks both the prompt (110) and total (200) limits.
+    c2, wait, why = rl.admit("k", limits, 50, 40)
+    assert c2 is None and wait == pytest.approx(50.0) and "per minute" in why
+    # The first response used only 5 completion tokens: the estimate's rest is given back.
+    rl.reconcile(c1, 60, 5)
+    assert rl.usage("k") == (60, 5)
+    c3, _, _ = rl.admit("k", limits, 30, 40)  # prompt 90 <= 100, total 135 <= 150
+    assert c3 is not None
+    clock.t += 51  # the first charge leaves the window
+    assert rl.usage("k") == (30, 40)
+    # A request larger than a limit can never pass: a full-window wait and a message that says so.
+    c4, wait, why = rl.admit("k", limits, 101, 0)
+    assert c4 is None and wait == 60.0 and "more than the key's 100" in why
+    assert rl.usage("other") == (0, 0)  # limits are per key
+
+
+def test_result_cache_only_deterministic_lru_bytes_and_ttl():
+    assert is_deterministic({"temperature": 0})
+    assert is_deterministic({"seed": 3, "temperature": 0.8})
+    assert not is_deterministic({}) and not is_deterministic({"temperature": 0.7})
+    assert cache_key("/v1/completions", {"a": 1, "b": 2}) == cache_key("/v1/completions", {"b": 2, "a": 1})
+    assert cache_key("/v1/completions", {"a": 1}) != cache_key("/v1/chat/completions", {"a": 1})
+    clock = Clock()
+    cache = ResultCache(max_entries=2, max_bytes=10, ttl=5, clock=clock)
+    assert cache.put("a", 200, {}, b"1234", "w0") and cache.put("b", 200, {}, b"5678", "w0")
+    assert cache.get("a").body == b"1234"  # a is now the most recent
+    cache.put("c", 200, {}, b"90", "w1")  # 3 entries > 2: b (least recent) goes
+    assert cache.get("b") is None and cache.get("c").worker == "w1"
+    assert not cache.put("big", 200, {}, b"x" * 11, "w0")  # larger than the whole cache
+    cache.put("d", 200, {}, b"123456", "w0")  # 4 + 2 + 6 > 10 bytes: evict until it fits
+    assert cache.bytes <= 10 and cache.get("d") is not None
+    clock.t += 6
+    assert cache.get("d") is None and len(cache) < 3  # expired
+
+
+def test_response_usage_from_json_and_sse():
+    body = json.dumps({"choices": [{"text": "hi"}], "usage": {"prompt_tokens": 7, "completion_tokens": 2}})
+    assert response_usage(body.encode(), streamed=False) == (7, 2)
+    chunks = [
+        b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n',
+        b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n',
+        b'data: {"choices": [{"delta": {"content": "lo"}}]}\n\n',
+    ]
+    assert not first_text_chunk(chunks[0]) and first_text_chunk(chunks[1])
+    without = b"".join(chunks) + b"data: [DONE]\n\n"
+    assert response_usage(without, streamed=True) == (None, 2)  # counted from the text chunks
+    with_usage = (
+        b"".join(chunks) + b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert response_usage(with_usage, streamed=True) == (9, 2)
+    assert response_usage(b"not json", streamed=False) == (None, None)
