@@ -137,6 +137,14 @@ def test_kv_events_publish_the_prompt_blocks(server, client):
         ctx.term()
 
 
+def test_reset_prefix_cache(server, client):
+    client.completions.create(model="smol", prompt=LONG_PROMPT + " reset", max_tokens=1, temperature=0)
+    wait_idle(server)
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=10).json() == {"status": "ok"}
+    again = client.completions.create(model="smol", prompt=LONG_PROMPT + " reset", max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_n_and_seed(client):
     kw = dict(model="smol", prompt="Once upon a time", max_tokens=12, temperature=1.0, n=2, seed=1234)
     a = client.completions.create(**kw)

@@ -33,7 +33,7 @@ from ferry.engine.async_llm import AsyncLLM, EngineDeadError
 from ferry.engine.kv_events import HASH_ALGORITHM, TOPIC, KVEventsConfig
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from ferry.entrypoints.openai.serving import RequestAbortedError, ServerState, as_openai_error
+from ferry.entrypoints.openai.serving import RequestAbortedError, ServerState, as_openai_error, ready_engine
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.models.loader import resolve_model_path
@@ -217,6 +217,17 @@ class Server:
                 for name in state.served_model_names
             ]  # fmt: skip
             return JSONResponse({"object": "list", "data": data})
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            """Forget the prefix cache (vLLM's endpoint): for benchmarks that compare cold runs.
+            409 while requests hold blocks."""
+            engine = ready_engine(state)
+            try:
+                await engine.call("reset_prefix_cache", timeout=10.0)
+            except RuntimeError as e:
+                return _error_response(OpenAIError(409, str(e), code=409))
+            return JSONResponse({"status": "ok"})
 
         @app.get("/ferry/info")
         async def info() -> Response:
