@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(sc)
     sc.set_defaults(func=compare_main)
 
+    from ferry.bench.route import add_args as add_route_args
+    from ferry.bench.route import main as route_main
+
+    rb = bench_sub.add_parser("route", help="gateway routing policies on a multi-tenant workload, in one run")
+    add_route_args(rb)
+    rb.set_defaults(func=route_main)
+
     from ferry.bench.quality import add_args as add_quality_args
     from ferry.bench.quality import main as quality_main
 

@@ -37,6 +37,7 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    worker: str | None = None  # the x-ferry-worker header, behind a ferry gateway
 
     @property
     def tpot(self) -> float | None:
@@ -85,6 +86,7 @@ async def send_request(session, url: str, model: str, prompt: list[int], max_tok
     last = t0
     try:
         async with session.post(url + "/v1/completions", json=body) as resp:
+            res.worker = resp.headers.get("x-ferry-worker")
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return res

@@ -278,6 +278,8 @@ class Gateway:
         decision = self.router.choose(pool, len(hashes), overlaps)
         if self.router.policy == "prefix" and hashes:
             self.prefix_index.insert(hashes, decision.worker.url)
+        elif hashes and decision.worker.url in self.subscribers:
+            self.subscribers[decision.worker.url].index.add_pending(hashes)
         self.metrics.decisions.labels(ctx.model, decision.worker.url, decision.reason).inc()
         if decision.overlap >= 0:
             self.metrics.overlap.observe(decision.overlap)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 import zmq
@@ -34,22 +35,44 @@ from ferry.engine.kv_events import (
 logger = logging.getLogger(__name__)
 
 
-class KVIndex:
-    """The block hashes one worker holds, as of event `seq`."""
+PENDING_S = 10.0  # how long a routed prompt counts as cached before its events arrive
 
-    def __init__(self) -> None:
+
+class KVIndex:
+    """The block hashes one worker holds, as of event `seq`, plus the blocks of prompts the
+    gateway just routed there whose events have not arrived yet ("pending"): without them, a
+    tenant's second request, sent while its first is still in prefill, would see no overlap
+    anywhere and could land on another replica."""
+
+    def __init__(self, clock=time.monotonic) -> None:
         self.hashes: set[bytes] = set()
         self.seq = 0
         self.synced = False  # a snapshot has been applied
+        self.clock = clock
+        self.pending: dict[bytes, float] = {}  # hash -> until when it counts
+
+    def add_pending(self, block_hashes: list[bytes]) -> None:
+        now = self.clock()
+        if len(self.pending) > 100_000:
+            self.pending = {h: t for h, t in self.pending.items() if t > now}
+        until = now + PENDING_S
+        for h in block_hashes:
+            if h not in self.hashes:
+                self.pending[h] = until
 
     def apply(self, batch: KVEventBatch) -> None:
         for e in batch.events:
             if isinstance(e, BlockStored):
                 self.hashes.update(e.block_hashes)
+                for h in e.block_hashes:
+                    self.pending.pop(h, None)  # confirmed
             elif isinstance(e, BlockRemoved):
                 self.hashes.difference_update(e.block_hashes)
+                for h in e.block_hashes:
+                    self.pending.pop(h, None)
             elif isinstance(e, AllBlocksCleared):
                 self.hashes.clear()
+                self.pending.clear()
         self.seq = batch.seq
 
     def reset(self, seq: int, hashes: list[bytes]) -> None:
@@ -58,11 +81,18 @@ class KVIndex:
         self.synced = True
 
     def overlap(self, block_hashes: list[bytes]) -> int:
-        """Leading blocks of a prompt this worker holds."""
+        """Leading blocks of a prompt this worker holds (or is about to)."""
         n = 0
+        now = None
         for h in block_hashes:
             if h not in self.hashes:
-                break
+                until = self.pending.get(h)
+                if until is None:
+                    break
+                now = now if now is not None else self.clock()
+                if until < now:
+                    del self.pending[h]
+                    break
             n += 1
         return n
 

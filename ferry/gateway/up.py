@@ -38,14 +38,18 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 class Replicas:
-    def __init__(self, cmds: list[list[str]], urls: list[str]) -> None:
+    def __init__(self, cmds: list[list[str]], urls: list[str], env: dict[str, str] | None = None,
+                 log_files: list | None = None) -> None:  # fmt: skip
         self.cmds, self.urls = cmds, urls
+        self.env = {**os.environ, **(env or {})}
+        self.log_files = log_files  # one open file per replica for its output (default: ours)
         self.procs: list[subprocess.Popen] = []
 
     def start(self, timeout: float) -> None:
-        for cmd in self.cmds:
+        for i, cmd in enumerate(self.cmds):
+            out = self.log_files[i] if self.log_files else None
             # Own process group: a terminal's Ctrl-C reaches us, and we stop them in order.
-            self.procs.append(subprocess.Popen(cmd, start_new_session=True))
+            self.procs.append(subprocess.Popen(cmd, start_new_session=True, env=self.env, stdout=out, stderr=out))
         deadline = time.monotonic() + timeout
         pending = set(range(len(self.procs)))
         while pending:

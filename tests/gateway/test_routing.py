@@ -99,3 +99,14 @@ def test_parse_load_metrics_and_circuit_breaker():
     assert not w.healthy  # open for the cooldown, even though the worker still answers
     w.record_success()
     assert not w.healthy
+
+
+def test_kv_index_counts_just_routed_prompts_until_events_confirm_or_time_out():
+    now = [0.0]
+    idx = KVIndex(clock=lambda: now[0])
+    idx.add_pending([b"a", b"b"])
+    assert idx.overlap([b"a", b"b", b"c"]) == 2  # routed here a moment ago: its prefill is under way
+    idx.apply(KVEventBatch(1, 0.0, [BlockStored([b"a"], None)]))
+    assert b"a" not in idx.pending and idx.overlap([b"a", b"b"]) == 2
+    now[0] += 11  # "b" never arrived (evicted before it was published, or the request failed)
+    assert idx.overlap([b"a", b"b"]) == 1 and b"b" not in idx.pending
