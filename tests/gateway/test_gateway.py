@@ -203,3 +203,18 @@ def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
         assert gw.metric("gen_ai_server_time_per_output_token_seconds_count") >= 1
     finally:
         gw.stop()
+
+
+def test_requests_go_to_the_pool_of_their_model(replicas):
+    other = ServerProcess("--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "other")
+    gw = GatewayProcess([s.url for s in replicas] + [other.url], "--policy", "least-load")
+    try:
+        assert sorted(m.id for m in gw.client.models.list().data) == ["other", MODEL]
+        for _ in range(3):
+            raw = gw.client.completions.with_raw_response.create(model="other", prompt="Hi", max_tokens=1)
+            assert raw.headers["x-ferry-worker"] == other.url
+            raw = gw.client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1)
+            assert raw.headers["x-ferry-worker"] in {s.url for s in replicas}
+    finally:
+        gw.stop()
+        other.stop()
