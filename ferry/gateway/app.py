@@ -129,10 +129,10 @@ class GatewayMetrics:
                                      ["gen_ai_request_model", "key", "gen_ai_token_type"], registry=r,
                                      buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536))  # fmt: skip
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds", "time to the first token",
-                              ["gen_ai_request_model"], registry=r,
+                              ["gen_ai_request_model", "key"], registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
         self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds", "time per output token after the first",
-                              ["gen_ai_request_model"], registry=r,
+                              ["gen_ai_request_model", "key"], registry=r,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5))  # fmt: skip
         self.healthy = Gauge("ferry_gateway_worker_healthy", "1 if the worker is in its pools", ["worker"], registry=r)
         self.in_flight = Gauge("ferry_gateway_worker_in_flight", "requests in flight", ["worker"], registry=r)
@@ -435,9 +435,9 @@ class Gateway:
         if completion is not None:
             m.token_usage.labels(*labels, "output").observe(completion)
         if first_token_at is not None:
-            m.ttft.labels(ctx.model).observe(first_token_at - ctx.started)
+            m.ttft.labels(*labels).observe(first_token_at - ctx.started)
             if completion and completion > 1 and complete:
-                m.tpot.labels(ctx.model).observe((time.monotonic() - first_token_at) / (completion - 1))
+                m.tpot.labels(*labels).observe((time.monotonic() - first_token_at) / (completion - 1))
         if complete and body is not None and ctx.cache_key is not None and self.result_cache is not None:
             kept = {k: v for k, v in headers.items() if k.lower() == "content-type"}
             self.result_cache.put(ctx.cache_key, status, kept, body, worker.url)

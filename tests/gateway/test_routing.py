@@ -98,6 +98,10 @@ def test_parse_load_metrics_and_circuit_breaker():
     w.record_failure("boom", cfg)
     assert not w.healthy  # open for the cooldown, even though the worker still answers
     w.record_success()
+    assert not w.healthy  # a passing probe does not cut the cooldown short
+    w.open_until -= 61  # the cooldown has passed
+    assert w.healthy
+    w.reachable = False  # ... but only a worker whose last probe answered is back in its pool
     assert not w.healthy
 
 
