@@ -157,10 +157,12 @@ class EngineCoreProc:
             busy = self.core.has_unfinished_requests()
             timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
             while ready := dict(poller.poll(timeout_ms)):
-                if self.input in ready:
-                    self.handle(self.decoder.decode(self.input.recv(copy=False).buffer))
                 if self.publisher is not None and self.publisher.replay in ready:
-                    self.publisher.serve_replays(lambda: list(self.core.kv.pool.cached))
+                    # A bounded number per pass: a flood of replay requests must not starve the steps.
+                    self.publisher.serve_replays(lambda: list(self.core.kv.pool.cached), max_requests=8)
+                if self.input not in ready:
+                    break
+                self.handle(self.decoder.decode(self.input.recv(copy=False).buffer))
                 timeout_ms = 0
             self.publish_kv_events()  # e.g. a reset_prefix_cache call
             if not self.running:

@@ -133,9 +133,11 @@ class KVEventPublisher:
         except zmq.Again:
             pass  # a subscriber that cannot keep up sees a gap and asks for a replay
 
-    def serve_replays(self, snapshot: Callable[[], list[bytes]]) -> None:
-        """Answer pending replay requests without blocking (called from the busy loop)."""
-        while self.replay.poll(0):
+    def serve_replays(self, snapshot: Callable[[], list[bytes]], max_requests: int = 1_000_000) -> None:
+        """Answer up to `max_requests` pending replay requests without blocking (busy loop)."""
+        for _ in range(max_requests):
+            if not self.replay.poll(0):
+                return
             frames = self.replay.recv_multipart()
             identity, payload = frames[0], frames[-1]
             try:

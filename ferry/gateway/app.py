@@ -41,7 +41,7 @@ from ferry.gateway.kv_index import KVEventSubscriber
 from ferry.gateway.policies import PolicyConfig, Router
 from ferry.gateway.prefix_index import PrefixIndex
 from ferry.gateway.rate_limit import Charge, TokenRateLimiter
-from ferry.gateway.response_usage import first_text_chunk, response_usage
+from ferry.gateway.response_usage import first_text_chunk, has_error_event, response_usage
 from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
 from ferry.gateway.worker import MonitorConfig, Worker, WorkerMonitor
 
@@ -74,6 +74,7 @@ class RequestContext:
     started: float = field(default_factory=time.monotonic)
     cache_key: str | None = None
     charge: Charge | None = None
+    handed_off: bool = False  # a worker's response is being passed through (it settles the charge)
     _ids: list[int] | None = None
     _ids_done: bool = False
 
@@ -85,9 +86,18 @@ class RequestContext:
         return self._ids
 
 
+def _num_prompts(data: dict) -> int:
+    """Prompts in a /v1/completions body (a list of strings or of token-id lists); 1 otherwise."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def _completion_estimate(data: dict, pool: list[Worker]) -> int:
-    """max_tokens (x n); without one, the room a replica's context leaves (or 1,024)."""
-    n = data.get("n") if isinstance(data.get("n"), int) and data.get("n") > 0 else 1
+    """max_tokens x n x prompts; without max_tokens, the room a replica's context leaves (or 1,024)."""
+    n = data.get("n") if type(data.get("n")) is int and data.get("n") > 0 else 1
+    n *= _num_prompts(data)
     for field_name in ("max_completion_tokens", "max_tokens"):
         value = data.get(field_name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -109,6 +119,22 @@ class GatewayConfig:
     result_cache_entries: int = 1024
     result_cache_bytes: int = 64 << 20
     result_cache_ttl: float = 600.0
+
+
+class _PassThroughResponse(StreamingResponse):
+    """A streamed pass-through whose `close` always runs: Starlette may cancel a response whose
+    client is already gone before its body generator starts, and then the generator's own
+    `finally` never runs."""
+
+    def __init__(self, content, close, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 class GatewayMetrics:
@@ -196,31 +222,43 @@ class Gateway:
             self._zmq.term()
 
     async def _sync_subscribers(self) -> None:
-        """Keep one KV-event subscriber per reachable worker that publishes events (kv-aware);
+        """Keep one live KV-event subscriber per reachable worker that publishes events (kv-aware);
         forget a worker's cache state when it goes away (it may come back empty)."""
+        warned: set[str] = set()
         while True:
             for w in self.workers:
-                sub = self.subscribers.get(w.url)
-                if not w.reachable:
-                    if sub is not None:
-                        await sub.stop()
-                        del self.subscribers[w.url]
-                    self.prefix_index.forget_worker(w.url)
-                    w.info = None  # refetched on recovery: a restarted worker has new ports
-                    continue
-                if sub is None and self.config.policy == "kv-aware" and w.info and w.info.get("kv_events"):
-                    if w.info.get("block_hash") != HASH_ALGORITHM:
-                        logger.warning("worker %s hashes blocks with %s, not %s: routed by load", w.url,
-                                       w.info.get("block_hash"), HASH_ALGORITHM)  # fmt: skip
-                        continue
-                    ev = w.info["kv_events"]
-                    host = ev["host"]
-                    if host in ("0.0.0.0", "*", "::", ""):
-                        host = urlparse(w.url).hostname or "127.0.0.1"
-                    sub = KVEventSubscriber(self._zmq, host, ev["port"], ev["replay_port"], w.url)
-                    sub.start()
-                    self.subscribers[w.url] = sub
+                try:
+                    await self._sync_subscriber(w, warned)
+                except Exception:  # one worker's odd /ferry/info must not stop the others' sync
+                    logger.exception("KV-event subscriber for %s", w.url)
             await asyncio.sleep(self.monitor_config.scrape_interval)
+
+    async def _sync_subscriber(self, w: Worker, warned: set[str]) -> None:
+        sub = self.subscribers.get(w.url)
+        if sub is not None and (not w.reachable or sub.task is None or sub.task.done()):
+            await sub.stop()  # gone, or failed: a new one starts from a fresh snapshot
+            del self.subscribers[w.url]
+            sub = None
+        if not w.reachable:
+            self.prefix_index.forget_worker(w.url)
+            w.info = None  # refetched on recovery: a restarted worker has new ports
+            return
+        if sub is None and self.config.policy == "kv-aware" and w.info and w.info.get("kv_events"):
+            if w.info.get("block_hash") != HASH_ALGORITHM:
+                if w.url not in warned:
+                    warned.add(w.url)
+                    logger.warning("worker %s hashes blocks with %s, not %s: routed by load", w.url,
+                                   w.info.get("block_hash"), HASH_ALGORITHM)  # fmt: skip
+                return
+            ev = w.info["kv_events"]
+            host = ev["host"]
+            if host in ("0.0.0.0", "*", "::", ""):
+                host = urlparse(w.url).hostname or "127.0.0.1"
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"  # IPv6 in a tcp:// endpoint
+            sub = KVEventSubscriber(self._zmq, host, int(ev["port"]), int(ev["replay_port"]), w.url)
+            sub.start()
+            self.subscribers[w.url] = sub
 
     # -- routing ----------------------------------------------------------
 
@@ -247,8 +285,9 @@ class Gateway:
                 prompt = data.get("prompt")
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                     prompt = prompt[0]  # several prompts go to one worker; route by the first
-                if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                    return prompt
+                if isinstance(prompt, list):
+                    ok = all(type(t) is int and 0 <= t < 2**32 for t in prompt)
+                    return prompt if ok else None  # out-of-range ids: the replica's 400 says why
                 tok = self._tokenizer(worker)
                 return tok.encode(prompt) if isinstance(prompt, str) and tok is not None else None
             from ferry.entrypoints.openai.protocol import ChatCompletionRequest
@@ -270,9 +309,7 @@ class Gateway:
             if ids:
                 hashes = hash_prompt_blocks(ids, block_size)
                 if self.router.policy == "kv-aware":
-                    overlaps = [
-                        self.subscribers[w.url].index.overlap(hashes) if w.url in self.subscribers else 0 for w in pool
-                    ]
+                    overlaps = [self._kv_overlap(w, hashes) for w in pool]
                 else:
                     overlaps = [self.prefix_index.overlap(hashes, w.url) for w in pool]
         decision = self.router.choose(pool, len(hashes), overlaps)
@@ -285,6 +322,12 @@ class Gateway:
             self.metrics.overlap.observe(decision.overlap)
         return decision
 
+    def _kv_overlap(self, worker: Worker, hashes: list[bytes]) -> int:
+        sub = self.subscribers.get(worker.url)
+        if sub is None or not sub.index.synced or sub.task is None or sub.task.done():
+            return 0  # no live mirror of this worker's cache: route it by load
+        return sub.index.overlap(hashes)
+
     async def handle(self, request: Request, kind: str) -> Response:
         key_name = "none"
         limits = None
@@ -294,9 +337,15 @@ class Gateway:
                 return error_response(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                       param=None, code="invalid_api_key")  # fmt: skip
             key_name, limits = key.name, key.limits
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        buf = bytearray()
+        async for piece in request.stream():
+            buf += piece
+            if len(buf) > MAX_BODY_BYTES:
+                return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        raw = bytes(buf)
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as e:
@@ -328,41 +377,58 @@ class Gateway:
             charge, wait, why = self.rate_limiter.admit(key_name, limits, prompt_estimate, completion_estimate)
             if charge is None:
                 self.metrics.rate_limited.labels(key_name).inc()
+                if wait is None:  # can never fit: retrying would not help, so not a 429
+                    return error_response(400, f"{why}; lower max_tokens or the prompt", param="max_tokens")
                 return error_response(429, f"Rate limit for this API key: {why}.", "rate_limit_exceeded",
                                       code="rate_limit_exceeded",
                                       headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
             ctx.charge = charge
+        try:
+            return await self._route(ctx, request)
+        except BaseException:
+            if ctx.charge is not None and not ctx.handed_off:
+                self.rate_limiter.reconcile(ctx.charge, 0, 0)  # nothing ran: nothing charged
+            raise
 
+    async def _route(self, ctx: RequestContext, request: Request) -> Response:
+        """Pick a worker and forward; retry elsewhere while workers fail before their first byte."""
+        pool, _ = self.pool(ctx.model)
         tried: set[str] = set()
+        last_error: tuple[Worker, int, dict[str, str], bytes] | None = None
         while True:
             candidates = [w for w in pool if w.url not in tried]
-            if not candidates:
-                return self._no_worker(ctx, f"no healthy worker for model `{model}`")
+            if not candidates or len(tried) > self.config.max_retries:
+                break
+            if tried:
+                self.metrics.retries.labels(ctx.model).inc()
             decision = await self.decide(ctx, candidates)
             worker = decision.worker
             tried.add(worker.url)
-            upstream = await self._send(worker, path, raw, request)
+            upstream, error = await self._send(worker, ctx.path, ctx.raw, request)
             if upstream is not None:
+                ctx.handed_off = True
                 return self._pass_through(ctx, worker, upstream)
-            if len(tried) > self.config.max_retries:
-                return self._no_worker(ctx, f"no worker for model `{model}` could take the request")
-            self.metrics.retries.labels(model).inc()
-            pool, _ = self.pool(model)
-
-    def _no_worker(self, ctx: RequestContext, message: str) -> Response:
+            last_error = error or last_error
+            pool, _ = self.pool(ctx.model)
         self.metrics.failed.labels(ctx.model).inc()
         if ctx.charge is not None:
             self.rate_limiter.reconcile(ctx.charge, 0, 0)  # nothing ran: nothing charged
+        if last_error is not None:  # every attempt got a 5xx: the last one says why
+            worker, status, headers, body = last_error
+            return Response(body, status_code=status, headers={**headers, WORKER_HEADER: worker.url})
+        message = f"no worker for model `{ctx.model}` could take the request" if tried else (
+            f"no healthy worker for model `{ctx.model}`")  # fmt: skip
         return error_response(503, message, "service_unavailable", headers={"Retry-After": "1"})
 
     async def _prompt_estimate(self, ctx: RequestContext, pool: list[Worker]) -> int:
         ids = await ctx.token_ids(self, pool[0]) if pool else None
         if ids is not None:
-            return len(ids)
+            return len(ids) * _num_prompts(ctx.data)  # the first prompt's length for each
         return max(1, len(ctx.raw) // 4)  # no tokenizer here: ~4 bytes a token
 
-    async def _send(self, worker: Worker, path: str, raw: bytes, request: Request) -> httpx.Response | None:
-        """The worker's response with its headers read, or None when it failed before any byte."""
+    async def _send(self, worker: Worker, path: str, raw: bytes, request: Request):
+        """(the worker's response with its headers read, None) or, when it failed before any
+        byte, (None, its 5xx response as (worker, status, headers, body) if it sent one)."""
         headers = {"content-type": "application/json"}
         if "accept" in request.headers:
             headers["accept"] = request.headers["accept"]
@@ -375,15 +441,27 @@ class Gateway:
             worker.in_flight -= 1
             worker.record_failure(f"{type(e).__name__}: {e}", self.monitor_config)
             logger.warning("worker %s failed before responding: %s", worker.url, e)
-            return None
-        if upstream.status_code >= 500:
-            await upstream.aclose()
+            return None, None
+        except BaseException:  # cancelled (client gone, shutdown): nothing is in flight here
             worker.in_flight -= 1
-            worker.record_failure(f"HTTP {upstream.status_code}", self.monitor_config)
-            logger.warning("worker %s answered %d; retrying elsewhere", worker.url, upstream.status_code)
-            return None
+            raise
+        if upstream.status_code >= 500:
+            try:
+                body = await upstream.aread()
+            except httpx.TransportError:
+                body = b""
+            finally:
+                await upstream.aclose()
+                worker.in_flight -= 1
+            # Only a worker that cannot serve (unreachable, overloaded, draining) counts against its
+            # breaker; a 500 may be the request's own doing, and one client must not eject the pool.
+            if upstream.status_code in (502, 503, 504):
+                worker.record_failure(f"HTTP {upstream.status_code}", self.monitor_config)
+            logger.warning("worker %s answered %d; trying another", worker.url, upstream.status_code)
+            kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+            return None, (worker, upstream.status_code, kept, body[:65536])
         worker.consecutive_failures = 0
-        return upstream
+        return upstream, None
 
     def _pass_through(self, ctx: RequestContext, worker: Worker, upstream: httpx.Response) -> Response:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
@@ -391,42 +469,49 @@ class Gateway:
         if ctx.cache_key is not None:
             headers[CACHE_HEADER] = "miss"
         status = upstream.status_code
+        state = {"kept": bytearray(), "overflow": False, "complete": False, "first": None, "closed": False}
 
         async def body():
-            kept = bytearray()  # for usage and the result cache, up to a bound
-            overflow = complete = False
-            first_token_at = None
             try:
                 async for chunk in upstream.aiter_raw():
-                    if first_token_at is None and (not ctx.streamed or first_text_chunk(chunk)):
-                        first_token_at = time.monotonic()
-                    if not overflow:
-                        kept += chunk
-                        overflow = len(kept) > MAX_KEPT_BYTES
+                    if state["first"] is None and ctx.streamed and first_text_chunk(chunk):
+                        state["first"] = time.monotonic()
+                    if not state["overflow"]:
+                        state["kept"] += chunk
+                        state["overflow"] = len(state["kept"]) > MAX_KEPT_BYTES
                     yield chunk
-                complete = True
-            except httpx.TransportError as e:  # the worker died mid-stream: nothing to retry on
+            except httpx.TransportError as e:  # the worker broke the stream: nothing can be retried now
                 logger.warning("worker %s broke a response after %.1fs: %s", worker.url,
                                time.monotonic() - ctx.started, e)  # fmt: skip
-            finally:
-                worker.in_flight -= 1
-                await upstream.aclose()
-                self._finish(ctx, worker, status, headers, bytes(kept) if not overflow else None, complete,
-                             first_token_at)  # fmt: skip
+                return
+            state["complete"] = True
 
-        return StreamingResponse(body(), status_code=status, headers=headers)
+        async def close() -> None:
+            # Runs exactly once, whether the body was sent, broke, or never started (a client that
+            # left before the first byte): the in-flight count and the charge must not leak.
+            if state["closed"]:
+                return
+            state["closed"] = True
+            worker.in_flight -= 1
+            await upstream.aclose()
+            kept = None if state["overflow"] else bytes(state["kept"])
+            self._finish(ctx, worker, status, headers, kept, state["complete"], state["first"])
+
+        return _PassThroughResponse(body(), close, status_code=status, headers=headers)
 
     def _finish(self, ctx: RequestContext, worker: Worker, status: int, headers: dict[str, str],
                 body: bytes | None, complete: bool, first_token_at: float | None) -> None:  # fmt: skip
         """After a passed-through response: usage, rate-limit reconciliation, metrics, cache."""
         prompt = completion = None
+        exact = False
         if body is not None and status == 200:
-            prompt, completion = response_usage(body, ctx.streamed)
+            prompt, completion, exact = response_usage(body, ctx.streamed)
         if ctx.charge is not None:
             if status != 200:
                 self.rate_limiter.reconcile(ctx.charge, 0, 0)  # refused by the worker: nothing generated
-            elif complete:
+            elif complete and exact:
                 self.rate_limiter.reconcile(ctx.charge, prompt, completion)
+            # else: the estimate stands (a broken or unmetered response may have used all of it)
         if status != 200:
             return
         m, labels = self.metrics, (ctx.model, ctx.key_name)
@@ -434,11 +519,12 @@ class Gateway:
             m.token_usage.labels(*labels, "input").observe(prompt)
         if completion is not None:
             m.token_usage.labels(*labels, "output").observe(completion)
-        if first_token_at is not None:
+        if first_token_at is not None:  # streamed: a non-streamed body's first byte is its last
             m.ttft.labels(*labels).observe(first_token_at - ctx.started)
             if completion and completion > 1 and complete:
                 m.tpot.labels(*labels).observe((time.monotonic() - first_token_at) / (completion - 1))
-        if complete and body is not None and ctx.cache_key is not None and self.result_cache is not None:
+        cacheable = complete and body is not None and not (ctx.streamed and has_error_event(body))
+        if cacheable and ctx.cache_key is not None and self.result_cache is not None:
             kept = {k: v for k, v in headers.items() if k.lower() == "content-type"}
             self.result_cache.put(ctx.cache_key, status, kept, body, worker.url)
 

@@ -90,5 +90,8 @@ def run_gateway(args: argparse.Namespace) -> int:
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
     logger.info("ferry gateway on http://%s:%d over %s", args.host, args.port, ", ".join(args.worker))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
+        pass
     return 0 if server.started else 1

@@ -43,8 +43,11 @@ class TokenRateLimiter:
         w = self._window(key, self.clock())
         return sum(c.prompt for c in w), sum(c.completion for c in w)
 
-    def admit(self, key: str, limits: KeyLimits, prompt: int, completion: int) -> tuple[Charge | None, float, str]:
-        """(the charge, 0, "") if admitted; else (None, seconds to wait, why)."""
+    def admit(
+        self, key: str, limits: KeyLimits, prompt: int, completion: int
+    ) -> tuple[Charge | None, float | None, str]:
+        """(the charge, 0, "") if admitted; else (None, seconds to wait, why), with wait None when
+        the request alone is over a limit (waiting would never help)."""
         now = self.clock()
         w = self._window(key, now)
         checks = [
@@ -60,7 +63,7 @@ class TokenRateLimiter:
             if want > limit:
                 return (
                     None,
-                    WINDOW_S,
+                    None,
                     f"this request needs {want} {kind} tokens, more than the key's {limit} per minute",
                 )
             used = sum(amount(c) for c in w)

@@ -2,8 +2,8 @@
 
 Non-streamed: the JSON body's `usage`. Streamed (SSE): the `usage` of the
 chunk that carries one (the client asked for `stream_options.include_usage`);
-without it, completion tokens are counted as the chunks that carry text, one
-token per chunk as ferry serve sends them, and the prompt stays estimated.
+without it, completion tokens are counted from the chunks that carry text (a
+lower bound, for metrics only: the rate limiter keeps its estimate).
 """
 
 from __future__ import annotations
@@ -19,13 +19,18 @@ def _usage_of(obj) -> tuple[int | None, int | None]:
     return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
 
 
-def _has_text(obj) -> bool:
-    for choice in obj.get("choices") or []:
+def _text_choices(obj) -> int:
+    n = 0
+    for choice in obj.get("choices") or [] if isinstance(obj, dict) else []:
         if not isinstance(choice, dict):
             continue
         if choice.get("text") or (isinstance(choice.get("delta"), dict) and choice["delta"].get("content")):
-            return True
-    return False
+            n += 1
+    return n
+
+
+def _has_text(obj) -> bool:
+    return _text_choices(obj) > 0
 
 
 def sse_events(body: bytes):
@@ -37,22 +42,28 @@ def sse_events(body: bytes):
                 continue
 
 
-def response_usage(body: bytes, streamed: bool) -> tuple[int | None, int | None]:
-    """(prompt_tokens, completion_tokens); None where the response does not say."""
+def response_usage(body: bytes, streamed: bool) -> tuple[int | None, int | None, bool]:
+    """(prompt_tokens, completion_tokens, exact): exact when the response reported its usage;
+    otherwise completion tokens are counted (one per choice per text chunk: a chunk may carry
+    more than one token, so it is a lower bound) and the prompt is None."""
     if not streamed:
         try:
-            return _usage_of(json.loads(body))
+            p, c = _usage_of(json.loads(body))
         except ValueError:
-            return None, None
-    prompt = completion = None
+            return None, None, False
+        return p, c, c is not None
     text_chunks = 0
     for event in sse_events(body):
         p, c = _usage_of(event)
         if c is not None:
-            prompt, completion = p, c
-        if _has_text(event):
-            text_chunks += 1
-    return prompt, completion if completion is not None else text_chunks
+            return p, c, True
+        text_chunks += _text_choices(event)
+    return None, text_chunks, False
+
+
+def has_error_event(body: bytes) -> bool:
+    """Whether a streamed body reports an error in-band (ferry serve does, mid-stream)."""
+    return any(isinstance(e, dict) and "error" in e for e in sse_events(body))
 
 
 def first_text_chunk(chunk: bytes) -> bool:

@@ -6,7 +6,7 @@ import pytest
 
 from ferry.gateway.auth import ApiKeys, KeyLimits
 from ferry.gateway.rate_limit import TokenRateLimiter
-from ferry.gateway.response_usage import first_text_chunk, response_usage
+from ferry.gateway.response_usage import first_text_chunk, has_error_event, response_usage
 from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
 
 
@@ -70,9 +70,9 @@ def test_rate_limit_admits_on_estimate_reconciles_and_says_when():
     assert c3 is not None
     clock.t += 51  # the first charge leaves the window
     assert rl.usage("k") == (30, 40)
-    # A request larger than a limit can never pass: a full-window wait and a message that says so.
+    # A request larger than a limit can never pass: no wait helps (the gateway answers 400).
     c4, wait, why = rl.admit("k", limits, 101, 0)
-    assert c4 is None and wait == 60.0 and "more than the key's 100" in why
+    assert c4 is None and wait is None and "more than the key's 100" in why
     assert rl.usage("other") == (0, 0)  # limits are per key
 
 
@@ -97,7 +97,7 @@ def test_result_cache_only_deterministic_lru_bytes_and_ttl():
 
 def test_response_usage_from_json_and_sse():
     body = json.dumps({"choices": [{"text": "hi"}], "usage": {"prompt_tokens": 7, "completion_tokens": 2}})
-    assert response_usage(body.encode(), streamed=False) == (7, 2)
+    assert response_usage(body.encode(), streamed=False) == (7, 2, True)
     chunks = [
         b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n',
         b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n',
@@ -105,10 +105,15 @@ def test_response_usage_from_json_and_sse():
     ]
     assert not first_text_chunk(chunks[0]) and first_text_chunk(chunks[1])
     without = b"".join(chunks) + b"data: [DONE]\n\n"
-    assert response_usage(without, streamed=True) == (None, 2)  # counted from the text chunks
+    assert response_usage(without, streamed=True) == (None, 2, False)  # counted from the text chunks
     with_usage = (
         b"".join(chunks) + b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n'
         b"data: [DONE]\n\n"
     )
-    assert response_usage(with_usage, streamed=True) == (9, 2)
-    assert response_usage(b"not json", streamed=False) == (None, None)
+    assert response_usage(with_usage, streamed=True) == (9, 2, True)
+    assert response_usage(b"not json", streamed=False) == (None, None, False)
+    # n = 2: one chunk with text in both choices counts twice.
+    two = b'data: {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}\n\n'
+    assert response_usage(two, streamed=True) == (None, 2, False)
+    assert has_error_event(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n')
+    assert not has_error_event(without)

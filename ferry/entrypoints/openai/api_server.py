@@ -225,7 +225,10 @@ class Server:
             engine = ready_engine(state)
             try:
                 await engine.call("reset_prefix_cache", timeout=10.0)
-            except RuntimeError as e:
+            except (EngineDeadError, asyncio.TimeoutError) as e:
+                return _error_response(OpenAIError(503, f"the engine did not answer: {e}", "service_unavailable",
+                                                   code=503))  # fmt: skip
+            except RuntimeError as e:  # the core's refusal: requests hold blocks
                 return _error_response(OpenAIError(409, str(e), code=409))
             return JSONResponse({"status": "ok"})
 
