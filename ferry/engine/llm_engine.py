@@ -9,9 +9,11 @@ from typing import Any
 import torch
 
 from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from ferry.engine.block_hash import hash_prompt_blocks
 from ferry.engine.core import EngineCore
 from ferry.engine.input_processor import InputProcessor, PromptType
 from ferry.engine.kv_cache_manager import KVCacheManager, cdiv
+from ferry.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
 from ferry.engine.messages import EngineInfo, EngineStats
 from ferry.engine.model_runner import ModelRunner
 from ferry.engine.output_processor import OutputProcessor
@@ -202,6 +204,16 @@ class LLMEngine:
         if to_abort:
             self.core.abort_requests(to_abort)
         return outputs
+
+    def export_kv(self, prompt_token_ids: list[int], skip: set[bytes] | frozenset = frozenset()) -> KVBlocks:
+        """The KV blocks this engine still caches for a prompt's full blocks (after its prefill),
+        without the leading ones in `skip` (engine/kv_transfer.py)."""
+        hashes = hash_prompt_blocks(prompt_token_ids, self.args.block_size)
+        return export_blocks(self.kv, self.runner.kv_caches, hashes, skip)
+
+    def import_kv(self, blocks: KVBlocks) -> int:
+        """Publish another engine's blocks in this prefix cache; returns how many were new."""
+        return import_blocks(self.kv, self.runner.kv_caches, blocks)
 
     def get_stats(self) -> EngineStats:
         return self.core.stats()

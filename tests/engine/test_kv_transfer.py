@@ -1,0 +1,73 @@
+"""KV blocks exported from one engine and imported into another (prefill/decode disaggregation)."""
+
+import pytest
+import torch
+from conftest import assert_no_blocks_referenced, run_to_completion
+
+from ferry.engine.block_hash import hash_prompt_blocks
+from ferry.sampling_params import SamplingParams
+
+PROMPT = list(range(1000, 1070))  # 4 full blocks of 16 + 6 tokens
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def generate(engine, ids, params=GREEDY):
+    engine.add_request("r", {"prompt_token_ids": ids}, params)
+    return run_to_completion(engine)["r"].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def colocated(make_engine):
+    return generate(make_engine(), PROMPT)
+
+
+def test_prefill_here_decode_there_equals_colocated(make_engine, colocated):
+    prefill = make_engine()
+    first = generate(prefill, PROMPT, SamplingParams(temperature=0, max_tokens=1))  # the prefill side's one token
+    assert first == colocated[:1]
+    payload = prefill.export_kv(PROMPT)
+    assert payload.block_hashes == hash_prompt_blocks(PROMPT, 16) and payload.parent_hash is None
+    decode = make_engine()
+    assert decode.import_kv(payload) == 4
+    assert_no_blocks_referenced(decode)  # imported blocks are cached, not held
+    assert generate(decode, PROMPT) == colocated
+    assert decode.get_stats().prefix_cache_hits == 64  # only the last 6 tokens were computed there
+    assert decode.import_kv(payload) == 0  # already there: nothing written twice
+
+
+def test_blocks_the_receiver_holds_are_not_sent(make_engine, colocated):
+    prefill = make_engine()
+    generate(prefill, PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    decode = make_engine()
+    generate(decode, PROMPT[:40], SamplingParams(temperature=0, max_tokens=1))  # caches blocks 0 and 1
+    held = set(hash_prompt_blocks(PROMPT, 16)[:2])
+    payload = prefill.export_kv(PROMPT, skip=held)
+    assert payload.num_blocks == 2 and payload.parent_hash == hash_prompt_blocks(PROMPT, 16)[1]
+    assert len(payload.data) == 2 * 30 * 2 * 16 * 3 * 64 * 4  # blocks x layers x K/V x tokens x heads x dim x fp32
+    assert decode.import_kv(payload) == 2
+    assert generate(decode, PROMPT) == colocated
+
+
+def test_export_stops_at_the_first_evicted_block_and_bad_payloads_change_nothing(make_engine):
+    prefill = make_engine()
+    assert prefill.export_kv(PROMPT).num_blocks == 0  # never prefilled: nothing cached
+    generate(prefill, PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    payload = prefill.export_kv(PROMPT)
+    decode = make_engine()
+    free = decode.kv.pool.num_free_blocks
+    bad = payload.__class__(**{**{f: getattr(payload, f) for f in payload.__struct_fields__}, "head_dim": 32})
+    with pytest.raises(ValueError, match="do not fit this cache"):
+        decode.import_kv(bad)
+    short = payload.__class__(**{**{f: getattr(payload, f) for f in payload.__struct_fields__}, "data": b"x"})
+    with pytest.raises(ValueError, match="bytes, expected"):
+        decode.import_kv(short)
+    assert decode.kv.pool.num_free_blocks == free and not decode.kv.pool.cached
+
+
+def test_import_into_a_bf16_cache_converts(make_engine, colocated):
+    prefill = make_engine()
+    generate(prefill, PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    decode = make_engine(kv_cache_dtype="bfloat16")
+    assert decode.import_kv(prefill.export_kv(PROMPT)) == 4
+    assert decode.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert generate(decode, PROMPT) == colocated  # SmolLM2's greedy path survives bf16 KV (see test_llm_engine)
