@@ -472,13 +472,30 @@ class Gateway:
         state = {"kept": bytearray(), "overflow": False, "complete": False, "first": None, "closed": False}
 
         async def body():
+            # The bookkeeping (close) runs before the client can see the end of the response, so
+            # a client that repeats a request right away finds it in the result cache: a
+            # non-streamed body is read whole first (the worker sends it at the end anyway), a
+            # stream is settled just before its `data: [DONE]` chunk goes out.
             try:
+                if not ctx.streamed:
+                    data = await upstream.aread()
+                    state["kept"] += data[: MAX_KEPT_BYTES + 1]
+                    state["overflow"] = len(data) > MAX_KEPT_BYTES
+                    state["complete"] = True
+                    await close()
+                    yield data
+                    return
                 async for chunk in upstream.aiter_raw():
-                    if state["first"] is None and ctx.streamed and first_text_chunk(chunk):
+                    if state["first"] is None and first_text_chunk(chunk):
                         state["first"] = time.monotonic()
                     if not state["overflow"]:
                         state["kept"] += chunk
                         state["overflow"] = len(state["kept"]) > MAX_KEPT_BYTES
+                    if chunk.rstrip().endswith(b"data: [DONE]"):
+                        state["complete"] = True
+                        await close()  # also closes the upstream: nothing may be read after this
+                        yield chunk
+                        return
                     yield chunk
             except httpx.TransportError as e:  # the worker broke the stream: nothing can be retried now
                 logger.warning("worker %s broke a response after %.1fs: %s", worker.url,
