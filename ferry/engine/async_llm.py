@@ -27,6 +27,7 @@ import zmq.asyncio
 from ferry.config import EngineArgs
 from ferry.engine.core_proc import run_engine_core
 from ferry.engine.input_processor import InputProcessor, PromptType
+from ferry.engine.kv_connector import KVTransferConfig
 from ferry.engine.kv_events import KVEventsConfig
 from ferry.engine.messages import (
     AbortRequests,
@@ -37,13 +38,14 @@ from ferry.engine.messages import (
     EngineCoreOutput,
     EngineInfo,
     EngineStats,
+    KVTransferDone,
     OutputMessage,
     UtilityCall,
     UtilityResult,
 )
 from ferry.engine.output_processor import OutputProcessor
 from ferry.outputs import RequestOutput
-from ferry.sampling_params import SamplingParams
+from ferry.sampling_params import InvalidParameterError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,23 @@ class MetricsSink:
     def on_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None: ...
     def on_prompt(self, num_tokens: int) -> None: ...
     def on_finished(self, reason: str, e2e: float) -> None: ...
+    def on_kv_transfer(self, done: KVTransferDone) -> None: ...
+    def on_remote_prefill(self, continued: bool) -> None: ...
+
+
+@dataclass
+class RemotePrefill:
+    """Decode side of a disaggregated request: what the prefill worker sampled for this prompt."""
+
+    first_token_ids: list[int]
+    prompt_digest: str  # of the prompt's token ids as the prefill worker saw them (prompt_digest())
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """A short digest of a prompt's token ids: the decode worker checks it names the prompt it has."""
+    import hashlib
+
+    return hashlib.sha256(msgspec.msgpack.encode(token_ids)).hexdigest()[:32]
 
 
 class AsyncLLM:
@@ -86,9 +105,12 @@ class AsyncLLM:
         tokenizer=None,
         metrics: MetricsSink | None = None,
         kv_events: KVEventsConfig | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.args = args
         self.kv_events = kv_events  # publish KV events from the core (for the gateway)
+        self.kv_transfer = kv_transfer  # prefill/decode disaggregation (engine/kv_connector.py)
+        self._kv_sent: dict[str, asyncio.Future] = {}  # request id -> its KVTransferDone (prefill side)
         self.tokenizer = tokenizer
         self.metrics = metrics or MetricsSink()
         self.info: EngineInfo | None = None
@@ -130,7 +152,7 @@ class AsyncLLM:
         addrs = (f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output")
         self.proc = ctx.Process(
             target=run_engine_core,
-            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events),
+            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events, self.kv_transfer),
             name="ferry-engine-core",
             daemon=True,
         )
@@ -193,8 +215,16 @@ class AsyncLLM:
         *,
         priority: int = 0,
         strict_context: bool = True,
+        kv_export_to: str | None = None,
+        remote_prefill: RemotePrefill | None = None,
     ) -> RequestStream:
-        """Validate (raises InvalidParameterError, changing nothing) and send to the core."""
+        """Validate (raises InvalidParameterError, changing nothing) and send to the core.
+
+        `kv_export_to` (prefill side): once the request finishes, send its prompt's KV blocks to
+        this receiver address ("" for Redis); await `kv_sent(request_id)` for the outcome.
+        `remote_prefill` (decode side): continue from the token the prefill worker sampled; it is
+        ignored (the first token computed here) unless the digest names this prompt and the
+        request is one sequence without logprobs."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if self.input_processor is None:
@@ -205,6 +235,14 @@ class AsyncLLM:
             request_id, prompt, params, priority=priority, arrival_time=arrival, in_use=in_use,
             strict_context=strict_context,
         )  # fmt: skip
+        if kv_export_to is not None:
+            if len(req.core_requests) != 1:
+                raise InvalidParameterError("n", "a request prefilled for remote decode must have n = 1")
+            req.core_requests[0].kv_export = True
+            req.core_requests[0].kv_target = kv_export_to or None
+        continued = remote_prefill is not None and self._takes_prefill(req, remote_prefill)
+        if continued:
+            req.core_requests[0].prefilled_token_ids = list(remote_prefill.first_token_ids)
         message = self._encoder.encode(AddRequest(req.core_requests))  # before any state changes
         self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
         stream = RequestStream(request_id, len(req.prompt_token_ids))
@@ -212,13 +250,40 @@ class AsyncLLM:
         for sid in req.seq_ids:
             self.timings[sid] = SeqTiming(arrival)
             self.unstarted.add(sid)
+        if kv_export_to is not None:
+            self._kv_sent[request_id] = asyncio.get_running_loop().create_future()
         try:
             self._send_bytes(message)
         except EngineDeadError:
             self._forget(request_id)
+            self._kv_sent.pop(request_id, None)
             raise
         self.metrics.on_prompt(len(req.prompt_token_ids))
+        if remote_prefill is not None:
+            self.metrics.on_remote_prefill(continued)
         return stream
+
+    def _takes_prefill(self, req, remote: RemotePrefill) -> bool:
+        vocab = self.info.vocab_size
+        return (
+            len(req.core_requests) == 1
+            and req.params.logprobs is None
+            and 0 < len(remote.first_token_ids) <= 1
+            and all(type(t) is int and 0 <= t < vocab for t in remote.first_token_ids)
+            and remote.prompt_digest == prompt_digest(req.prompt_token_ids)
+        )
+
+    async def kv_sent(self, request_id: str, timeout: float) -> KVTransferDone:
+        """The outcome of a request's KV send (prefill side), once its core has it."""
+        fut = self._kv_sent.get(request_id)
+        if fut is None:
+            raise KeyError(request_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            return KVTransferDone(request_id, "sent", False, error=f"no transfer result within {timeout:.0f}s")
+        finally:
+            self._kv_sent.pop(request_id, None)
 
     async def generate(
         self,
@@ -257,6 +322,7 @@ class AsyncLLM:
 
     def _forget(self, request_id: str, count_abort: bool = False) -> list[str]:
         """Drop the API-side state of a request; returns its sequence ids."""
+        self._kv_sent.pop(request_id, None)
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return []
@@ -321,6 +387,11 @@ class AsyncLLM:
                     self.metrics.on_stats(msg.stats)
                     if msg.outputs:
                         self._process_outputs(msg.outputs)
+                elif isinstance(msg, KVTransferDone):
+                    self.metrics.on_kv_transfer(msg)
+                    fut = self._kv_sent.get(msg.request_id) if msg.direction == "sent" else None
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
                 elif isinstance(msg, UtilityResult):
                     fut = self._calls.get(msg.call_id)
                     if fut is not None and not fut.done():
@@ -376,7 +447,7 @@ class AsyncLLM:
             stream.finished = True
             stream.queue.put_nowait(err)
         self.streams.clear()
-        for fut in self._calls.values():
+        for fut in (*self._calls.values(), *self._kv_sent.values()):
             if not fut.done():
                 fut.set_exception(err)
         if self.on_dead is not None:

@@ -27,9 +27,13 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         # When a list, every step appends its StepRecord (the `--profile` breakdown).
         self.step_records: list[StepRecord] | None = None
+        # Outputs due without a model step: tokens a prefill worker sampled (disaggregation).
+        self._pending: list[EngineCoreOutput] = []
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
+        prefilled: list[int] = []
         if isinstance(request, EngineCoreRequest):
+            prefilled = request.prefilled_token_ids
             params = request.sampling_params
             # Sets do not survive the wire; EOS ids are the core's to add anyway.
             resolve_stop_token_ids(params, self.eos_token_ids)
@@ -43,24 +47,49 @@ class EngineCore:
                 max_tokens=request.max_tokens,
             )
         self.scheduler.add_request(request)
+        if prefilled:
+            self._continue_prefilled(request, prefilled)
+
+    def _continue_prefilled(self, request: Request, tokens: list[int]) -> None:
+        """A request whose prompt another worker prefilled: take the token(s) it sampled as this
+        request's first, as if sampled here; the next step computes what the prefix cache lacks
+        (with the imported blocks: the prompt's last partial block and these tokens) and samples on."""
+        finish = None
+        for token in tokens:
+            request.append_token(token)
+            finish = self._check_stop(request, token)
+            if finish is not None:
+                break
+        self._pending.append(
+            EngineCoreOutput(
+                request.request_id,
+                request.output_token_ids[:],
+                finish_reason=finish,
+                stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
+                queue_time=0.0,
+            )  # fmt: skip
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.scheduler.abort_request(rid)
+        if self._pending:
+            gone = set(request_ids)
+            self._pending = [o for o in self._pending if o.request_id not in gone]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
-            return []
+            return outputs
         record = StepRecord(0, 0, 0, schedule=t1 - t0)
         requests, sampled = self.runner.execute(sched, record)
         t2 = time.perf_counter()
-        outputs = []
         for i, request in enumerate(requests):
             token = sampled.token_ids[i]
             request.append_token(token)

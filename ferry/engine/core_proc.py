@@ -22,7 +22,10 @@ import msgspec
 import zmq
 
 from ferry.config import EngineArgs
+from ferry.engine.block_hash import hash_prompt_blocks
+from ferry.engine.kv_connector import Done, ImportJob, KVConnector, KVTransferConfig, TransferResult
 from ferry.engine.kv_events import KVEventPublisher, KVEventsConfig
+from ferry.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
 from ferry.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -31,6 +34,7 @@ from ferry.engine.messages import (
     CoreReady,
     EngineCoreRequest,
     InputMessage,
+    KVTransferDone,
     UtilityCall,
     UtilityResult,
 )
@@ -59,7 +63,12 @@ def _die_with_parent() -> None:
 
 class EngineCoreProc:
     def __init__(
-        self, args: EngineArgs, input_addr: str, output_addr: str, kv_events: KVEventsConfig | None = None
+        self,
+        args: EngineArgs,
+        input_addr: str,
+        output_addr: str,
+        kv_events: KVEventsConfig | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         from ferry.engine.llm_engine import LLMEngine
 
@@ -88,8 +97,30 @@ class EngineCoreProc:
             info.kv_events_replay_port = self.publisher.replay_port
             logger.info("KV events on tcp://%s:%d (replay %d)", self.publisher.host, self.publisher.port,
                         self.publisher.replay_port)  # fmt: skip
+        self.connector: KVConnector | None = None
+        self.exports: dict[str, EngineCoreRequest] = {}  # prefill side: requests to send once finished
+        self.parked: dict[str, EngineCoreRequest] = {}  # decode side: requests waiting for a Redis pull
+        if kv_transfer is not None:
+            self._start_connector(kv_transfer)
         self.send(CoreReady(self.engine.info))
         self.running = True
+
+    def _start_connector(self, config: KVTransferConfig) -> None:
+        info, kv = self.engine.info, self.core.kv
+        k0 = self.engine.runner.kv_caches[0][0]
+        _, bs, kvh, d = k0.shape
+        layers = len(self.engine.runner.kv_caches)
+        namespace = f"{os.path.basename(info.model_path)}:{layers}x{kvh}x{d}x{bs}"
+        max_payload = kv.pool.num_blocks * layers * 2 * bs * kvh * d * 4
+        self.connector = KVConnector(config, self.ctx, namespace, max_payload)
+        cached = kv.pool.cached
+        self.connector.set_lookup(lambda h: h in cached)
+        info.kv_role = config.role
+        info.kv_transfer = config.transport
+        info.kv_receiver = self.connector.receiver_addr
+        info.kv_redis = self.connector.redis is not None
+        logger.info("KV transfer: role %s, sends by %s, receives on %s%s", config.role, config.transport or "-",
+                    info.kv_receiver or "-", ", pulls from Redis" if info.kv_redis else "")  # fmt: skip
 
     def _warm_up(self) -> None:
         """Run one full-budget prefill and a few decode steps so first requests don't pay for
@@ -125,8 +156,11 @@ class EngineCoreProc:
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
             for r in msg.requests:
-                self.core.add_request(r)
+                self.add_request(r)
         elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.parked.pop(rid, None)
+                self.exports.pop(rid, None)
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, UtilityCall):
             value, error = None, None
@@ -143,6 +177,72 @@ class EngineCoreProc:
                 error = f"unknown method {msg.method!r}"
             self.send(UtilityResult(msg.call_id, error is None, value, error))
 
+    # -- KV transfer (prefill/decode disaggregation) ----------------------------------
+
+    def add_request(self, r: EngineCoreRequest) -> None:
+        if r.kv_export:
+            if self.connector is None:
+                self.send(KVTransferDone(r.request_id, "sent", False, error="this worker has no --kv-transfer"))
+            else:
+                self.exports[r.request_id] = r
+        if self.connector is not None and self.connector.redis is not None and self.core.kv.enable_prefix_caching:
+            # Blocks another worker computed may be in Redis: fetch the ones missing here first.
+            bs = self.core.kv.block_size
+            usable = (len(r.prompt_token_ids) + len(r.prefilled_token_ids) - 1) // bs
+            hashes = hash_prompt_blocks(r.prompt_token_ids, bs)[:usable]
+            missing = self.connector.missing_prefix(hashes)
+            if missing:
+                start = len(hashes) - len(missing)
+                self.parked[r.request_id] = r
+                self.connector.pull(r.request_id, missing, hashes[start - 1] if start else None)
+                return
+        self.core.add_request(r)
+
+    def export_finished(self, outputs) -> None:
+        """Prefill side: send the blocks of requests that asked for it, now cached after their prefill."""
+        for out in outputs:
+            if out.finish_reason is None or out.request_id not in self.exports:
+                continue
+            r = self.exports.pop(out.request_id)
+            if out.finish_reason == "abort":
+                continue
+            hashes = hash_prompt_blocks(r.prompt_token_ids, self.core.kv.block_size)
+            payload = export_blocks(self.core.kv, self.engine.runner.kv_caches, hashes,
+                                    encoding=self.connector.config.encoding)  # fmt: skip
+            self.connector.send(r.request_id, payload, r.kv_target)
+
+    def _import(self, payload: KVBlocks) -> int:
+        return import_blocks(self.core.kv, self.engine.runner.kv_caches, payload)
+
+    def process_kv_transfers(self) -> None:
+        if self.connector is None:
+            return
+        for ev in self.connector.drain():
+            if isinstance(ev, ImportJob):
+                n, error = 0, ev.error
+                if ev.payload is not None:
+                    try:
+                        n = self._import(ev.payload)
+                    except ValueError as e:  # does not fit: nothing was allocated
+                        error = str(e)
+                self.connector.receiver.reply(ev.identity, Done(ev.transfer_id, error is None, n, error))
+                nbytes = ev.payload.num_bytes if ev.payload is not None else 0
+                self.send(KVTransferDone(ev.transfer_id, "received", error is None, n, nbytes,
+                                         time.monotonic() - ev.received_at, error))  # fmt: skip
+            elif isinstance(ev, TransferResult):
+                error, n = ev.error, ev.num_blocks
+                if ev.payloads:  # a Redis pull: import, then the parked request may run
+                    try:
+                        n = self._import(KVBlocks.join(ev.payloads))
+                    except ValueError as e:
+                        error, n = str(e), 0
+                if ev.payloads is None or error is not None or n:  # a pull that found nothing is no transfer
+                    self.send(KVTransferDone(ev.request_id, ev.direction, ev.ok and error is None, n, ev.num_bytes,
+                                             ev.seconds, error))  # fmt: skip
+                r = self.parked.pop(ev.request_id, None)
+                if r is not None:
+                    self.core.add_request(r)
+
     def publish_kv_events(self) -> None:
         if self.publisher is not None:
             self.publisher.publish(self.core.kv.pool.events.take())
@@ -152,6 +252,8 @@ class EngineCoreProc:
         poller.register(self.input, zmq.POLLIN)
         if self.publisher is not None:
             poller.register(self.publisher.replay, zmq.POLLIN)
+        if self.connector is not None:
+            poller.register(self.connector.wake, zmq.POLLIN)
         last_heartbeat = time.monotonic()
         while self.running:
             busy = self.core.has_unfinished_requests()
@@ -164,11 +266,14 @@ class EngineCoreProc:
                     break
                 self.handle(self.decoder.decode(self.input.recv(copy=False).buffer))
                 timeout_ms = 0
-            self.publish_kv_events()  # e.g. a reset_prefix_cache call
+            self.process_kv_transfers()
+            self.publish_kv_events()  # e.g. a reset_prefix_cache call, imported blocks
             if not self.running:
                 break
             if self.core.has_unfinished_requests():
                 outputs = self.core.step()
+                if self.exports:
+                    self.export_finished(outputs)
                 self.publish_kv_events()
                 self.send(CoreOutputs(outputs, self.core.stats()))
                 last_heartbeat = time.monotonic()
@@ -178,6 +283,8 @@ class EngineCoreProc:
                 last_heartbeat = time.monotonic()
 
     def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
         if self.publisher is not None:
             self.publisher.close()
         self.output.close()
@@ -191,6 +298,7 @@ def run_engine_core(
     output_addr: str,
     log_level: int = logging.INFO,
     kv_events: KVEventsConfig | None = None,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> None:
     """Entry point of the core process (multiprocessing target)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -201,7 +309,7 @@ def run_engine_core(
     _die_with_parent()
     proc = None
     try:
-        proc = EngineCoreProc(args, input_addr, output_addr, kv_events)
+        proc = EngineCoreProc(args, input_addr, output_addr, kv_events, kv_transfer)
         proc.run()
     except ParentGone:
         logger.error("the API process is gone; exiting")

@@ -2,8 +2,8 @@
 
 API -> core: `AddRequest`, `AbortRequests`, `UtilityCall` (a tagged union, `InputMessage`).
 core -> API: `CoreReady` once loaded and warmed, then `CoreOutputs` after every step (and as a
-heartbeat when idle), `UtilityResult` for each call, and `CoreFailed` right before the core
-process exits on an error.
+heartbeat when idle), `UtilityResult` for each call, `KVTransferDone` for each KV transfer
+(disaggregated serving), and `CoreFailed` right before the core process exits on an error.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     max_tokens: int  # already resolved against max_model_len
     priority: int = 0
     arrival_time: float = 0.0  # time.monotonic(): system-wide on Linux, so comparable across processes
+    # Prefill/decode disaggregation (engine/kv_connector.py). Prefill side: once finished, send the
+    # prompt's KV blocks to the decode worker's receiver at `kv_target` (None: to Redis).
+    kv_export: bool = False
+    kv_target: str | None = None
+    # Decode side: the token(s) the prefill worker sampled, emitted first and continued from.
+    prefilled_token_ids: list[int] = []
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -60,6 +66,11 @@ class EngineInfo(msgspec.Struct):
     kv_events_host: str | None = None
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
+    # Prefill/decode disaggregation: this worker's role, how it sends KV blocks, where it receives them.
+    kv_role: str = "both"
+    kv_transfer: str | None = None
+    kv_receiver: str | None = None  # tcp://host:port
+    kv_redis: bool = False  # pulls missing prefix blocks from Redis
 
 
 # -- API -> core ---------------------------------------------------------------
@@ -104,4 +115,17 @@ class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
-OutputMessage = CoreReady | CoreOutputs | UtilityResult | CoreFailed
+class KVTransferDone(msgspec.Struct, tag="kv", array_like=True):
+    """A KV transfer finished: `sent` (prefill side, for request_id), `received` (decode side:
+    pushed blocks imported, or a Redis pull for request_id)."""
+
+    request_id: str
+    direction: str  # "sent" | "received"
+    ok: bool
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+OutputMessage = CoreReady | CoreOutputs | UtilityResult | CoreFailed | KVTransferDone

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -37,6 +38,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from ferry.engine.block_hash import hash_prompt_blocks
 from ferry.engine.kv_events import HASH_ALGORITHM
 from ferry.gateway.auth import ApiKeys
+from ferry.gateway.disagg import (
+    DISAGGREGATED,
+    FALLBACK,
+    LOCAL,
+    choose_decode,
+    decode_body,
+    parse_prefill_spec,
+    prefill_body,
+    receiver_of,
+    why_not_disaggregated,
+)
 from ferry.gateway.kv_index import KVEventSubscriber
 from ferry.gateway.policies import PolicyConfig, Router
 from ferry.gateway.prefix_index import PrefixIndex
@@ -51,6 +63,7 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape
 MAX_BODY_BYTES = 32 * 1024 * 1024
 MAX_KEPT_BYTES = 8 * 1024 * 1024  # of a response, for usage and the result cache
 WORKER_HEADER = "x-ferry-worker"
+PREFILL_HEADER = "x-ferry-prefill-worker"  # disaggregated: the worker that prefilled
 CACHE_HEADER = "x-ferry-cache"  # response: hit | miss; request: skip
 # Hop-by-hop and length headers are the gateway's own business, not the worker's.
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
@@ -72,6 +85,7 @@ class RequestContext:
     key_name: str
     streamed: bool
     started: float = field(default_factory=time.monotonic)
+    prefill_pool: str | None = None  # the API key's prefill pool (disaggregated serving)
     cache_key: str | None = None
     charge: Charge | None = None
     handed_off: bool = False  # a worker's response is being passed through (it settles the charge)
@@ -119,6 +133,10 @@ class GatewayConfig:
     result_cache_entries: int = 1024
     result_cache_bytes: int = 64 << 20
     result_cache_ttl: float = 600.0
+    # Prefill/decode disaggregation (gateway/disagg.py): `[POOL=]URL` prefill workers, decode workers.
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    pd_min_prefill_tokens: int = 256
 
 
 class _PassThroughResponse(StreamingResponse):
@@ -160,6 +178,12 @@ class GatewayMetrics:
         self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds", "time per output token after the first",
                               ["gen_ai_request_model", "key"], registry=r,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5))  # fmt: skip
+        self.pd_decisions = Counter("ferry_gateway_pd_decisions", "disaggregated serving: where a prompt was "
+                                    "prefilled (disaggregated | local: on its decode worker | fallback: no prefill "
+                                    "worker could)", ["model", "decision"], registry=r)  # fmt: skip
+        self.prefill_seconds = Histogram("ferry_gateway_prefill_seconds", "remote prefill, KV transfer included",
+                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                         registry=r)  # fmt: skip
         self.healthy = Gauge("ferry_gateway_worker_healthy", "1 if the worker is in its pools", ["worker"], registry=r)
         self.in_flight = Gauge("ferry_gateway_worker_in_flight", "requests in flight", ["worker"], registry=r)
 
@@ -173,12 +197,26 @@ class GatewayMetrics:
 class Gateway:
     def __init__(self, config: GatewayConfig, monitor: MonitorConfig | None = None,
                  policy: PolicyConfig | None = None) -> None:  # fmt: skip
-        if not config.workers:
-            raise ValueError("give at least one --worker URL")
+        if not config.workers and not config.decode:
+            raise ValueError("give at least one --worker URL (or --prefill and --decode URLs)")
+        if bool(config.prefill) != bool(config.decode):
+            raise ValueError("disaggregated serving needs both --prefill and --decode workers")
+        if config.pd_min_prefill_tokens < 0:
+            raise ValueError("--pd-min-prefill-tokens must be >= 0")
         self.config = config
         self.monitor_config = monitor or MonitorConfig()
         self.router = Router(config.policy, policy)
-        self.workers = [Worker(u.rstrip("/")) for u in dict.fromkeys(config.workers)]
+        by_url: dict[str, Worker] = {}
+        for u in config.workers:
+            by_url.setdefault(u.rstrip("/"), Worker(u.rstrip("/")))
+        for spec in config.prefill:
+            pool_name, u = parse_prefill_spec(spec)
+            by_url.setdefault(u.rstrip("/"), Worker(u.rstrip("/"), "prefill", pool_name))
+        for u in config.decode:
+            by_url.setdefault(u.rstrip("/"), Worker(u.rstrip("/"), "decode"))
+        self.workers = list(by_url.values())
+        self.disaggregated = bool(config.decode)
+        self._pd_turn = itertools.count()
         self.metrics = GatewayMetrics()
         self.prefix_index = PrefixIndex(config.prefix_index_blocks)
         self.api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
@@ -262,10 +300,10 @@ class Gateway:
 
     # -- routing ----------------------------------------------------------
 
-    def pool(self, model: str) -> tuple[list[Worker], bool]:
-        """(healthy workers serving `model`, whether any worker ever advertised it)."""
+    def pool(self, model: str, roles: tuple[str, ...] = ("both",)) -> tuple[list[Worker], bool]:
+        """(healthy workers of these roles serving `model`, whether any worker ever advertised it)."""
         known = [w for w in self.workers if model in w.models]
-        return [w for w in known if w.healthy], bool(known)
+        return [w for w in known if w.healthy and w.role in roles], bool(known)
 
     def _tokenizer(self, worker: Worker):
         source = self.config.tokenizer or (worker.info or {}).get("tokenizer")
@@ -331,12 +369,13 @@ class Gateway:
     async def handle(self, request: Request, kind: str) -> Response:
         key_name = "none"
         limits = None
+        key_pool = None
         if self.api_keys is not None:
             key = self.api_keys.authenticate(request.headers.get("authorization"))
             if key is None:
                 return error_response(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                       param=None, code="invalid_api_key")  # fmt: skip
-            key_name, limits = key.name, key.limits
+            key_name, limits, key_pool = key.name, key.limits, key.prefill_pool
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
@@ -355,11 +394,11 @@ class Gateway:
         model = data.get("model")
         if not isinstance(model, str):
             return error_response(400, "`model` is required (see GET /v1/models)", param="model")
-        pool, known = self.pool(model)
+        pool, known = self.pool(model, ("both", "prefill", "decode"))
         if not known:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
-        ctx = RequestContext(kind, path, raw, data, model, key_name, bool(data.get("stream")))
+        ctx = RequestContext(kind, path, raw, data, model, key_name, bool(data.get("stream")), prefill_pool=key_pool)
 
         cache = self.result_cache
         if cache is not None and request.headers.get(CACHE_HEADER, "").lower() != "skip" and is_deterministic(data):
@@ -384,6 +423,8 @@ class Gateway:
                                       headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
             ctx.charge = charge
         try:
+            if self.disaggregated:
+                return await self._route_pd(ctx, request)
             return await self._route(ctx, request)
         except BaseException:
             if ctx.charge is not None and not ctx.handed_off:
@@ -410,6 +451,9 @@ class Gateway:
                 return self._pass_through(ctx, worker, upstream)
             last_error = error or last_error
             pool, _ = self.pool(ctx.model)
+        return self._no_worker(ctx, tried, last_error)
+
+    def _no_worker(self, ctx: RequestContext, tried: set[str], last_error) -> Response:
         self.metrics.failed.labels(ctx.model).inc()
         if ctx.charge is not None:
             self.rate_limiter.reconcile(ctx.charge, 0, 0)  # nothing ran: nothing charged
@@ -419,6 +463,93 @@ class Gateway:
         message = f"no worker for model `{ctx.model}` could take the request" if tried else (
             f"no healthy worker for model `{ctx.model}`")  # fmt: skip
         return error_response(503, message, "service_unavailable", headers={"Retry-After": "1"})
+
+    async def _route_pd(self, ctx: RequestContext, request: Request) -> Response:
+        """Disaggregated: prefill on a prefill worker (unless not worth it), decode on a decode worker."""
+        decode_pool, _ = self.pool(ctx.model, ("decode",))
+        if not decode_pool:
+            return await self._route(ctx, request)  # colocated workers of this model, if any
+        d = choose_decode(decode_pool, next(self._pd_turn), self.router.config.kv_usage_weight)
+        answer, prefill_worker, decision = None, None, LOCAL
+        if why_not_disaggregated(ctx.data, ctx.kind) is None:
+            ids = await ctx.token_ids(self, d)
+            block_size = (d.info or {}).get("block_size")
+            if ids and block_size:
+                hashes = hash_prompt_blocks(ids, block_size)
+                uncached = len(ids) - self._kv_overlap(d, hashes) * block_size
+                if uncached >= self.config.pd_min_prefill_tokens:
+                    answer, prefill_worker = await self._prefill(ctx, d, hashes)
+                    decision = DISAGGREGATED if answer is not None and answer.get("ok") else FALLBACK
+                if hashes and d.url in self.subscribers:
+                    self.subscribers[d.url].index.add_pending(hashes)
+        self.metrics.pd_decisions.labels(ctx.model, decision).inc()
+        body = decode_body(ctx.data, answer)
+        extra = {PREFILL_HEADER: prefill_worker.url} if prefill_worker is not None else {}
+        tried: set[str] = set()
+        last_error = None
+        while True:  # a decode worker that fails before its first byte is replaced
+            tried.add(d.url)
+            upstream, error = await self._send(d, ctx.path, body, request)
+            if upstream is not None:
+                ctx.handed_off = True
+                return self._pass_through(ctx, d, upstream, extra)
+            last_error = error or last_error
+            pool, _ = self.pool(ctx.model, ("decode",))
+            candidates = [w for w in pool if w.url not in tried]
+            if not candidates or len(tried) > self.config.max_retries:
+                return self._no_worker(ctx, tried, last_error)
+            self.metrics.retries.labels(ctx.model).inc()
+            d = choose_decode(candidates, next(self._pd_turn), self.router.config.kv_usage_weight)
+
+    async def _prefill(self, ctx: RequestContext, decode: Worker, hashes: list[bytes]):
+        """(the prefill worker's kv_transfer_params, that worker), retrying on other prefill workers
+        of the pool; (None, None) when none could."""
+        body = prefill_body(ctx.data, receiver_of(decode))
+        tried: set[str] = set()
+        while len(tried) <= self.config.max_retries:
+            pool, _ = self.pool(ctx.model, ("prefill",))
+            if ctx.prefill_pool is not None:
+                pool = [w for w in pool if w.prefill_pool == ctx.prefill_pool]
+            candidates = [w for w in pool if w.url not in tried]
+            if not candidates:
+                break
+            if tried:
+                self.metrics.retries.labels(ctx.model).inc()
+            overlaps = [self._kv_overlap(w, hashes) for w in candidates]
+            worker = self.router.choose(candidates, len(hashes), overlaps).worker
+            tried.add(worker.url)
+            t0 = time.monotonic()
+            worker.in_flight += 1
+            try:
+                r = await self.client.post(worker.url + ctx.path, content=body,
+                                           headers={"content-type": "application/json"})  # fmt: skip
+            except (httpx.TransportError, OSError) as e:
+                worker.record_failure(f"{type(e).__name__}: {e}", self.monitor_config)
+                logger.warning("prefill worker %s failed: %s", worker.url, e)
+                continue
+            finally:
+                worker.in_flight -= 1
+            if r.status_code != 200:
+                if r.status_code in (502, 503, 504):
+                    worker.record_failure(f"HTTP {r.status_code}", self.monitor_config)
+                logger.warning("prefill worker %s answered %d: %s", worker.url, r.status_code, r.text[:300])
+                if r.status_code < 500:
+                    return None, None  # the request's own fault: the decode worker will say what it is
+                continue
+            worker.consecutive_failures = 0
+            try:
+                answer = r.json()["kv_transfer_params"]
+                answer["first_token_ids"], answer["prompt_digest"]  # noqa: B018 -- both must be there
+            except (ValueError, KeyError, TypeError):
+                logger.warning("prefill worker %s sent no kv_transfer_params", worker.url)
+                continue
+            if not answer.get("ok"):
+                logger.warning("KV transfer %s -> %s failed: %s", worker.url, decode.url, answer.get("error"))
+            self.metrics.prefill_seconds.observe(time.monotonic() - t0)
+            if hashes and worker.url in self.subscribers:
+                self.subscribers[worker.url].index.add_pending(hashes)
+            return answer, worker
+        return None, None
 
     async def _prompt_estimate(self, ctx: RequestContext, pool: list[Worker]) -> int:
         ids = await ctx.token_ids(self, pool[0]) if pool else None
@@ -463,9 +594,11 @@ class Gateway:
         worker.consecutive_failures = 0
         return upstream, None
 
-    def _pass_through(self, ctx: RequestContext, worker: Worker, upstream: httpx.Response) -> Response:
+    def _pass_through(self, ctx: RequestContext, worker: Worker, upstream: httpx.Response,
+                      extra_headers: dict[str, str] | None = None) -> Response:  # fmt: skip
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
         headers[WORKER_HEADER] = worker.url
+        headers.update(extra_headers or {})
         if ctx.cache_key is not None:
             headers[CACHE_HEADER] = "miss"
         status = upstream.status_code
@@ -588,7 +721,8 @@ class Gateway:
         @app.get("/gateway/workers")
         async def workers() -> Response:
             return JSONResponse([
-                {"url": w.url, "healthy": w.healthy, "models": sorted(w.models), "in_flight": w.in_flight,
+                {"url": w.url, "role": w.role, "prefill_pool": w.prefill_pool, "healthy": w.healthy,
+                 "models": sorted(w.models), "in_flight": w.in_flight,
                  "waiting": w.waiting, "running": w.running, "kv_usage": w.kv_usage, "last_error": w.last_error,
                  "kv_blocks_known": len(self.subscribers[w.url].index.hashes) if w.url in self.subscribers else None}
                 for w in self.workers

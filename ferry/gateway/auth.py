@@ -4,8 +4,10 @@ The file is either one key per line (blank lines and `#` comments ignored),
 or JSON: a list of objects
     {"key": "sk-...", "name": "team-a",
      "prompt_tokens_per_minute": 20000, "completion_tokens_per_minute": 5000,
-     "total_tokens_per_minute": 22000}
-where every field but "key" is optional (no limit when absent). Clients send
+     "total_tokens_per_minute": 22000, "prefill_pool": "team-a"}
+where every field but "key" is optional (no limit when absent; "prefill_pool":
+with disaggregated serving, the pool of `--prefill team-a=URL` workers that
+prefill this key's requests, which all share the decode pool). Clients send
 `Authorization: Bearer <key>`. Keys are compared in constant time against
 every configured key (no early exit, so the time does not say which key came
 close), and never logged: logs and metrics name a key by its "name" (default:
@@ -32,18 +34,20 @@ class ApiKey:
     name: str
     digest: bytes  # sha256 of the key: compared, and kept instead of the key itself
     limits: KeyLimits
+    prefill_pool: str | None = None  # disaggregated serving: the prefill pool this key's requests use
 
 
 class ApiKeys:
-    def __init__(self, keys: list[tuple[str, str, KeyLimits]]) -> None:
+    def __init__(self, keys: list[tuple]) -> None:
+        """`keys`: (name, key, limits) or (name, key, limits, prefill pool)."""
         if not keys:
             raise ValueError("the API key file has no keys")
-        names = [n for n, _, _ in keys]
+        names = [k[0] for k in keys]
         if len(set(names)) != len(names):
             raise ValueError("API key names must be unique")
-        if len({k for _, k, _ in keys}) != len(keys):
+        if len({k[1] for k in keys}) != len(keys):
             raise ValueError("the API key file lists a key twice")
-        self.keys = [ApiKey(n, hashlib.sha256(k.encode()).digest(), lim) for n, k, lim in keys]
+        self.keys = [ApiKey(k[0], hashlib.sha256(k[1].encode()).digest(), *k[2:]) for k in keys]
 
     @classmethod
     def from_file(cls, path: str) -> "ApiKeys":
@@ -71,7 +75,7 @@ class ApiKeys:
         return found
 
 
-def _parse_json(text: str, path: str) -> list[tuple[str, str, KeyLimits]]:
+def _parse_json(text: str, path: str) -> list[tuple]:
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -90,8 +94,11 @@ def _parse_json(text: str, path: str) -> list[tuple[str, str, KeyLimits]]:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{path}: entry {i}: {field} must be a positive integer")
             limits[field] = value
-        unknown = set(entry) - {"key", "name", *limits}
+        unknown = set(entry) - {"key", "name", "prefill_pool", *limits}
         if unknown:
             raise ValueError(f"{path}: entry {i}: unknown fields {sorted(unknown)}")
-        out.append((str(entry.get("name") or f"key-{i}"), entry["key"], KeyLimits(**limits)))
+        pool = entry.get("prefill_pool")
+        if pool is not None and (not isinstance(pool, str) or not pool):
+            raise ValueError(f"{path}: entry {i}: prefill_pool must be a pool name given with --prefill NAME=URL")
+        out.append((str(entry.get("name") or f"key-{i}"), entry["key"], KeyLimits(**limits), pool))
     return out

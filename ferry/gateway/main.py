@@ -16,8 +16,17 @@ logger = logging.getLogger(__name__)
 
 def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) -> None:
     if workers_required:
-        p.add_argument("--worker", action="append", required=True, metavar="URL",
+        p.add_argument("--worker", action="append", default=[], metavar="URL",
                        help="a ferry serve (or any OpenAI-compatible) replica; repeat for each")  # fmt: skip
+        g = p.add_argument_group("prefill/decode disaggregation")
+        g.add_argument("--prefill", action="append", default=[], metavar="[POOL=]URL",
+                       help="a `ferry serve --role prefill` worker, optionally in a named pool (API keys pick "
+                            "pools with their prefill_pool); repeat for each")  # fmt: skip
+        g.add_argument("--decode", action="append", default=[], metavar="URL",
+                       help="a `ferry serve --role decode` worker; repeat for each")  # fmt: skip
+    p.add_argument("--pd-min-prefill-tokens", type=int, default=256,
+                   help="disaggregated: prompts whose part not cached on the decode worker is shorter than this "
+                        "are prefilled there")  # fmt: skip
     p.add_argument("--policy", choices=POLICIES, default="kv-aware")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
@@ -57,7 +66,8 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
     p.add_argument("--uvicorn-log-level", default="warning")
 
 
-def build_gateway(args: argparse.Namespace, workers: list[str]) -> Gateway:
+def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
+                  decode: list[str] | None = None) -> Gateway:  # fmt: skip
     if args.max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {args.max_retries}")
     for name in ("scrape_interval", "health_interval", "cooldown"):
@@ -77,6 +87,9 @@ def build_gateway(args: argparse.Namespace, workers: list[str]) -> Gateway:
         result_cache_entries=args.result_cache_entries,
         result_cache_bytes=args.result_cache_bytes,
         result_cache_ttl=args.result_cache_ttl,
+        prefill=list(prefill or []),
+        decode=list(decode or []),
+        pd_min_prefill_tokens=args.pd_min_prefill_tokens,
     )
     monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
     policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,
@@ -85,11 +98,18 @@ def build_gateway(args: argparse.Namespace, workers: list[str]) -> Gateway:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    gateway = build_gateway(args, args.worker)
+    if not args.worker and not args.decode:
+        raise ValueError("give --worker URLs, or --prefill and --decode URLs")
+    gateway = build_gateway(args, args.worker, args.prefill, args.decode)
     config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
     server = uvicorn.Server(config)
-    logger.info("ferry gateway on http://%s:%d over %s", args.host, args.port, ", ".join(args.worker))
+    logger.info(
+        "ferry gateway on http://%s:%d over %s",
+        args.host,
+        args.port,
+        ", ".join(args.worker + [f"prefill {u}" for u in args.prefill] + [f"decode {u}" for u in args.decode]),
+    )
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled

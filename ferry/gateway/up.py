@@ -1,5 +1,8 @@
 """`ferry up --replicas N`: N `ferry serve` replicas and a gateway over them, on this machine.
 
+`ferry up --pd P:D` instead starts P prefill and D decode workers (`--role`,
+KV blocks over `--kv-transfer`, tcp by default) and a disaggregating gateway.
+
 The replicas start as child processes on free ports (with KV events on, for
 the kv-aware policy), each given the engine flags of this command; when all
 are ready the gateway runs in this process. Ctrl-C or SIGTERM stops the
@@ -31,6 +34,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or HF model directory (default: the bundled SmolLM2)")  # fmt: skip
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--pd", default=None, metavar="P:D",
+                   help="disaggregated: P prefill and D decode workers instead of --replicas")  # fmt: skip
+    p.add_argument("--kv-transfer", choices=("tcp", "shm", "redis"), default="tcp", help="with --pd")
+    p.add_argument("--redis-url", default=None, help="with --pd and --kv-transfer redis")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
     p.add_argument("--replica-ready-timeout", type=float, default=300.0)
     add_gateway_args(p, workers_required=False)
@@ -86,16 +93,37 @@ def run_up(args: argparse.Namespace) -> int:
         raise ValueError(f"replicas must be >= 1, got {args.replicas}")
     args.model = args.model_tag
     eargs = EngineArgs.from_cli_args(args)  # validates the engine flags before anything starts
-    ports = [free_port() for _ in range(args.replicas)]
+    roles = ["both"] * args.replicas
+    if args.pd:
+        try:
+            num_p, num_d = (int(x) for x in args.pd.split(":"))
+        except ValueError:
+            raise ValueError(f"--pd expects P:D (e.g. 1:2), got {args.pd!r}") from None
+        if num_p < 1 or num_d < 1:
+            raise ValueError("--pd needs at least one prefill and one decode worker")
+        if args.kv_transfer == "redis" and not args.redis_url:
+            raise ValueError("--kv-transfer redis needs --redis-url")
+        roles = ["prefill"] * num_p + ["decode"] * num_d
+    ports = [free_port() for _ in roles]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     cmds = []
-    for port in ports:
+    for port, role in zip(ports, roles):
         cmd = [sys.executable, "-m", "ferry.cli", "serve", *([args.model] if args.model else []),
                "--port", str(port), "--enable-kv-events", *eargs.to_cli_flags()]  # fmt: skip
         if args.served_model_name:
             cmd += ["--served-model-name", args.served_model_name]
+        if role != "both":
+            cmd += ["--role", role]
+            if role == "prefill":
+                cmd += ["--kv-transfer", args.kv_transfer]
+            if args.redis_url:
+                cmd += ["--redis-url", args.redis_url]
         cmds.append(cmd)
-    gateway = build_gateway(args, urls)
+    if args.pd:
+        gateway = build_gateway(args, [], [u for u, r in zip(urls, roles) if r == "prefill"],
+                                [u for u, r in zip(urls, roles) if r == "decode"])  # fmt: skip
+    else:
+        gateway = build_gateway(args, urls)
     replicas = Replicas(cmds, urls)
     # SIGTERM (Kubernetes, systemd, kill) stops the gateway like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
@@ -104,7 +132,8 @@ def run_up(args: argparse.Namespace) -> int:
         config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
         server = uvicorn.Server(config)
-        logger.info("ferry up: gateway on http://%s:%d, %d replicas (%s)", args.host, args.port, args.replicas,
+        logger.info("ferry up: gateway on http://%s:%d, %s (%s)", args.host, args.port,
+                    f"{args.pd} prefill:decode workers" if args.pd else f"{args.replicas} replicas",
                     args.policy)  # fmt: skip
         server.run()
         return 0 if server.started else 1

@@ -32,6 +32,8 @@ class MonitorConfig:
 @dataclass
 class Worker:
     url: str
+    role: str = "both"  # both | prefill | decode (disaggregated serving, gateway/disagg.py)
+    prefill_pool: str | None = None  # a prefill worker's pool name (`--prefill NAME=URL`)
     models: set[str] = field(default_factory=set)
     info: dict | None = None  # /ferry/info, when the worker is a ferry serve
     # Load: requests the gateway has in flight here, and what /metrics last said.

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from ferry.config import EngineArgs
 from ferry.engine.async_llm import AsyncLLM, EngineDeadError
+from ferry.engine.kv_connector import ROLES, TRANSPORTS, KVTransferConfig
 from ferry.engine.kv_events import HASH_ALGORITHM, TOPIC, KVEventsConfig
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
@@ -83,9 +84,11 @@ class Server:
     """The app, its engine and its lifecycle (start, drain, die)."""
 
     def __init__(self, engine_args: EngineArgs, served_model_names: list[str], *, max_queue_len: int,
-                 drain_timeout: float, kv_events: KVEventsConfig | None = None) -> None:  # fmt: skip
+                 drain_timeout: float, kv_events: KVEventsConfig | None = None,
+                 kv_transfer: KVTransferConfig | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
         self.kv_events = kv_events
+        self.kv_transfer = kv_transfer
         self.state = ServerState(served_model_names, max_queue_len)
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
@@ -99,7 +102,8 @@ class Server:
     # -- lifecycle --------------------------------------------------------
 
     async def _start_engine(self) -> None:
-        engine = AsyncLLM(self.engine_args, tokenizer=None, metrics=self.metrics, kv_events=self.kv_events)
+        engine = AsyncLLM(self.engine_args, tokenizer=None, metrics=self.metrics, kv_events=self.kv_events,
+                          kv_transfer=self.kv_transfer)  # fmt: skip
         engine.on_dead = self._on_engine_dead
         self.state.engine = engine
         try:
@@ -253,6 +257,8 @@ class Server:
                 "prefix_caching": self.engine_args.enable_prefix_caching,
                 "block_hash": HASH_ALGORITHM,
                 "kv_events": events,
+                "role": i.kv_role,
+                "kv_transfer": {"sends_by": i.kv_transfer, "receiver": i.kv_receiver, "redis": i.kv_redis},
             })  # fmt: skip
 
         async def generate(request: Request, body_type: type, handler) -> Response:
@@ -316,6 +322,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-host", default=None, help="address to publish on (default: --host)")
     p.add_argument("--kv-events-port", type=int, default=0, help="PUB port (0: any free one)")
     p.add_argument("--kv-events-replay-port", type=int, default=0, help="replay port (0: any free one)")
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--role", choices=ROLES, default="both",
+                   help="prefill: compute prompts and send their KV blocks (at most one token per request); "
+                        "decode: receive KV blocks and generate; both: either (default)")  # fmt: skip
+    g.add_argument("--kv-transfer", choices=TRANSPORTS, default=None,
+                   help="how this worker sends KV blocks: tcp (ZMQ, across hosts), shm (shared memory, same "
+                        "host), redis (a shared store, needs --redis-url)")  # fmt: skip
+    g.add_argument("--kv-transfer-host", default=None, help="where the KV receiver listens (default: --host)")
+    g.add_argument("--kv-transfer-port", type=int, default=0, help="KV receiver port (0: any free one)")
+    g.add_argument("--kv-transfer-dtype", choices=("auto", "int8"), default="auto",
+                   help="KV in transit: auto (the cache's dtype) or int8 (per-vector scales)")  # fmt: skip
+    g.add_argument("--kv-transfer-timeout", type=float, default=10.0, help="seconds for every KV-transfer wait")
+    g.add_argument("--redis-url", default=None,
+                   help="redis://host:port/db: a shared KV-block store; new requests pull the prompt blocks "
+                        "missing here from it")  # fmt: skip
+    g.add_argument("--redis-ttl", type=float, default=600.0, help="seconds a block stays in Redis")
+    g.add_argument("--redis-max-memory", default=None,
+                   help="set the Redis server's maxmemory (e.g. 2gb) with allkeys-lru eviction")  # fmt: skip
 
 
 def default_served_name(model: str | None, path: str) -> str:
@@ -339,8 +363,17 @@ def serve(args: argparse.Namespace) -> int:
     kv_events = None
     if args.enable_kv_events:
         kv_events = KVEventsConfig(args.kv_events_host or args.host, args.kv_events_port, args.kv_events_replay_port)
+    kv_transfer = None
+    if args.role != "both" or args.kv_transfer or args.redis_url:
+        kv_transfer = KVTransferConfig(
+            role=args.role, transport=args.kv_transfer, host=args.kv_transfer_host or args.host,
+            port=args.kv_transfer_port, redis_url=args.redis_url, redis_ttl=args.redis_ttl,
+            redis_max_memory=args.redis_max_memory, encoding="int8" if args.kv_transfer_dtype == "int8" else "raw",
+            timeout=args.kv_transfer_timeout,
+        )  # fmt: skip
+        kv_transfer.validate()  # ValueError: a clear message, exit 2
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
-                    kv_events=kv_events)  # fmt: skip
+                    kv_events=kv_events, kv_transfer=kv_transfer)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

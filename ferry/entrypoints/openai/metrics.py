@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from ferry.engine.async_llm import MetricsSink
-from ferry.engine.messages import EngineInfo, EngineStats
+from ferry.engine.messages import EngineInfo, EngineStats, KVTransferDone
 
 disable_created_metrics()  # `*_created` series only double the scrape size
 
@@ -20,6 +20,7 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0]  # fmt: skip
+TRANSFER_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 
@@ -58,6 +59,24 @@ class ServerMetrics(MetricsSink):
         self._cache_info = Gauge(
             "ferry:cache_config_info", "KV-cache configuration.", ["block_size", "num_gpu_blocks"], registry=r
         )
+        # Prefill/decode disaggregation (engine/kv_connector.py), by direction: sent | received.
+        self._kv_bytes = Counter("ferry:kv_transfer_bytes", "KV-cache bytes moved to or from other workers.",
+                                 ["model_name", "direction"], registry=r)  # fmt: skip
+        self._kv_blocks = Counter("ferry:kv_transfer_blocks", "KV-cache blocks moved (imported or sent).",
+                                  ["model_name", "direction"], registry=r)  # fmt: skip
+        self._kv_seconds = Histogram("ferry:kv_transfer_seconds", "Duration of a KV transfer.",
+                                     ["model_name", "direction"], buckets=TRANSFER_BUCKETS, registry=r)  # fmt: skip
+        self._kv_failures = Counter("ferry:kv_transfer_failures", "KV transfers that failed.",
+                                    ["model_name", "direction"], registry=r)  # fmt: skip
+        self._remote_prefill = Counter(
+            "ferry:remote_prefill_requests", "Requests prefilled by another worker: continued from its token, or "
+            "recomputed here (the token could not be used: logprobs, n > 1, another prompt).",
+            ["model_name", "outcome"], registry=r)  # fmt: skip
+        for direction in ("sent", "received"):  # zeros from the start, so rates and deltas work
+            for family in (self._kv_bytes, self._kv_blocks, self._kv_failures):
+                family.labels(model_name, direction)
+        for outcome in ("continued", "recomputed"):
+            self._remote_prefill.labels(model_name, outcome)
         self._last: EngineStats | None = None
 
     def set_engine_info(self, info: EngineInfo) -> None:
@@ -94,6 +113,18 @@ class ServerMetrics(MetricsSink):
     def on_finished(self, reason: str, e2e: float) -> None:
         self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(e2e)
+
+    def on_kv_transfer(self, done: KVTransferDone) -> None:
+        labels = (self.model_name, done.direction)
+        if not done.ok:
+            self._kv_failures.labels(*labels).inc()
+            return
+        self._kv_bytes.labels(*labels).inc(done.num_bytes)
+        self._kv_blocks.labels(*labels).inc(done.num_blocks)
+        self._kv_seconds.labels(*labels).observe(done.seconds)
+
+    def on_remote_prefill(self, continued: bool) -> None:
+        self._remote_prefill.labels(self.model_name, "continued" if continued else "recomputed").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

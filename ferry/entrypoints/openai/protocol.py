@@ -75,6 +75,10 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Prefill/decode disaggregation, set by the gateway (vLLM's field name): {"do_remote_decode": true,
+    # "decode_receiver": "tcp://..."} to a prefill worker; {"do_remote_prefill": true, "first_token_ids":
+    # [...], "prompt_digest": "..."} to a decode worker (entrypoints/openai/serving.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidParameterError naming the field."""

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 
-from ferry.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from ferry.engine.async_llm import AsyncLLM, EngineDeadError, RemotePrefill, RequestStream, prompt_digest
 from ferry.entrypoints.openai.protocol import OpenAIError
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError
@@ -96,13 +96,77 @@ def as_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error", code=500)
 
 
-def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params, priority: int) -> list[RequestStream]:
+@dataclass
+class KVTransferPlan:
+    """What a request's `kv_transfer_params` ask of this worker (prefill/decode disaggregation)."""
+
+    export_to: str | None = None  # prefill: send the prompt's KV here after one token ("": to Redis)
+    remote: RemotePrefill | None = None  # decode: continue from the prefill worker's token
+
+    def response_params(self, done, out: RequestOutput) -> dict[str, Any]:
+        """The prefill side's answer: the token it sampled and how the transfer went."""
+        return {
+            "first_token_ids": list(out.outputs[0].token_ids),
+            "prompt_digest": prompt_digest(out.prompt_token_ids),
+            "ok": done.ok,
+            "num_blocks": done.num_blocks,
+            "num_bytes": done.num_bytes,
+            "seconds": round(done.seconds, 6),
+            "error": done.error,
+        }
+
+
+def kv_transfer_plan(engine: AsyncLLM, body, num_prompts: int, params) -> KVTransferPlan:
+    """Validate `kv_transfer_params` (400 naming the problem); a prefill worker generates at most
+    one token for any request."""
+    info = engine.info
+    if info.kv_role == "prefill":
+        params.max_tokens = 1
+    p = body.kv_transfer_params
+    if not p:
+        return KVTransferPlan()
+    if p.get("do_remote_decode"):
+        if info.kv_transfer is None:
+            raise OpenAIError(400, "this worker sends no KV blocks (start it with --kv-transfer)",
+                              param="kv_transfer_params", code=400)  # fmt: skip
+        if body.stream or num_prompts != 1 or params.n != 1:
+            raise OpenAIError(400, "a request prefilled for remote decode must be one prompt, n = 1, not streamed",
+                              param="kv_transfer_params", code=400)  # fmt: skip
+        target = p.get("decode_receiver")
+        if info.kv_transfer != "redis" and not (isinstance(target, str) and target.startswith("tcp://")):
+            raise OpenAIError(400, "kv_transfer_params.decode_receiver must be the decode worker's tcp:// address",
+                              param="kv_transfer_params", code=400)  # fmt: skip
+        params.max_tokens = 1
+        return KVTransferPlan(export_to=target if info.kv_transfer != "redis" else "")
+    if p.get("do_remote_prefill"):
+        ids, digest = p.get("first_token_ids"), p.get("prompt_digest")
+        if not (isinstance(ids, list) and all(type(t) is int for t in ids) and isinstance(digest, str)):
+            raise OpenAIError(400, "kv_transfer_params needs first_token_ids (token ids) and prompt_digest",
+                              param="kv_transfer_params", code=400)  # fmt: skip
+        if num_prompts != 1:
+            raise OpenAIError(400, "a remotely prefilled request has one prompt", param="kv_transfer_params",
+                              code=400)  # fmt: skip
+        return KVTransferPlan(remote=RemotePrefill(ids, digest))
+    return KVTransferPlan()
+
+
+async def kv_sent_params(engine: AsyncLLM, plan: KVTransferPlan, request_id: str, out: RequestOutput):
+    """Prefill side, after the request's one token: wait for its blocks to reach the decode worker."""
+    timeout = 2 * engine.kv_transfer.timeout + 5.0 if engine.kv_transfer else 30.0
+    done = await engine.kv_sent(request_id, timeout)
+    return plan.response_params(done, out)
+
+
+def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params, priority: int,
+                 plan: KVTransferPlan | None = None) -> list[RequestStream]:  # fmt: skip
     """One engine request per prompt; all or nothing."""
     streams: list[RequestStream] = []
+    plan = plan or KVTransferPlan()
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(engine.add_request(rid, prompt, params, priority=priority))
+            streams.append(engine.add_request(rid, prompt, params, priority=priority, kv_export_to=plan.export_to,
+                                              remote_prefill=plan.remote))  # fmt: skip
     except Exception:
         for s in streams:
             engine.abort(s.request_id)

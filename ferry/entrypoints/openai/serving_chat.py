@@ -18,6 +18,8 @@ from ferry.entrypoints.openai.serving import (
     as_openai_error,
     check_model,
     finite,
+    kv_sent_params,
+    kv_transfer_plan,
     merged_outputs,
     now_s,
     random_id,
@@ -87,11 +89,12 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    plan = kv_transfer_plan(engine, body, 1, params)
     admit(state, engine, params.n)
     # Rendering (Jinja) and tokenizing take milliseconds on long conversations: off the event loop.
     prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body)
     base_id = random_id("chatcmpl")
-    streams = add_requests(engine, base_id, [prompt], params, body.priority)
+    streams = add_requests(engine, base_id, [prompt], params, body.priority, plan)
     created = now_s()
     if body.stream:
         return StreamingResponse(
@@ -113,16 +116,17 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
         for c in sorted(final.outputs, key=lambda c: c.index)
     ]
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return JSONResponse(
-        {
-            "id": base_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
-        }
-    )
+    response = {
+        "id": base_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
+    }
+    if plan.export_to is not None:
+        response["kv_transfer_params"] = await kv_sent_params(engine, plan, base_id, final)
+    return JSONResponse(response)
 
 
 async def _stream(request, engine, streams, body, model, base_id, created, top) -> AsyncIterator[bytes]:

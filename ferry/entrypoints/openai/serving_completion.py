@@ -18,6 +18,8 @@ from ferry.entrypoints.openai.serving import (
     as_openai_error,
     check_model,
     finite,
+    kv_sent_params,
+    kv_transfer_plan,
     merged_outputs,
     now_s,
     random_id,
@@ -81,10 +83,11 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo", code=400)
     prompts = _prompts(body.prompt)
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    plan = kv_transfer_plan(engine, body, len(prompts), params)
     admit(state, engine, len(prompts) * params.n)
     prompts = await _tokenize(engine.tokenizer, prompts)
     base_id = random_id("cmpl")
-    streams = add_requests(engine, base_id, prompts, params, body.priority)
+    streams = add_requests(engine, base_id, prompts, params, body.priority, plan)
     n = params.n
     created = now_s()
     tokenizer = engine.tokenizer
@@ -125,16 +128,17 @@ async def create_completion(request: Request, state: ServerState, body: Completi
                 }
             )
     choices.sort(key=lambda ch: ch["index"])
-    return JSONResponse(
-        {
-            "id": base_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens, cached),
-        }
-    )
+    response = {
+        "id": base_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }
+    if plan.export_to is not None:
+        response["kv_transfer_params"] = await kv_sent_params(engine, plan, base_id, finals[0])
+    return JSONResponse(response)
 
 
 async def _stream(request, engine, streams, body, model, base_id, created, n, echo_text) -> AsyncIterator[bytes]:

@@ -1,0 +1,271 @@
+"""Prefill/decode disaggregation as users run it: real prefill and decode workers, a real Redis,
+and real gateway processes on 127.0.0.1, for each KV transport (tcp, shm, redis)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+from test_gateway import GatewayProcess
+
+from ferry.bench.launch import free_port
+
+MODEL = "smol"
+TRANSPORTS = ("tcp", "shm", "redis")
+FLAGS = ("--max-model-len", "1024", "--num-kv-blocks", "160", "--served-model-name", MODEL)
+
+
+def long_prompt(tag: str, i: int) -> str:
+    return (f"[{tag} {i}] The ferry crosses the fjord at dawn; the captain logs the weather, the cargo, the "
+            f"passengers and the tide. " * 5 + f"Question {i}: what does the captain log?")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A real Redis: the one `.ci/run` started, else our own redis-server on a free port."""
+    url = os.environ.get("FERRY_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed (.ci/run installs it)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url):
+    """Two decode workers (they pull from Redis too) and one prefill worker per transport."""
+    decode = [ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url, *FLAGS)
+              for _ in range(2)]  # fmt: skip
+    prefill = {}
+    for t in TRANSPORTS:
+        extra = ("--redis-url", redis_url) if t == "redis" else ()
+        prefill[t] = ServerProcess("--role", "prefill", "--kv-transfer", t, "--kv-transfer-timeout", "3",
+                                   "--enable-kv-events", *extra, *FLAGS)  # fmt: skip
+    yield {"decode": decode, "prefill": prefill, "redis": redis_url}
+    for s in [*decode, *prefill.values()]:
+        if s.proc.poll() is None:
+            s.stop()
+
+
+def pd_gateway(prefill: list[str], decode: list[str], *flags: str) -> GatewayProcess:
+    args = [*flags]
+    for p in prefill:
+        args += ["--prefill", p]
+    for d in decode:
+        args += ["--decode", d]
+    return GatewayProcess([], *args)
+
+
+def complete(url: str, prompt: str, stream: bool = False, headers: dict | None = None, **extra):
+    """(response headers, text) of a greedy completion."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream, **extra}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers or {}, timeout=120) as r:
+        raw = r.read()
+        assert r.status_code == 200, raw
+        if not stream:
+            return r.headers, json.loads(raw)["choices"][0]["text"]
+        text = ""
+        for line in raw.decode().splitlines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += "".join(c["text"] for c in chunk["choices"])
+        return r.headers, text
+
+
+def reset(servers) -> None:
+    for s in servers:
+        assert httpx.post(s.url + "/reset_prefix_cache", timeout=10).status_code == 200
+
+
+def wait_idle(servers, timeout: float = 10.0) -> None:
+    """Every worker's KV usage back to 0 (nothing held once requests are done)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = {s.url: s.metric("ferry:kv_cache_usage_perc") for s in servers}
+        if all(u == 0.0 for u in usage.values()):
+            return
+        assert time.monotonic() < deadline, f"KV blocks still held when idle: {usage}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_outputs_through_prefill_and_decode_workers_equal_colocated(cluster, transport):
+    d1, d2 = cluster["decode"]
+    p = cluster["prefill"][transport]
+    prompts = [long_prompt(transport, i) for i in range(2)]
+    colocated = [complete(d1.url, q)[1] for q in prompts]  # a decode worker serves whole requests too
+    reset([d1, d2])
+    gw = pd_gateway([p.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "0")
+    try:
+        tokens_before = p.metric("ferry:generation_tokens_total")
+        continued_before = sum(d.metric("ferry:remote_prefill_requests_total") for d in (d1, d2))
+        sent_before = p.metric("ferry:kv_transfer_bytes_total")
+        received_before = sum(d.metric("ferry:kv_transfer_bytes_total") for d in (d1, d2))
+        decoders = set()
+        for stream in (False, True):
+            for q, want in zip(prompts, colocated):
+                headers, text = complete(gw.url, q, stream=stream)
+                assert text == want, (transport, stream)
+                assert headers["x-ferry-prefill-worker"] == p.url
+                decoders.add(headers["x-ferry-worker"])
+        assert decoders <= {d1.url, d2.url}
+        # The prefill side generated one token per request, the decode side continued from it.
+        assert p.metric("ferry:generation_tokens_total") - tokens_before == 4
+        assert sum(d.metric("ferry:remote_prefill_requests_total") for d in (d1, d2)) - continued_before == 4
+        sent = p.metric("ferry:kv_transfer_bytes_total") - sent_before
+        received = sum(d.metric("ferry:kv_transfer_bytes_total") for d in (d1, d2)) - received_before
+        assert sent > 0 and received > 0
+        if transport != "redis":  # Redis values carry a small header per block
+            assert sent == received
+        assert gw.metric("ferry_gateway_pd_decisions_total", decision="disaggregated") == 4
+        wait_idle([p, d1, d2])
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_blocks_the_decode_worker_holds_are_not_sent_again(cluster, transport):
+    d1 = cluster["decode"][0]
+    p = cluster["prefill"][transport]
+    receiver = httpx.get(d1.url + "/ferry/info", timeout=10).json()["kv_transfer"]["receiver"]
+    body = {"model": MODEL, "prompt": long_prompt("resend-" + transport, 0), "max_tokens": 30, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "decode_receiver": receiver}}  # fmt: skip
+    first = httpx.post(p.url + "/v1/completions", json=body, timeout=60).json()
+    assert first["usage"]["completion_tokens"] == 1  # a prefill worker generates at most one token
+    kv = first["kv_transfer_params"]
+    full_blocks = first["usage"]["prompt_tokens"] // 16
+    assert full_blocks >= 8 and kv["ok"] and kv["num_blocks"] == full_blocks, kv
+    again = httpx.post(p.url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    assert again["ok"] and again["num_blocks"] == 0 and again["num_bytes"] == 0, again
+    if transport == "redis":  # the decode worker pulls what it lacks when the request arrives
+        import redis
+
+        client = redis.Redis.from_url(cluster["redis"])
+        keys = client.keys("ferry:kv:*")
+        assert keys and 0 < client.ttl(keys[0]) <= 600  # every block expires
+        before = d1.metric("ferry:kv_transfer_blocks_total")
+        decode = {**body, "max_tokens": 4,
+                  "kv_transfer_params": {"do_remote_prefill": True, "first_token_ids": kv["first_token_ids"],
+                                         "prompt_digest": kv["prompt_digest"]}}  # fmt: skip
+        out = httpx.post(d1.url + "/v1/completions", json=decode, timeout=60).json()
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * full_blocks
+        assert d1.metric("ferry:kv_transfer_blocks_total") - before == full_blocks
+        # Pulled once: the next request for the prompt finds the blocks here.
+        httpx.post(d1.url + "/v1/completions", json=decode, timeout=60).json()
+        assert d1.metric("ferry:kv_transfer_blocks_total") - before == full_blocks
+
+
+def test_bad_transfer_params_are_refused_and_a_foreign_token_is_recomputed(cluster):
+    d1 = cluster["decode"][0]
+    p = cluster["prefill"]["tcp"]
+    prompt = long_prompt("bad", 0)
+    r = httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "stream": True,
+                   "kv_transfer_params": {"do_remote_decode": True, "decode_receiver": "tcp://127.0.0.1:1"}},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400 and "not streamed" in r.json()["error"]["message"]
+    r = httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
+                   "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)  # fmt: skip
+    assert r.status_code == 400 and "decode_receiver" in r.json()["error"]["message"]
+    r = httpx.post(d1.url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
+                   "kv_transfer_params": {"do_remote_prefill": True, "first_token_ids": "x"}}, timeout=30)  # fmt: skip
+    assert r.status_code == 400
+    # A token for another prompt (digest mismatch) is not used: the decode worker computes its own.
+    want = complete(d1.url, prompt)[1]
+    before = d1.metric("ferry:remote_prefill_requests_total")
+    got = complete(d1.url, prompt, kv_transfer_params={"do_remote_prefill": True, "first_token_ids": [42],
+                                                       "prompt_digest": "0" * 32})[1]  # fmt: skip
+    assert got == want
+    assert d1.metric("ferry:remote_prefill_requests_total") - before == 1  # counted, as "recomputed"
+    # A transfer to a receiver that never answers times out (3 s) and the prefill still answers.
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "decode_receiver": f"tcp://127.0.0.1:{free_port()}"}}
+    t0 = time.monotonic()
+    kv = httpx.post(p.url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    assert not kv["ok"] and "within" in kv["error"] and time.monotonic() - t0 < 10
+    wait_idle([p, d1])
+
+
+def test_short_prompts_are_prefilled_on_the_decode_worker(cluster):
+    d1, d2 = cluster["decode"]
+    p = cluster["prefill"]["tcp"]
+    gw = pd_gateway([p.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "64")
+    try:
+        before = p.metric("ferry:prompt_tokens_total")
+        headers, text = complete(gw.url, "Name a colour.")  # ~5 tokens: not worth a transfer
+        assert "x-ferry-prefill-worker" not in headers and text
+        assert p.metric("ferry:prompt_tokens_total") == before
+        headers, _ = complete(gw.url, long_prompt("conditional", 0))
+        assert headers["x-ferry-prefill-worker"] == p.url
+        assert gw.metric("ferry_gateway_pd_decisions_total", decision="local") == 1
+        assert gw.metric("ferry_gateway_pd_decisions_total", decision="disaggregated") == 1
+    finally:
+        gw.stop()
+
+
+def test_prefill_pools_per_tenant_feed_one_decode_pool(cluster, tmp_path):
+    d1 = cluster["decode"][0]
+    p_tcp, p_redis = cluster["prefill"]["tcp"], cluster["prefill"]["redis"]
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"key": "sk-a", "name": "a", "prefill_pool": "a"},
+                                {"key": "sk-b", "name": "b", "prefill_pool": "b"}]))  # fmt: skip
+    gw = pd_gateway([f"a={p_tcp.url}", f"b={p_redis.url}"], [d1.url], "--pd-min-prefill-tokens", "0",
+                    "--api-keys", str(keys))  # fmt: skip
+    try:
+        for key, worker in (("sk-a", p_tcp.url), ("sk-b", p_redis.url)) * 2:
+            headers, text = complete(gw.url, long_prompt("tenant-" + key, 0),
+                                     headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            assert headers["x-ferry-prefill-worker"] == worker and headers["x-ferry-worker"] == d1.url and text
+    finally:
+        gw.stop()
+
+
+def test_failed_prefill_and_decode_workers_are_replaced(cluster):
+    """Runs last: it kills workers. A dead prefill worker's requests are prefilled by another; a
+    decode worker that dies before streaming is replaced; outputs stay those of a colocated run."""
+    d1, d2 = cluster["decode"]
+    p_shm, p_tcp = cluster["prefill"]["shm"], cluster["prefill"]["tcp"]
+    prompts = [long_prompt("failover", i) for i in range(3)]
+    colocated = [complete(d1.url, q)[1] for q in prompts]
+    reset([d1])
+    # Health checks far apart: the gateway learns of the deaths from the requests themselves.
+    gw = pd_gateway([p_shm.url, p_tcp.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "0",
+                    "--health-interval", "60", "--failure-threshold", "1")  # fmt: skip
+    try:
+        for s in (p_shm, d2):
+            s.proc.send_signal(signal.SIGKILL)
+            s.proc.wait(10)
+        for q, want in zip(prompts, colocated):
+            headers, text = complete(gw.url, q, stream=True)
+            assert text == want
+            assert headers["x-ferry-worker"] == d1.url
+            assert headers.get("x-ferry-prefill-worker") in (p_tcp.url, None)
+        assert gw.metric("ferry_gateway_retries_total") >= 1
+        wait_idle([p_tcp, d1])
+    finally:
+        gw.stop()
