@@ -71,3 +71,56 @@ def test_import_into_a_bf16_cache_converts(make_engine, colocated):
     assert decode.import_kv(prefill.export_kv(PROMPT)) == 4
     assert decode.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert generate(decode, PROMPT) == colocated  # SmolLM2's greedy path survives bf16 KV (see test_llm_engine)
+
+
+def core_tokens(engine, request) -> list[int]:
+    """Drive the engine core directly; every token it emits for the request, in order."""
+    engine.core.add_request(request)
+    tokens = []
+    while engine.core.has_unfinished_requests():
+        for out in engine.core.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+def test_a_request_continues_from_the_token_its_prefill_worker_sampled(make_engine, colocated):
+    from ferry.engine.messages import EngineCoreRequest
+
+    prefill = make_engine()
+    generate(prefill, PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    decode = make_engine()
+    decode.import_kv(prefill.export_kv(PROMPT))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    request = EngineCoreRequest("r", PROMPT, params, 12, prefilled_token_ids=colocated[:1])
+    assert core_tokens(decode, request) == colocated  # the given token first, then the rest
+    assert decode.get_stats().prefix_cache_hits == 64
+    # A prefilled token that ends the request (max_tokens 1) finishes it without a step.
+    request = EngineCoreRequest("one", PROMPT, SamplingParams(temperature=0, max_tokens=1), 1,
+                                prefilled_token_ids=[7])  # fmt: skip
+    decode.core.add_request(request)
+    outs = decode.core.step()
+    assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([7], "length")]
+    assert not decode.core.has_unfinished_requests()
+    assert_no_blocks_referenced(decode)
+
+
+def test_int8_in_transit_bounds_the_error_and_keeps_greedy_output(make_engine, colocated):
+    from ferry.engine.kv_transfer import KVBlocks, export_blocks
+
+    prefill = make_engine()
+    generate(prefill, PROMPT, SamplingParams(temperature=0, max_tokens=1))
+    hashes = hash_prompt_blocks(PROMPT, 16)
+    raw = export_blocks(prefill.kv, prefill.runner.kv_caches, hashes)
+    q = export_blocks(prefill.kv, prefill.runner.kv_caches, hashes, encoding="int8")
+    assert q.encoding == "int8" and q.num_bytes == raw.num_bytes // 4 + raw.num_bytes // 64  # int8 + a scale per 64
+    ref, got = raw.values(), q.values()
+    # Round to nearest: at most half a quantization step of each (token, head) vector's largest value.
+    step = ref.abs().amax(-1, keepdim=True) / 127
+    assert ((got - ref).abs() <= step / 2 + 1e-7).all()
+    # Split into single blocks (a store's unit), joined back, sliced: the same bytes.
+    assert KVBlocks.join(q.split()) == q
+    assert q.tail(1).block_hashes == hashes[1:] and q.tail(1).parent_hash == hashes[0]
+    assert KVBlocks.join(q.split()[1:]).data == q.tail(1).data
+    decode = make_engine()
+    assert decode.import_kv(q) == 4
+    assert generate(decode, PROMPT) == colocated
