@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_route_args(rb)
     rb.set_defaults(func=route_main)
 
+    from ferry.bench.pd import add_args as add_pd_args
+    from ferry.bench.pd import main as pd_main
+
+    pb = bench_sub.add_parser("pd", help="colocated vs prefill/decode-disaggregated serving under long-prompt arrivals")
+    add_pd_args(pb)
+    pb.set_defaults(func=pd_main)
+
     from ferry.bench.quality import add_args as add_quality_args
     from ferry.bench.quality import main as quality_main
 

@@ -38,6 +38,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     error: str = ""
     worker: str | None = None  # the x-ferry-worker header, behind a ferry gateway
+    text: str = ""  # what was streamed
 
     @property
     def tpot(self) -> float | None:
@@ -102,6 +103,7 @@ async def send_request(session, url: str, model: str, prompt: list[int], max_tok
                     usage_tokens = obj["usage"].get("completion_tokens")
                 choices = obj.get("choices") or []
                 if choices and choices[0].get("text"):
+                    res.text += choices[0]["text"]
                     now = time.perf_counter()
                     if chunks == 0:
                         res.ttft = now - t0
