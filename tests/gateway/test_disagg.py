@@ -121,6 +121,7 @@ def test_outputs_through_prefill_and_decode_workers_equal_colocated(cluster, tra
     prompts = [long_prompt(transport, i) for i in range(2)]
     colocated = [complete(d1.url, q)[1] for q in prompts]  # a decode worker serves whole requests too
     reset([d1, d2])
+    segments = {f for f in os.listdir("/dev/shm") if f.startswith("psm_")} if os.path.isdir("/dev/shm") else set()
     gw = pd_gateway([p.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "0")
     try:
         tokens_before = p.metric("ferry:generation_tokens_total")
@@ -145,6 +146,8 @@ def test_outputs_through_prefill_and_decode_workers_equal_colocated(cluster, tra
             assert sent == received
         assert gw.metric("ferry_gateway_pd_decisions_total", decision="disaggregated") == 4
         wait_idle([p, d1, d2])
+        if transport == "shm":  # every segment was unlinked after its transfer
+            assert {f for f in os.listdir("/dev/shm") if f.startswith("psm_")} <= segments
     finally:
         gw.stop()
 
@@ -203,8 +206,12 @@ def test_bad_transfer_params_are_refused_and_a_foreign_token_is_recomputed(clust
     assert got == want
     assert d1.metric("ferry:remote_prefill_requests_total") - before == 1  # counted, as "recomputed"
     # A transfer to a receiver that never answers times out (3 s) and the prefill still answers.
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True, "decode_receiver": f"tcp://127.0.0.1:{free_port()}"}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "decode_receiver": f"tcp://127.0.0.1:{free_port()}"},
+    }
     t0 = time.monotonic()
     kv = httpx.post(p.url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
     assert not kv["ok"] and "within" in kv["error"] and time.monotonic() - t0 < 10

@@ -36,3 +36,23 @@ def test_up_serves_then_sigterm_stops_every_process():
             assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0, pid
     finally:
         up.__exit__(None, None, None)
+
+
+def test_up_pd_starts_prefill_and_decode_workers_behind_a_disaggregating_gateway():
+    port = free_port()
+    cmd = [sys.executable, "-m", "ferry.cli", "up", "--pd", "1:1", "--port", str(port), "--pd-min-prefill-tokens",
+           "0", "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "smol"]  # fmt: skip
+    up = LaunchedServer(cmd, port, "/ready", 240)
+    url = up.__enter__()
+    try:
+        workers = httpx.get(url + "/gateway/workers", timeout=10).json()
+        assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(w["healthy"] for w in workers)
+        prefill = next(w["url"] for w in workers if w["role"] == "prefill")
+        body = {"model": "smol", "prompt": "The capital of France is a city called", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        assert r.headers["x-ferry-prefill-worker"] == prefill
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0
+    finally:
+        up.__exit__(None, None, None)
