@@ -273,6 +273,10 @@ class AsyncLLM:
             and remote.prompt_digest == prompt_digest(req.prompt_token_ids)
         )
 
+    def forget_kv_sent(self, request_id: str) -> None:
+        """The client left before asking for the outcome: nobody will."""
+        self._kv_sent.pop(request_id, None)
+
     async def kv_sent(self, request_id: str, timeout: float) -> KVTransferDone:
         """The outcome of a request's KV send (prefill side), once its core has it."""
         fut = self._kv_sent.get(request_id)
@@ -447,8 +451,12 @@ class AsyncLLM:
             stream.finished = True
             stream.queue.put_nowait(err)
         self.streams.clear()
-        for fut in (*self._calls.values(), *self._kv_sent.values()):
+        for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
+        for fut in self._kv_sent.values():  # awaited through kv_sent's shield, if at all
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()  # retrieved: no "never retrieved" warning for abandoned ones
         if self.on_dead is not None:
             self.on_dead(why)

@@ -61,6 +61,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def _model_bytes(path: str) -> int:
+    """The model's size on disk: with its name, what tells two models apart in a shared KV store
+    (two fine-tunes under one file name differ in size almost surely; paths differ across hosts)."""
+    try:
+        if os.path.isdir(path):
+            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 class EngineCoreProc:
     def __init__(
         self,
@@ -100,6 +111,7 @@ class EngineCoreProc:
         self.connector: KVConnector | None = None
         self.exports: dict[str, EngineCoreRequest] = {}  # prefill side: requests to send once finished
         self.parked: dict[str, EngineCoreRequest] = {}  # decode side: requests waiting for a Redis pull
+        self.parked_at: dict[str, float] = {}
         if kv_transfer is not None:
             self._start_connector(kv_transfer)
         self.send(CoreReady(self.engine.info))
@@ -110,7 +122,7 @@ class EngineCoreProc:
         k0 = self.engine.runner.kv_caches[0][0]
         _, bs, kvh, d = k0.shape
         layers = len(self.engine.runner.kv_caches)
-        namespace = f"{os.path.basename(info.model_path)}:{layers}x{kvh}x{d}x{bs}"
+        namespace = f"{os.path.basename(info.model_path)}:{_model_bytes(info.model_path)}:{layers}x{kvh}x{d}x{bs}"
         max_payload = kv.pool.num_blocks * layers * 2 * bs * kvh * d * 4
         self.connector = KVConnector(config, self.ctx, namespace, max_payload)
         cached = kv.pool.cached
@@ -160,6 +172,7 @@ class EngineCoreProc:
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 self.parked.pop(rid, None)
+                self.parked_at.pop(rid, None)
                 self.exports.pop(rid, None)
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, UtilityCall):
@@ -194,6 +207,7 @@ class EngineCoreProc:
             if missing:
                 start = len(hashes) - len(missing)
                 self.parked[r.request_id] = r
+                self.parked_at[r.request_id] = time.monotonic()
                 self.connector.pull(r.request_id, missing, hashes[start - 1] if start else None)
                 return
         self.core.add_request(r)
@@ -223,8 +237,8 @@ class EngineCoreProc:
                 if ev.payload is not None:
                     try:
                         n = self._import(ev.payload)
-                    except ValueError as e:  # does not fit: nothing was allocated
-                        error = str(e)
+                    except Exception as e:  # a peer's bad payload must not take the core down
+                        error = f"{type(e).__name__}: {e}"
                 self.connector.receiver.reply(ev.identity, Done(ev.transfer_id, error is None, n, error))
                 nbytes = ev.payload.num_bytes if ev.payload is not None else 0
                 self.send(KVTransferDone(ev.transfer_id, "received", error is None, n, nbytes,
@@ -234,14 +248,20 @@ class EngineCoreProc:
                 if ev.payloads:  # a Redis pull: import, then the parked request may run
                     try:
                         n = self._import(KVBlocks.join(ev.payloads))
-                    except ValueError as e:
-                        error, n = str(e), 0
+                    except Exception as e:  # a bad stored value must not take the core down
+                        error, n = f"{type(e).__name__}: {e}", 0
                 if ev.payloads is None or error is not None or n:  # a pull that found nothing is no transfer
                     self.send(KVTransferDone(ev.request_id, ev.direction, ev.ok and error is None, n, ev.num_bytes,
                                              ev.seconds, error))  # fmt: skip
                 r = self.parked.pop(ev.request_id, None)
+                self.parked_at.pop(ev.request_id, None)
                 if r is not None:
                     self.core.add_request(r)
+        if self.parked_at:  # a pull stuck past the timeout: run the request without it
+            limit = time.monotonic() - self.connector.config.timeout
+            for rid in [rid for rid, t in self.parked_at.items() if t < limit]:
+                del self.parked_at[rid]
+                self.core.add_request(self.parked.pop(rid))
 
     def publish_kv_events(self) -> None:
         if self.publisher is not None:

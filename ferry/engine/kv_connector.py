@@ -143,6 +143,7 @@ class _SendJob:
     request_id: str
     payload: KVBlocks
     target: str | None  # tcp://host:port of a receiver (tcp, shm); None for redis
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 class KVConnector:
@@ -235,6 +236,8 @@ class KVConnector:
                 continue
             t0 = time.monotonic()
             try:
+                if t0 - job.queued_at > 2 * self.config.timeout:  # its API request has given up waiting
+                    raise TimeoutError(f"waited {t0 - job.queued_at:.1f}s behind other transfers")
                 if self.config.transport == "redis":
                     n, nbytes = self.redis.put(job.payload)
                 else:
@@ -253,9 +256,15 @@ class KVConnector:
         """Offer, then push what the receiver lacks; (blocks imported there, bytes sent)."""
         sock = sockets.get(job.target)
         if sock is None:
-            sock = sockets[job.target] = self.ctx.socket(zmq.DEALER)
+            sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(job.target)
+            sock.setsockopt(zmq.SNDTIMEO, int(self.config.timeout * 1000))  # no send blocks forever
+            try:
+                sock.connect(job.target)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
+            sockets[job.target] = sock
         tid = uuid.uuid4().hex
         deadline = time.monotonic() + self.config.timeout
         try:
@@ -284,7 +293,7 @@ class KVConnector:
                     frames += [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)]
                 sock.send_multipart(frames, copy=False)
                 done = self._reply(sock, tid, Done, deadline)
-        except TimeoutError:
+        except (TimeoutError, zmq.ZMQError):
             # Replies that come late would answer the next offer: start that one on a fresh socket.
             sockets.pop(job.target, None)
             sock.close(linger=0)
@@ -362,7 +371,8 @@ class _Receiver:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A peer that sends more than the whole cache could hold is cut off, not buffered.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_payload_bytes + (1 << 20))
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_payload_bytes + (1 << 20))  # per frame; the total: _assemble
+        self.max_payload_bytes = max_payload_bytes
         bind_host = f"[{host}]" if ":" in host else host
         if port:
             self.sock.bind(f"tcp://{bind_host}:{port}")
@@ -446,10 +456,16 @@ class _Receiver:
                     # The sender owns (and unlinks) the segment; without this, this process's
                     # resource tracker would unlink it too, or warn, at exit.
                     resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-                    blob = bytes(shm.buf[: shm.size])
+                    scales = meta.num_blocks * meta.num_layers * 2 * meta.block_size * meta.num_kv_heads * 4
+                    total = msg.data_bytes + (scales if meta.encoding == "int8" else 0)
+                    if total > shm.size:
+                        raise ValueError(f"shared-memory segment of {shm.size} bytes, {total} announced")
+                    blob = bytes(shm.buf[:total])
                 finally:
                     shm.close()
             else:
+                if sum(len(f.buffer) for f in frames) > self.max_payload_bytes:
+                    raise ValueError("more KV bytes than this whole cache holds")
                 blob = b"".join(f.buffer for f in frames)
             meta.data = blob[: msg.data_bytes]
             meta.scales = blob[msg.data_bytes : len(blob)] if meta.encoding == "int8" else b""
@@ -466,7 +482,9 @@ class RedisBlockStore:
     def __init__(self, url: str, namespace: str, ttl: float, timeout: float, max_memory: str | None) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        # No retries: a pull that fails leaves the request to compute its prompt, which beats waiting.
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                           retry_on_timeout=False, retry=None)  # fmt: skip
         self.namespace = namespace
         self.ttl = max(1, int(ttl))
         self.decoder = msgspec.msgpack.Decoder(KVBlocks)

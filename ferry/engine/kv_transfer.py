@@ -110,8 +110,8 @@ def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown KV dtype {name!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize not in (2, 4):
+        raise ValueError(f"unsupported KV dtype {name!r} (float32, bfloat16 or float16)")
     return dtype
 
 

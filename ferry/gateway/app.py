@@ -524,7 +524,8 @@ class Gateway:
                 r = await self.client.post(worker.url + ctx.path, content=body,
                                            headers={"content-type": "application/json"})  # fmt: skip
             except (httpx.TransportError, OSError) as e:
-                worker.record_failure(f"{type(e).__name__}: {e}", self.monitor_config)
+                if not isinstance(e, httpx.ReadTimeout):  # a long prefill is slow, not broken
+                    worker.record_failure(f"{type(e).__name__}: {e}", self.monitor_config)
                 logger.warning("prefill worker %s failed: %s", worker.url, e)
                 continue
             finally:
@@ -533,9 +534,9 @@ class Gateway:
                 if r.status_code in (502, 503, 504):
                     worker.record_failure(f"HTTP {r.status_code}", self.monitor_config)
                 logger.warning("prefill worker %s answered %d: %s", worker.url, r.status_code, r.text[:300])
-                if r.status_code < 500:
+                if r.status_code < 500 and r.status_code != 429:
                     return None, None  # the request's own fault: the decode worker will say what it is
-                continue
+                continue  # broken or busy (429: its queue is full): another prefill worker
             worker.consecutive_failures = 0
             try:
                 answer = r.json()["kv_transfer_params"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -96,6 +97,9 @@ def as_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error", code=500)
 
 
+_RECEIVER = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
+
+
 @dataclass
 class KVTransferPlan:
     """What a request's `kv_transfer_params` ask of this worker (prefill/decode disaggregation)."""
@@ -133,7 +137,7 @@ def kv_transfer_plan(engine: AsyncLLM, body, num_prompts: int, params) -> KVTran
             raise OpenAIError(400, "a request prefilled for remote decode must be one prompt, n = 1, not streamed",
                               param="kv_transfer_params", code=400)  # fmt: skip
         target = p.get("decode_receiver")
-        if info.kv_transfer != "redis" and not (isinstance(target, str) and target.startswith("tcp://")):
+        if info.kv_transfer != "redis" and not (isinstance(target, str) and _RECEIVER.fullmatch(target)):
             raise OpenAIError(400, "kv_transfer_params.decode_receiver must be the decode worker's tcp:// address",
                               param="kv_transfer_params", code=400)  # fmt: skip
         params.max_tokens = 1

@@ -104,6 +104,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     async for _, out in until_disconnect(request, merged_outputs(engine, streams)):
         final = out
     if final is None or not final.finished:
+        engine.forget_kv_sent(base_id)
         return None  # the client went away
     choices = [
         {

@@ -108,6 +108,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     async for i, out in until_disconnect(request, merged_outputs(engine, streams)):
         finals[i] = out
     if len(finals) < len(streams):
+        engine.forget_kv_sent(base_id)
         return None  # the client went away
     choices, completion_tokens, prompt_tokens, cached = [], 0, 0, 0
     for i in range(len(streams)):
