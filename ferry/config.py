@@ -11,6 +11,12 @@ _GiB = 1 << 30
 # int8: per-channel int8 weights, per-token int8 activations (ferry/layers/int8_linear.py).
 QUANTIZATION_METHODS = (None, "int8")
 
+# auto: real weights from the checkpoint; dummy: the architecture from config.json, random weights.
+LOAD_FORMATS = ("auto", "dummy")
+
+# auto: flashinfer when it imports on CUDA, else triton on CUDA, else torch (ferry/layers/attention/).
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
 
 @dataclass
 class EngineArgs:
@@ -30,6 +36,10 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    load_format: str = "auto"  # auto | dummy (random weights, for benchmarks)
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    enforce_eager: bool = False  # no CUDA graphs
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -49,6 +59,14 @@ class EngineArgs:
         if self.quantization not in QUANTIZATION_METHODS:
             choices = ", ".join(m for m in QUANTIZATION_METHODS if m)
             raise ValueError(f"quantization must be one of {choices} (or unset), got {self.quantization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
