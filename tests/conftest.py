@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from ferry.config import EngineArgs
+# Triton kernels run on CPU tensors through Triton's interpreter when there is no GPU; the
+# variable must be set before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from ferry.config import EngineArgs  # noqa: E402
 from ferry.engine.llm_engine import LLMEngine, load_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

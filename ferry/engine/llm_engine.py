@@ -132,7 +132,9 @@ class LLMEngine:
                 f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({max_len})"
             )
-        self.runner = ModelRunner(model, self.kv, num_blocks, bs, device, dtype, self.kv_cache_dtype)
+        self.runner = ModelRunner(
+            model, self.kv, num_blocks, bs, device, dtype, self.kv_cache_dtype, args.attention_backend
+        )
         self.core = EngineCore(self.scheduler, self.runner, self.kv, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
         self.info = EngineInfo(

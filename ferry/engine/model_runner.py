@@ -18,7 +18,13 @@ from ferry.engine.kv_cache_manager import KVCacheManager
 from ferry.engine.request import Request
 from ferry.engine.sampler import Sampler, SamplerOutput
 from ferry.engine.scheduler import SchedulerOutput
-from ferry.layers.attention import AttentionMetadata, PrefillChunk, cpu_decode_kernel_usable
+from ferry.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillHost,
+    build_metadata,
+    select_attention_backend,
+)
 from ferry.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -67,6 +73,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_cache_dtype: torch.dtype | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.kv = kv_cache_manager
@@ -83,7 +90,15 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(cfg.vocab_size)
-        self.use_cpu_kernel = cpu_decode_kernel_usable(device, cache_dtype) and dtype == torch.float32
+        self.attn_backend: AttentionBackend = select_attention_backend(
+            attention_backend,
+            device,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
+        )
         self.profile = False  # sync the device between phases for an exact breakdown
 
     @staticmethod
@@ -104,17 +119,14 @@ class ModelRunner:
         sampling: list[Request] = []
 
         nd = len(decodes)
-        decode_ctx = 0
-        meta = AttentionMetadata(slot_mapping=None)  # type: ignore[arg-type]
+        decode_blocks: list[np.ndarray] = []
+        seq_lens = np.empty(nd, dtype=np.int64)
         if nd:
-            max_blocks = max(-(-r.num_computed_tokens // bs) for r, _ in decodes)
-            table = np.zeros((nd, max_blocks), dtype=np.int64)
-            seq_lens = np.empty(nd, dtype=np.int64)
             dec_pos = np.empty(nd, dtype=np.int64)
             dec_slot = np.empty(nd, dtype=np.int64)
             for i, (r, _) in enumerate(decodes):
                 blocks = self.kv.block_ids(r.request_id)
-                table[i, : len(blocks)] = blocks
+                decode_blocks.append(np.asarray(blocks, dtype=np.int64))
                 ctx = r.num_computed_tokens  # includes the token computed now
                 p = ctx - 1
                 seq_lens[i] = ctx
@@ -126,52 +138,39 @@ class ModelRunner:
                     sampling.append(r)
             pos_parts.append(dec_pos)
             slot_parts.append(dec_slot)
-            meta.num_decodes = nd
-            meta.decode_block_tables = torch.from_numpy(table).to(self.device)
-            meta.decode_seq_lens = torch.from_numpy(seq_lens).to(self.device)
-            meta.use_cpu_kernel = self.use_cpu_kernel
-            if not self.use_cpu_kernel:
-                mask = np.arange(max_blocks * bs)[None, :] < seq_lens[:, None]
-                meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
-            decode_ctx = int(seq_lens.sum())
 
+        chunks: list[PrefillHost] = []
         start = nd
         for r, n in prefills:
             end_ctx = r.num_computed_tokens
             begin = end_ctx - n
             blocks = np.asarray(self.kv.block_ids(r.request_id), dtype=np.int64)
             pos = np.arange(begin, end_ctx, dtype=np.int64)
-            slots = blocks[pos // bs] * bs + pos % bs
             ids.extend(r.all_token_ids[begin:end_ctx])
             pos_parts.append(pos)
-            slot_parts.append(slots)
-            if begin == 0:
-                chunk = PrefillChunk(start, n, end_ctx, None, None)
-            else:
-                ctx_pos = np.arange(end_ctx, dtype=np.int64)
-                ctx_slots = blocks[ctx_pos // bs] * bs + ctx_pos % bs
-                mask = ctx_pos[None, :] <= pos[:, None]
-                chunk = PrefillChunk(
-                    start,
-                    n,
-                    end_ctx,
-                    torch.from_numpy(ctx_slots).to(self.device),
-                    torch.from_numpy(mask).to(self.device),
-                )
-            meta.prefills.append(chunk)
+            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
+            chunks.append(PrefillHost(start, n, end_ctx, blocks))
             if end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
                 logits_rows.append(start + n - 1)
                 sampling.append(r)
             start += n
 
-        meta.slot_mapping = torch.from_numpy(np.concatenate(slot_parts)).to(self.device)
+        meta = build_metadata(
+            slot_mapping=np.concatenate(slot_parts),
+            block_size=bs,
+            decode_blocks=decode_blocks,
+            decode_seq_lens=seq_lens,
+            prefills=chunks,
+            device=self.device,
+            backend=self.attn_backend,
+        )
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(np.concatenate(pos_parts)).to(self.device),
             meta=meta,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             sampling_requests=sampling,
-            decode_context_tokens=decode_ctx,
+            decode_context_tokens=int(seq_lens.sum()),
         )
 
     @torch.inference_mode()
@@ -193,7 +192,7 @@ class ModelRunner:
         t3 = time.perf_counter()
         meta = batch.meta
         record.num_decodes = meta.num_decodes
-        record.num_prefill_tokens = sum(c.length for c in meta.prefills)
+        record.num_prefill_tokens = sum(p.length for p in meta.prefills)
         record.decode_context_tokens = batch.decode_context_tokens
         record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, t3 - t2
         return batch.sampling_requests, out

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferry.layers.attention import AttentionMetadata, PrefillChunk, paged_attention
+from ferry.layers.attention import (
+    AttentionMetadata,
+    PrefillHost,
+    TorchAttentionBackend,
+    build_metadata,
+    paged_attention,
+)
 from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
@@ -199,9 +206,12 @@ class LlamaForCausalLM(nn.Module):
             (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
             for _ in self.layers
         ]
-        slots = torch.arange(T, device=device)
-        meta = AttentionMetadata(slot_mapping=slots, prefills=[PrefillChunk(0, T, T, None, None)])
-        return self(torch.tensor(token_ids, device=device), slots, kv, meta)
+        slots = np.arange(T, dtype=np.int64)
+        meta = build_metadata(slot_mapping=slots, block_size=1, decode_blocks=[], decode_seq_lens=slots[:0],
+                              prefills=[PrefillHost(0, T, T, slots)], device=device,
+                              backend=TorchAttentionBackend(device))  # fmt: skip
+        positions = torch.from_numpy(slots).to(device)
+        return self(torch.tensor(token_ids, device=device), positions, kv, meta)
 
     # -- weights --------------------------------------------------------
 

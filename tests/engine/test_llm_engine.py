@@ -172,7 +172,7 @@ def test_bf16_kv_cache_decodes_like_fp32(make_engine, greedy_ref):
     engine = make_engine(max_model_len=256, kv_cache_dtype="bfloat16")
     k_cache, v_cache = engine.runner.kv_caches[0]
     assert k_cache.dtype == v_cache.dtype == torch.bfloat16
-    assert engine.runner.use_cpu_kernel
+    assert engine.runner.attn_backend.use_cpu_kernel
     engine.add_request("bf16", PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     out = run_to_completion(engine)["bf16"].outputs[0]
     assert out.token_ids == greedy_ref[0]

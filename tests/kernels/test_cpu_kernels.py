@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ferry.kernels.cpu import cpu_kernels
-from ferry.layers.attention import AttentionMetadata, paged_attention
+from ferry.layers.attention import TorchAttentionBackend, build_metadata, paged_attention
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +60,14 @@ def test_paged_attention_paths_agree(kernels, cache_dtype):
     outs = []
     for use_kernel in (True, False):
         kc, vc = k_cache.clone(), v_cache.clone()
-        mask = (torch.arange(3 * bs)[None, :] < lens[:, None])[:, None, None, :]
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            num_decodes=2,
-            decode_block_tables=table,
-            decode_seq_lens=lens,
-            decode_mask=mask,
-            use_cpu_kernel=use_kernel,
+        meta = build_metadata(
+            slot_mapping=slots.numpy(),
+            block_size=bs,
+            decode_blocks=list(table.numpy()),
+            decode_seq_lens=lens.numpy(),
+            prefills=[],
+            device=torch.device("cpu"),
+            backend=TorchAttentionBackend(torch.device("cpu"), use_cpu_kernel=use_kernel),
         )
         outs.append(paged_attention(q, k, v, kc, vc, meta, d**-0.5))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,79 @@
+"""Paged attention behind one interface, with the backend chosen per engine.
+
+- `torch`: the reference (SDPA, plus the C++ decode kernel on the CPU); the test oracle.
+- `triton`: our store / split-KV decode / varlen prefill kernels (GPU; on the CPU
+  under TRITON_INTERPRET=1 for tests).
+- `flashinfer`: FlashInfer's paged kernels, when the package imports (CUDA only).
+
+`auto` picks flashinfer, else triton, on CUDA, and torch on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.layers.attention.metadata import AttentionBackend, AttentionMetadata, PrefillHost, build_metadata
+from ferry.layers.attention.torch_backend import TorchAttentionBackend, cpu_decode_kernel_usable
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "PrefillHost",
+    "build_metadata",
+    "paged_attention",
+    "select_attention_backend",
+    "TorchAttentionBackend",
+]
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]. Stores k/v in the cache, returns [T, H, D]."""
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        from ferry.layers.attention.flashinfer_backend import flashinfer_available
+
+        return "flashinfer" if flashinfer_available() else "triton"
+    if name == "flashinfer":
+        from ferry.layers.attention.flashinfer_backend import flashinfer_available
+
+        if device.type != "cuda" or not flashinfer_available():
+            raise ValueError("--attention-backend flashinfer needs CUDA and the flashinfer package")
+    if name == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError("--attention-backend triton needs the triton package") from e
+        import os
+
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--attention-backend triton on the CPU runs only under TRITON_INTERPRET=1 (for tests)")
+    return name
+
+
+def select_attention_backend(
+    name: str,
+    device: torch.device,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+) -> AttentionBackend:
+    name = resolve_attention_backend(name, device)
+    if name == "triton":
+        from ferry.layers.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device, num_kv_heads)
+    if name == "flashinfer":
+        from ferry.layers.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(device, num_heads, num_kv_heads, head_dim, dtype, cache_dtype,
+                                          head_dim**-0.5)  # fmt: skip
+    use_kernel = cpu_decode_kernel_usable(device, cache_dtype) and dtype == torch.float32
+    return TorchAttentionBackend(device, use_cpu_kernel=use_kernel)

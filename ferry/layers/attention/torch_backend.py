@@ -1,0 +1,110 @@
+"""The reference backend in plain torch (the oracle for the others), with the CPU decode kernel.
+
+- decode rows together: with the C++ CPU kernel (fp32 queries, fp32 or bf16 cache)
+  straight from the blocks; otherwise their blocks are gathered with one index_select
+  into [B, max_len] and masked by length;
+- each prefill chunk on its own: SDPA over its cached prefix (gathered from the cache)
+  plus its own tokens, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ferry.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class TorchChunk:
+    start: int
+    length: int
+    context_slots: torch.Tensor | None  # [context_len] cache slots, None when there is no prefix
+    mask: torch.Tensor | None  # [length, context_len] bool, None when there is no prefix
+
+
+@dataclass
+class TorchState:
+    use_cpu_kernel: bool
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    chunks: list[TorchChunk] = field(default_factory=list)
+
+
+def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from ferry.kernels.cpu import cpu_kernels
+
+    return cpu_kernels() is not None
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, device: torch.device, use_cpu_kernel: bool = False) -> None:
+        self.device = device
+        self.use_cpu_kernel = use_cpu_kernel
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        state = TorchState(use_cpu_kernel=self.use_cpu_kernel)
+        bs = meta.block_size
+        if meta.num_decodes and not self.use_cpu_kernel:
+            max_len = meta.decode_block_tables.shape[1] * bs
+            mask = np.arange(max_len)[None, :] < meta.decode_seq_lens_host[:, None]
+            state.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+        for p in meta.prefills:
+            begin = p.context_len - p.length
+            if begin == 0:
+                state.chunks.append(TorchChunk(p.start, p.length, None, None))
+                continue
+            ctx_pos = np.arange(p.context_len, dtype=np.int64)
+            ctx_slots = p.block_ids[ctx_pos // bs] * bs + ctx_pos % bs
+            mask = ctx_pos[None, :] <= np.arange(begin, p.context_len)[:, None]
+            chunk = TorchChunk(p.start, p.length, torch.from_numpy(ctx_slots).to(self.device),
+                               torch.from_numpy(mask).to(self.device))  # fmt: skip
+            state.chunks.append(chunk)
+        meta.state = state
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_blocks, block_size, kvh, d = k_cache.shape
+        flat_k = k_cache.view(-1, kvh, d)
+        flat_v = v_cache.view(-1, kvh, d)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        state: TorchState = meta.state
+
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd and state.use_cpu_kernel:
+            from ferry.kernels.cpu import cpu_kernels
+
+            out[:nd] = cpu_kernels().paged_decode_attention(
+                q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            )
+        elif nd:
+            max_blocks = meta.decode_block_tables.shape[1]
+            length = max_blocks * block_size
+            ids = meta.decode_block_tables.reshape(-1)
+            kd = k_cache.index_select(0, ids).view(nd, length, kvh, d).transpose(1, 2)
+            vd = v_cache.index_select(0, ids).view(nd, length, kvh, d).transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(
+                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=state.decode_mask, scale=scale, enable_gqa=True
+            )
+            out[:nd] = o.squeeze(2)
+        for chunk in state.chunks:
+            s, n = chunk.start, chunk.length
+            qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if chunk.context_slots is None:
+                kp = k[s : s + n].transpose(0, 1).unsqueeze(0)
+                vp = v[s : s + n].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                kp = flat_k.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+                vp = flat_v.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+            out[s : s + n] = o.squeeze(0).transpose(0, 1)
+        return out

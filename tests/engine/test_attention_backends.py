@@ -1,0 +1,83 @@
+"""The whole engine with the Triton backend (interpreted on the CPU) against the torch backend.
+
+A tiny random-weight Llama (GQA) runs mixed steps: decode rows next to prefill chunks,
+chunked prefill, prefix-cache hits and blocks of 4 tokens, so every path of the kernels
+(store, split-KV decode, prefix + chunk prefill) is taken inside real engine steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine
+from ferry.models.config import ModelConfig
+from ferry.models.llama import LlamaForCausalLM
+from ferry.sampling_params import SamplingParams
+from tests.conftest import assert_no_blocks_referenced, run_to_completion
+
+pytest.importorskip("triton")
+
+TINY = dict(
+    architecture="LlamaForCausalLM",
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    qk_norm=False,
+    sliding_window=None,
+    bos_token_id=None,
+    eos_token_ids=[],
+    dtype="float32",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(**TINY), max_position=512)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)
+    model.init_rotary()
+    return model.eval()
+
+
+def run(model, backend: str, prompts, max_tokens=6, **kwargs):
+    args = EngineArgs(model="tiny", device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                      max_num_batched_tokens=24, attention_backend=backend, **kwargs)  # fmt: skip
+    engine = LLMEngine(args, model=model, tokenizer=None, device=torch.device("cpu"), dtype=torch.float32)
+    assert engine.runner.attn_backend.name == backend
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    done = run_to_completion(engine)
+    assert_no_blocks_referenced(engine)
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], engine
+
+
+def test_triton_backend_matches_torch_in_mixed_steps(tiny_model):
+    shared = list(range(10, 30))  # 5 full blocks, cached after the first request
+    prompts = [shared + [40, 41, 42], list(range(50, 59)), shared + [60], [7], shared + list(range(70, 89))]
+    ref, _ = run(tiny_model, "torch", prompts)
+    got, engine = run(tiny_model, "triton", prompts)
+    assert got == ref
+    assert engine.kv.prefix_hits > 0  # some prefills attended to a cached prefix
+
+
+def test_unknown_or_unusable_backend_is_a_clear_error(tiny_model):
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineArgs(attention_backend="xformers")
+    with pytest.raises(ValueError, match="flashinfer"):
+        run(tiny_model, "flashinfer", [[1, 2, 3]])
