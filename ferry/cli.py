@@ -1,4 +1,4 @@
-"""The `ferry` command: `ferry generate`, `ferry bench throughput`."""
+"""The `ferry` command: `ferry generate`, `ferry serve`, `ferry bench ...`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def _parse_token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt-token-ids must be integers separated by commas or spaces, got {text!r}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ferry.engine.llm_engine import LLMEngine
     from ferry.sampling_params import RequestOutputKind, SamplingParams
@@ -37,21 +44,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         output_kind=RequestOutputKind.DELTA,
     )
+    token_ids = _parse_token_ids(args.prompt_token_ids) if args.prompt_token_ids is not None else None
+    if (args.prompt is None) == (token_ids is None):
+        raise ValueError("give either a PROMPT or --prompt-token-ids")
+    if args.chat and token_ids is not None:
+        raise ValueError("--chat needs a text PROMPT, not --prompt-token-ids")
     engine = LLMEngine(engine_args)
     if args.chat:
         tok = engine.tokenizer
+        if tok is None:
+            raise ValueError("--chat needs a tokenizer; this model has none (send --prompt-token-ids)")
         ids = tok.apply_chat_template(
             [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
         )
         prompt = {"prompt_token_ids": list(ids)}
+    elif token_ids is not None:
+        prompt = {"prompt_token_ids": token_ids}
     else:
         prompt = args.prompt
     engine.add_request("cli", prompt, params)
     finish = None
+    # Without a tokenizer (--load-format dummy) there is no text: print the token ids.
+    as_ids = engine.tokenizer is None
     while engine.has_unfinished_requests():
         for out in engine.step():
             for c in out.outputs:
-                sys.stdout.write(c.text)
+                sys.stdout.write("".join(f"{t} " for t in c.token_ids) if as_ids else c.text)
                 sys.stdout.flush()
                 finish = c.finish_reason or finish
     sys.stdout.write("\n")
@@ -70,8 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion of PROMPT to the terminal")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
+    gen.add_argument("prompt", nargs="?", default=None)
+    gen.add_argument(
+        "--prompt-token-ids", default=None, metavar="IDS", help="the prompt as token ids instead, e.g. '1,2,3'"
+    )
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or HF model directory (default: bundled SmolLM2); with --load-format dummy, "
+        "also a config-only directory or a shipped config name (qwen3-0.6b, llama-3.1-8b, qwen2.5-7b)",
+    )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling_args(gen)
     EngineArgs.add_cli_args(gen)

@@ -63,7 +63,11 @@ class InputProcessor:
                 "prompt", f"prompt must be a string, a token-id list or a dict, got {type(prompt).__name__}"
             )
         if self.tokenizer is None:
-            raise InvalidParameterError("prompt", "this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+            raise InvalidParameterError(
+                "prompt",
+                "this model has no tokenizer (--load-format dummy, or a directory without tokenizer files): "
+                "send token ids, e.g. {'prompt_token_ids': [...]}",
+            )
         return prompt, self.tokenizer.encode(prompt)
 
     def process(

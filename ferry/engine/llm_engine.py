@@ -61,16 +61,17 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
 def load_model(args: EngineArgs) -> tuple[LlamaForCausalLM, Any, torch.device, torch.dtype, str]:
     """Build our model from the checkpoint and load its tokenizer (separate so tests can share them)."""
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model)
+    ckpt = load_checkpoint(args.model, args.load_format, args.seed)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, ckpt.config)
     check_quantization(args.quantization, device, dtype)
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max_position=max(max_len, ckpt.config.max_position_embeddings))
-    model = model.to_empty(device=device)
-    model.load_weights(ckpt.iter_weights())
-    model.to(dtype)
+    # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
+    # copy of the whole model on the device, which the allocator would keep from the KV cache.
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(ckpt.iter_weights(device))  # dummy weights are generated on the device
     model.init_rotary()  # to_empty left the tables uninitialised; they stay fp32
     model.eval()
     tokenizer = load_tokenizer(args.tokenizer or ckpt.path)

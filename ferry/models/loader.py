@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ferry.models.config import ModelConfig
+from ferry.models.dummy_weights import iter_dummy_weights, shipped_config_dir, shipped_config_names
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +85,29 @@ def default_model_path() -> str:
     )
 
 
-def resolve_model_path(model: str | None) -> str:
-    """Turn the user's `model` argument into the path of a GGUF file or an HF model directory."""
+def resolve_model_path(model: str | None, load_format: str = "auto") -> str:
+    """Turn the user's `model` argument into the path of a GGUF file or an HF model directory.
+
+    With `load_format="dummy"` (random weights) a directory needs only its config.json, and
+    `model` may also be the short name of a config shipped with ferry (see `shipped_config_names`).
+    """
     if model is None:
         return default_model_path()
+    dummy = load_format == "dummy"
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
+        shipped = shipped_config_dir(model)
+        if shipped is not None:
+            if not dummy:
+                raise ValueError(
+                    f"{model!r} is a model config shipped with ferry, without weights; add "
+                    "--load-format dummy to run it with random weights, or pass a model directory with weights"
+                )
+            return shipped
         raise FileNotFoundError(
             f"model path {model!r} does not exist; pass a .gguf file or a Hugging Face model "
-            "directory (config.json + *.safetensors), or omit it to use the bundled SmolLM2-135M"
+            "directory (config.json + *.safetensors), or omit it to use the bundled SmolLM2-135M; "
+            f"with --load-format dummy, also one of the shipped configs: {', '.join(shipped_config_names())}"
         )
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -103,10 +118,11 @@ def resolve_model_path(model: str | None) -> str:
         return path
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json; it must be a Hugging Face model directory")
-    if not _safetensors_files(path):
+    if not dummy and not _safetensors_files(path):
         raise ValueError(
             f"model directory {model!r} has no *.safetensors weights (ferry does not read "
-            "pytorch_model.bin); convert the checkpoint to safetensors"
+            "pytorch_model.bin); convert the checkpoint to safetensors, or run it with random "
+            "weights with --load-format dummy"
         )
     return path
 
@@ -129,14 +145,20 @@ def _safetensors_files(directory: str) -> list[str]:
 class Checkpoint:
     path: str
     config: ModelConfig
-    format: str  # "gguf" | "safetensors"
+    format: str  # "gguf" | "safetensors" | "dummy" (random weights, nothing read)
+    seed: int = 0  # of the dummy weights
     # The parsed GGUF header (~1.5 s to parse for a 49k-token vocabulary), kept so that
     # iter_weights does not parse it again.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) one at a time, so that peak memory stays near one tensor."""
-        if self.format == "gguf":
+    def iter_weights(self, device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) one at a time, so that peak memory stays near one tensor.
+
+        Checkpoint tensors come from the host; dummy ones are generated on `device` (default CPU).
+        """
+        if self.format == "dummy":
+            yield from iter_dummy_weights(self.config, self.seed, device)
+        elif self.format == "gguf":
             yield from self._iter_gguf()
         else:
             yield from self._iter_safetensors()
@@ -313,16 +335,27 @@ def _safetensors_contents(files: list[str]) -> tuple[set[str], str | None]:
     return names, dtype
 
 
-def load_checkpoint(model: str | None) -> Checkpoint:
-    """Resolve `model` (None = bundled SmolLM2 GGUF) and read its config; weights stream lazily."""
-    path = resolve_model_path(model)
+def load_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0) -> Checkpoint:
+    """Resolve `model` (None = bundled SmolLM2 GGUF) and read its config; weights stream lazily.
+
+    `load_format="dummy"`: the config only (a GGUF's header, or config.json); `iter_weights`
+    then yields random tensors seeded by `seed` and reads no weights file.
+    """
+    path = resolve_model_path(model, load_format)
+    dummy = load_format == "dummy"
     if os.path.isfile(path):
         reader = _open_gguf(path)
         config = _gguf_config(reader)
-        logger.info("GGUF checkpoint %s: %s, %d layers", path, config.architecture, config.num_hidden_layers)
-        return Checkpoint(path=path, config=config, format="gguf", _gguf_reader=reader)
+        fmt = "dummy" if dummy else "gguf"
+        logger.info("GGUF checkpoint %s: %s, %d layers%s", path, config.architecture, config.num_hidden_layers,
+                    ", random weights" if dummy else "")  # fmt: skip
+        return Checkpoint(path=path, config=config, format=fmt, seed=seed, _gguf_reader=reader)
 
     config = _hf_config(path)
+    if dummy:
+        logger.info("%s: %s, %d layers, random weights (seed %d)", path, config.architecture,
+                    config.num_hidden_layers, seed)  # fmt: skip
+        return Checkpoint(path=path, config=config, format="dummy", seed=seed)
     names, dtype = _safetensors_contents(_safetensors_files(path))
     # The tensors, not config.json (which may lack or misstate it), say what is stored.
     config.dtype = dtype or config.dtype

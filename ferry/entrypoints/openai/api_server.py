@@ -92,7 +92,7 @@ class Server:
         self.state = ServerState(served_model_names, max_queue_len)
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
-        self.model_path = resolve_model_path(engine_args.model)
+        self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
         self.uvicorn: uvicorn.Server | None = None
         self.exit_code = 0
         self._start_task: asyncio.Task | None = None
@@ -305,7 +305,8 @@ class _UvicornServer(uvicorn.Server):
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="a .gguf file or HF model directory (default: the bundled SmolLM2)")  # fmt: skip
+                   help="a .gguf file or HF model directory (default: the bundled SmolLM2); with "
+                        "--load-format dummy, also a config-only directory or a shipped config name")  # fmt: skip
     p.add_argument("--model", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -358,7 +359,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
-    path = resolve_model_path(engine_args.model)  # FileNotFoundError: a clear message, exit 2
+    path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
     kv_events = None
     if args.enable_kv_events:

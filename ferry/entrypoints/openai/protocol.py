@@ -128,6 +128,9 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's extra: also return the prompt's and the completion's token ids in each choice.
+    # Unset: only when the model has no tokenizer (--load-format dummy), where the text is empty.
+    return_token_ids: bool | None = None
 
 
 class TextPart(BaseModel):

@@ -91,6 +91,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     n = params.n
     created = now_s()
     tokenizer = engine.tokenizer
+    with_ids = body.return_token_ids if body.return_token_ids is not None else tokenizer is None
 
     def echo_text(i: int) -> str:
         p = prompts[i]
@@ -100,7 +101,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
 
     if body.stream:
         return StreamingResponse(
-            _stream(request, engine, streams, body, model, base_id, created, n, echo_text),
+            _stream(request, engine, streams, body, model, base_id, created, n, echo_text, with_ids),
             media_type="text/event-stream",
         )
 
@@ -119,15 +120,17 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             lp = LogprobsBuilder(len(prefix)).build(c) if body.logprobs is not None else None
-            choices.append(
-                {
-                    "index": i * n + c.index,
-                    "text": prefix + c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            choice = {
+                "index": i * n + c.index,
+                "text": prefix + c.text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if with_ids:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     response = {
         "id": base_id,
@@ -142,9 +145,12 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     return JSONResponse(response)
 
 
-async def _stream(request, engine, streams, body, model, base_id, created, n, echo_text) -> AsyncIterator[bytes]:
+async def _stream(
+    request, engine, streams, body, model, base_id, created, n, echo_text, with_ids
+) -> AsyncIterator[bytes]:
     lp_builders: dict[int, LogprobsBuilder] = {}
     echoed: set[int] = set()
+    ids_sent: set[int] = set()
     completion_tokens = 0
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
@@ -164,15 +170,19 @@ async def _stream(request, engine, streams, body, model, base_id, created, n, ec
                 if body.logprobs is not None:
                     builder = lp_builders.setdefault(index, LogprobsBuilder(len(echo_text(i)) if body.echo else 0))
                     lp = builder.build(c)
-                choices.append(
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                if with_ids:  # as vLLM: the prompt's ids in a choice's first chunk, then the new ids
+                    if index not in ids_sent:
+                        ids_sent.add(index)
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = list(c.token_ids)
+                choices.append(choice)
             if choices:
                 yield sse(
                     {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
