@@ -132,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(tp)
     tp.set_defaults(func=throughput_main)
 
+    from ferry.bench.latency import add_args as add_latency_args
+    from ferry.bench.latency import main as latency_main
+
+    lt = bench_sub.add_parser(
+        "latency", help="decode time per output token (TPOT) at fixed batch sizes, and the memory bandwidth it reaches"
+    )
+    add_latency_args(lt)
+    EngineArgs.add_cli_args(lt)
+    lt.set_defaults(func=latency_main)
+
     from ferry.bench.serve import add_args as add_serve_bench_args
     from ferry.bench.serve import main as serve_bench_main
 

@@ -7,8 +7,16 @@ arrival order. Also prints ferry's step-time breakdown and the FLOP rate of
 its large-batch decode steps as a fraction of a torch fp32 matmul measured
 in the same process.
 
+`--dataset sharegpt-like`: 1,000 requests (by default) whose prompt and
+output lengths follow seeded lognormals with ShareGPT's rough means (~200
+prompt, ~180 output tokens), clipped to [4, 2048]; synthesized, no download.
+
 `--prefix`: a shared-prefix workload (one long system prompt, short unique
 suffixes) through ferry with prefix caching on, then off.
+
+With `--load-format dummy` (random weights, e.g. `--model qwen3-0.6b`) the HF
+reference gets the same random weights (`from_config`), on the same device and
+dtype; `--hf-num-prompts` runs it on the first N requests only (tok/s compared).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import platform
 import random
 import statistics
@@ -24,6 +33,7 @@ from dataclasses import asdict
 
 import torch
 
+from ferry.bench.hardware import device_name
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine, load_model
 from ferry.engine.model_runner import StepRecord
@@ -36,11 +46,24 @@ logger = logging.getLogger(__name__)
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=None, help="default: 64, or 1000 with --dataset sharegpt-like")
+    p.add_argument(
+        "--dataset",
+        choices=("random", "sharegpt-like"),
+        default="random",
+        help="random: lengths U[--input-len], U[--output-len]; sharegpt-like: seeded lognormal lengths "
+        f"(means ~{SHAREGPT_LIKE_MEANS[0]}/{SHAREGPT_LIKE_MEANS[1]}, clipped to {list(SHAREGPT_LIKE_CLIP)})",
+    )
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the synthetic workload")
     p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument(
+        "--hf-num-prompts",
+        type=int,
+        default=None,
+        help="run the HF reference on the first N requests only (default: all)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers reference")
     p.add_argument("--prefix", action="store_true", help="shared-prefix workload, prefix caching on vs off")
     p.add_argument("--prefix-len", type=int, default=512)
@@ -57,6 +80,41 @@ def synthetic_requests(n: int, in_range, out_range, vocab: int, seed: int) -> li
         plen = rng.randint(*in_range)
         reqs.append(([rng.randrange(100, vocab - 100) for _ in range(plen)], rng.randint(*out_range)))
     return reqs
+
+
+# ShareGPT-like lengths: lognormal prompt / output token counts with these means (before clipping).
+SHAREGPT_LIKE_MEANS = (200, 180)
+SHAREGPT_LIKE_SIGMA = (1.0, 1.0)
+SHAREGPT_LIKE_CLIP = (4, 2048)
+
+
+def sharegpt_like_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """`n` requests with lognormal prompt/output lengths (ShareGPT's rough shape), random token ids."""
+    rng = random.Random(seed)
+    lo, hi = SHAREGPT_LIKE_CLIP
+
+    def length(mean: float, sigma: float) -> int:
+        mu = math.log(mean) - sigma**2 / 2  # the lognormal's mean is exp(mu + sigma^2 / 2)
+        return min(max(round(rng.lognormvariate(mu, sigma)), lo), hi)
+
+    reqs = []
+    for _ in range(n):
+        plen = length(SHAREGPT_LIKE_MEANS[0], SHAREGPT_LIKE_SIGMA[0])
+        olen = length(SHAREGPT_LIKE_MEANS[1], SHAREGPT_LIKE_SIGMA[1])
+        reqs.append(([rng.randrange(100, vocab - 100) for _ in range(plen)], olen))
+    return reqs
+
+
+def fit_context(reqs: list[tuple[list[int], int]], max_model_len: int) -> tuple[list[tuple[list[int], int]], int]:
+    """Shorten requests that would not fit the context (prompt first keeps >= 1 output token)."""
+    out, shortened = [], 0
+    for ids, n in reqs:
+        if len(ids) + n > max_model_len:
+            shortened += 1
+            ids = ids[: max_model_len - 1]
+            n = max(1, min(n, max_model_len - len(ids)))
+        out.append((ids, n))
+    return out, shortened
 
 
 def prefix_requests(n: int, prefix_len: int, suffix_range, out_len: int, vocab: int, seed: int):
@@ -148,15 +206,21 @@ def breakdown(records: list[StepRecord]) -> dict[str, float]:
 def main(args: argparse.Namespace) -> int:
     eargs = EngineArgs.from_cli_args(args)
     eargs.model = args.model
+    if args.num_prompts is None:
+        args.num_prompts = 1000 if args.dataset == "sharegpt-like" else 64
     model, tokenizer, device, dtype, path = load_model(eargs)
     cfg = model.config
     engine_kw = dict(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
     engine = LLMEngine(eargs, **engine_kw)
     engine.runner.profile = True
+    name = device_name(device)
+    print(f"model {path} ({'random weights' if eargs.load_format == 'dummy' else 'checkpoint'}), {dtype} on {name}")
     result: dict = {
         "model": path,
+        "load_format": eargs.load_format,
         "dtype": str(dtype),
         "device": str(device),
+        "device_name": name,
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "engine_args": asdict(eargs),
@@ -185,12 +249,32 @@ def main(args: argparse.Namespace) -> int:
         }
         result["prefix"]["speedup"] = speedup
     else:
-        reqs = synthetic_requests(args.num_prompts, args.input_len, args.output_len, cfg.vocab_size, args.bench_seed)
+        if args.dataset == "sharegpt-like":
+            reqs = sharegpt_like_requests(args.num_prompts, cfg.vocab_size, args.bench_seed)
+            shape = f"sharegpt-like lengths (lognormal, clipped to {list(SHAREGPT_LIKE_CLIP)})"
+        else:
+            reqs = synthetic_requests(
+                args.num_prompts, args.input_len, args.output_len, cfg.vocab_size, args.bench_seed
+            )
+            shape = f"prompt U{args.input_len}, output U{args.output_len}"
+        reqs, shortened = fit_context(reqs, engine.max_model_len)
+        mean_in = statistics.fmean(len(p) for p, _ in reqs)
+        mean_out = statistics.fmean(n for _, n in reqs)
+        result["workload"] = {
+            "dataset": args.dataset,
+            "num_prompts": len(reqs),
+            "mean_prompt_tokens": mean_in,
+            "mean_output_tokens": mean_out,
+            "prompt_tokens": sum(len(p) for p, _ in reqs),
+            "output_tokens": sum(n for _, n in reqs),
+            "shortened_to_fit_context": shortened,
+        }
         r = run_ferry(engine, reqs, "tp")
         peak = matmul_gflops(dtype, device)
         print(
-            f"workload: {args.num_prompts} requests, prompt U{args.input_len}, output U{args.output_len}, "
-            f"seed {args.bench_seed}, {sum(len(p) for p, _ in reqs)} prompt tokens"
+            f"workload: {len(reqs)} requests, {shape}, seed {args.bench_seed}, "
+            f"{sum(len(p) for p, _ in reqs)} prompt tokens; mean prompt {mean_in:.1f}, output {mean_out:.1f} tokens"
+            + (f" ({shortened} shortened to fit max_model_len {engine.max_model_len})" if shortened else "")
         )
         print(
             f"ferry: {r['seconds']:.2f} s, {r['output_tokens']} output tokens, {r['tokens_per_s']:.1f} tok/s, "
@@ -237,13 +321,26 @@ def main(args: argparse.Namespace) -> int:
         if not args.no_hf:
             from ferry.bench.hf_baseline import load_hf_model, run_static_batches
 
-            hf = load_hf_model(path, dtype)
+            dummy = cfg if eargs.load_format == "dummy" else None
+            hf = load_hf_model(path, dtype, device, dummy_config=dummy, seed=eargs.seed)
             run_static_batches(hf, [(reqs[0][0][:16], 4)], 1)  # warm-up
-            hf_s, hf_tokens = run_static_batches(hf, reqs, args.hf_batch_size, pad_token_id=tokenizer.pad_token_id or 0)
+            hf_reqs = reqs[: args.hf_num_prompts] if args.hf_num_prompts else reqs
+            pad = (tokenizer.pad_token_id if tokenizer is not None else None) or 0
+            hf_s, hf_tokens = run_static_batches(hf, hf_reqs, args.hf_batch_size, pad_token_id=pad)
             ratio = (r["tokens_per_s"]) / (hf_tokens / hf_s)
-            print(f"HF transformers static batches of {args.hf_batch_size}: {hf_s:.2f} s, {hf_tokens / hf_s:.1f} tok/s")
-            print(f"ferry / HF throughput: {ratio:.2f}x")
-            result["hf"] = {"seconds": hf_s, "output_tokens": hf_tokens, "tokens_per_s": hf_tokens / hf_s}
+            subset = f" on the first {len(hf_reqs)} of {len(reqs)} requests" if len(hf_reqs) < len(reqs) else ""
+            print(
+                f"HF transformers static batches of {args.hf_batch_size}{subset}: {hf_s:.2f} s, "
+                f"{hf_tokens} output tokens, {hf_tokens / hf_s:.1f} tok/s"
+            )
+            print(f"ferry / HF output tok/s: {ratio:.2f}x")
+            result["hf"] = {
+                "num_prompts": len(hf_reqs),
+                "batch_size": args.hf_batch_size,
+                "seconds": hf_s,
+                "output_tokens": hf_tokens,
+                "tokens_per_s": hf_tokens / hf_s,
+            }
             result["ratio"] = ratio
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,40 @@
+"""What a benchmark ran on: the device's name, and the peak memory bandwidth of known GPUs."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+# Datasheet HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name() in this order
+# (the first pattern whose words all appear in the lower-cased name wins).
+KNOWN_PEAK_BANDWIDTH: list[tuple[tuple[str, ...], float]] = [
+    (("gh200",), 4.0e12),
+    (("h200",), 4.8e12),
+    (("h100", "nvl"), 3.9e12),
+    (("h100", "pcie"), 2.0e12),
+    (("h100",), 3.35e12),  # SXM5 (torch names it "NVIDIA H100 80GB HBM3")
+    (("a100", "80gb", "pcie"), 1.935e12),
+    (("a100", "80gb"), 2.039e12),  # SXM4
+    (("a100",), 1.555e12),
+]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or device.type
+
+
+def known_peak_bandwidth(name: str) -> float | None:
+    """The datasheet peak of a GPU by its torch name, or None for anything else (CPUs included)."""
+    low = name.lower()
+    for words, bandwidth in KNOWN_PEAK_BANDWIDTH:
+        if all(w in low for w in words):
+            return bandwidth
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,201 @@
+"""`ferry bench latency`: decode time per output token (TPOT) at fixed batch sizes, and the
+fraction of the device's memory bandwidth it reaches.
+
+For each batch size B: B requests of `--input-len` random token ids are prefilled, then
+decode together for `--output-len` tokens (greedy, EOS ignored). TPOT is the mean wall time
+of the steps in which all B decode and nothing prefills. A decode step must read every weight
+once (the embedding only for the B rows it gathers; the output head in full) plus the K/V of
+every context token, so
+
+    bandwidth fraction = (weight bytes + KV bytes read per step) / TPOT / peak bandwidth
+
+with the peak from `--peak-bandwidth` (bytes/s) or the datasheet value of a known GPU
+(ferry/bench/hardware.py); n/a on a CPU unless given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+
+from ferry.bench.hardware import device_name, known_peak_bandwidth, synchronize
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine
+from ferry.models.config import ModelConfig
+from ferry.models.dummy_weights import weight_shapes
+from ferry.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256], metavar="B")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--warmup-steps", type=int, default=4, help="untimed decode steps per batch size first")
+    p.add_argument(
+        "--peak-bandwidth",
+        type=float,
+        default=None,
+        help="the device's peak memory bandwidth in bytes/s (default: the datasheet value of a known GPU, "
+        "e.g. 3.35e12 for an H100 SXM, 4.8e12 for an H200; none on a CPU)",
+    )
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def weight_bytes_per_step(cfg: ModelConfig, dtype: torch.dtype, batch: int, quantization: str | None = None) -> int:
+    """Bytes of parameters one decode step of `batch` rows reads: every weight once, the input
+    embedding only for the rows gathered, the output head (the embedding, if tied) in full."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, shape in weight_shapes(cfg):
+        numel = 1
+        for s in shape:
+            numel *= s
+        # int8 quantizes every projection and the output head (not the embedding lookup or norms).
+        size = 1 if quantization == "int8" and len(shape) == 2 and name != "model.embed_tokens.weight" else elem
+        if name == "model.embed_tokens.weight":
+            total += min(batch, cfg.vocab_size) * cfg.hidden_size * elem
+            if cfg.tie_word_embeddings:
+                total += numel * (1 if quantization == "int8" else elem)
+        else:
+            total += numel * size
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def _requests(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    lo, hi = (100, vocab - 100) if vocab > 300 else (0, vocab)
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> list[tuple[object, float]]:
+    """Run the prompts to completion; returns (StepRecord, wall seconds) of every step.
+
+    Steps are timed back to back (one device sync, at the end), so an engine that overlaps
+    a step's host work with the previous step's device work is not slowed down by the timing.
+    """
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
+    records: list = []
+    engine.core.step_records = records
+    ends: list[tuple[int, float]] = []  # (records so far, time) after every step
+    synchronize(engine.device)
+    start = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            ends.append((len(records), time.perf_counter()))
+        synchronize(engine.device)
+        ends[-1] = (ends[-1][0], time.perf_counter())
+    finally:
+        engine.core.step_records = None
+    steps, prev, seen = [], start, 0
+    for n, t in ends:
+        if n > seen:  # a step that ran the model (else it only flushed outputs)
+            steps.append((records[n - 1], t - prev))
+            seen = n
+        prev = t
+    return steps
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def main(args: argparse.Namespace) -> int:
+    eargs = EngineArgs.from_cli_args(args)
+    eargs.model = args.model
+    sizes = args.batch_sizes
+    if min(sizes) < 1 or args.input_len < 1 or args.output_len < 2:
+        raise ValueError("--batch-sizes and --input-len must be >= 1, --output-len >= 2")
+    if max(sizes) > eargs.max_num_seqs:
+        raise ValueError(f"batch size {max(sizes)} exceeds --max-num-seqs {eargs.max_num_seqs}; raise it")
+    engine = LLMEngine(eargs)
+    cfg, dtype, device = engine.model_config, engine.dtype, engine.device
+    if args.input_len + args.output_len > engine.max_model_len:
+        raise ValueError(
+            f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds max_model_len "
+            f"{engine.max_model_len}"
+        )
+    name = device_name(device)
+    peak = args.peak_bandwidth or known_peak_bandwidth(name)
+    peak_src = "--peak-bandwidth" if args.peak_bandwidth else ("datasheet" if peak else None)
+    kv_tok = kv_bytes_per_token(cfg, engine.kv_cache_dtype)
+    print(
+        f"model {eargs.model or 'default'} ({cfg.architecture}, {cfg.num_hidden_layers} layers), {dtype} on {name}; "
+        f"prompt {args.input_len}, output {args.output_len} tokens; peak bandwidth "
+        + (f"{peak:.3g} B/s ({peak_src})" if peak else "n/a (pass --peak-bandwidth)")
+    )
+    result: dict = {
+        "model": eargs.model,
+        "load_format": eargs.load_format,
+        "dtype": str(dtype),
+        "kv_cache_dtype": str(engine.kv_cache_dtype),
+        "device": str(device),
+        "device_name": name,
+        "peak_bandwidth": peak,
+        "peak_bandwidth_source": peak_src,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "engine_args": asdict(eargs),
+        "batches": [],
+    }
+    rng = random.Random(args.bench_seed)
+    for batch in sizes:
+        if args.warmup_steps > 0:  # allocator growth, kernel selection, graph capture for this batch size
+            run_batch(engine, _requests(rng, batch, args.input_len, cfg.vocab_size), args.warmup_steps + 1, "warm")
+        stats0 = engine.get_stats()
+        steps = run_batch(engine, _requests(rng, batch, args.input_len, cfg.vocab_size), args.output_len, f"b{batch}")
+        preempted = engine.get_stats().num_preemptions - stats0.num_preemptions
+        decode = [(r, dt) for r, dt in steps if r.num_prefill_tokens == 0 and r.num_decodes == batch]
+        if not decode:
+            raise ValueError(f"batch {batch}: no step decoded all {batch} requests together (KV cache too small?)")
+        secs = [dt for _, dt in decode]
+        tpot = statistics.fmean(secs)
+        w_bytes = weight_bytes_per_step(cfg, dtype, batch, eargs.quantization)
+        kv_bytes = statistics.fmean(r.decode_context_tokens for r, _ in decode) * kv_tok
+        achieved = (w_bytes + kv_bytes) / tpot
+        fraction = achieved / peak if peak else None
+        row = {
+            "batch_size": batch,
+            "decode_steps": len(decode),
+            "tpot_ms": tpot * 1e3,
+            "tpot_p50_ms": statistics.median(secs) * 1e3,
+            "output_tok_per_s": batch / tpot,
+            "prefill_s": sum(dt for r, dt in steps if r.num_prefill_tokens),
+            "weight_bytes_per_step": w_bytes,
+            "kv_bytes_per_step": kv_bytes,
+            "bandwidth_bytes_per_s": achieved,
+            "bandwidth_fraction": fraction,
+            "preemptions": preempted,
+        }
+        result["batches"].append(row)
+        print(
+            f"B={batch:4d}: TPOT {row['tpot_ms']:8.3f} ms (p50 {row['tpot_p50_ms']:.3f}) over {len(decode)} steps, "
+            f"{row['output_tok_per_s']:10.1f} tok/s; reads {_fmt_bytes(w_bytes)} weights + {_fmt_bytes(kv_bytes)} KV "
+            f"per step = {_fmt_bytes(achieved)}/s"
+            + (f" = {fraction * 100:.1f}% of peak" if fraction is not None else ", fraction of peak n/a")
+            + (f" ({preempted} preemptions)" if preempted else "")
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0

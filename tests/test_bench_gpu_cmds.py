@@ -1,0 +1,121 @@
+"""The GPU benchmark commands at toy sizes on the CPU: `ferry bench latency` and
+`ferry bench throughput --dataset sharegpt-like`, on a tiny config with random weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import pytest
+import torch
+
+from ferry.bench.hardware import known_peak_bandwidth
+from ferry.bench.latency import kv_bytes_per_token, weight_bytes_per_step
+from ferry.bench.throughput import SHAREGPT_LIKE_CLIP, sharegpt_like_requests
+from ferry.cli import main
+from ferry.models.config import ModelConfig
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 160,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-bench")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(TINY, f)
+    return str(d)
+
+
+ENGINE = ["--load-format", "dummy", "--device", "cpu", "--num-kv-blocks", "64", "--max-num-batched-tokens", "256"]
+
+
+def test_bench_latency(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    argv = ["bench", "latency", "--model", tiny_dir, "--batch-sizes", "1", "4", "--input-len", "16", "--output-len",
+            "6", "--warmup-steps", "1", "--peak-bandwidth", "1e11", "--json", str(out), *ENGINE]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "B=   1: TPOT" in printed and "B=   4: TPOT" in printed and "% of peak" in printed
+    result = json.loads(out.read_text())
+    assert result["device_name"] and result["peak_bandwidth"] == 1e11
+    assert [b["batch_size"] for b in result["batches"]] == [1, 4]
+    for b in result["batches"]:
+        assert b["decode_steps"] == 5  # output 6 tokens: the first comes from the prefill step
+        for key in ("tpot_ms", "output_tok_per_s", "weight_bytes_per_step", "kv_bytes_per_step",
+                    "bandwidth_bytes_per_s", "bandwidth_fraction"):  # fmt: skip
+            assert b[key] > 0, key
+    # Without a peak on the CPU: n/a, not a made-up number.
+    argv = [a for a in argv if a not in ("--peak-bandwidth", "1e11")]
+    assert main(argv) == 0
+    assert "n/a" in capsys.readouterr().out
+    assert all(b["bandwidth_fraction"] is None for b in json.loads(out.read_text())["batches"])
+
+
+def test_bench_throughput_sharegpt_like_with_hf_reference(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    argv = ["bench", "throughput", "--model", tiny_dir, "--dataset", "sharegpt-like", "--num-prompts", "6",
+            "--hf-num-prompts", "2", "--hf-batch-size", "2", "--json", str(out), *ENGINE]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "mean prompt" in printed and "ferry / HF output tok/s" in printed
+    result = json.loads(out.read_text())
+    assert result["device_name"] and result["load_format"] == "dummy"
+    w = result["workload"]
+    assert w["dataset"] == "sharegpt-like" and w["num_prompts"] == 6
+    assert w["mean_prompt_tokens"] > 0 and w["mean_output_tokens"] > 0
+    assert result["ferry"]["tokens_per_s"] > 0 and result["ferry"]["output_tokens"] == w["output_tokens"]
+    assert result["hf"]["num_prompts"] == 2 and result["hf"]["tokens_per_s"] > 0 and result["ratio"] > 0
+
+
+def test_sharegpt_like_lengths():
+    reqs = sharegpt_like_requests(1000, 32000, seed=0)
+    plens, olens = [len(p) for p, _ in reqs], [n for _, n in reqs]
+    assert 180 < statistics.fmean(plens) < 220 and 160 < statistics.fmean(olens) < 200
+    lo, hi = SHAREGPT_LIKE_CLIP
+    assert min(plens + olens) >= lo and max(plens + olens) <= hi
+    assert reqs == sharegpt_like_requests(1000, 32000, seed=0)
+
+
+def test_bytes_per_decode_step():
+    cfg = ModelConfig.from_hf_dict(TINY)
+    h, v, layers, kvh, d = 64, 512, 2, 2, 16
+    per_layer = h * (4 * d) + 2 * h * (kvh * d) + (4 * d) * h + 3 * h * 128 + 2 * h
+    # bf16: the tied head read in full, plus the B embedding rows gathered, plus the final norm.
+    expected = 2 * (layers * per_layer + v * h + 8 * h + h)
+    assert weight_bytes_per_step(cfg, torch.bfloat16, 8) == expected
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == layers * 2 * kvh * d * 2
+
+
+def test_known_gpu_bandwidths():
+    assert known_peak_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert known_peak_bandwidth("NVIDIA H200") == 4.8e12
+    assert known_peak_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert known_peak_bandwidth("x86_64") is None
+
+
+def test_hf_reference_runs_the_same_dummy_weights(tmp_path):
+    from ferry import LLM, SamplingParams
+    from ferry.bench.hf_baseline import load_hf_model
+
+    config = {**TINY, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", num_kv_blocks=32, seed=5)
+    ids = [5, 6, 7, 8, 9, 10]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ours = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+    hf = load_hf_model(str(tmp_path), torch.float32, "cpu", dummy_config=llm.llm_engine.model_config, seed=5)
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
+    assert ours == theirs and len(set(ours)) > 1
