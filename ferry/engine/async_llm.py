@@ -154,7 +154,9 @@ class AsyncLLM:
             target=run_engine_core,
             args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events, self.kv_transfer),
             name="ferry-engine-core",
-            daemon=True,
+            # A daemonic process may not start children: tensor-parallel ranks are the core's
+            # children (they and the core die with their parent through PR_SET_PDEATHSIG).
+            daemon=self.args.tensor_parallel_size == 1,
         )
         self.proc.start()
         logger.info("EngineCore process %d started", self.proc.pid)

@@ -118,6 +118,8 @@ class EngineCoreProc:
         self.running = True
 
     def _start_connector(self, config: KVTransferConfig) -> None:
+        if self.engine.args.tensor_parallel_size > 1:
+            raise ValueError("KV transfer (--kv-transfer / --redis-url) does not support tensor parallelism yet")
         info, kv = self.engine.info, self.core.kv
         k0 = self.engine.runner.kv_caches[0][0]
         _, bs, kvh, d = k0.shape
@@ -303,6 +305,7 @@ class EngineCoreProc:
                 last_heartbeat = time.monotonic()
 
     def close(self) -> None:
+        self.engine.shutdown()
         if self.connector is not None:
             self.connector.close()
         if self.publisher is not None:

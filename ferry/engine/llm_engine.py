@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.distributed.tp_worker import TensorParallelWorkers
 from ferry.engine.block_hash import hash_prompt_blocks
 from ferry.engine.core import EngineCore
 from ferry.engine.input_processor import InputProcessor, PromptType
@@ -30,6 +32,9 @@ from ferry.sampling_params import SamplingParams
 from ferry.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Kept free for the CUDA graphs' memory pool (decode activations of the largest batch).
+CUDA_GRAPH_RESERVE_BYTES = 1 << 30
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,16 +63,23 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
         raise ValueError("--quantization int8: this torch build lacks oneDNN's int8 linear ops")
 
 
-def load_model(args: EngineArgs) -> tuple[LlamaForCausalLM, Any, torch.device, torch.dtype, str]:
-    """Build our model from the checkpoint and load its tokenizer (separate so tests can share them)."""
+def load_model(
+    args: EngineArgs, tp: TensorParallel = SINGLE
+) -> tuple[LlamaForCausalLM, Any, torch.device, torch.dtype, str]:
+    """Build our model (this rank's shard) from the checkpoint and load its tokenizer
+    (separate so tests can share them)."""
     t0 = time.perf_counter()
     ckpt = load_checkpoint(args.model, args.load_format, args.seed)
     device = resolve_device(args.device)
+    if device.type == "cuda" and tp.size > 1:
+        device = torch.device("cuda", tp.rank)
     dtype = resolve_dtype(args.dtype, device, ckpt.config)
     check_quantization(args.quantization, device, dtype)
+    if args.quantization and tp.size > 1:
+        raise ValueError("--quantization int8 does not support --tensor-parallel-size > 1 yet")
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config, max_position=max(max_len, ckpt.config.max_position_embeddings))
+        model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp)
     # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
     # copy of the whole model on the device, which the allocator would keep from the KV cache.
     model = model.to(dtype).to_empty(device=device)
@@ -88,8 +100,22 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, *, model=None, tokenizer=None, device=None, dtype=None) -> None:
         """Build an engine; pass an already loaded `model` (with tokenizer, device, dtype) to reuse it."""
         self.args = args
+        self.tp_workers: TensorParallelWorkers | None = None
+        tp = SINGLE
+        if args.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("tensor parallelism loads the model in every rank; do not pass a loaded model")
+            self.tp_workers = TensorParallelWorkers(args)  # ranks 1..N-1 load their shards meanwhile
+            tp = self.tp_workers.tp
+        try:
+            self._init(args, model, tokenizer, device, dtype, tp)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, args: EngineArgs, model, tokenizer, device, dtype, tp: TensorParallel) -> None:
         if model is None:
-            model, tokenizer, device, dtype, _ = load_model(args)
+            model, tokenizer, device, dtype, _ = load_model(args, tp)
         self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
         cfg: ModelConfig = model.config
         self.model_config = cfg
@@ -97,7 +123,8 @@ class LLMEngine:
 
         bs = args.block_size
         self.kv_cache_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-        block_bytes = ModelRunner.kv_bytes_per_block(cfg, bs, self.kv_cache_dtype)
+        self.runner = ModelRunner(model, None, bs, device, dtype, self.kv_cache_dtype, args.attention_backend, tp)
+        block_bytes = ModelRunner.kv_bytes_per_block(cfg, bs, self.kv_cache_dtype, tp.size)
         num_blocks = args.num_kv_blocks or self._blocks_from_budget(block_bytes)
         capacity = num_blocks * bs
         max_len = args.max_model_len or cfg.max_position_embeddings
@@ -133,9 +160,12 @@ class LLMEngine:
                 f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({max_len})"
             )
-        self.runner = ModelRunner(
-            model, self.kv, num_blocks, bs, device, dtype, self.kv_cache_dtype, args.attention_backend
-        )
+        if self.tp_workers is not None:
+            self.tp_workers.broadcast(("init", num_blocks, args.max_num_seqs, max_len))
+        self.runner.kv = self.kv
+        self.runner.allocate_kv_cache(num_blocks)
+        if not args.enforce_eager:
+            self.runner.capture_cuda_graphs(args.max_num_seqs, max_len)
         self.core = EngineCore(self.scheduler, self.runner, self.kv, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer)
         self.info = EngineInfo(
@@ -157,17 +187,37 @@ class LLMEngine:
         if self.args.kv_cache_memory_bytes is not None:
             budget = self.args.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            # Leave room for activations of the largest batch (hidden states, logits rows).
-            reserve = 64 * self.args.max_num_batched_tokens * self.model_config.hidden_size * 4
-            budget = int(total * self.args.gpu_memory_utilization) - used - reserve
+            budget = self._gpu_kv_budget()
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         blocks = budget // block_bytes
         if blocks < 1:
             raise ValueError(f"KV-cache budget {budget} bytes is smaller than one block ({block_bytes} bytes)")
         return int(blocks)
+
+    def _gpu_kv_budget(self) -> int:
+        """gpu_memory_utilization x total, minus what others hold on the GPU, minus this engine's
+        peak without a KV cache (weights + activations of a full prefill step + sampling, measured
+        by a profiling forward), minus room for the CUDA graphs' memory pool."""
+        args = self.args
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = (total - free) - torch.cuda.memory_reserved(self.device)
+        num_tokens = min(args.max_num_batched_tokens, args.max_model_len or args.max_num_batched_tokens)
+        if self.tp_workers is not None:
+            self.tp_workers.broadcast(("profile", num_tokens, args.max_num_seqs))
+        peak = self.runner.profile_peak_memory(num_tokens, args.max_num_seqs)
+        graphs = 0 if args.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        budget = int(total * args.gpu_memory_utilization) - others - peak - graphs
+        logger.info("GPU memory: %.1f GiB total, %.2f GiB others, %.2f GiB peak without KV cache -> %.2f GiB KV",
+                    total / 2**30, others / 2**30, peak / 2**30, budget / 2**30)  # fmt: skip
+        return budget
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
 
     # -- requests ---------------------------------------------------------
 
@@ -211,11 +261,15 @@ class LLMEngine:
     def export_kv(self, prompt_token_ids: list[int], skip: set[bytes] | frozenset = frozenset()) -> KVBlocks:
         """The KV blocks this engine still caches for a prompt's full blocks (after its prefill),
         without the leading ones in `skip` (engine/kv_transfer.py)."""
+        if self.tp_workers is not None:
+            raise ValueError("KV export does not support tensor parallelism yet")
         hashes = hash_prompt_blocks(prompt_token_ids, self.args.block_size)
         return export_blocks(self.kv, self.runner.kv_caches, hashes, skip)
 
     def import_kv(self, blocks: KVBlocks) -> int:
         """Publish another engine's blocks in this prefix cache; returns how many were new."""
+        if self.tp_workers is not None:
+            raise ValueError("KV import does not support tensor parallelism yet")
         return import_blocks(self.kv, self.runner.kv_caches, blocks)
 
     def get_stats(self) -> EngineStats:

@@ -13,18 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.engine.cpu_allocator import tune_cpu_allocator
+from ferry.engine.cuda_graphs import CUDAGraphRunner
 from ferry.engine.kv_cache_manager import KVCacheManager
 from ferry.engine.request import Request
 from ferry.engine.sampler import Sampler, SamplerOutput
 from ferry.engine.scheduler import SchedulerOutput
-from ferry.layers.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    PrefillHost,
-    build_metadata,
-    select_attention_backend,
-)
+from ferry.layers.attention import AttentionBackend, PrefillHost, build_metadata, select_attention_backend
 from ferry.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -54,59 +50,116 @@ def _sync(device: torch.device) -> None:
 
 
 @dataclass
-class BatchInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states that need logits
-    sampling_requests: list[Request]  # one per logits row
-    decode_context_tokens: int = 0
+class StepPlan:
+    """One step's inputs on the host; what rank 0 broadcasts to the other tensor-parallel ranks."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    decode_blocks: list[np.ndarray]  # per decode row, its block ids
+    decode_seq_lens: np.ndarray  # [num_decodes] int64
+    prefills: list[PrefillHost]
+    logits_rows: np.ndarray  # rows of the batch that need logits
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_blocks)
 
 
 class ModelRunner:
+    """Builds each step's inputs and runs the model on this rank's shard; rank 0 also samples.
+
+    The KV cache is allocated after construction (`allocate_kv_cache`), so that on a GPU
+    its size can come from the memory left after a profiling forward pass."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_cache_manager: KVCacheManager,
-        num_blocks: int,
+        kv_cache_manager: KVCacheManager | None,
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
         kv_cache_dtype: torch.dtype | None = None,
         attention_backend: str = "auto",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.model = model
-        self.kv = kv_cache_manager
+        self.kv = kv_cache_manager  # rank 0 only
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.tp = tp
         if device.type == "cpu":
             tune_cpu_allocator()
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        cache_dtype = kv_cache_dtype or dtype
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=cache_dtype, device=device), torch.zeros(shape, dtype=cache_dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.cache_dtype = kv_cache_dtype or dtype
+        self.num_kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(cfg.vocab_size)
         self.attn_backend: AttentionBackend = select_attention_backend(
             attention_backend,
             device,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
+            num_heads=model.layers[0].self_attn.num_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=dtype,
-            cache_dtype=cache_dtype,
+            cache_dtype=self.cache_dtype,
         )
+        self.graphs: CUDAGraphRunner | None = None
         self.profile = False  # sync the device between phases for an exact breakdown
 
     @staticmethod
-    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(cfg, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes of one block on one rank (its share of the KV heads)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return 2 * cfg.num_hidden_layers * block_size * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * elem
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> BatchInputs:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
+            for _ in range(cfg.num_hidden_layers)
+        ]  # fmt: skip
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, num_seqs: int) -> int:
+        """Peak CUDA bytes of a forward over `num_tokens` prompt tokens plus the logits and sampling
+        of `num_seqs` rows, with a KV cache just big enough (freed after): what the KV cache must
+        leave free. Every rank runs it together (the forward has collectives)."""
+        bs = self.block_size
+        blocks = -(-num_tokens // bs) + 1
+        self.allocate_kv_cache(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = np.arange(blocks * bs, dtype=np.int64)
+        plan = StepPlan(
+            input_ids=(ids[:num_tokens] % self.model.config.vocab_size),
+            positions=ids[:num_tokens],
+            slot_mapping=ids[:num_tokens],
+            decode_blocks=[],
+            decode_seq_lens=ids[:0],
+            prefills=[PrefillHost(0, num_tokens, num_tokens, np.arange(blocks, dtype=np.int64))],
+            logits_rows=np.full(min(num_seqs, num_tokens), num_tokens - 1, dtype=np.int64),
+        )
+        logits = self.forward(plan)
+        if logits is not None:
+            logits.float().softmax(-1).argmax(-1)  # the sampler's largest tensors
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return peak - self.kv_bytes_per_block(self.model.config, bs, self.cache_dtype, self.tp.size) * blocks
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA graphs for decode-only batches (Triton backend); every rank captures together."""
+        if self.device.type != "cuda" or self.attn_backend.name != "triton":
+            return
+        self.graphs = CUDAGraphRunner(self, max_num_seqs, max_model_len)
+        self.graphs.capture()
+
+    def plan_step(self, sched: SchedulerOutput) -> tuple[StepPlan, list[Request]]:
         """Decode requests (1 new token) first, then prefill chunks, in one flat token list."""
         bs = self.block_size
         decodes, prefills = [], []
@@ -155,44 +208,57 @@ class ModelRunner:
                 sampling.append(r)
             start += n
 
-        meta = build_metadata(
+        plan = StepPlan(
+            input_ids=np.asarray(ids, dtype=np.int64),
+            positions=np.concatenate(pos_parts),
             slot_mapping=np.concatenate(slot_parts),
-            block_size=bs,
             decode_blocks=decode_blocks,
             decode_seq_lens=seq_lens,
             prefills=chunks,
-            device=self.device,
-            backend=self.attn_backend,
+            logits_rows=np.asarray(logits_rows, dtype=np.int64),
         )
-        return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(self.device),
-            meta=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-            sampling_requests=sampling,
-            decode_context_tokens=int(seq_lens.sum()),
-        )
+        return plan, sampling
 
     @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """This rank's forward over the step; the logits of `plan.logits_rows` (all ranks)."""
+        if self.graphs is not None and self.graphs.fits(plan):
+            hidden = self.graphs.run(plan)
+        else:
+            meta = build_metadata(
+                slot_mapping=plan.slot_mapping,
+                block_size=self.block_size,
+                decode_blocks=plan.decode_blocks,
+                decode_seq_lens=plan.decode_seq_lens,
+                prefills=plan.prefills,
+                device=self.device,
+                backend=self.attn_backend,
+            )
+            ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
+            positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+        if not len(plan.logits_rows):
+            return None
+        rows = torch.from_numpy(plan.logits_rows).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
     def execute(self, sched: SchedulerOutput, record: StepRecord) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step; returns the requests that got a new token and the sampled tokens."""
+        """Run one step (rank 0); returns the requests that got a new token and the sampled tokens."""
         t0 = time.perf_counter()
-        batch = self.prepare_inputs(sched)
+        plan, sampling = self.plan_step(sched)
+        if self.tp.size > 1:
+            self.tp.broadcast_object(plan)
         if self.profile:
             _sync(self.device)
         t1 = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        logits = (
-            self.model.compute_logits(hidden.index_select(0, batch.logits_indices)) if batch.sampling_requests else None
-        )
+        logits = self.forward(plan)
         if self.profile:
             _sync(self.device)
         t2 = time.perf_counter()
-        out = self.sampler(logits, batch.sampling_requests) if logits is not None else None
+        out = self.sampler(logits, sampling) if logits is not None else None
         t3 = time.perf_counter()
-        meta = batch.meta
-        record.num_decodes = meta.num_decodes
-        record.num_prefill_tokens = sum(p.length for p in meta.prefills)
-        record.decode_context_tokens = batch.decode_context_tokens
+        record.num_decodes = plan.num_decodes
+        record.num_prefill_tokens = sum(p.length for p in plan.prefills)
+        record.decode_context_tokens = int(plan.decode_seq_lens.sum())
         record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, t3 - t2
-        return batch.sampling_requests, out
+        return sampling, out

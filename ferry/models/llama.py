@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.layers.attention import (
     AttentionMetadata,
     PrefillHost,
@@ -40,10 +41,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    """q/k/v column-parallel by heads, o_proj row-parallel (its partial sums all-reduced)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -72,28 +76,52 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate = tp.shard(cfg.intermediate_size, "intermediate_size")
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds ceil(vocab / tp) consecutive rows; a token's row comes from the rank
+    that holds it (the others contribute zeros to the all-reduce)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+        nn.init.normal_(self.weight)  # nn.Embedding's initialisation (loading overwrites it)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, positions, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
@@ -101,15 +129,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         self.max_position = max_position
+        self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab_rows = self.embed_tokens.rows  # the output head is vocab-parallel like the embedding
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self._packed_lm_head: torch.Tensor | None = None
         self._int8_lm_head: Int8Weight | None = None
 
@@ -135,6 +165,12 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.rotary = rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._local_logits(hidden)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
+        return logits
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._int8_lm_head is not None:
             return int8_linear(hidden, self._int8_lm_head, None)
         if self._packed_lm_head is not None:
@@ -223,13 +259,33 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    def _tensor_parallel_slice(self, target: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor (Megatron-style sharding)."""
+        tp = self.tp
+        if tp.size == 1:
+            return tensor
+        module, kind = target.split(".")[-2:]
+        if module in ("qkv_proj", "gate_up_proj"):  # column-parallel: rows (whole heads) split
+            return tensor.chunk(tp.size, dim=0)[tp.rank]
+        if module in ("o_proj", "down_proj"):  # row-parallel: input columns split
+            if kind == "weight":
+                return tensor.chunk(tp.size, dim=1)[tp.rank]
+            return tensor if tp.rank == 0 else torch.zeros_like(tensor)  # the bias is added once
+        if module in ("embed_tokens", "lm_head"):  # vocab-parallel, the last shard zero-padded
+            rows = self.embed_tokens.rows
+            part = tensor[tp.rank * rows : (tp.rank + 1) * rows]
+            if part.shape[0] < rows:
+                part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+            return part
+        return tensor  # norms: replicated
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        shard_offsets = {"qkv_proj": [0, q, q + kv], "gate_up_proj": [0, cfg.intermediate_size]}
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp  # this rank's sizes
+        q, kv = attn.q_size, attn.kv_size
+        shard_offsets = {"qkv_proj": [0, q, q + kv], "gate_up_proj": [0, mlp.intermediate]}
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]
@@ -246,6 +302,7 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            tensor = self._tensor_parallel_slice(target, tensor)
             param = params[target]
             with torch.no_grad():
                 if shard is None:

@@ -1,0 +1,1 @@
+"""Tensor parallelism: process groups, sharded layers' collectives, and the worker processes."""

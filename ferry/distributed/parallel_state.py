@@ -1,0 +1,70 @@
+"""The tensor-parallel group: its rank and size, and the collectives the model and runner use.
+
+Rank 0 is the engine process: it schedules, builds each step's inputs, broadcasts them
+(a pickled `StepPlan`, over a gloo group on the CPU so no device sync is needed), runs its
+shard of the model and samples. Ranks 1..N-1 run the same forward on their shards
+(ferry/distributed/tp_worker.py). NCCL carries the activations on GPU, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    cpu_group: object | None = None  # gloo: step plans and control messages
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank-major."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj=None):
+        """Rank 0 sends `obj`; every rank returns it."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def shard(self, n: int, what: str) -> int:
+        """This rank's share of n (heads, rows), which must divide evenly."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({self.size})")
+        return n // self.size
+
+
+SINGLE = TensorParallel()
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> TensorParallel:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return TensorParallel(rank, size, cpu_group)
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,120 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step of a small model on a GPU is dominated by kernel launches (hundreds per
+step); replaying a captured graph issues them all at once. One graph per batch size in
+1, 2, 4, 8, then steps of 16 up to max_num_seqs, captured largest first in one memory
+pool; a batch runs in the smallest graph that holds it. The inputs live in static
+buffers: token ids, positions, slots, block tables and context lengths are copied in
+before each replay. Padded rows get slot -1 (the store kernel writes nothing) and
+context length 0 (the decode kernel reads nothing and returns zeros), so they touch no
+request's KV. Steps with prefill chunks run eagerly. Only the Triton backend is captured:
+its decode launch's shape depends on the batch size alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ferry.layers.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from ferry.engine.model_runner import ModelRunner, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if sizes[-1] < max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class CUDAGraphRunner:
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        dev = runner.device
+        self.max_blocks = -(-max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.long, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        # Host staging, pinned: one copy per buffer per replay.
+        self.host = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
+        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.long, pin_memory=True)
+        self.copied = torch.cuda.Event()  # the last step's staging copies are done
+
+    def _metadata(self, batch: int) -> AttentionMetadata:
+        backend = self.runner.attn_backend
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            block_size=self.runner.block_size,
+            num_decodes=batch,
+            decode_block_tables=self.block_tables[:batch],
+            decode_seq_lens=self.seq_lens[:batch],
+            backend=backend,
+        )
+        backend.prepare(meta)
+        return meta
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        r = self.runner
+        return r.model(self.input_ids[:batch], self.positions[:batch], r.kv_caches, self._metadata(batch))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        for batch in reversed(self.sizes):
+            self._forward(batch)  # warm-up: Triton compiles, allocators settle
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[batch] = self._forward(batch)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs (decode batch sizes up to %d) in %.1fs",
+                    len(self.graphs), self.sizes[-1], time.perf_counter() - t0)  # fmt: skip
+
+    def fits(self, plan: StepPlan) -> bool:
+        return not plan.prefills and 0 < plan.num_decodes <= self.sizes[-1]
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Replay the smallest graph holding the batch; returns its hidden states [num_decodes, hidden]."""
+        b = plan.num_decodes
+        size = next(s for s in self.sizes if s >= b)
+        host = self.host
+        self.copied.synchronize()  # the previous step's copies read these pinned buffers
+        host[0, :b] = torch.from_numpy(plan.input_ids)
+        host[1, :b] = torch.from_numpy(plan.positions)
+        host[2, :b] = torch.from_numpy(plan.slot_mapping)
+        host[3, :b] = torch.from_numpy(plan.decode_seq_lens)
+        host[0:2, b:size] = 0
+        host[2, b:size] = -1
+        host[3, b:size] = 0
+        width = max(len(blocks) for blocks in plan.decode_blocks)
+        tables = self.host_tables[:b, :width]
+        tables.zero_()
+        for i, blocks in enumerate(plan.decode_blocks):
+            tables[i, : len(blocks)] = torch.from_numpy(np.asarray(blocks))
+        self.input_ids[:size].copy_(host[0, :size], non_blocking=True)
+        self.positions[:size].copy_(host[1, :size], non_blocking=True)
+        self.slot_mapping[:size].copy_(host[2, :size], non_blocking=True)
+        self.seq_lens[:size].copy_(host[3, :size], non_blocking=True)
+        self.block_tables[:b, :width].copy_(tables, non_blocking=True)
+        self.copied.record()
+        self.graphs[size].replay()
+        return self.outputs[size][:b]
