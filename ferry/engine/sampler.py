@@ -5,7 +5,8 @@ presence / frequency penalties, then greedy argmax or temperature, top-k,
 top-p, min-p and a draw. The draw is `argmax(p / q)` with `q ~ Exp(1)`, which
 samples from `p`; seeded requests draw `q` from their own generator, so their
 tokens do not depend on what else is in the batch. Logprobs are of the raw
-model distribution.
+model distribution. On a GPU all of it runs on the device; the sampled ids are
+the step's one device -> host read (logprobs, when asked, add theirs).
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class Sampler:
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._penalize(logits, requests)
 
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        if bool(greedy.all()):
+        # Decided on the host: a device-side `.all()` would be a second device -> host read.
+        if all(p.greedy for p in params):
             sampled = logits.argmax(dim=-1)
         else:
             temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
@@ -108,6 +109,7 @@ class Sampler:
             probs = scaled.softmax(dim=-1)
             q = self._exponential_noise(B, V, requests, device)
             drawn = (probs / q).argmax(dim=-1)
+            greedy = torch.tensor([p.greedy for p in params], device=device)
             sampled = torch.where(greedy, logits.argmax(dim=-1), drawn)
 
         token_ids = sampled.tolist()
