@@ -37,8 +37,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, use_graphs: bool = True) -> None:
+        """`use_graphs=False` runs the same static-buffer path eagerly (how the tests check the
+        padding on the CPU, where there are no graphs)."""
         self.runner = runner
+        self.use_graphs = use_graphs
         self.sizes = graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
         dev = runner.device
@@ -51,10 +54,11 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        # Host staging, pinned: one copy per buffer per replay.
-        self.host = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
-        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.long, pin_memory=True)
-        self.copied = torch.cuda.Event()  # the last step's staging copies are done
+        # Host staging, pinned on a GPU: one copy per buffer per replay.
+        pin = dev.type == "cuda"
+        self.host = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
+        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.long, pin_memory=pin)
+        self.copied = torch.cuda.Event() if pin else None  # the last step's staging copies are done
 
     def _metadata(self, batch: int) -> AttentionMetadata:
         backend = self.runner.attn_backend
@@ -75,6 +79,8 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        if not self.use_graphs:
+            return
         t0 = time.perf_counter()
         for batch in reversed(self.sizes):
             self._forward(batch)  # warm-up: Triton compiles, allocators settle
@@ -97,7 +103,8 @@ class CUDAGraphRunner:
         b = plan.num_decodes
         size = next(s for s in self.sizes if s >= b)
         host = self.host
-        self.copied.synchronize()  # the previous step's copies read these pinned buffers
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies read these pinned buffers
         host[0, :b] = torch.from_numpy(plan.input_ids)
         host[1, :b] = torch.from_numpy(plan.positions)
         host[2, :b] = torch.from_numpy(plan.slot_mapping)
@@ -115,6 +122,8 @@ class CUDAGraphRunner:
         self.slot_mapping[:size].copy_(host[2, :size], non_blocking=True)
         self.seq_lens[:size].copy_(host[3, :size], non_blocking=True)
         self.block_tables[:b, :width].copy_(tables, non_blocking=True)
+        if not self.use_graphs:
+            return self._forward(size)[:b]
         self.copied.record()
         self.graphs[size].replay()
         return self.outputs[size][:b]

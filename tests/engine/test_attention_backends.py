@@ -81,3 +81,33 @@ def test_unknown_or_unusable_backend_is_a_clear_error(tiny_model):
         EngineArgs(attention_backend="xformers")
     with pytest.raises(ValueError, match="flashinfer"):
         run(tiny_model, "flashinfer", [[1, 2, 3]])
+
+
+def test_graph_path_padding_writes_and_reads_nothing(tiny_model):
+    """The CUDA-graph decode path (static buffers, batch padded to a captured size, padded rows
+    with slot -1 and length 0), run eagerly on the CPU: same tokens and same KV cache contents
+    as the torch backend, so the padded rows wrote nowhere."""
+    from ferry.engine.cuda_graphs import CUDAGraphRunner, graph_batch_sizes
+
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(256)[-3:] == [224, 240, 256]
+    prompts = [list(range(10, 19)), list(range(30, 35)), [3, 4, 5, 6, 7, 8, 9]]  # 3 decode rows -> graph of 4
+    ref, ref_engine = run(tiny_model, "torch", prompts, max_tokens=8)
+
+    args = EngineArgs(model="tiny", device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                      max_num_batched_tokens=24, attention_backend="triton")  # fmt: skip
+    engine = LLMEngine(args, model=tiny_model, tokenizer=None, device=torch.device("cpu"), dtype=torch.float32)
+    runner = engine.runner
+    runner.graphs = CUDAGraphRunner(runner, max_num_seqs=8, max_model_len=64, use_graphs=False)
+    replays = []
+    run_graph = runner.graphs.run
+    runner.graphs.run = lambda plan: replays.append(plan.num_decodes) or run_graph(plan)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    done = run_to_completion(engine)
+    assert [done[str(i)].outputs[0].token_ids for i in range(3)] == ref
+    assert 3 in replays  # decode-only steps of 3 rows went through the padded path
+    for (k, v), (rk, rv) in zip(runner.kv_caches, ref_engine.runner.kv_caches):
+        torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
