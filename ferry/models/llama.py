@@ -23,6 +23,7 @@ from ferry.layers.attention import (
     build_metadata,
     paged_attention,
 )
+from ferry.layers.fused import add_rms_norm, silu_and_mul
 from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
@@ -38,6 +39,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then normalise it (one fused pass on a GPU)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -90,8 +95,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -123,9 +127,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, positions, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output, not yet added to `residual` (None for the first
+        layer, whose x is the embedding). Returns this layer's MLP output and the residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,10 +161,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta)
+        return self.norm.add_and_norm(x, residual)
 
     def init_rotary(self) -> None:
         """(Re)build the fp32 cos/sin tables on the model's device, shared by all layers."""
