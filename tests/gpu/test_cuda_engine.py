@@ -1,0 +1,91 @@
+"""The whole engine on CUDA: Triton backend with CUDA graphs on and off against the torch
+backend, GPU memory sizing, dummy weights of a shipped architecture, TP=2 over NCCL.
+Skipped without CUDA (run them on a GPU machine: `pytest -m gpu tests/gpu`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine
+from ferry.sampling_params import SamplingParams
+from tests.conftest import assert_no_blocks_referenced, run_to_completion
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1000,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+PROMPTS = [list(range(1, 40)), [7, 8, 9], list(range(100, 300)), [5] * 17, list(range(400, 433))]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gpu")
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return str(path)
+
+
+def generate(model: str, **kwargs) -> tuple[list[list[int]], LLMEngine]:
+    kwargs = {"load_format": "dummy", "device": "cuda", "num_kv_blocks": 256, "max_num_seqs": 32,
+              "max_num_batched_tokens": 128, "seed": 1, **kwargs}  # fmt: skip
+    engine = LLMEngine(EngineArgs(model=model, **kwargs))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    done = run_to_completion(engine)
+    assert_no_blocks_referenced(engine)
+    engine.shutdown()
+    return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))], engine
+
+
+def test_triton_with_and_without_graphs_matches_torch_fp32(tiny_dir):
+    ref, _ = generate(tiny_dir, dtype="float32", attention_backend="torch", enforce_eager=True)
+    eager, _ = generate(tiny_dir, dtype="float32", attention_backend="triton", enforce_eager=True)
+    graphs, engine = generate(tiny_dir, dtype="float32", attention_backend="triton")
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+    assert eager == ref
+    assert graphs == ref
+
+
+def test_bf16_default_graphs_match_eager(tiny_dir):
+    eager, engine = generate(tiny_dir, attention_backend="triton", enforce_eager=True)
+    assert engine.dtype == torch.bfloat16  # the GPU default
+    graphs, _ = generate(tiny_dir, attention_backend="triton")
+    assert graphs == eager
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_dir):
+    _, engine = generate(tiny_dir, num_kv_blocks=None, gpu_memory_utilization=0.3)
+    free, total = torch.cuda.mem_get_info()
+    assert engine.kv.pool.num_blocks > 1000
+    assert torch.cuda.memory_reserved() <= 0.3 * total * 1.05
+
+
+def test_shipped_architecture_with_dummy_weights():
+    out, engine = generate("qwen3-0.6b", max_model_len=1024)
+    assert all(len(t) == 24 for t in out)
+    assert engine.runner.attn_backend.name in ("triton", "flashinfer")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_matches_tp1_on_gpu(tiny_dir):
+    ref, _ = generate(tiny_dir, dtype="float32", enforce_eager=True)
+    assert generate(tiny_dir, dtype="float32", enforce_eager=True, tensor_parallel_size=2)[0] == ref
