@@ -22,6 +22,7 @@ dtype; `--hf-num-prompts` runs it on the first N requests only (tok/s compared).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -164,6 +165,18 @@ def step_flops(rec: StepRecord, cfg: ModelConfig) -> float:
     return rec.num_decodes * linear_flops_per_token(cfg) + attn
 
 
+def release_engine(engine: LLMEngine | None) -> None:
+    """Stop an engine and give its KV cache back (the GPU memory the next run needs); returns None."""
+    if engine is not None:
+        engine.shutdown()
+        engine.runner.kv_caches = []
+        engine.runner.graphs = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return None
+
+
 def run_ferry(engine: LLMEngine, requests, tag: str) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     # Warm-up outside the timed region (first-call allocations, thread pools).
@@ -231,6 +244,7 @@ def main(args: argparse.Namespace) -> int:
             args.num_prompts, args.prefix_len, args.suffix_len, args.prefix_output_len, cfg.vocab_size, args.bench_seed
         )
         on = run_ferry(engine, reqs, "on")
+        engine = release_engine(engine)
         eargs_off = EngineArgs(**{**asdict(eargs), "enable_prefix_caching": False})
         off = run_ferry(LLMEngine(eargs_off, **engine_kw), reqs, "off")
         print(
@@ -320,6 +334,8 @@ def main(args: argparse.Namespace) -> int:
             }
         if not args.no_hf:
             from ferry.bench.hf_baseline import load_hf_model, run_static_batches
+
+            engine = release_engine(engine)  # its KV cache holds most of a GPU
 
             dummy = cfg if eargs.load_format == "dummy" else None
             hf = load_hf_model(path, dtype, device, dummy_config=dummy, seed=eargs.seed)

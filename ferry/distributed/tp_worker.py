@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+from datetime import timedelta
 
 import torch
 
@@ -63,13 +64,14 @@ def worker_main(args: EngineArgs, rank: int, init_method: str) -> None:
         if isinstance(msg, StepPlan):
             runner.forward(msg)
         elif msg[0] == "profile":
-            runner.profile_peak_memory(msg[1], msg[2])
+            runner.profile_peak_memory(*msg[1:])
         elif msg[0] == "init":
             _, num_blocks, max_num_seqs, max_model_len = msg
             runner.allocate_kv_cache(num_blocks)
             if not args.enforce_eager:
                 runner.capture_cuda_graphs(max_num_seqs, max_model_len)
-    torch.distributed.barrier(group=tp.cpu_group)  # rank 0 joins this before tearing down
+    # Rank 0 joins this before tearing down (bounded: never wait on a stuck peer for long).
+    torch.distributed.monitored_barrier(group=tp.cpu_group, timeout=timedelta(seconds=30))
     torch.distributed.destroy_process_group()
 
 
@@ -88,6 +90,13 @@ class TensorParallelWorkers:
             p.start()
         self.tp = init_rank(args, 0, init_method)
 
+    def check_alive(self) -> None:
+        """Raise if a worker has exited: a collective with it would block (inside a CUDA graph,
+        with no watchdog, for ever)."""
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker(s) {', '.join(dead)} exited")
+
     def broadcast(self, msg) -> None:
         self.tp.broadcast_object(msg)
 
@@ -98,7 +107,7 @@ class TensorParallelWorkers:
             if not all(p.is_alive() for p in self.procs):
                 raise RuntimeError("a worker is gone")  # a collective with it would wait for its timeout
             self.tp.broadcast_object(None)
-            torch.distributed.barrier(group=self.tp.cpu_group)
+            torch.distributed.monitored_barrier(group=self.tp.cpu_group, timeout=timedelta(seconds=30))
         except Exception:  # a worker already died: the collective fails
             pass
         for p in self.procs:

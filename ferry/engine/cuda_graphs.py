@@ -113,7 +113,8 @@ class CUDAGraphRunner:
         host[2, b:size] = -1
         host[3, b:size] = 0
         width = max(len(blocks) for blocks in plan.decode_blocks)
-        tables = self.host_tables[:b, :width]
+        # A contiguous [b, width] view of the pinned buffer, so the copy is one pinned DMA.
+        tables = self.host_tables.view(-1)[: b * width].view(b, width)
         tables.zero_()
         for i, blocks in enumerate(plan.decode_blocks):
             tables[i, : len(blocks)] = torch.from_numpy(np.asarray(blocks))

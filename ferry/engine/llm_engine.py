@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from typing import Any
@@ -106,6 +107,7 @@ class LLMEngine:
             if model is not None:
                 raise ValueError("tensor parallelism loads the model in every rank; do not pass a loaded model")
             self.tp_workers = TensorParallelWorkers(args)  # ranks 1..N-1 load their shards meanwhile
+            atexit.register(self.shutdown)  # LLM users rarely call it; tear the group down cleanly
             tp = self.tp_workers.tp
         try:
             self._init(args, model, tokenizer, device, dtype, tp)
@@ -162,6 +164,7 @@ class LLMEngine:
             )
         if self.tp_workers is not None:
             self.tp_workers.broadcast(("init", num_blocks, args.max_num_seqs, max_len))
+            self.runner.check_peers = self.tp_workers.check_alive
         self.runner.kv = self.kv
         self.runner.allocate_kv_cache(num_blocks)
         if not args.enforce_eager:
@@ -200,14 +203,16 @@ class LLMEngine:
         peak without a KV cache (weights + activations of a full prefill step + sampling, measured
         by a profiling forward), minus room for the CUDA graphs' memory pool."""
         args = self.args
+        num_tokens = args.max_num_batched_tokens
+        chunk = min(num_tokens, args.max_model_len or num_tokens)
+        if self.tp_workers is not None:
+            self.tp_workers.broadcast(("profile", num_tokens, chunk, args.max_num_seqs))
+        peak = self.runner.profile_peak_memory(num_tokens, chunk, args.max_num_seqs)
+        # After the profile: NCCL, cuBLAS and Triton set up their (non-torch) memory during it.
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         others = (total - free) - torch.cuda.memory_reserved(self.device)
-        num_tokens = min(args.max_num_batched_tokens, args.max_model_len or args.max_num_batched_tokens)
-        if self.tp_workers is not None:
-            self.tp_workers.broadcast(("profile", num_tokens, args.max_num_seqs))
-        peak = self.runner.profile_peak_memory(num_tokens, args.max_num_seqs)
-        graphs = 0 if args.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        graphs = 0 if args.enforce_eager or self.runner.attn_backend.name != "triton" else CUDA_GRAPH_RESERVE_BYTES
         budget = int(total * args.gpu_memory_utilization) - others - peak - graphs
         logger.info("GPU memory: %.1f GiB total, %.2f GiB others, %.2f GiB peak without KV cache -> %.2f GiB KV",
                     total / 2**30, others / 2**30, peak / 2**30, budget / 2**30)  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,7 @@ class ModelRunner:
             cache_dtype=self.cache_dtype,
         )
         self.graphs: CUDAGraphRunner | None = None
+        self.check_peers: Callable[[], None] | None = None  # raises if a TP worker is gone
         self.profile = False  # sync the device between phases for an exact breakdown
 
     @staticmethod
@@ -124,28 +126,40 @@ class ModelRunner:
         ]  # fmt: skip
 
     @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens: int, num_seqs: int) -> int:
-        """Peak CUDA bytes of a forward over `num_tokens` prompt tokens plus the logits and sampling
-        of `num_seqs` rows, with a KV cache just big enough (freed after): what the KV cache must
-        leave free. Every rank runs it together (the forward has collectives)."""
+    def profile_peak_memory(self, num_tokens: int, chunk: int, num_seqs: int) -> int:
+        """Peak CUDA bytes of a forward over `num_tokens` prompt tokens (in chunks of at most
+        `chunk`) plus the logits and sampling of `num_seqs` rows, with a KV cache just big enough
+        (freed after): what the KV cache must leave free. Every rank runs it together (the
+        forward has collectives)."""
         bs = self.block_size
-        blocks = -(-num_tokens // bs) + 1
+        starts = list(range(0, num_tokens, chunk))
+        per_chunk = -(-chunk // bs)
+        blocks = per_chunk * len(starts)
         self.allocate_kv_cache(blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        ids = np.arange(blocks * bs, dtype=np.int64)
+        vocab = self.model.config.vocab_size
+        pos = np.concatenate([np.arange(min(chunk, num_tokens - s), dtype=np.int64) for s in starts])
+        prefills, slots = [], []
+        for i, s in enumerate(starts):
+            n = min(chunk, num_tokens - s)
+            table = np.arange(i * per_chunk, (i + 1) * per_chunk, dtype=np.int64)
+            prefills.append(PrefillHost(s, n, n, table))
+            slots.append(table[np.arange(n) // bs] * bs + np.arange(n) % bs)
         plan = StepPlan(
-            input_ids=(ids[:num_tokens] % self.model.config.vocab_size),
-            positions=ids[:num_tokens],
-            slot_mapping=ids[:num_tokens],
+            input_ids=pos % vocab,
+            positions=pos,
+            slot_mapping=np.concatenate(slots),
             decode_blocks=[],
-            decode_seq_lens=ids[:0],
-            prefills=[PrefillHost(0, num_tokens, num_tokens, np.arange(blocks, dtype=np.int64))],
+            decode_seq_lens=pos[:0],
+            prefills=prefills,
             logits_rows=np.full(min(num_seqs, num_tokens), num_tokens - 1, dtype=np.int64),
         )
         logits = self.forward(plan)
         if logits is not None:
-            logits.float().softmax(-1).argmax(-1)  # the sampler's largest tensors
+            # The sampler's temporaries at their largest (penalties, top-k/p sort, noise, logprobs).
+            scratch = [logits.float() for _ in range(5)]
+            del scratch
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -247,6 +261,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         plan, sampling = self.plan_step(sched)
         if self.tp.size > 1:
+            if self.check_peers is not None:
+                self.check_peers()
             self.tp.broadcast_object(plan)
         if self.profile:
             _sync(self.device)

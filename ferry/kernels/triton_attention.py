@@ -142,7 +142,9 @@ def _decode_kernel(
     heads = kvh * GROUP + g
     g_ok = g < GROUP
     d_ok = d < D
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :])
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+    )
     q = q.to(k_cache_ptr.dtype.element_ty)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -211,7 +213,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: i
     """Enough splits for about two programs per SM; depends on the batch shape only, so a
     captured CUDA graph stays valid for any context length."""
     programs = max(batch * num_kv_heads, 1)
-    return max(1, min(max_splits, -(-2 * num_sms // programs)))
+    # A power of two: NUM_SPLITS is a compile-time constant, so at most five variants compile.
+    return min(max_splits, triton.next_power_of_2(max(1, -(-2 * num_sms // programs))))
 
 
 def _precision(cache_dtype: torch.dtype) -> str:
@@ -373,5 +376,6 @@ def paged_prefill(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, D=D, D_PAD=_pow2(D), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(k_cache.dtype), DOT_F32=_INTERPRETED,
+        num_stages=2 if k_cache.dtype == torch.float32 else 3,  # fp32 K/V tiles: keep shared memory in bounds
     )  # fmt: skip
     return out

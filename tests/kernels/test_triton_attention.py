@@ -151,4 +151,5 @@ def test_paged_prefill_prefix_plus_chunk(kvh, heads, d, bs):
 def test_decode_num_splits_depends_on_shape_only():
     assert triton_attention.decode_num_splits(1, 8, 132) == 16
     assert triton_attention.decode_num_splits(256, 8, 132) == 1
-    assert 1 < triton_attention.decode_num_splits(4, 8, 132) <= 16
+    assert triton_attention.decode_num_splits(4, 8, 132) == 16  # 2 * 132 / 32 programs -> 9 -> 16
+    assert triton_attention.decode_num_splits(16, 8, 132) == 4  # 264 / 128 -> 3 -> 4

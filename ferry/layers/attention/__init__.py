@@ -31,13 +31,14 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
+def resolve_attention_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.bfloat16) -> str:
     if name == "auto":
         if device.type != "cuda":
             return "torch"
         from ferry.layers.attention.flashinfer_backend import flashinfer_available
 
-        return "flashinfer" if flashinfer_available() else "triton"
+        # FlashInfer's kernels take 16-bit caches only.
+        return "flashinfer" if flashinfer_available() and cache_dtype != torch.float32 else "triton"
     if name == "flashinfer":
         from ferry.layers.attention.flashinfer_backend import flashinfer_available
 
@@ -65,7 +66,7 @@ def select_attention_backend(
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
 ) -> AttentionBackend:
-    name = resolve_attention_backend(name, device)
+    name = resolve_attention_backend(name, device, cache_dtype)
     if name == "triton":
         from ferry.layers.attention.triton_backend import TritonAttentionBackend
 

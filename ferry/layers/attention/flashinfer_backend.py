@@ -57,17 +57,18 @@ class FlashInferAttentionBackend:
         )
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
 
-    def _dev(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device)
+    @staticmethod
+    def _host(a: np.ndarray) -> torch.Tensor:
+        """plan() copies its page tables to the device itself; host tensors avoid a round trip."""
+        return torch.from_numpy(a)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         h, kvh, d = self.shape
         bs = meta.block_size
         decode = prefill = None
         if meta.num_decodes:
-            tables = list(meta.decode_block_tables.cpu().numpy())
-            indptr, indices, last = _csr(tables, meta.decode_seq_lens_host.tolist(), bs)
-            self.decode_wrapper.plan(self._dev(indptr), self._dev(indices), self._dev(last), h, kvh, d, bs,
+            indptr, indices, last = _csr(meta.decode_blocks_host, meta.decode_seq_lens_host.tolist(), bs)
+            self.decode_wrapper.plan(self._host(indptr), self._host(indices), self._host(last), h, kvh, d, bs,
                                      q_data_type=self.dtype, kv_data_type=self.cache_dtype,
                                      sm_scale=self.scale)  # fmt: skip
             decode = self.decode_wrapper
@@ -76,7 +77,7 @@ class FlashInferAttentionBackend:
             indptr, indices, last = _csr([p.block_ids for p in meta.prefills], lens, bs)
             qo = np.zeros(len(lens) + 1, dtype=np.int32)
             qo[1:] = np.cumsum([p.length for p in meta.prefills])
-            self.prefill_wrapper.plan(self._dev(qo), self._dev(indptr), self._dev(indices), self._dev(last),
+            self.prefill_wrapper.plan(self._host(qo), self._host(indptr), self._host(indices), self._host(last),
                                       h, kvh, d, bs, causal=True, sm_scale=self.scale,
                                       q_data_type=self.dtype, kv_data_type=self.cache_dtype)  # fmt: skip
             prefill = self.prefill_wrapper

@@ -36,6 +36,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with 0
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens attended to
     decode_seq_lens_host: np.ndarray | None = None
+    decode_blocks_host: list[np.ndarray] = field(default_factory=list)
     prefills: list[PrefillHost] = field(default_factory=list)
     prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] rows of the flat batch
@@ -96,6 +97,7 @@ def build_metadata(
         meta.decode_block_tables = torch.from_numpy(_padded_table(decode_blocks)).to(device, non_blocking=True)
         meta.decode_seq_lens = torch.from_numpy(decode_seq_lens).to(device, non_blocking=True)
         meta.decode_seq_lens_host = decode_seq_lens
+        meta.decode_blocks_host = decode_blocks
     if prefills:
         meta.prefills = prefills
         starts = np.array([p.start for p in prefills] + [prefills[-1].start + prefills[-1].length], dtype=np.int64)
