@@ -1,9 +1,10 @@
-"""Fused elementwise kernels for the GPU path: residual add + RMSNorm, and SiLU-and-mul.
+"""Fused elementwise kernels for the GPU path: residual add + RMSNorm, SiLU-and-mul, rotary.
 
 Each replaces several torch kernels (and their round trips through HBM) by one pass per
 row: at small decode batches these launches and reads are a visible share of a step.
-Math in fp32, results in the input dtype, like the torch reference
-(ferry/layers/fused.py), which the tests compare them with.
+Math in fp32, results in the input dtype, like the torch references
+(ferry/layers/fused.py, ferry/layers/rotary.py), which the tests compare them with.
+Rotary works in place on the q/k views of the fused qkv projection: no copies.
 """
 
 from __future__ import annotations
@@ -65,3 +66,46 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(T, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), N=n,
                                                            BLOCK=block)  # fmt: skip
     return out
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                   QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr, QH_PAD: tl.constexpr,
+                   KH_PAD: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)
+    i_ok = i < HALF
+    cos = tl.load(cos_ptr + pos * stride_c + i, mask=i_ok, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_c + i, mask=i_ok, other=0.0)[None, :]
+
+    hq = tl.arange(0, QH_PAD)
+    mq = (hq[:, None] < QH) & i_ok[None, :]
+    pq = q_ptr + t * stride_qt + hq[:, None] * stride_qh + i[None, :]
+    x1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
+    x2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
+    tl.store(pq, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(pq + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=mq)
+
+    hk = tl.arange(0, KH_PAD)
+    mk = (hk[:, None] < KH) & i_ok[None, :]
+    pk = k_ptr + t * stride_kt + hk[:, None] * stride_kh + i[None, :]
+    y1 = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
+    y2 = tl.load(pk + HALF, mask=mk, other=0.0).to(tl.float32)
+    tl.store(pk, (y1 * cos - y2 * sin).to(k_ptr.dtype.element_ty), mask=mk)
+    tl.store(pk + HALF, (y2 * cos + y1 * sin).to(k_ptr.dtype.element_ty), mask=mk)
+
+
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place (NeoX half-split layout) by the fp32
+    cos/sin rows [max_position, D/2] of `positions` [T]; q and k may be strided views (of
+    the fused qkv projection), their last dimension contiguous."""
+    T, qh, d = q.shape
+    kh = k.shape[1]
+    if T == 0:
+        return
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    half = d // 2
+    _rotary_kernel[(T,)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+                         QH=qh, KH=kh, HALF=half, QH_PAD=triton.next_power_of_2(qh),
+                         KH_PAD=triton.next_power_of_2(kh), HALF_PAD=triton.next_power_of_2(half))  # fmt: skip

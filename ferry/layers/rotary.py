@@ -72,7 +72,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", freqs.sin() * attn_scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D], positions: [T]."""
+        """q: [T, H, D], k: [T, KVH, D], positions: [T]. On CUDA one Triton kernel rotates q and
+        k in place (fp32 math); elsewhere torch computes in q's dtype, like transformers."""
+        if q.is_cuda:
+            from ferry.kernels.triton_fused import rotary_
+
+            rotary_(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
