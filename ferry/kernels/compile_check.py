@@ -1,0 +1,231 @@
+"""Compile the engine's Triton kernels for a GPU architecture on a machine without one.
+
+The interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic on the CPU but not
+Triton's GPU compiler, so it misses what only compilation shows: layouts the backend
+rejects, shared memory beyond the chip's limit, registers spilled to local memory, and
+whether tensor cores (mma / wgmma) are used. This module compiles every kernel the engine
+launches for a model, with the shapes and constants the engine would use, down to a cubin
+(Triton ships ptxas), then reads each kernel's resources with Triton's cuobjdump.
+
+How: Triton asks its active driver for the target; a stand-in driver answers with the
+chosen architecture, and launches become warm-ups (compile, never run) for the duration.
+The wrappers in triton_attention / triton_fused are called as the engine calls them, on
+CPU tensors of the right dtypes and shapes, so the compiled specialisations are the ones
+a GPU run would build.
+
+    python -m ferry.kernels.compile_check --model llama-3.1-8b --dtype bfloat16 [--arch 90]
+
+Exit status 1 when a kernel fails to compile or exceeds the architecture's limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Per-block limits of the architectures we target (CUDA programming guide, compute capability tables).
+MAX_SHARED_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+REGISTERS_PER_SM = 64 * 1024
+H100_SMS = 132
+
+
+@dataclass
+class KernelReport:
+    kernel: str
+    case: str  # which engine launch this is (e.g. "decode splits=4")
+    num_warps: int
+    num_stages: int
+    registers: int  # per thread
+    shared_bytes: int  # dynamic shared memory Triton asks for at launch
+    local_bytes: int  # per-thread local memory: register spills (our kernels keep no local arrays)
+    tensor_cores: str  # "wgmma", "mma" or "-"
+    problems: list[str]
+
+
+class _TargetDriver:
+    """Stands in for Triton's CUDA driver: reports a target, owns no device."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def compiling_for(arch: int) -> Iterator[list]:
+    """Within this context kernel launches compile for `arch` and return without running;
+    yields the list that collects (kernel name, CompiledKernel) per launch."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces Triton's compiler")
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    compiled: list = []
+    original_run = JITFunction.run
+
+    def warmup_run(self, *args, grid, warmup, **kwargs):
+        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    previous = driver._active  # None until a real driver was looked up (none exists without a GPU)
+    driver.set_active(_TargetDriver(arch))
+    JITFunction.run = warmup_run
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = original_run
+        driver._active = previous
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG / SHARED / LOCAL ... of the kernel in a cubin, as cuobjdump -res-usage prints them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage: dict[str, int] = {}
+    for line in out.splitlines():
+        if "REG:" in line:
+            for field in line.split():
+                name, _, value = field.partition(":")
+                if value.isdigit():
+                    usage[name] = int(value)
+    return usage
+
+
+def report(kernel_name: str, case: str, kernel, arch: int) -> KernelReport:
+    usage = _resource_usage(kernel.asm["cubin"])
+    ptx = kernel.asm["ptx"]
+    md = kernel.metadata
+    regs = usage.get("REG", 0)
+    problems = []
+    limit = MAX_SHARED_BYTES.get(arch)
+    if limit is not None and md.shared > limit:
+        problems.append(f"shared memory {md.shared} B > {limit} B per block")
+    if regs * 32 * md.num_warps > REGISTERS_PER_SM:
+        problems.append(f"{regs} registers x {32 * md.num_warps} threads > {REGISTERS_PER_SM}")
+    if usage.get("LOCAL", 0):
+        problems.append(f"{usage['LOCAL']} B of local memory per thread (register spills)")
+    cores = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "-"
+    return KernelReport(kernel_name, case, md.num_warps, md.num_stages, regs, md.shared, usage.get("LOCAL", 0), cores,
+                        problems)  # fmt: skip
+
+
+def _graph_split_counts(num_kv_heads: int, max_num_seqs: int, num_sms: int) -> list[int]:
+    from ferry.engine.cuda_graphs import graph_batch_sizes
+    from ferry.kernels.triton_attention import decode_num_splits
+
+    sizes = set(graph_batch_sizes(max_num_seqs)) | set(range(1, max_num_seqs + 1))
+    return sorted({decode_num_splits(b, num_kv_heads, num_sms) for b in sizes})
+
+
+def engine_kernels(
+    model: str,
+    dtype: str = "bfloat16",
+    arch: int = 90,
+    tensor_parallel_size: int = 1,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 2048,
+    num_sms: int = H100_SMS,
+) -> list[KernelReport]:
+    """Compile every kernel launch the engine makes for `model` (a shipped config name or a
+    directory with config.json) and report its resources on `arch`."""
+    from ferry.kernels import triton_attention as attn
+    from ferry.kernels import triton_fused as fused
+    from ferry.models.loader import _hf_config, resolve_model_path
+
+    cfg = _hf_config(resolve_model_path(model, "dummy"))
+    dt = getattr(torch, dtype)
+    tp = tensor_parallel_size
+    heads, kvh, d = cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp), cfg.head_dim
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size // tp
+    T, B = max_num_batched_tokens, 8
+    reports: list[KernelReport] = []
+
+    def launch(case: str, fn, *args, **kwargs) -> None:
+        with compiling_for(arch) as compiled:
+            fn(*args, **kwargs)
+        reports.extend(report(name, case, k, arch) for name, k in compiled)
+
+    k_cache = torch.empty(4, block_size, kvh, d, dtype=dt)
+    v_cache = torch.empty_like(k_cache)
+    tables = torch.zeros(B, 8, dtype=torch.int32)
+    seq_lens = torch.ones(B, dtype=torch.int32)
+    qkv = torch.empty(T, (heads + 2 * kvh) * d, dtype=dt)
+    q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(T, heads, d), k.view(T, kvh, d), v.view(T, kvh, d)
+
+    launch("store new K/V", attn.store_kv, k, v, k_cache, v_cache, torch.zeros(T, dtype=torch.int64))
+    for splits in _graph_split_counts(kvh, max_num_seqs, num_sms):
+        launch(f"decode splits={splits}", attn.paged_decode, q[:B], k_cache, v_cache, tables, seq_lens, 0.1, splits,
+               out=torch.empty(B, heads, d, dtype=dt))  # fmt: skip
+    launch("prefill", attn.paged_prefill, q, k_cache, v_cache, tables, torch.zeros(B + 1, dtype=torch.int32),
+           seq_lens, T, 0.1, torch.empty(T, heads, d, dtype=dt))  # fmt: skip
+    cos = torch.empty(16, d // 2, dtype=torch.float32)
+    launch("rotary q/k", fused.rotary_, torch.zeros(T, dtype=torch.int64), q, k, cos, cos.clone())
+    launch("residual + RMSNorm", fused.add_rms_norm, torch.empty(T, hidden, dtype=dt), torch.empty(T, hidden, dtype=dt),
+           torch.empty(hidden, dtype=dt), 1e-6)  # fmt: skip
+    launch("SiLU-and-mul", fused.silu_and_mul, torch.empty(T, 2 * inter, dtype=dt))
+    return reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ferry.kernels.compile_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", help="shipped config name or a directory with config.json")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of a table")
+    args = p.parse_args(argv)
+    try:
+        reports = engine_kernels(args.model, args.dtype, args.arch, args.tensor_parallel_size, args.block_size,
+                                 args.max_num_seqs, args.max_num_batched_tokens)  # fmt: skip
+    except Exception as e:  # a compile error is the finding: print it, exit 1
+        print(f"compile failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        for r in reports:
+            print(json.dumps(asdict(r)))
+    else:
+        print(f"{args.model} {args.dtype} sm_{args.arch} tp={args.tensor_parallel_size}")
+        print(f"{'kernel':24} {'case':22} {'warps':>5} {'stages':>6} {'regs':>5} {'shared':>8} {'spill':>6} {'tc':>6}")
+        for r in reports:
+            print(f"{r.kernel:24} {r.case:22} {r.num_warps:5} {r.num_stages:6} {r.registers:5} {r.shared_bytes:8} "
+                  f"{r.local_bytes:6} {r.tensor_cores:>6}  {'; '.join(r.problems)}")  # fmt: skip
+    return 1 if any(r.problems for r in reports) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

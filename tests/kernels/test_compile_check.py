@@ -1,0 +1,54 @@
+"""Every Triton kernel the engine launches compiles for an H100 (sm_90) on this CPU-only
+machine, within the chip's limits; and the check does flag a kernel that does not fit.
+
+Runs in a subprocess: the test session sets TRITON_INTERPRET=1 (see conftest.py), which
+replaces Triton's compiler with the interpreter for every kernel defined afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import json, torch
+from ferry.kernels.compile_check import compiling_for, engine_kernels, report
+from ferry.kernels import triton_attention as attn
+from dataclasses import asdict
+
+for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64):
+    print(json.dumps(asdict(r)))
+# A prefill tile too large for one block's shared memory: 3 stages of bf16 K/V tiles of 512 keys.
+kc = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
+q = torch.empty(8, 16, 128, dtype=torch.bfloat16)
+with compiling_for(90) as compiled:
+    attn.paged_prefill(q, kc, kc, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32),
+                       torch.tensor([8], dtype=torch.int32), 8, 0.1, torch.empty_like(q), block_n=512, rows=16)
+print(json.dumps({"oversized": report(compiled[0][0], "oversized", compiled[0][1], 90).problems}))
+"""
+
+
+def test_engine_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    *kernels, oversized = rows
+    by_name = {}
+    for r in kernels:
+        by_name.setdefault(r["kernel"], []).append(r)
+        assert r["problems"] == [], r
+        assert r["registers"] > 0
+    assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
+                            "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel"}  # fmt: skip
+    # One decode specialisation per split count that a CUDA-graph batch size can ask for (1..16).
+    assert sorted(int(r["case"].split("=")[1]) for r in by_name["_decode_kernel"]) == [1, 2, 4, 8, 16]
+    # bf16 attention runs its dots on tensor cores: Hopper's wgmma for the 64-row prefill tiles.
+    assert {r["tensor_cores"] for r in by_name["_decode_kernel"]} <= {"mma", "wgmma"}
+    assert by_name["_prefill_kernel"][0]["tensor_cores"] == "wgmma"
+    assert any("shared memory" in p for p in oversized["oversized"]), oversized
