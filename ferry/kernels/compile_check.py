@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} {args.dtype} sm_{args.arch} tp={args.tensor_parallel_size}")
         print(f"{'kernel':24} {'case':22} {'warps':>5} {'stages':>6} {'regs':>5} {'shared':>8} {'spill':>6} {'tc':>6}")
         for r in reports:
-            print(f"{r.kernel:24} {r.case:22} {r.num_warps:5} {r.num_stages:6} {r.registers:5} {r.shared_bytes:8} "
-                  f"{r.local_bytes:6} {r.tensor_cores:>6}  {'; '.join(r.problems)}")  # fmt: skip
+            line = (f"{r.kernel:24} {r.case:22} {r.num_warps:5} {r.num_stages:6} {r.registers:5} {r.shared_bytes:8} "
+                    f"{r.local_bytes:6} {r.tensor_cores:>6}  {'; '.join(r.problems)}")  # fmt: skip
+            print(line.rstrip())
     return 1 if any(r.problems for r in reports) else 0
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU checks of the GPU path (issue 6), for a lent H100/H200 machine. From the repo root:
+#   here, once:  bash scripts/gpu_wheels.sh            (msgspec + pyzmq wheels for the GPU image, in .whl/)
+#   there:       bash scripts/gpu_session.sh tests     (gpu-marked tests, kernel tests on CUDA, latency bench)
+#                bash scripts/gpu_session.sh bench     (the two throughput benchmarks)
+# With the device tool: run(command="bash scripts/gpu_session.sh tests", carry=[".whl"]).
+# Each step has its own time limit, so one hang cannot eat the whole call; logs and JSON go to $OUT.
+set -uo pipefail
+case ${1:-} in tests | bench) ;; *)
+  echo "usage: $0 tests|bench" >&2
+  exit 2
+  ;;
+esac
+OUT=${OUT:-/tmp/ferry-gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
+ferry() { python3 -m ferry.cli "$@"; }
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, report its status
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: exit $rc"
+}
+export -f ferry
+case ${1:-} in
+tests)
+  step gpu-tests 240 python3 -m pytest -q -x -m gpu tests/gpu -p no:cacheprovider
+  step kernel-tests 120 python3 -m pytest -q tests/kernels tests/engine/test_attention_backends.py -p no:cacheprovider
+  step latency 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --batch-sizes 1 64 256 \
+    --json $OUT/latency.json"
+  step latency-eager 150 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --batch-sizes 1 64 \
+    --enforce-eager --json $OUT/latency-eager.json"
+  ;;
+bench)
+  step throughput-qwen3 280 bash -c "ferry bench throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \
+    --input-len 100 1024 --output-len 100 1024 --hf-num-prompts 32 --json $OUT/qwen3.json"
+  step throughput-llama 280 bash -c "ferry bench throughput --model llama-3.1-8b --load-format dummy \
+    --dataset sharegpt-like --no-hf --json $OUT/sharegpt.json"
+  ;;
+esac

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Download, here, the wheels of ferry's dependencies that the GPU machines' image lacks
+# (it has torch 2.11, triton 3.6, transformers, numpy, pytest ... but no msgspec or pyzmq),
+# for their Python 3.12 on x86-64, into .whl/ (git-ignored; the device tool carries it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+rm -rf .whl && mkdir -p .whl
+for pkg in msgspec pyzmq; do
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "$pkg"
+done
+ls -la .whl
