@@ -46,6 +46,14 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def min_across_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. the KV-cache budget each GPU can hold)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
     def shard(self, n: int, what: str) -> int:
         """This rank's share of n (heads, rows), which must divide evenly."""
         if n % self.size:

@@ -1,7 +1,7 @@
 """Tensor-parallel worker processes (ranks 1..N-1) and their launch from rank 0.
 
 Rank 0 (the engine) broadcasts one control object per action over the gloo group:
-  ("profile", num_tokens, num_seqs)  run the profiling forward together (GPU KV sizing)
+  ("profile",)  run the profiling forward together; every rank sizes its KV budget, all take the MIN
   ("init", num_blocks, max_num_seqs, max_model_len)  allocate the KV cache, capture graphs
   StepPlan                           run this step's forward
   None                               exit
@@ -51,7 +51,7 @@ def worker_main(args: EngineArgs, rank: int, init_method: str) -> None:
         pass
     logging.basicConfig(level=logging.WARNING)
     tp = init_rank(args, rank, init_method)
-    from ferry.engine.llm_engine import load_model
+    from ferry.engine.llm_engine import gpu_kv_budget, load_model
     from ferry.engine.model_runner import ModelRunner, StepPlan
 
     model, _, device, dtype, _ = load_model(args, tp)
@@ -63,8 +63,8 @@ def worker_main(args: EngineArgs, rank: int, init_method: str) -> None:
             break
         if isinstance(msg, StepPlan):
             runner.forward(msg)
-        elif msg[0] == "profile":
-            runner.profile_peak_memory(*msg[1:])
+        elif msg[0] == "profile":  # the profiling forward runs on every rank; rank 0 takes the smallest budget
+            tp.min_across_ranks(gpu_kv_budget(runner, args))
         elif msg[0] == "init":
             _, num_blocks, max_num_seqs, max_model_len = msg
             runner.allocate_kv_cache(num_blocks)

@@ -97,6 +97,25 @@ def load_model(
     return model, tokenizer, device, dtype, ckpt.path
 
 
+def gpu_kv_budget(runner: ModelRunner, args: EngineArgs) -> int:
+    """This rank's KV-cache bytes: gpu_memory_utilization x total, minus what others hold on the
+    GPU, minus the engine's peak without a KV cache (weights + activations of a full prefill
+    step + sampling, measured by a profiling forward), minus room for the CUDA graphs' pool."""
+    device = runner.device
+    num_tokens = args.max_num_batched_tokens
+    chunk = min(num_tokens, args.max_model_len or num_tokens)
+    peak = runner.profile_peak_memory(num_tokens, chunk, args.max_num_seqs)
+    # After the profile: NCCL, cuBLAS and Triton set up their (non-torch) memory during it.
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    others = (total - free) - torch.cuda.memory_reserved(device)
+    graphs = 0 if args.enforce_eager or runner.attn_backend.name != "triton" else CUDA_GRAPH_RESERVE_BYTES
+    budget = int(total * args.gpu_memory_utilization) - others - peak - graphs
+    logger.info("GPU %s: %.1f GiB total, %.2f GiB others, %.2f GiB peak without KV cache -> %.2f GiB KV", device,
+                total / 2**30, others / 2**30, peak / 2**30, budget / 2**30)  # fmt: skip
+    return budget
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, *, model=None, tokenizer=None, device=None, dtype=None) -> None:
         """Build an engine; pass an already loaded `model` (with tokenizer, device, dtype) to reuse it."""
@@ -199,24 +218,12 @@ class LLMEngine:
         return int(blocks)
 
     def _gpu_kv_budget(self) -> int:
-        """gpu_memory_utilization x total, minus what others hold on the GPU, minus this engine's
-        peak without a KV cache (weights + activations of a full prefill step + sampling, measured
-        by a profiling forward), minus room for the CUDA graphs' memory pool."""
-        args = self.args
-        num_tokens = args.max_num_batched_tokens
-        chunk = min(num_tokens, args.max_model_len or num_tokens)
-        if self.tp_workers is not None:
-            self.tp_workers.broadcast(("profile", num_tokens, chunk, args.max_num_seqs))
-        peak = self.runner.profile_peak_memory(num_tokens, chunk, args.max_num_seqs)
-        # After the profile: NCCL, cuBLAS and Triton set up their (non-torch) memory during it.
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        others = (total - free) - torch.cuda.memory_reserved(self.device)
-        graphs = 0 if args.enforce_eager or self.runner.attn_backend.name != "triton" else CUDA_GRAPH_RESERVE_BYTES
-        budget = int(total * args.gpu_memory_utilization) - others - peak - graphs
-        logger.info("GPU memory: %.1f GiB total, %.2f GiB others, %.2f GiB peak without KV cache -> %.2f GiB KV",
-                    total / 2**30, others / 2**30, peak / 2**30, budget / 2**30)  # fmt: skip
-        return budget
+        """Every rank measures its own GPU (see gpu_kv_budget); all use the smallest budget,
+        since the block tables are shared."""
+        if self.tp_workers is None:
+            return gpu_kv_budget(self.runner, self.args)
+        self.tp_workers.broadcast(("profile",))
+        return self.tp_workers.tp.min_across_ranks(gpu_kv_budget(self.runner, self.args))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any)."""

@@ -77,3 +77,29 @@ def test_tp2_matches_tp1_greedy(checkpoint):
 def test_indivisible_heads_are_a_clear_error(checkpoint):
     with pytest.raises(ValueError, match="divisible by tensor_parallel_size"):
         generate(checkpoint, 3)
+
+
+def _min_rank(rank: int, init_method: str, value: int, results) -> None:
+    from ferry.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    tp = init_tensor_parallel(rank, 2, init_method, torch.device("cpu"))
+    results.put((rank, tp.min_across_ranks(value)))
+    destroy_tensor_parallel()
+
+
+def test_min_across_ranks_is_what_every_rank_sizes_its_kv_cache_by():
+    """Each rank's GPU may have a different budget; all must allocate the smallest."""
+    import multiprocessing as mp
+
+    from ferry.distributed.parallel_state import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_min_rank, args=(r, init, v, results)) for r, v in ((0, 7 << 33), (1, 5 << 33))]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: 5 << 33, 1: 5 << 33}  # int64: budgets above 4 GiB survive
