@@ -17,7 +17,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ferry.layers.attention.metadata import AttentionMetadata
@@ -115,9 +114,10 @@ class CUDAGraphRunner:
         width = max(len(blocks) for blocks in plan.decode_blocks)
         # A contiguous [b, width] view of the pinned buffer, so the copy is one pinned DMA.
         tables = self.host_tables.view(-1)[: b * width].view(b, width)
-        tables.zero_()
+        rows = tables.numpy()  # filled through NumPy: a torch op per row costs ~2 us of host time
+        rows.fill(0)
         for i, blocks in enumerate(plan.decode_blocks):
-            tables[i, : len(blocks)] = torch.from_numpy(np.asarray(blocks))
+            rows[i, : len(blocks)] = blocks
         self.input_ids[:size].copy_(host[0, :size], non_blocking=True)
         self.positions[:size].copy_(host[1, :size], non_blocking=True)
         self.slot_mapping[:size].copy_(host[2, :size], non_blocking=True)
