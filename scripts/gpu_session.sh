@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
 export -f ferry
 case ${1:-} in
 tests)
-  step gpu-tests 240 python3 -m pytest -q -x -m gpu tests/gpu -p no:cacheprovider
+  step gpu-tests 240 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
   step kernel-tests 120 python3 -m pytest -q tests/kernels tests/engine/test_attention_backends.py -p no:cacheprovider
   step latency 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --batch-sizes 1 64 256 \
     --json $OUT/latency.json"
