@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +40,9 @@ class CUDAGraphRunner:
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, use_graphs: bool = True) -> None:
         """`use_graphs=False` runs the same static-buffer path eagerly (how the tests check the
         padding on the CPU, where there are no graphs)."""
-        self.runner = runner
+        # A proxy, not a reference: runner -> graphs -> runner would be a cycle that keeps a dropped
+        # engine's KV cache and graph pool on the GPU until the garbage collector happens to run.
+        self.runner = weakref.proxy(runner)
         self.use_graphs = use_graphs
         self.sizes = graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]

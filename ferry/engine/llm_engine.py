@@ -103,7 +103,8 @@ def gpu_kv_budget(runner: ModelRunner, args: EngineArgs) -> int:
     step + sampling, measured by a profiling forward), minus room for the CUDA graphs' pool."""
     device = runner.device
     num_tokens = args.max_num_batched_tokens
-    chunk = min(num_tokens, args.max_model_len or num_tokens)
+    # Positions of the profiled chunks stay inside the model's context (and its rotary tables).
+    chunk = min(num_tokens, args.max_model_len or runner.model.config.max_position_embeddings)
     peak = runner.profile_peak_memory(num_tokens, chunk, args.max_num_seqs)
     # After the profile: NCCL, cuBLAS and Triton set up their (non-torch) memory during it.
     torch.cuda.synchronize(device)

@@ -157,8 +157,9 @@ class ModelRunner:
         )
         logits = self.forward(plan)
         if logits is not None:
-            # The sampler's temporaries at their largest (penalties, top-k/p sort, noise, logprobs).
-            scratch = [logits.float() for _ in range(5)]
+            # The sampler's temporaries at their largest: penalties, top-k/p (sorted values, their
+            # int64 indices, mask, probabilities, cumulative sum), noise, logprobs: ~8 fp32 copies.
+            scratch = [logits.float() for _ in range(8)]
             del scratch
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -178,8 +178,9 @@ def engine_kernels(
 
     k_cache = torch.empty(4, block_size, kvh, d, dtype=dt)
     v_cache = torch.empty_like(k_cache)
-    tables = torch.zeros(B, 8, dtype=torch.int32)
-    seq_lens = torch.ones(B, dtype=torch.int32)
+    # index tensors as the engine builds them (int64: ferry/layers/attention/metadata.py)
+    tables = torch.zeros(B, 8, dtype=torch.int64)
+    seq_lens = torch.ones(B, dtype=torch.int64)
     qkv = torch.empty(T, (heads + 2 * kvh) * d, dtype=dt)
     q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.view(T, heads, d), k.view(T, kvh, d), v.view(T, kvh, d)
@@ -188,7 +189,7 @@ def engine_kernels(
     for splits in _graph_split_counts(kvh, max_num_seqs, num_sms):
         launch(f"decode splits={splits}", attn.paged_decode, q[:B], k_cache, v_cache, tables, seq_lens, 0.1, splits,
                out=torch.empty(B, heads, d, dtype=dt))  # fmt: skip
-    launch("prefill", attn.paged_prefill, q, k_cache, v_cache, tables, torch.zeros(B + 1, dtype=torch.int32),
+    launch("prefill", attn.paged_prefill, q, k_cache, v_cache, tables, torch.zeros(B + 1, dtype=torch.int64),
            seq_lens, T, 0.1, torch.empty(T, heads, d, dtype=dt))  # fmt: skip
     cos = torch.empty(16, d // 2, dtype=torch.float32)
     launch("rotary q/k", fused.rotary_, torch.zeros(T, dtype=torch.int64), q, k, cos, cos.clone())

@@ -111,3 +111,17 @@ def test_graph_path_padding_writes_and_reads_nothing(tiny_model):
     for (k, v), (rk, rv) in zip(runner.kv_caches, ref_engine.runner.kv_caches):
         torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
+
+    # Dropping the engine frees its runner (and so the KV cache and graph pool on a GPU) at
+    # once: the graph runner's back-reference makes no cycle for the collector to find later.
+    import gc
+    import weakref
+
+    kv_cache = weakref.ref(runner.kv_caches[0][0])
+    gc.collect()
+    gc.disable()
+    try:
+        del runner, engine
+        assert kv_cache() is None
+    finally:
+        gc.enable()
