@@ -1,4 +1,6 @@
-"""Engine arguments (vLLM's names) and their command-line flags."""
+"""What a user configures: the engine's arguments (vLLM's names, one `--flag` each), KV-event
+publishing (`ferry serve --enable-kv-events`) and KV transfer between prefill and decode workers
+(`--role`, `--kv-transfer`). Plain data and validation; nothing here imports the rest of ferry."""
 
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ LOAD_FORMATS = ("auto", "dummy")
 
 # auto: flashinfer when it imports on CUDA, else triton on CUDA, else torch (ferry/layers/attention/).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+# Prefill/decode disaggregation (ferry/kv_transfer/): a worker's role, how it sends KV blocks,
+# and how the blocks travel (raw: the cache dtype; int8: per-(token, head) scales, ferry/kv_transfer/blocks.py).
+KV_ROLES = ("both", "prefill", "decode")
+KV_TRANSPORTS = ("tcp", "shm", "redis")
+KV_ENCODINGS = ("raw", "int8")
 
 
 @dataclass
@@ -105,3 +113,46 @@ class EngineArgs:
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
+
+
+@dataclass
+class KVEventsConfig:
+    """Where the EngineCore publishes its prefix cache's changes (ferry/core/kv_events.py)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (the bound one is reported in EngineInfo)
+    replay_port: int = 0
+    buffer_steps: int = 10_000  # batches kept for replay
+
+
+@dataclass
+class KVTransferConfig:
+    """Prefill/decode disaggregation for one worker (ferry/kv_transfer/)."""
+
+    role: str = "both"  # prefill | decode | both
+    transport: str | None = None  # how this worker sends blocks: tcp | shm | redis (None: it sends none)
+    host: str = "127.0.0.1"  # where the receiver listens (decode / both)
+    port: int = 0  # 0: any free port
+    redis_url: str | None = None  # pull missing prefix blocks from (and, with transport redis, push to) Redis
+    redis_ttl: float = 600.0
+    redis_max_memory: str | None = None  # if set, configure the server: maxmemory + allkeys-lru
+    encoding: str = "raw"  # raw | int8 (in transit)
+    timeout: float = 10.0  # seconds, for every wait
+
+    def validate(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"--role must be one of {', '.join(KV_ROLES)}, got {self.role!r}")
+        if self.transport is not None and self.transport not in KV_TRANSPORTS:
+            raise ValueError(f"--kv-transfer must be one of {', '.join(KV_TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "redis" and not self.redis_url:
+            raise ValueError("--kv-transfer redis needs --redis-url")
+        if self.role == "prefill" and self.transport is None:
+            raise ValueError("--role prefill needs --kv-transfer tcp|shm|redis")
+        if self.encoding not in KV_ENCODINGS:
+            raise ValueError(f"--kv-transfer-dtype must be auto or int8, got {self.encoding!r}")
+        if not self.timeout > 0:
+            raise ValueError("--kv-transfer-timeout must be > 0")
+
+    @property
+    def receives(self) -> bool:
+        return self.role in ("decode", "both")

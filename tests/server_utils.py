@@ -7,7 +7,8 @@ import sys
 
 import httpx
 
-from ferry.bench.launch import LaunchedServer, free_port
+from ferry.bench.launch import LaunchedServer
+from ferry.utils.network import free_port
 
 
 class ServerProcess:

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import ferry.tokenizer as ferry_tokenizer
-from ferry.models.loader import default_model_path
+from ferry.models.paths import default_model_path
 from ferry.tokenizer import gguf_tokenizer_cache_dir, load_tokenizer
 
 TEXT = "Hello, world!"

@@ -27,7 +27,8 @@ import time
 import aiohttp
 import httpx
 
-from ferry.bench.launch import LaunchedServer, free_port
+from ferry.bench.launch import LaunchedServer
+from ferry.utils.network import free_port
 from ferry.bench.serve import _dist, send_request
 from ferry.config import EngineArgs
 from ferry.gateway.up import Replicas

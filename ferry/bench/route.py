@@ -24,7 +24,8 @@ import time
 
 import httpx
 
-from ferry.bench.launch import LaunchedServer, free_port
+from ferry.bench.launch import LaunchedServer
+from ferry.utils.network import free_port
 from ferry.bench.serve import run_load
 from ferry.config import EngineArgs
 from ferry.gateway.policies import POLICIES

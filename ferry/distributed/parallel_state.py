@@ -8,17 +8,10 @@ shard of the model and samples. Ranks 1..N-1 run the same forward on their shard
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

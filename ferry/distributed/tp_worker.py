@@ -20,7 +20,8 @@ from datetime import timedelta
 import torch
 
 from ferry.config import EngineArgs
-from ferry.distributed.parallel_state import TensorParallel, free_port, init_tensor_parallel
+from ferry.distributed.parallel_state import TensorParallel, init_tensor_parallel
+from ferry.utils.network import free_port
 
 logger = logging.getLogger(__name__)
 

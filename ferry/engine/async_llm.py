@@ -24,11 +24,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ferry.config import EngineArgs
+from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
 from ferry.engine.core_proc import run_engine_core
 from ferry.engine.input_processor import InputProcessor, PromptType
-from ferry.engine.kv_connector import KVTransferConfig
-from ferry.engine.kv_events import KVEventsConfig
 from ferry.engine.messages import (
     AbortRequests,
     AddRequest,

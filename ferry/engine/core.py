@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 
 from ferry.engine.input_processor import resolve_stop_token_ids
-from ferry.engine.kv_cache_manager import KVCacheManager
+from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from ferry.engine.model_runner import ModelRunner, StepRecord
-from ferry.engine.request import Request, RequestStatus
-from ferry.engine.scheduler import Scheduler
+from ferry.core.request import Request, RequestStatus
+from ferry.core.scheduler import Scheduler
 
 
 class EngineCore:

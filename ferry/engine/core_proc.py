@@ -21,10 +21,10 @@ import traceback
 import msgspec
 import zmq
 
-from ferry.config import EngineArgs
-from ferry.engine.block_hash import hash_prompt_blocks
-from ferry.engine.kv_connector import Done, ImportJob, KVConnector, KVTransferConfig, TransferResult
-from ferry.engine.kv_events import KVEventPublisher, KVEventsConfig
+from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
+from ferry.core.block_hash import hash_prompt_blocks
+from ferry.engine.kv_connector import Done, ImportJob, KVConnector, TransferResult
+from ferry.core.kv_events import KVEventPublisher
 from ferry.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
 from ferry.engine.messages import (
     AbortRequests,

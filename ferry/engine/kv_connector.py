@@ -39,45 +39,12 @@ from multiprocessing import resource_tracker, shared_memory
 import msgspec
 import zmq
 
-from ferry.engine.block_hash import BlockHash
-from ferry.engine.kv_transfer import ENCODINGS, KVBlocks
+from ferry.core.block_hash import BlockHash
+from ferry.engine.kv_transfer import KVBlocks
 
 logger = logging.getLogger("ferry.kv_connector")
 
-ROLES = ("both", "prefill", "decode")
-TRANSPORTS = ("tcp", "shm", "redis")
 CHUNK_BYTES = 4 << 20
-
-
-@dataclass
-class KVTransferConfig:
-    role: str = "both"  # prefill | decode | both
-    transport: str | None = None  # how this worker sends blocks: tcp | shm | redis (None: it sends none)
-    host: str = "127.0.0.1"  # where the receiver listens (decode / both)
-    port: int = 0  # 0: any free port
-    redis_url: str | None = None  # pull missing prefix blocks from (and, with transport redis, push to) Redis
-    redis_ttl: float = 600.0
-    redis_max_memory: str | None = None  # if set, configure the server: maxmemory + allkeys-lru
-    encoding: str = "raw"  # raw | int8 (in transit)
-    timeout: float = 10.0  # seconds, for every wait
-
-    def validate(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.transport is not None and self.transport not in TRANSPORTS:
-            raise ValueError(f"--kv-transfer must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.transport == "redis" and not self.redis_url:
-            raise ValueError("--kv-transfer redis needs --redis-url")
-        if self.role == "prefill" and self.transport is None:
-            raise ValueError("--role prefill needs --kv-transfer tcp|shm|redis")
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"--kv-transfer-dtype must be auto or int8, got {self.encoding!r}")
-        if not self.timeout > 0:
-            raise ValueError("--kv-transfer-timeout must be > 0")
-
-    @property
-    def receives(self) -> bool:
-        return self.role in ("decode", "both")
 
 
 # -- wire messages (ZMQ, msgspec) --------------------------------------------------

@@ -24,8 +24,9 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from ferry.engine.block_hash import BlockHash
-from ferry.engine.kv_cache_manager import KVCacheManager
+from ferry.config import KV_ENCODINGS
+from ferry.core.block_hash import BlockHash
+from ferry.core.kv_cache_manager import KVCacheManager
 
 
 class KVBlocks(msgspec.Struct, array_like=True):
@@ -97,7 +98,6 @@ class KVBlocks(msgspec.Struct, array_like=True):
                         b"".join(p.scales for p in parts))  # fmt: skip
 
 
-ENCODINGS = ("raw", "int8")
 
 
 def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,8 +124,8 @@ def export_blocks(
 ) -> KVBlocks:
     """The cached blocks of a hash chain, from its start up to the first one not cached,
     leaving out the leading blocks in `skip` (the receiver holds them)."""
-    if encoding not in ENCODINGS:
-        raise ValueError(f"KV transfer encoding must be one of {ENCODINGS}, got {encoding!r}")
+    if encoding not in KV_ENCODINGS:
+        raise ValueError(f"KV transfer encoding must be one of {KV_ENCODINGS}, got {encoding!r}")
     k0 = kv_caches[0][0]
     _, block_size, kvh, d = k0.shape
     start = 0
@@ -181,7 +181,7 @@ def import_blocks(kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.
     if len(set(payload.block_hashes)) != payload.num_blocks:
         raise ValueError("KV payload names a block twice")
     src_dtype = _dtype(payload.dtype)
-    if payload.encoding not in ENCODINGS:
+    if payload.encoding not in KV_ENCODINGS:
         raise ValueError(f"unknown KV encoding {payload.encoding!r}")
     elements = len(kv_caches) * 2 * block_size * kvh * d * payload.num_blocks
     itemsize = 1 if payload.encoding == "int8" else src_dtype.itemsize

@@ -12,15 +12,16 @@ import torch
 from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.distributed.tp_worker import TensorParallelWorkers
-from ferry.engine.block_hash import hash_prompt_blocks
+from ferry.core.block_hash import hash_prompt_blocks
 from ferry.engine.core import EngineCore
 from ferry.engine.input_processor import InputProcessor, PromptType
-from ferry.engine.kv_cache_manager import KVCacheManager, cdiv
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.utils.math import cdiv
 from ferry.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
 from ferry.engine.messages import EngineInfo, EngineStats
 from ferry.engine.model_runner import ModelRunner
 from ferry.engine.output_processor import OutputProcessor
-from ferry.engine.scheduler import Scheduler
+from ferry.core.scheduler import Scheduler
 from ferry.kernels.cpu import cpu_kernels_enabled
 from ferry.layers.int8_linear import int8_linear_available
 from ferry.layers.linear import should_pack

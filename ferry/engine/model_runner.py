@@ -17,10 +17,10 @@ import torch
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.engine.cpu_allocator import tune_cpu_allocator
 from ferry.engine.cuda_graphs import CUDAGraphRunner
-from ferry.engine.kv_cache_manager import KVCacheManager
-from ferry.engine.request import Request
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.request import Request
 from ferry.engine.sampler import Sampler, SamplerOutput
-from ferry.engine.scheduler import SchedulerOutput
+from ferry.core.scheduler import SchedulerOutput
 from ferry.layers.attention import AttentionBackend, PrefillHost, build_metadata, select_attention_backend
 from ferry.models.llama import LlamaForCausalLM
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.engine.request import Request
+from ferry.core.request import Request
 
 
 @dataclass

@@ -35,8 +35,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ferry.engine.block_hash import hash_prompt_blocks
-from ferry.engine.kv_events import HASH_ALGORITHM
+from ferry.core.block_hash import hash_prompt_blocks
+from ferry.core.kv_events import HASH_ALGORITHM
 from ferry.gateway.auth import ApiKeys
 from ferry.gateway.disagg import (
     DISAGGREGATED,

@@ -7,7 +7,7 @@ were dropped (PUB does that to slow or late subscribers): the subscriber asks
 for a replay from the first missing one, which returns the batches or, if they
 have left the publisher's buffer, a fresh snapshot.
 
-Hashes are chained (ferry/engine/block_hash.py), so "block i of this prompt is
+Hashes are chained (ferry/core/block_hash.py), so "block i of this prompt is
 cached" implies its whole prefix is, and the overlap of a prompt with a worker
 is the count of its leading block hashes the worker holds.
 """
@@ -22,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ferry.engine.kv_events import (
+from ferry.core.kv_events import (
     TOPIC,
     AllBlocksCleared,
     BlockRemoved,

@@ -23,7 +23,7 @@ import urllib.request
 
 import uvicorn
 
-from ferry.bench.launch import free_port
+from ferry.utils.network import free_port
 from ferry.config import EngineArgs
 from ferry.gateway.main import add_gateway_args, build_gateway
 

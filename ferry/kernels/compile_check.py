@@ -161,9 +161,10 @@ def engine_kernels(
     directory with config.json) and report its resources on `arch`."""
     from ferry.kernels import triton_attention as attn
     from ferry.kernels import triton_fused as fused
-    from ferry.models.loader import _hf_config, resolve_model_path
+    from ferry.models.loader import read_hf_config
+    from ferry.models.paths import resolve_model_path
 
-    cfg = _hf_config(resolve_model_path(model, "dummy"))
+    cfg = read_hf_config(resolve_model_path(model, "dummy"))
     dt = getattr(torch, dtype)
     tp = tensor_parallel_size
     heads, kvh, d = cfg.num_attention_heads // tp, max(1, cfg.num_key_value_heads // tp), cfg.head_dim

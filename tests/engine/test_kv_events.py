@@ -4,21 +4,21 @@ import msgspec
 import pytest
 import zmq
 
-from ferry.engine.block_hash import hash_prompt_blocks
-from ferry.engine.block_pool import BlockPool
-from ferry.engine.kv_cache_manager import KVCacheManager
-from ferry.engine.kv_events import (
+from ferry.config import KVEventsConfig
+from ferry.core.block_hash import hash_prompt_blocks
+from ferry.core.block_pool import BlockPool
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.kv_events import (
     TOPIC,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
     KVEventPublisher,
-    KVEventsConfig,
     ReplayRequest,
     ReplayResponse,
 )
-from ferry.engine.request import Request
+from ferry.core.request import Request
 from ferry.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import assert_no_blocks_referenced, run_to_completion
 
-from ferry.engine.block_hash import hash_prompt_blocks
+from ferry.core.block_hash import hash_prompt_blocks
 from ferry.sampling_params import SamplingParams
 
 PROMPT = list(range(1000, 1070))  # 4 full blocks of 16 + 6 tokens

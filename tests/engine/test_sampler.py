@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ferry.engine.request import Request
+from ferry.core.request import Request
 from ferry.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
 from ferry.sampling_params import SamplingParams
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from ferry.engine.kv_cache_manager import KVCacheManager
-from ferry.engine.request import Request, RequestStatus
-from ferry.engine.scheduler import Scheduler
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.request import Request, RequestStatus
+from ferry.core.scheduler import Scheduler
 from ferry.sampling_params import SamplingParams
 
 BS = 4

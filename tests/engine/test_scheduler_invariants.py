@@ -12,9 +12,10 @@ from collections import Counter
 
 import pytest
 
-from ferry.engine.kv_cache_manager import KVCacheManager, cdiv
-from ferry.engine.request import Request, RequestStatus
-from ferry.engine.scheduler import Scheduler
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.utils.math import cdiv
+from ferry.core.request import Request, RequestStatus
+from ferry.core.scheduler import Scheduler
 from ferry.sampling_params import SamplingParams
 
 BS = 4

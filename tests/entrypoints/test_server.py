@@ -99,8 +99,8 @@ def test_kv_events_publish_the_prompt_blocks(server, client):
     import msgspec
     import zmq
 
-    from ferry.engine.block_hash import hash_prompt_blocks
-    from ferry.engine.kv_events import KVEventBatch, ReplayRequest, ReplayResponse
+    from ferry.core.block_hash import hash_prompt_blocks
+    from ferry.core.kv_events import KVEventBatch, ReplayRequest, ReplayResponse
 
     info = httpx.get(server.url + "/ferry/info", timeout=10).json()
     assert info["block_size"] == 16 and info["block_hash"] == "sha256-chained-v1" and info["models"][0] == "smol"

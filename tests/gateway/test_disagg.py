@@ -15,7 +15,7 @@ import pytest
 from server_utils import ServerProcess
 from test_gateway import GatewayProcess
 
-from ferry.bench.launch import free_port
+from ferry.utils.network import free_port
 
 MODEL = "smol"
 TRANSPORTS = ("tcp", "shm", "redis")

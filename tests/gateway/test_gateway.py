@@ -13,7 +13,8 @@ import openai
 import pytest
 from server_utils import ServerProcess
 
-from ferry.bench.launch import LaunchedServer, free_port
+from ferry.bench.launch import LaunchedServer
+from ferry.utils.network import free_port
 
 MODEL = "smol"
 TENANTS = [

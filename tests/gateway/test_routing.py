@@ -2,7 +2,7 @@
 
 import pytest
 
-from ferry.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from ferry.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from ferry.gateway.kv_index import KVIndex
 from ferry.gateway.policies import PolicyConfig, Router
 from ferry.gateway.prefix_index import PrefixIndex

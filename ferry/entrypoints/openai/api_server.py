@@ -28,16 +28,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ferry.config import EngineArgs
+from ferry.config import KV_ROLES, KV_TRANSPORTS, EngineArgs, KVEventsConfig, KVTransferConfig
 from ferry.engine.async_llm import AsyncLLM, EngineDeadError
-from ferry.engine.kv_connector import ROLES, TRANSPORTS, KVTransferConfig
-from ferry.engine.kv_events import HASH_ALGORITHM, TOPIC, KVEventsConfig
+from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import RequestAbortedError, ServerState, as_openai_error, ready_engine
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
-from ferry.models.loader import resolve_model_path
+from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 
 logger = logging.getLogger("ferry.server")
@@ -324,10 +323,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-port", type=int, default=0, help="PUB port (0: any free one)")
     p.add_argument("--kv-events-replay-port", type=int, default=0, help="replay port (0: any free one)")
     g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--role", choices=ROLES, default="both",
+    g.add_argument("--role", choices=KV_ROLES, default="both",
                    help="prefill: compute prompts and send their KV blocks (at most one token per request); "
                         "decode: receive KV blocks and generate; both: either (default)")  # fmt: skip
-    g.add_argument("--kv-transfer", choices=TRANSPORTS, default=None,
+    g.add_argument("--kv-transfer", choices=KV_TRANSPORTS, default=None,
                    help="how this worker sends KV blocks: tcp (ZMQ, across hosts), shm (shared memory, same "
                         "host), redis (a shared store, needs --redis-url)")  # fmt: skip
     g.add_argument("--kv-transfer-host", default=None, help="where the KV receiver listens (default: --host)")

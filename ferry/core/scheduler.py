@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ferry.engine.kv_cache_manager import KVCacheManager
-from ferry.engine.request import Request, RequestStatus
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.request import Request, RequestStatus
 
 
 @dataclass

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from ferry.engine.block_pool import BlockPool, KVCacheBlock
-from ferry.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from ferry.core.block_pool import BlockPool, KVCacheBlock
+from ferry.core.request import Request
+from ferry.utils.math import cdiv
 
 
 class KVCacheManager:

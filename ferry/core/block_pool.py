@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ferry.engine.block_hash import BlockHash
-from ferry.engine.kv_events import KVEventRecorder
+from ferry.core.block_hash import BlockHash
+from ferry.core.kv_events import KVEventRecorder
 
 
 @dataclass(eq=False)

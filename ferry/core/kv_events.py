@@ -13,7 +13,7 @@ batches themselves while they are still in the publisher's ring buffer, or
 else a snapshot of every hash the cache holds now (with the sequence number it
 is current as of). A new subscriber starts from a snapshot.
 
-Hashes are ferry/engine/block_hash.py's chained sha256 (16 bytes), which the
+Hashes are ferry/core/block_hash.py's chained sha256 (16 bytes), which the
 gateway recomputes from a prompt's tokens.
 """
 
@@ -22,14 +22,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from ferry.engine.block_hash import BlockHash
+from ferry.config import KVEventsConfig
+from ferry.core.block_hash import BlockHash
 
-HASH_ALGORITHM = "sha256-chained-v1"  # names ferry/engine/block_hash.py's scheme
+HASH_ALGORITHM = "sha256-chained-v1"  # names ferry/core/block_hash.py's scheme
 TOPIC = b"kv"
 
 
@@ -95,14 +95,6 @@ class KVEventRecorder:
     def take(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events
-
-
-@dataclass
-class KVEventsConfig:
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port (the bound one is reported in EngineInfo)
-    replay_port: int = 0
-    buffer_steps: int = 10_000  # batches kept for replay
 
 
 class KVEventPublisher:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ferry.engine.block_hash import BlockHash, hash_block_tokens
+from ferry.core.block_hash import BlockHash, hash_block_tokens
 from ferry.sampling_params import SamplingParams
 
 
