@@ -11,6 +11,8 @@ FERRY_CPU_KERNELS=0, callers fall back to the torch paths.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -35,6 +37,27 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
+EXTENSION_NAME = "ferry_cpu_kernels"
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: str):
+    """One builder at a time, across processes, that survives a builder's death.
+
+    torch's own lock is a file whose existence means "someone is building": a process killed
+    mid-build (a SIGKILLed server on its first start) leaves it behind, and every later load
+    waits on it for ever. An flock is released by the kernel when its holder dies, so whoever
+    holds this one knows a torch lock file still there is stale, and removes it."""
+    with open(os.path.join(build_dir, "ferry-build.flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(build_dir, "lock"))
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def cpu_kernels_enabled() -> bool:
     """FERRY_CPU_KERNELS=0 selects the plain torch paths on the CPU (no C++ attention, no oneDNN packing)."""
     return os.environ.get("FERRY_CPU_KERNELS", "1") != "0"
@@ -52,21 +75,24 @@ def cpu_kernels():
             _failed = True
             return None
         try:
-            from torch.utils.cpp_extension import load
+            from torch.utils.cpp_extension import _get_build_directory, load
 
             csrc = Path(__file__).parent / "csrc"
             sources = [csrc / "paged_decode_attention_cpu.cpp", csrc / "quantize_per_token_cpu.cpp"]
             _put_ninja_on_path()
             logger.info("loading the CPU kernels (compiled on first use, ~30 s)")
-            _module = load(
-                name="ferry_cpu_kernels",
-                sources=[str(s) for s in sources],
-                # -fopenmp: at::parallel_for is OpenMP inline code; without it the kernel runs
-                # on one thread. The libgomp.so.1 torch already loaded is the one used.
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            build_dir = _get_build_directory(EXTENSION_NAME, verbose=False)
+            with _build_lock(build_dir):
+                _module = load(
+                    name=EXTENSION_NAME,
+                    sources=[str(s) for s in sources],
+                    # -fopenmp: at::parallel_for is OpenMP inline code; without it the kernel runs
+                    # on one thread. The libgomp.so.1 torch already loaded is the one used.
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=build_dir,
+                    verbose=False,
+                )
         except Exception as e:  # no compiler / headers: the torch reference still works
             logger.warning("CPU kernels unavailable, using the torch reference attention: %s", e)
             _failed = True

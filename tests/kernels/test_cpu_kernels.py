@@ -93,3 +93,23 @@ def test_quantize_per_token_matches_reference(kernels, m, k):
     # A non-contiguous input is read correctly.
     xt = torch.randn(k, 5).t()
     torch.testing.assert_close(kernels.quantize_per_token_u8(xt)[1], quantize_per_token_reference(xt)[1])
+
+
+def test_stale_build_lock_is_cleared(kernels):
+    """A process killed while building the kernels leaves torch's lock file behind; the next
+    process must load them anyway instead of waiting on it for ever."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from ferry.kernels.cpu import EXTENSION_NAME
+
+    lock = os.path.join(_get_build_directory(EXTENSION_NAME, verbose=False), "lock")
+    open(lock, "w").close()  # what a builder killed mid-build leaves
+    code = "from ferry.kernels.cpu import cpu_kernels; print(cpu_kernels() is not None)"
+    # The timeout only bounds a failure (a wait for ever); a pass takes as long as one import.
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+    assert not os.path.exists(lock)
