@@ -354,8 +354,10 @@ def test_fuzz_malformed_bodies_never_5xx(server):
 
 
 def test_queue_limit_then_sigterm_drain():
+    # The drain timeout only bounds a failure: on a busy machine the 240 tokens still streaming at
+    # SIGTERM can take minutes, and the drain must wait for them (as it would for a user).
     s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "1", "--max-queue-len", "1",
-                      "--drain-timeout", "60")  # fmt: skip
+                      "--drain-timeout", "900")  # fmt: skip
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         results: dict[str, object] = {}
@@ -381,7 +383,7 @@ def test_queue_limit_then_sigterm_drain():
                               "stream": True}, timeout=httpx.Timeout(30, read=1.0)) as r:  # fmt: skip
                 for _ in r.iter_lines():
                     pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60
         while _success(s, "abort") < aborted_before + 1 or s.metric("ferry:num_requests_waiting") > 0:
             assert time.monotonic() < deadline, "the queued request was not aborted on disconnect"
             time.sleep(0.05)
@@ -394,16 +396,16 @@ def test_queue_limit_then_sigterm_drain():
         assert e.value.response.headers["retry-after"] == "1"
 
         s.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while httpx.get(s.url + "/ready").status_code != 503:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
-        running.join(120)
-        queued.join(120)
+        running.join(900)
+        queued.join(900)
         assert results == {"running": "length", "queued": "length"}  # in-flight requests finished
-        assert s.proc.wait(60) == 0, s.logs()
+        assert s.proc.wait(120) == 0, s.logs()
     finally:
         s.stop()
 
