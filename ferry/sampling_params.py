@@ -126,3 +126,9 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+def resolve_stop_token_ids(params: SamplingParams, eos_token_ids: set[int]) -> None:
+    """Fill `all_stop_token_ids`: the user's stop ids plus EOS unless `ignore_eos` (sets do not
+    cross the API -> core wire, so the core resolves them again)."""
+    params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))

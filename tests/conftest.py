@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from ferry.config import EngineArgs  # noqa: E402
-from ferry.engine.llm_engine import LLMEngine, load_model
+from ferry.engine.llm_engine import LLMEngine
+from ferry.worker.model_loading import load_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -14,8 +14,9 @@ import torch
 from conftest import assert_no_blocks_referenced, run_to_completion
 
 from ferry.config import EngineArgs
-from ferry.engine.llm_engine import LLMEngine, load_model
+from ferry.engine.llm_engine import LLMEngine
 from ferry.sampling_params import SamplingParams
+from ferry.worker.model_loading import load_model
 
 MAX_TOKENS = 24
 SHARED = (

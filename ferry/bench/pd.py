@@ -28,10 +28,10 @@ import aiohttp
 import httpx
 
 from ferry.bench.launch import LaunchedServer
-from ferry.utils.network import free_port
 from ferry.bench.serve import _dist, send_request
 from ferry.config import EngineArgs
 from ferry.gateway.up import Replicas
+from ferry.utils.network import free_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from ferry.config import EngineArgs
-from ferry.engine.llm_engine import load_model
+from ferry.worker.model_loading import load_model
 
 # Held out from the SmoothQuant calibration text (ferry/layers/smoothquant.py): prose, code, Q&A.
 DEFAULT_TEXT = (

@@ -36,11 +36,12 @@ import torch
 
 from ferry.bench.hardware import device_name
 from ferry.config import EngineArgs
-from ferry.engine.llm_engine import LLMEngine, load_model
-from ferry.engine.model_runner import StepRecord
+from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.linear import pack_weight, packed_linear, should_pack
 from ferry.models.config import ModelConfig
 from ferry.sampling_params import SamplingParams
+from ferry.worker.model_loading import load_model
+from ferry.worker.step_plan import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
         print("ferry step-time breakdown: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in bd.items() if k != "seconds"))
         mixed = [x for x in r["records"] if x.num_prefill_tokens]
         pure = [x for x in r["records"] if not x.num_prefill_tokens]
-        t_mixed, t_pure = sum(x.total for x in mixed), sum(x.total for x in pure)
+        t_mixed, t_pure = sum(x.total() for x in mixed), sum(x.total() for x in pure)
         print(
             f"steps with prefill: {len(mixed)}, {t_mixed:.2f} s, "
             f"{sum(x.num_prefill_tokens for x in mixed) / max(t_mixed, 1e-9):.0f} prompt tok/s; "
@@ -317,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{dtype} 2048^3 GEMM: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peak.items()))
         if large:
             fl = sum(step_flops(x, cfg) for x in large)
-            t_step = sum(x.total for x in large)
+            t_step = sum(x.total() for x in large)
             t_fwd = sum(x.forward for x in large)
             rate_step, rate_fwd = fl / t_step / 1e9, fl / t_fwd / 1e9
             print(

@@ -23,6 +23,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # Every scheduled request's KV block ids, in order: all the model runner needs of the cache.
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -132,6 +134,7 @@ class Scheduler:
         # Tokens scheduled now count as computed: their K/V are written by this step.
         for request, n in out.scheduled:
             request.num_computed_tokens += n
+            out.block_ids[request.request_id] = self.kv.block_ids(request.request_id)
         return out
 
     def _preempt(self, request: Request) -> None:

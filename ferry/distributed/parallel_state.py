@@ -3,7 +3,7 @@
 Rank 0 is the engine process: it schedules, builds each step's inputs, broadcasts them
 (a pickled `StepPlan`, over a gloo group on the CPU so no device sync is needed), runs its
 shard of the model and samples. Ranks 1..N-1 run the same forward on their shards
-(ferry/distributed/tp_worker.py). NCCL carries the activations on GPU, gloo on the CPU.
+(ferry/worker/tp_worker.py). NCCL carries the activations on GPU, gloo on the CPU.
 """
 
 from __future__ import annotations

@@ -10,46 +10,36 @@ metrics. The model and the scheduler live in the core process
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
-import multiprocessing
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
-from ferry.engine.core_proc import run_engine_core
+from ferry.engine.core_client import EngineCoreClient, EngineDeadError
 from ferry.engine.input_processor import InputProcessor, PromptType
 from ferry.engine.messages import (
     AbortRequests,
     AddRequest,
     CoreFailed,
     CoreOutputs,
-    CoreReady,
     EngineCoreOutput,
     EngineInfo,
     EngineStats,
-    KVTransferDone,
-    OutputMessage,
     UtilityCall,
     UtilityResult,
 )
 from ferry.engine.output_processor import OutputProcessor
+from ferry.kv_transfer.protocol import KVTransferDone
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The EngineCore process is gone; nothing more can be served."""
 
 
 @dataclass
@@ -91,8 +81,6 @@ class RemotePrefill:
 
 def prompt_digest(token_ids: list[int]) -> str:
     """A short digest of a prompt's token ids: the decode worker checks it names the prompt it has."""
-    import hashlib
-
     return hashlib.sha256(msgspec.msgpack.encode(token_ids)).hexdigest()[:32]
 
 
@@ -106,8 +94,7 @@ class AsyncLLM:
         kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.args = args
-        self.kv_events = kv_events  # publish KV events from the core (for the gateway)
-        self.kv_transfer = kv_transfer  # prefill/decode disaggregation (engine/kv_connector.py)
+        self.client = EngineCoreClient(args, kv_events, kv_transfer)
         self._kv_sent: dict[str, asyncio.Future] = {}  # request id -> its KVTransferDone (prefill side)
         self.tokenizer = tokenizer
         self.metrics = metrics or MetricsSink()
@@ -122,21 +109,6 @@ class AsyncLLM:
         self.on_dead: Callable[[str], None] | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(OutputMessage)
-        self._ipc_dir = tempfile.mkdtemp(prefix="ferry-ipc-")
-        # Inputs go through a plain (synchronous) socket: a send either happens now or raises,
-        # which keeps aborts from cancellation handlers simple; outputs are awaited.
-        self._sync_ctx = zmq.Context()
-        self._ctx = zmq.asyncio.Context()
-        self._input = self._sync_ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(f"ipc://{self._ipc_dir}/input")
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(f"ipc://{self._ipc_dir}/output")
-        self.proc: multiprocessing.Process | None = None
         self._loop_task: asyncio.Task | None = None
 
     # -- lifecycle --------------------------------------------------------
@@ -146,60 +118,24 @@ class AsyncLLM:
 
         `tokenizer_loader` runs in a thread meanwhile (the first GGUF conversion takes seconds).
         """
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
-        addrs = (f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output")
-        self.proc = ctx.Process(
-            target=run_engine_core,
-            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events, self.kv_transfer),
-            name="ferry-engine-core",
-            # A daemonic process may not start children: tensor-parallel ranks are the core's
-            # children (they and the core die with their parent through PR_SET_PDEATHSIG).
-            daemon=self.args.tensor_parallel_size == 1,
-        )
-        self.proc.start()
-        logger.info("EngineCore process %d started", self.proc.pid)
+        self.client.spawn()
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(tokenizer_loader)) if tokenizer_loader else None
-        deadline = time.monotonic() + timeout
-        while True:
-            if await self._output.poll(200):
-                msg = self._decoder.decode(await self._output.recv())
-                if isinstance(msg, CoreReady):
-                    break
-                if isinstance(msg, CoreFailed):
-                    self._mark_dead(f"EngineCore failed to start: {msg.message}")
-                    raise EngineDeadError(self.dead)
-            elif not self.proc.is_alive():
-                self._mark_dead(f"EngineCore exited with code {self.proc.exitcode} while starting")
-                raise EngineDeadError(self.dead)
-            elif time.monotonic() > deadline:
-                self._mark_dead(f"EngineCore did not become ready within {timeout:.0f}s")
-                raise EngineDeadError(self.dead)
+        try:
+            info = await self.client.wait_ready(timeout)
+        except EngineDeadError as e:
+            self._mark_dead(str(e))
+            raise
         if tokenizer_task is not None:
             self.tokenizer = await tokenizer_task
             self.output_processor.tokenizer = self.tokenizer
-        self.info = msg.info
+        self.info = info
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self._loop_task = asyncio.create_task(self._output_loop(), name="ferry-output-loop")
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        if self.proc is not None and self.proc.is_alive():
-            try:
-                self._send(UtilityCall(-1, "shutdown"))
-            except EngineDeadError:
-                pass
-            await asyncio.to_thread(self.proc.join, timeout)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                await asyncio.to_thread(self.proc.join, 2.0)
-            if self.proc.is_alive():
-                self.proc.kill()
-        self._input.close()
-        self._output.close()
-        self._ctx.term()
-        self._sync_ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        await self.client.shutdown(timeout)
 
     @property
     def ready(self) -> bool:
@@ -243,7 +179,7 @@ class AsyncLLM:
         continued = remote_prefill is not None and self._takes_prefill(req, remote_prefill)
         if continued:
             req.core_requests[0].prefilled_token_ids = list(remote_prefill.first_token_ids)
-        message = self._encoder.encode(AddRequest(req.core_requests))  # before any state changes
+        message = self.client.encode(AddRequest(req.core_requests))  # before any state changes
         self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
         stream = RequestStream(request_id, len(req.prompt_token_ids))
         self.streams[request_id] = stream
@@ -253,7 +189,7 @@ class AsyncLLM:
         if kv_export_to is not None:
             self._kv_sent[request_id] = asyncio.get_running_loop().create_future()
         try:
-            self._send_bytes(message)
+            self.client.send_bytes(message)
         except EngineDeadError:
             self._forget(request_id)
             self._kv_sent.pop(request_id, None)
@@ -290,16 +226,11 @@ class AsyncLLM:
             self._kv_sent.pop(request_id, None)
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        strict_context: bool = True,
+        self, request_id: str, prompt: PromptType, params: SamplingParams, **options
     ) -> AsyncIterator[RequestOutput]:
-        """add_request + iterate; aborts the request if the consumer stops early (disconnect)."""
-        stream = self.add_request(request_id, prompt, params, priority=priority, strict_context=strict_context)
+        """add_request(..., **options) + iterate; aborts the request if the consumer stops early
+        (disconnect)."""
+        stream = self.add_request(request_id, prompt, params, **options)
         async for out in self.iterate(stream):
             yield out
 
@@ -320,7 +251,7 @@ class AsyncLLM:
         seq_ids = self._forget(request_id, count_abort=True)
         if seq_ids and self.dead is None:
             try:
-                self._send(AbortRequests(seq_ids))
+                self.client.send(AbortRequests(seq_ids))
             except EngineDeadError:
                 pass  # nothing left to abort
 
@@ -358,7 +289,7 @@ class AsyncLLM:
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(UtilityCall(call_id, method))
+            self.client.send(UtilityCall(call_id, method))
             result: UtilityResult = await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
@@ -368,24 +299,14 @@ class AsyncLLM:
 
     # -- the output loop ------------------------------------------------------
 
-    def _send(self, msg) -> None:
-        self._send_bytes(self._encoder.encode(msg))
-
-    def _send_bytes(self, data: bytes) -> None:
-        # With no high-water mark a PUSH send only fails when the core is not connected.
-        try:
-            self._input.send(data, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineDeadError("EngineCore is not connected") from None
-
     async def _output_loop(self) -> None:
         try:
             while self.dead is None:
-                if not await self._output.poll(500):
-                    if self.proc is not None and not self.proc.is_alive():
-                        self._mark_dead(f"EngineCore exited unexpectedly with code {self.proc.exitcode}")
+                msg = await self.client.recv(500)
+                if msg is None:
+                    if not self.client.alive:
+                        self._mark_dead(f"EngineCore exited unexpectedly with code {self.client.exitcode}")
                     continue
-                msg = self._decoder.decode(await self._output.recv())
                 if isinstance(msg, CoreOutputs):
                     self.stats = msg.stats
                     self.metrics.on_stats(msg.stats)
@@ -424,7 +345,7 @@ class AsyncLLM:
             timing.last_token = now
         request_outputs, to_abort = self.output_processor.process(outputs)
         if to_abort:  # stop strings matched: the core must stop these sequences
-            self._send(AbortRequests(to_abort))
+            self.client.send(AbortRequests(to_abort))
         finished = {co.request_id: co.finish_reason for co in outputs if co.finish_reason is not None}
         finished.update({sid: "stop" for sid in to_abort})
         for sid, reason in finished.items():

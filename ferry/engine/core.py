@@ -10,25 +10,49 @@ process and aborts a request here when one of its stop strings matches.
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from ferry.engine.input_processor import resolve_stop_token_ids
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
-from ferry.engine.model_runner import ModelRunner, StepRecord
 from ferry.core.request import Request, RequestStatus
 from ferry.core.scheduler import Scheduler
+from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
+from ferry.sampling_params import resolve_stop_token_ids
+from ferry.worker.model_runner import ModelRunner
+from ferry.worker.step_plan import StepRecord
+from ferry.worker.tp_worker import TensorParallelWorkers
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        eos_token_ids: set[int],
+        *,
+        info: EngineInfo | None = None,
+        tokenizer: Any = None,
+        tp_workers: TensorParallelWorkers | None = None,
+    ) -> None:
+        """Usually made by `engine/builder.py: build_engine_core`. `info` is what the API side
+        needs to know of this engine; `tokenizer` is the one loaded with the model (None without
+        one); `tp_workers` are the other tensor-parallel ranks, stopped by `shutdown`."""
         self.scheduler = scheduler
         self.runner = runner
-        self.kv = kv
+        self.kv: KVCacheManager = scheduler.kv
         self.eos_token_ids = eos_token_ids
+        self.info = info
+        self.tokenizer = tokenizer
+        self.tp_workers = tp_workers
         # When a list, every step appends its StepRecord (the `--profile` breakdown).
         self.step_records: list[StepRecord] | None = None
         # Outputs due without a model step: tokens a prefill worker sampled (disaggregation).
         self._pending: list[EngineCoreOutput] = []
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
+            self.tp_workers = None
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
         prefilled: list[int] = []
@@ -87,7 +111,7 @@ class EngineCore:
         t1 = time.perf_counter()
         if sched.is_empty:
             return outputs
-        record = StepRecord(0, 0, 0, schedule=t1 - t0)
+        record = StepRecord(0, 0, 0, schedule=t1 - t0)  # the runner fills in the step's shape
         requests, sampled = self.runner.execute(sched, record)
         t2 = time.perf_counter()
         for i, request in enumerate(requests):

@@ -1,4 +1,4 @@
-"""The EngineCore process: loads the model, then runs the busy loop.
+"""The EngineCore process: builds the engine core, then runs the busy loop.
 
 Loop: drain the input socket (add / abort / utility calls), run one engine
 step, push its outputs and stats to the API process. It blocks on the socket
@@ -6,7 +6,8 @@ only when there is nothing to run (waking every `HEARTBEAT_S` to send stats
 and to notice a dead parent), so HTTP never stalls the model and the model
 never waits on HTTP. Any exception is fatal: the scheduler may be half-way
 through a step, so the process reports `CoreFailed` and exits non-zero, and
-the API process turns not-ready and exits too.
+the API process turns not-ready and exits too. KV events and KV transfers
+(ferry/core/kv_events.py, ferry/kv_transfer/) are served from the same loop.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ import msgspec
 import zmq
 
 from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
-from ferry.core.block_hash import hash_prompt_blocks
-from ferry.engine.kv_connector import Done, ImportJob, KVConnector, TransferResult
 from ferry.core.kv_events import KVEventPublisher
-from ferry.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
+from ferry.engine.builder import build_engine_core
 from ferry.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -34,11 +33,13 @@ from ferry.engine.messages import (
     CoreReady,
     EngineCoreRequest,
     InputMessage,
-    KVTransferDone,
     UtilityCall,
     UtilityResult,
 )
+from ferry.kv_transfer.coordinator import KVTransferCoordinator
+from ferry.kv_transfer.protocol import KVTransferDone
 from ferry.sampling_params import SamplingParams
+from ferry.utils.process import die_with_parent
 
 logger = logging.getLogger("ferry.engine_core")
 
@@ -47,29 +48,6 @@ HEARTBEAT_S = 0.5
 
 class ParentGone(Exception):
     """The API process died; nobody reads our outputs any more."""
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (a SIGKILLed API process runs no
-    cleanup); getppid checks in the loop cover other systems and the start-up window."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _model_bytes(path: str) -> int:
-    """The model's size on disk: with its name, what tells two models apart in a shared KV store
-    (two fine-tunes under one file name differ in size almost surely; paths differ across hosts)."""
-    try:
-        if os.path.isdir(path):
-            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 class EngineCoreProc:
@@ -81,8 +59,6 @@ class EngineCoreProc:
         kv_events: KVEventsConfig | None = None,
         kv_transfer: KVTransferConfig | None = None,
     ) -> None:
-        from ferry.engine.llm_engine import LLMEngine
-
         self.ctx = zmq.Context(1)
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs
@@ -95,52 +71,42 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.parent_pid = os.getppid()
 
-        self.engine = LLMEngine(args)
-        self.core = self.engine.core
+        self.args = args
+        self.core = build_engine_core(args)
         self._warm_up()
         self.publisher: KVEventPublisher | None = None
         if kv_events is not None:
             self.publisher = KVEventPublisher(self.ctx, kv_events)
             self.core.kv.pool.enable_events()  # after the warm-up: its blocks are forgotten
-            info = self.engine.info
+            info = self.core.info
             info.kv_events_host = self.publisher.host
             info.kv_events_port = self.publisher.port
             info.kv_events_replay_port = self.publisher.replay_port
             logger.info("KV events on tcp://%s:%d (replay %d)", self.publisher.host, self.publisher.port,
                         self.publisher.replay_port)  # fmt: skip
-        self.connector: KVConnector | None = None
-        self.exports: dict[str, EngineCoreRequest] = {}  # prefill side: requests to send once finished
-        self.parked: dict[str, EngineCoreRequest] = {}  # decode side: requests waiting for a Redis pull
-        self.parked_at: dict[str, float] = {}
+        self.transfers: KVTransferCoordinator | None = None
         if kv_transfer is not None:
-            self._start_connector(kv_transfer)
-        self.send(CoreReady(self.engine.info))
+            self.transfers = self._start_transfers(kv_transfer)
+        self.send(CoreReady(self.core.info))
         self.running = True
 
-    def _start_connector(self, config: KVTransferConfig) -> None:
-        if self.engine.args.tensor_parallel_size > 1:
+    def _start_transfers(self, config: KVTransferConfig) -> KVTransferCoordinator:
+        if self.args.tensor_parallel_size > 1:
             raise ValueError("KV transfer (--kv-transfer / --redis-url) does not support tensor parallelism yet")
-        info, kv = self.engine.info, self.core.kv
-        k0 = self.engine.runner.kv_caches[0][0]
-        _, bs, kvh, d = k0.shape
-        layers = len(self.engine.runner.kv_caches)
-        namespace = f"{os.path.basename(info.model_path)}:{_model_bytes(info.model_path)}:{layers}x{kvh}x{d}x{bs}"
-        max_payload = kv.pool.num_blocks * layers * 2 * bs * kvh * d * 4
-        self.connector = KVConnector(config, self.ctx, namespace, max_payload)
-        cached = kv.pool.cached
-        self.connector.set_lookup(lambda h: h in cached)
+        info = self.core.info
+        transfers = KVTransferCoordinator(config, self.ctx, self.core.kv, self.core.runner.kv_caches, info.model_path,
+                                          self.send)  # fmt: skip
         info.kv_role = config.role
         info.kv_transfer = config.transport
-        info.kv_receiver = self.connector.receiver_addr
-        info.kv_redis = self.connector.redis is not None
-        logger.info("KV transfer: role %s, sends by %s, receives on %s%s", config.role, config.transport or "-",
-                    info.kv_receiver or "-", ", pulls from Redis" if info.kv_redis else "")  # fmt: skip
+        info.kv_receiver = transfers.receiver_addr
+        info.kv_redis = transfers.pulls
+        return transfers
 
     def _warm_up(self) -> None:
         """Run one full-budget prefill and a few decode steps so first requests don't pay for
         lazy initialisation (kernel builds, allocator growth); then forget them in the stats."""
-        info = self.engine.info
-        n = max(1, min(self.engine.args.max_num_batched_tokens, info.max_model_len - 8, 512))
+        info = self.core.info
+        n = max(1, min(self.args.max_num_batched_tokens, info.max_model_len - 8, 512))
         ids = [(i * 7919) % info.vocab_size for i in range(n)]
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
         self.core.add_request(EngineCoreRequest("__warmup__", ids, params, 4))
@@ -172,10 +138,8 @@ class EngineCoreProc:
             for r in msg.requests:
                 self.add_request(r)
         elif isinstance(msg, AbortRequests):
-            for rid in msg.request_ids:
-                self.parked.pop(rid, None)
-                self.parked_at.pop(rid, None)
-                self.exports.pop(rid, None)
+            if self.transfers is not None:
+                self.transfers.abort(msg.request_ids)
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, UtilityCall):
             value, error = None, None
@@ -192,78 +156,18 @@ class EngineCoreProc:
                 error = f"unknown method {msg.method!r}"
             self.send(UtilityResult(msg.call_id, error is None, value, error))
 
-    # -- KV transfer (prefill/decode disaggregation) ----------------------------------
-
     def add_request(self, r: EngineCoreRequest) -> None:
-        if r.kv_export:
-            if self.connector is None:
+        if self.transfers is None:
+            if r.kv_export:
                 self.send(KVTransferDone(r.request_id, "sent", False, error="this worker has no --kv-transfer"))
-            else:
-                self.exports[r.request_id] = r
-        if self.connector is not None and self.connector.redis is not None and self.core.kv.enable_prefix_caching:
-            # Blocks another worker computed may be in Redis: fetch the ones missing here first.
-            bs = self.core.kv.block_size
-            usable = (len(r.prompt_token_ids) + len(r.prefilled_token_ids) - 1) // bs
-            hashes = hash_prompt_blocks(r.prompt_token_ids, bs)[:usable]
-            missing = self.connector.missing_prefix(hashes)
-            if missing:
-                start = len(hashes) - len(missing)
-                self.parked[r.request_id] = r
-                self.parked_at[r.request_id] = time.monotonic()
-                self.connector.pull(r.request_id, missing, hashes[start - 1] if start else None)
-                return
-        self.core.add_request(r)
-
-    def export_finished(self, outputs) -> None:
-        """Prefill side: send the blocks of requests that asked for it, now cached after their prefill."""
-        for out in outputs:
-            if out.finish_reason is None or out.request_id not in self.exports:
-                continue
-            r = self.exports.pop(out.request_id)
-            if out.finish_reason == "abort":
-                continue
-            hashes = hash_prompt_blocks(r.prompt_token_ids, self.core.kv.block_size)
-            payload = export_blocks(self.core.kv, self.engine.runner.kv_caches, hashes,
-                                    encoding=self.connector.config.encoding)  # fmt: skip
-            self.connector.send(r.request_id, payload, r.kv_target)
-
-    def _import(self, payload: KVBlocks) -> int:
-        return import_blocks(self.core.kv, self.engine.runner.kv_caches, payload)
+            self.core.add_request(r)
+        elif self.transfers.admit(r):  # else parked until its blocks are pulled
+            self.core.add_request(r)
 
     def process_kv_transfers(self) -> None:
-        if self.connector is None:
-            return
-        for ev in self.connector.drain():
-            if isinstance(ev, ImportJob):
-                n, error = 0, ev.error
-                if ev.payload is not None:
-                    try:
-                        n = self._import(ev.payload)
-                    except Exception as e:  # a peer's bad payload must not take the core down
-                        error = f"{type(e).__name__}: {e}"
-                self.connector.receiver.reply(ev.identity, Done(ev.transfer_id, error is None, n, error))
-                nbytes = ev.payload.num_bytes if ev.payload is not None else 0
-                self.send(KVTransferDone(ev.transfer_id, "received", error is None, n, nbytes,
-                                         time.monotonic() - ev.received_at, error))  # fmt: skip
-            elif isinstance(ev, TransferResult):
-                error, n = ev.error, ev.num_blocks
-                if ev.payloads:  # a Redis pull: import, then the parked request may run
-                    try:
-                        n = self._import(KVBlocks.join(ev.payloads))
-                    except Exception as e:  # a bad stored value must not take the core down
-                        error, n = f"{type(e).__name__}: {e}", 0
-                if ev.payloads is None or error is not None or n:  # a pull that found nothing is no transfer
-                    self.send(KVTransferDone(ev.request_id, ev.direction, ev.ok and error is None, n, ev.num_bytes,
-                                             ev.seconds, error))  # fmt: skip
-                r = self.parked.pop(ev.request_id, None)
-                self.parked_at.pop(ev.request_id, None)
-                if r is not None:
-                    self.core.add_request(r)
-        if self.parked_at:  # a pull stuck past the timeout: run the request without it
-            limit = time.monotonic() - self.connector.config.timeout
-            for rid in [rid for rid, t in self.parked_at.items() if t < limit]:
-                del self.parked_at[rid]
-                self.core.add_request(self.parked.pop(rid))
+        if self.transfers is not None:
+            for r in self.transfers.poll():
+                self.core.add_request(r)
 
     def publish_kv_events(self) -> None:
         if self.publisher is not None:
@@ -274,8 +178,8 @@ class EngineCoreProc:
         poller.register(self.input, zmq.POLLIN)
         if self.publisher is not None:
             poller.register(self.publisher.replay, zmq.POLLIN)
-        if self.connector is not None:
-            poller.register(self.connector.wake, zmq.POLLIN)
+        if self.transfers is not None:
+            poller.register(self.transfers.wake, zmq.POLLIN)
         last_heartbeat = time.monotonic()
         while self.running:
             busy = self.core.has_unfinished_requests()
@@ -294,8 +198,8 @@ class EngineCoreProc:
                 break
             if self.core.has_unfinished_requests():
                 outputs = self.core.step()
-                if self.exports:
-                    self.export_finished(outputs)
+                if self.transfers is not None:
+                    self.transfers.export_finished(outputs)
                 self.publish_kv_events()
                 self.send(CoreOutputs(outputs, self.core.stats()))
                 last_heartbeat = time.monotonic()
@@ -305,9 +209,9 @@ class EngineCoreProc:
                 last_heartbeat = time.monotonic()
 
     def close(self) -> None:
-        self.engine.shutdown()
-        if self.connector is not None:
-            self.connector.close()
+        self.core.shutdown()
+        if self.transfers is not None:
+            self.transfers.close()
         if self.publisher is not None:
             self.publisher.close()
         self.output.close()
@@ -329,7 +233,7 @@ def run_engine_core(
     # API process decides when the core stops (after draining), so ignore it here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with_parent()
+    die_with_parent()  # a SIGKILLed API process runs no cleanup
     proc = None
     try:
         proc = EngineCoreProc(args, input_addr, output_addr, kv_events, kv_transfer)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferry.engine.messages import EngineCoreRequest, EngineInfo
-from ferry.sampling_params import InvalidParameterError, SamplingParams
+from ferry.sampling_params import InvalidParameterError, SamplingParams, resolve_stop_token_ids
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -27,11 +27,6 @@ class ProcessedRequest:
     params: SamplingParams
     seq_ids: list[str]  # one core request per sequence: `<id>` for n == 1, else `<id>#0` ...
     core_requests: list[EngineCoreRequest]
-
-
-def resolve_stop_token_ids(params: SamplingParams, eos_token_ids: set[int]) -> None:
-    """Fill `all_stop_token_ids`: the user's stop ids plus EOS unless `ignore_eos`."""
-    params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
 def context_length_message(max_model_len: int, num_prompt: int, max_tokens: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ferry.kv_transfer.protocol import KVTransferDone
 from ferry.sampling_params import SamplingParams
 
 
@@ -22,7 +23,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     max_tokens: int  # already resolved against max_model_len
     priority: int = 0
     arrival_time: float = 0.0  # time.monotonic(): system-wide on Linux, so comparable across processes
-    # Prefill/decode disaggregation (engine/kv_connector.py). Prefill side: once finished, send the
+    # Prefill/decode disaggregation (kv_transfer/connector.py). Prefill side: once finished, send the
     # prompt's KV blocks to the decode worker's receiver at `kv_target` (None: to Redis).
     kv_export: bool = False
     kv_target: str | None = None
@@ -62,7 +63,7 @@ class EngineInfo(msgspec.Struct):
     eos_token_ids: list[int]
     block_size: int
     num_kv_blocks: int
-    # Where the core publishes KV events (engine/kv_events.py); None unless enabled.
+    # Where the core publishes KV events (core/kv_events.py); None unless enabled.
     kv_events_host: str | None = None
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
@@ -113,19 +114,6 @@ class UtilityResult(msgspec.Struct, tag="result", array_like=True):
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
     message: str
-
-
-class KVTransferDone(msgspec.Struct, tag="kv", array_like=True):
-    """A KV transfer finished: `sent` (prefill side, for request_id), `received` (decode side:
-    pushed blocks imported, or a Redis pull for request_id)."""
-
-    request_id: str
-    direction: str  # "sent" | "received"
-    ok: bool
-    num_blocks: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
 
 
 OutputMessage = CoreReady | CoreOutputs | UtilityResult | CoreFailed | KVTransferDone

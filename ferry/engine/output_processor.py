@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ferry.engine.core import EngineCoreOutput
 from ferry.engine.detokenizer import IncrementalDetokenizer
+from ferry.engine.messages import EngineCoreOutput
 from ferry.outputs import CompletionOutput, Logprob, RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 

@@ -6,7 +6,8 @@ import itertools
 from typing import Any, Sequence
 
 from ferry.config import EngineArgs
-from ferry.engine.llm_engine import LLMEngine, PromptType
+from ferry.engine.input_processor import PromptType
+from ferry.engine.llm_engine import LLMEngine
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 

@@ -2,7 +2,7 @@
 
 Only requests whose output is a function of the body are cached: temperature 0
 (greedy) or a fixed `seed` (a seeded request's tokens do not depend on the
-batch it runs in, engine/sampler.py). The key is
+batch it runs in, worker/sampler.py). The key is
 the endpoint and the body as canonical JSON (sorted keys), so a streamed and a
 non-streamed request are different entries and each is replayed in its own
 form, byte for byte. Only complete 200 responses are stored. Bounded by

@@ -140,8 +140,8 @@ def report(kernel_name: str, case: str, kernel, arch: int) -> KernelReport:
 
 
 def _graph_split_counts(num_kv_heads: int, max_num_seqs: int, num_sms: int) -> list[int]:
-    from ferry.engine.cuda_graphs import graph_batch_sizes
     from ferry.kernels.triton_attention import decode_num_splits
+    from ferry.worker.cuda_graphs import graph_batch_sizes
 
     sizes = set(graph_batch_sizes(max_num_seqs)) | set(range(1, max_num_seqs + 1))
     return sorted({decode_num_splits(b, num_kv_heads, num_sms) for b in sizes})

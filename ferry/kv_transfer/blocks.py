@@ -1,6 +1,6 @@
 """Moving KV-cache blocks between engines by their prefix hashes (issue 5: prefill/decode).
 
-The unit is a full block, named by its chained hash (engine/block_hash.py).
+The unit is a full block, named by its chained hash (core/block_hash.py).
 Export reads the blocks a prompt's hash chain names out of the prefix cache
 (after a prefill the request's blocks stay cached, ref count 0, until
 evicted), stopping at the first block no longer there. Import writes blocks
@@ -96,8 +96,6 @@ class KVBlocks(msgspec.Struct, array_like=True):
                         [h for p in parts for h in p.block_hashes], first.parent_hash,
                         b"".join(p.data for p in parts), first.encoding,
                         b"".join(p.scales for p in parts))  # fmt: skip
-
-
 
 
 def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

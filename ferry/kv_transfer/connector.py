@@ -9,7 +9,7 @@ socket `wake`, which the loop polls with its other sockets).
 Roles and transports (`ferry serve --role ... --kv-transfer ...`):
 - A prefill worker finishes a request that asked for remote decode
   (`EngineCoreRequest.kv_export`), then exports the prompt's full blocks
-  (kv_transfer.py) and a sender thread pushes them:
+  (blocks.py) and a sender thread pushes them:
   - `tcp`: to the decode worker's receiver (ZMQ ROUTER): an offer of the
     hash chain, the receiver answers how many leading blocks it already
     holds, then only the rest go, as raw tensor bytes in 4 MiB frames;
@@ -21,7 +21,7 @@ Roles and transports (`ferry serve --role ... --kv-transfer ...`):
   request whose prompt blocks are not all cached locally first pulls the
   missing ones from Redis (as LMCache does), then is scheduled.
 Every wait has a timeout; a transfer that fails allocates nothing on the
-receiver (imports are all-or-nothing, kv_transfer.py) and the sender always
+receiver (imports are all-or-nothing, blocks.py) and the sender always
 releases its buffer or segment. The outcome reaches the API process as a
 `KVTransferDone` message.
 """
@@ -34,75 +34,28 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import msgspec
 import zmq
 
+from ferry.config import KVTransferConfig
 from ferry.core.block_hash import BlockHash
-from ferry.engine.kv_transfer import KVBlocks
+from ferry.kv_transfer.blocks import KVBlocks
+from ferry.kv_transfer.protocol import CHUNK_BYTES, Done, Have, KVTransferDone, Offer, Push, WireMessage
+from ferry.kv_transfer.receiver import Receiver
+from ferry.kv_transfer.redis_store import RedisBlockStore
 
-logger = logging.getLogger("ferry.kv_connector")
-
-CHUNK_BYTES = 4 << 20
-
-
-# -- wire messages (ZMQ, msgspec) --------------------------------------------------
-
-
-class Offer(msgspec.Struct, tag="offer", array_like=True):
-    transfer_id: str
-    block_hashes: list[bytes]
-
-
-class Have(msgspec.Struct, tag="have", array_like=True):
-    transfer_id: str
-    num_held: int  # leading blocks of the offer the receiver caches already
-
-
-class Push(msgspec.Struct, tag="push", array_like=True):
-    transfer_id: str
-    meta: KVBlocks  # data and scales empty: they follow as frames, or in shared memory
-    data_bytes: int
-    shm_name: str | None = None  # shm: the segment holding data then scales
-
-
-class Done(msgspec.Struct, tag="done", array_like=True):
-    transfer_id: str
-    ok: bool
-    num_imported: int = 0
-    error: str | None = None
-
-
-WireMessage = Offer | Have | Push | Done
-
-
-# -- what the threads hand to the core thread -------------------------------------
-
-
-@dataclass
-class ImportJob:
-    """Blocks a sender pushed: the core imports them and the receiver answers `Done`."""
-
-    transfer_id: str
-    payload: KVBlocks | None
-    identity: bytes
-    error: str | None = None
-    received_at: float = field(default_factory=time.monotonic)
+logger = logging.getLogger("ferry.kv_transfer")
 
 
 @dataclass
 class TransferResult:
-    """A finished send (prefill side) or pull (decode side), for the API process's metrics."""
+    """A finished send (prefill side) or pull (decode side): its outcome for the API process and,
+    for a pull, the blocks the core imports before the parked request runs."""
 
-    request_id: str
-    direction: str  # "sent" | "received"
-    ok: bool
-    num_blocks: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-    payloads: list[KVBlocks] | None = None  # a pull's blocks, imported by the core before the request runs
+    outcome: KVTransferDone
+    payloads: list[KVBlocks] | None = None
 
 
 @dataclass
@@ -123,12 +76,12 @@ class KVConnector:
         self._wake_addr = f"inproc://ferry-kv-wake-{uuid.uuid4().hex}"
         self.wake = ctx.socket(zmq.PULL)
         self.wake.bind(self._wake_addr)
-        self.receiver: _Receiver | None = None
+        self.receiver: Receiver | None = None
         self.receiver_addr: str | None = None
         self.redis = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
-        self._has_block = None  # set by the core: hash -> cached here?
+        self.has_block = None  # set by the core: hash -> cached here?
         if config.redis_url:
             self.redis = RedisBlockStore(config.redis_url, namespace, config.redis_ttl, config.timeout,
                                          config.redis_max_memory)  # fmt: skip
@@ -139,7 +92,7 @@ class KVConnector:
         if self.redis is not None:
             self._start(self._pull_loop, "ferry-kv-puller")
         if config.receives:
-            self.receiver = _Receiver(self, config.host, config.port, max_payload_bytes)
+            self.receiver = Receiver(self, config.host, config.port, max_payload_bytes)
             self.receiver_addr = self.receiver.addr
             self._start(self.receiver.run, "ferry-kv-receiver")
 
@@ -151,7 +104,7 @@ class KVConnector:
     def set_lookup(self, has_block) -> None:
         """`has_block(hash) -> bool`: whether the core's prefix cache holds a block (read from threads:
         a dict lookup, atomic under the GIL; a block evicted right after is merely recomputed)."""
-        self._has_block = has_block
+        self.has_block = has_block
 
     def waker(self) -> zmq.Socket:
         """A thread's own socket for `post` (ZMQ sockets are not shared between threads)."""
@@ -187,9 +140,11 @@ class KVConnector:
     def send(self, request_id: str, payload: KVBlocks, target: str | None) -> None:
         """Queue a send; its TransferResult comes back through `drain`."""
         if self.config.transport is None:
-            self.events.put(TransferResult(request_id, "sent", False, error="this worker has no --kv-transfer"))
+            failed = KVTransferDone(request_id, "sent", False, error="this worker has no --kv-transfer")
+            self.events.put(TransferResult(failed))
         elif self.config.transport != "redis" and not target:
-            self.events.put(TransferResult(request_id, "sent", False, error="no decode worker address to send to"))
+            failed = KVTransferDone(request_id, "sent", False, error="no decode worker address to send to")
+            self.events.put(TransferResult(failed))
         else:
             self._sends.put(_SendJob(request_id, payload, target))
 
@@ -209,11 +164,14 @@ class KVConnector:
                     n, nbytes = self.redis.put(job.payload)
                 else:
                     n, nbytes = self._push(sockets, job)
-                result = TransferResult(job.request_id, "sent", True, n, nbytes, time.monotonic() - t0)
+                result = TransferResult(KVTransferDone(job.request_id, "sent", True, n, nbytes, time.monotonic() - t0))
             except Exception as e:  # reported to the API process, which answers without the transfer
                 logger.warning("KV transfer of %s failed: %s", job.request_id, e)
-                result = TransferResult(job.request_id, "sent", False, seconds=time.monotonic() - t0,
-                                        error=f"{type(e).__name__}: {e}")  # fmt: skip
+                result = TransferResult(
+                    KVTransferDone(
+                        job.request_id, "sent", False, seconds=time.monotonic() - t0, error=f"{type(e).__name__}: {e}"
+                    )
+                )
             self.post(result, waker)
         for s in sockets.values():
             s.close(linger=0)
@@ -287,10 +245,10 @@ class KVConnector:
 
     def missing_prefix(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """The hashes after the longest locally cached prefix (what a pull could fetch)."""
-        if self.redis is None or self._has_block is None:
+        if self.redis is None or self.has_block is None:
             return []
         i = 0
-        while i < len(block_hashes) and self._has_block(block_hashes[i]):
+        while i < len(block_hashes) and self.has_block(block_hashes[i]):
             i += 1
         return block_hashes[i:]
 
@@ -308,12 +266,14 @@ class KVConnector:
             try:
                 payloads = self.redis.get_chain(hashes, parent)
                 nbytes = sum(p.num_bytes for p in payloads)
-                result = TransferResult(request_id, "received", True, len(payloads), nbytes, time.monotonic() - t0,
-                                        payloads=payloads)  # fmt: skip
+                done = KVTransferDone(request_id, "received", True, len(payloads), nbytes, time.monotonic() - t0)
+                result = TransferResult(done, payloads)
             except Exception as e:  # the request then computes its prompt here
                 logger.warning("KV pull for %s failed: %s", request_id, e)
-                result = TransferResult(request_id, "received", False, seconds=time.monotonic() - t0,
-                                        error=f"{type(e).__name__}: {e}", payloads=[])  # fmt: skip
+                done = KVTransferDone(
+                    request_id, "received", False, seconds=time.monotonic() - t0, error=f"{type(e).__name__}: {e}"
+                )
+                result = TransferResult(done, payloads=[])
             self.post(result, waker)
         waker.close(linger=0)
 
@@ -326,178 +286,3 @@ class KVConnector:
         self.wake.close(linger=0)
         if self.redis is not None:
             self.redis.close()
-
-
-class _Receiver:
-    """The decode side's socket: answers offers, turns pushes into ImportJobs, sends Done."""
-
-    def __init__(self, connector: KVConnector, host: str, port: int, max_payload_bytes: int) -> None:
-        self.connector = connector
-        self.replies: queue.Queue = queue.Queue()
-        ctx = connector.ctx
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # A peer that sends more than the whole cache could hold is cut off, not buffered.
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_payload_bytes + (1 << 20))  # per frame; the total: _assemble
-        self.max_payload_bytes = max_payload_bytes
-        bind_host = f"[{host}]" if ":" in host else host
-        if port:
-            self.sock.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
-        self.addr = f"tcp://{bind_host}:{port}"
-        self._wake_addr = f"inproc://ferry-kv-replies-{uuid.uuid4().hex}"
-        self.wake = ctx.socket(zmq.PULL)
-        self.wake.bind(self._wake_addr)
-        self._core_waker: zmq.Socket | None = None  # the core thread's end of `wake`
-        self._stopped = threading.Event()
-
-    def reply(self, identity: bytes, done: Done) -> None:
-        """From the core thread, after an import."""
-        self.replies.put((identity, done))
-        if self._core_waker is None:
-            self._core_waker = self.connector.ctx.socket(zmq.PUSH)
-            self._core_waker.setsockopt(zmq.LINGER, 0)
-            self._core_waker.connect(self._wake_addr)
-        try:
-            self._core_waker.send(b"", flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-
-    def stop(self) -> None:
-        """From the core thread."""
-        self._stopped.set()
-        if self._core_waker is not None:
-            self._core_waker.close(linger=0)
-
-    def run(self) -> None:
-        decoder = msgspec.msgpack.Decoder(WireMessage)
-        encoder = msgspec.msgpack.Encoder()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.wake, zmq.POLLIN)
-        waker = self.connector.waker()
-        try:
-            while not self._stopped.is_set():
-                ready = dict(poller.poll(200))
-                if self.wake in ready:
-                    while True:
-                        try:
-                            self.wake.recv(flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                while True:
-                    try:
-                        identity, done = self.replies.get_nowait()
-                    except queue.Empty:
-                        break
-                    self.sock.send_multipart([identity, encoder.encode(done)])
-                if self.sock not in ready:
-                    continue
-                frames = self.sock.recv_multipart(copy=False)
-                identity = frames[0].bytes
-                try:
-                    msg = decoder.decode(frames[1].buffer)
-                except (msgspec.DecodeError, IndexError) as e:
-                    logger.warning("bad KV transfer message: %s", e)
-                    continue
-                if isinstance(msg, Offer):
-                    held = 0
-                    has = self.connector._has_block
-                    while has is not None and held < len(msg.block_hashes) and has(msg.block_hashes[held]):
-                        held += 1
-                    self.sock.send_multipart([identity, encoder.encode(Have(msg.transfer_id, held))])
-                elif isinstance(msg, Push):
-                    self.connector.post(self._assemble(msg, frames[2:], identity), waker)
-        finally:
-            self.sock.close(linger=0)
-            self.wake.close(linger=0)
-            waker.close(linger=0)
-
-    def _assemble(self, msg: Push, frames: list, identity: bytes) -> ImportJob:
-        meta = msg.meta
-        try:
-            if msg.shm_name is not None:
-                shm = shared_memory.SharedMemory(name=msg.shm_name)
-                try:
-                    # The sender owns (and unlinks) the segment; without this, this process's
-                    # resource tracker would unlink it too, or warn, at exit.
-                    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-                    scales = meta.num_blocks * meta.num_layers * 2 * meta.block_size * meta.num_kv_heads * 4
-                    total = msg.data_bytes + (scales if meta.encoding == "int8" else 0)
-                    if total > shm.size:
-                        raise ValueError(f"shared-memory segment of {shm.size} bytes, {total} announced")
-                    blob = bytes(shm.buf[:total])
-                finally:
-                    shm.close()
-            else:
-                if sum(len(f.buffer) for f in frames) > self.max_payload_bytes:
-                    raise ValueError("more KV bytes than this whole cache holds")
-                blob = b"".join(f.buffer for f in frames)
-            meta.data = blob[: msg.data_bytes]
-            meta.scales = blob[msg.data_bytes : len(blob)] if meta.encoding == "int8" else b""
-            return ImportJob(msg.transfer_id, meta, identity)
-        except Exception as e:  # e.g. the segment is gone (sender timed out), or another host's
-            return ImportJob(msg.transfer_id, None, identity, error=f"{type(e).__name__}: {e}")
-
-
-class RedisBlockStore:
-    """A Redis server as a shared KV-block store: key `ferry:kv:<namespace>:<hash hex>`, value one
-    block's msgpack-encoded KVBlocks, written with SET NX EX ttl; the memory bound is the
-    server's maxmemory with allkeys-lru eviction (set here when `max_memory` is given)."""
-
-    def __init__(self, url: str, namespace: str, ttl: float, timeout: float, max_memory: str | None) -> None:
-        import redis
-
-        # No retries: a pull that fails leaves the request to compute its prompt, which beats waiting.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                           retry_on_timeout=False, retry=None)  # fmt: skip
-        self.namespace = namespace
-        self.ttl = max(1, int(ttl))
-        self.decoder = msgspec.msgpack.Decoder(KVBlocks)
-        if max_memory:
-            self.client.config_set("maxmemory", max_memory)
-            self.client.config_set("maxmemory-policy", "allkeys-lru")
-
-    def key(self, block_hash: bytes) -> str:
-        return f"ferry:kv:{self.namespace}:{block_hash.hex()}"
-
-    def put(self, payload: KVBlocks) -> tuple[int, int]:
-        """Store the blocks Redis lacks; (blocks written, bytes written)."""
-        blocks = payload.split()
-        if not blocks:
-            return 0, 0
-        keys = [self.key(b.block_hashes[0]) for b in blocks]
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(k)
-        present = pipe.execute()
-        pipe = self.client.pipeline(transaction=False)
-        written = nbytes = 0
-        for block, k, there in zip(blocks, keys, present):
-            if not there:
-                value = msgspec.msgpack.encode(block)
-                pipe.set(k, value, ex=self.ttl, nx=True)
-                written += 1
-                nbytes += len(value)
-        pipe.execute()
-        return written, nbytes
-
-    def get_chain(self, hashes: list[bytes], parent: bytes | None) -> list[KVBlocks]:
-        """The stored blocks of a chain, from its start up to the first one Redis lacks."""
-        if not hashes:
-            return []
-        values = self.client.mget([self.key(h) for h in hashes])
-        out = []
-        for h, value in zip(hashes, values):
-            if value is None:
-                break
-            block = self.decoder.decode(value)
-            if block.block_hashes != [h] or block.parent_hash != parent:
-                break  # a foreign or corrupt value: stop the chain here
-            out.append(block)
-            parent = h
-        return out
-
-    def close(self) -> None:
-        self.client.close()

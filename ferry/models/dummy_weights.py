@@ -11,7 +11,6 @@ ones, biases zeros: every activation stays small and the logits finite in bf16 a
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 
 import torch

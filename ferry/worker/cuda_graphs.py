@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
-from ferry.layers.attention.metadata import AttentionMetadata
-
-if TYPE_CHECKING:
-    from ferry.engine.model_runner import ModelRunner, StepPlan
+from ferry.layers.attention import AttentionBackend, AttentionMetadata
+from ferry.models.llama import LlamaForCausalLM
+from ferry.utils.math import cdiv
+from ferry.worker.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +35,31 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int, use_graphs: bool = True) -> None:
-        """`use_graphs=False` runs the same static-buffer path eagerly (how the tests check the
-        padding on the CPU, where there are no graphs)."""
-        # A proxy, not a reference: runner -> graphs -> runner would be a cycle that keeps a dropped
-        # engine's KV cache and graph pool on the GPU until the garbage collector happens to run.
-        self.runner = weakref.proxy(runner)
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attn_backend: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_graphs: bool = True,
+    ) -> None:
+        """`kv_caches` must stay the tensors the graphs are captured over. `use_graphs=False` runs
+        the same static-buffer path eagerly (how the tests check the padding on the CPU, where
+        there are no graphs)."""
+        # What a replay needs, held directly (not through the ModelRunner that owns this object,
+        # which would be a cycle keeping a dropped engine's KV cache and graph pool alive).
+        self.model = model
+        self.attn_backend = attn_backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
         self.use_graphs = use_graphs
         self.sizes = graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]
-        dev = runner.device
-        self.max_blocks = -(-max_model_len // runner.block_size)
+        dev = device
+        self.max_blocks = cdiv(max_model_len, block_size)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
@@ -63,10 +75,10 @@ class CUDAGraphRunner:
         self.copied = torch.cuda.Event() if pin else None  # the last step's staging copies are done
 
     def _metadata(self, batch: int) -> AttentionMetadata:
-        backend = self.runner.attn_backend
+        backend = self.attn_backend
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
-            block_size=self.runner.block_size,
+            block_size=self.block_size,
             num_decodes=batch,
             decode_block_tables=self.block_tables[:batch],
             decode_seq_lens=self.seq_lens[:batch],
@@ -76,8 +88,7 @@ class CUDAGraphRunner:
         return meta
 
     def _forward(self, batch: int) -> torch.Tensor:
-        r = self.runner
-        return r.model(self.input_ids[:batch], self.positions[:batch], r.kv_caches, self._metadata(batch))
+        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -87,7 +87,7 @@ def test_graph_path_padding_writes_and_reads_nothing(tiny_model):
     """The CUDA-graph decode path (static buffers, batch padded to a captured size, padded rows
     with slot -1 and length 0), run eagerly on the CPU: same tokens and same KV cache contents
     as the torch backend, so the padded rows wrote nowhere."""
-    from ferry.engine.cuda_graphs import CUDAGraphRunner, graph_batch_sizes
+    from ferry.worker.cuda_graphs import CUDAGraphRunner, graph_batch_sizes
 
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert graph_batch_sizes(256)[-3:] == [224, 240, 256]
@@ -98,7 +98,8 @@ def test_graph_path_padding_writes_and_reads_nothing(tiny_model):
                       max_num_batched_tokens=24, attention_backend="triton")  # fmt: skip
     engine = LLMEngine(args, model=tiny_model, tokenizer=None, device=torch.device("cpu"), dtype=torch.float32)
     runner = engine.runner
-    runner.graphs = CUDAGraphRunner(runner, max_num_seqs=8, max_model_len=64, use_graphs=False)
+    runner.graphs = CUDAGraphRunner(runner.model, runner.attn_backend, runner.kv_caches, runner.block_size,
+                                    runner.device, max_num_seqs=8, max_model_len=64, use_graphs=False)  # fmt: skip
     replays = []
     run_graph = runner.graphs.run
     runner.graphs.run = lambda plan: replays.append(plan.num_decodes) or run_graph(plan)
@@ -117,6 +118,8 @@ def test_graph_path_padding_writes_and_reads_nothing(tiny_model):
     import gc
     import weakref
 
+    del runner.graphs.run  # this test's wrapper: a cycle through the graph runner of its own making
+    run_graph = None
     kv_cache = weakref.ref(runner.kv_caches[0][0])
     gc.collect()
     gc.disable()

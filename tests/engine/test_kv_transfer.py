@@ -105,7 +105,7 @@ def test_a_request_continues_from_the_token_its_prefill_worker_sampled(make_engi
 
 
 def test_int8_in_transit_bounds_the_error_and_keeps_greedy_output(make_engine, colocated):
-    from ferry.engine.kv_transfer import KVBlocks, export_blocks
+    from ferry.kv_transfer.blocks import KVBlocks, export_blocks
 
     prefill = make_engine()
     generate(prefill, PROMPT, SamplingParams(temperature=0, max_tokens=1))

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ferry.core.request import Request
-from ferry.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
 from ferry.sampling_params import SamplingParams
+from ferry.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
 
 NEG = float("-inf")
 

@@ -13,10 +13,10 @@ from collections import Counter
 import pytest
 
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.utils.math import cdiv
 from ferry.core.request import Request, RequestStatus
 from ferry.core.scheduler import Scheduler
 from ferry.sampling_params import SamplingParams
+from ferry.utils.math import cdiv
 
 BS = 4
 

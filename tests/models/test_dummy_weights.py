@@ -15,10 +15,9 @@ import torch
 from ferry import LLM, SamplingParams
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import iter_dummy_weights, weight_shapes
-from ferry.models.paths import shipped_config_names
 from ferry.models.llama import LlamaForCausalLM
 from ferry.models.loader import load_checkpoint
-from ferry.models.paths import resolve_model_path
+from ferry.models.paths import resolve_model_path, shipped_config_names
 from ferry.tokenizer import load_tokenizer
 
 TINY_CONFIG = {

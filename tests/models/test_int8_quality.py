@@ -13,9 +13,10 @@ from conftest import assert_no_blocks_referenced, run_to_completion
 
 from ferry.bench.quality import DEFAULT_TEXT, compare
 from ferry.config import EngineArgs
-from ferry.engine.llm_engine import LLMEngine, load_model
+from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.int8_linear import int8_linear_available
 from ferry.sampling_params import SamplingParams
+from ferry.worker.model_loading import load_model
 
 pytestmark = pytest.mark.skipif(not int8_linear_available(), reason="torch built without oneDNN int8 ops")
 

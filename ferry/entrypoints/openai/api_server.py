@@ -29,8 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ferry.config import KV_ROLES, KV_TRANSPORTS, EngineArgs, KVEventsConfig, KVTransferConfig
-from ferry.engine.async_llm import AsyncLLM, EngineDeadError
 from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
+from ferry.engine.async_llm import AsyncLLM
+from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import RequestAbortedError, ServerState, as_openai_error, ready_engine
@@ -187,7 +188,7 @@ class Server:
             if engine is None or engine.dead is not None:
                 return JSONResponse({"status": "dead", "reason": engine.dead if engine else None}, status_code=503)
             if not engine.ready:  # loading: the process is alive, the core is starting
-                alive = engine.proc is not None and engine.proc.is_alive()
+                alive = engine.client.alive
                 return JSONResponse({"status": "loading"}, status_code=200 if alive else 503)
             try:
                 await engine.call("ping", timeout=10.0)

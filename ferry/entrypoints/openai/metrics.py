@@ -11,7 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from ferry.engine.async_llm import MetricsSink
-from ferry.engine.messages import EngineInfo, EngineStats, KVTransferDone
+from ferry.engine.messages import EngineInfo, EngineStats
+from ferry.kv_transfer.protocol import KVTransferDone
 
 disable_created_metrics()  # `*_created` series only double the scrape size
 
@@ -59,7 +60,7 @@ class ServerMetrics(MetricsSink):
         self._cache_info = Gauge(
             "ferry:cache_config_info", "KV-cache configuration.", ["block_size", "num_gpu_blocks"], registry=r
         )
-        # Prefill/decode disaggregation (engine/kv_connector.py), by direction: sent | received.
+        # Prefill/decode disaggregation (kv_transfer/connector.py), by direction: sent | received.
         self._kv_bytes = Counter("ferry:kv_transfer_bytes", "KV-cache bytes moved to or from other workers.",
                                  ["model_name", "direction"], registry=r)  # fmt: skip
         self._kv_blocks = Counter("ferry:kv_transfer_blocks", "KV-cache blocks moved (imported or sent).",

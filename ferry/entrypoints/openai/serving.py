@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 
-from ferry.engine.async_llm import AsyncLLM, EngineDeadError, RemotePrefill, RequestStream, prompt_digest
+from ferry.engine.async_llm import AsyncLLM, RemotePrefill, RequestStream, prompt_digest
+from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.openai.protocol import OpenAIError
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError

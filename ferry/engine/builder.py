@@ -1,0 +1,117 @@
+"""Build an EngineCore from EngineArgs: the model (or a loaded one), tensor-parallel ranks, the
+model runner, KV-cache sizing, the scheduler.
+
+One place for what `LLMEngine`, the EngineCore process and the benchmarks all need, so none of
+them constructs another's front half to get a core.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+import torch
+
+from ferry.config import EngineArgs
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.scheduler import Scheduler
+from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.engine.core import EngineCore
+from ferry.engine.messages import EngineInfo
+from ferry.models.config import ModelConfig
+from ferry.utils.math import cdiv
+from ferry.worker.memory import blocks_in_budget, gpu_kv_budget, host_kv_budget, kv_bytes_per_block
+from ferry.worker.model_loading import LoadedModel, load_model
+from ferry.worker.model_runner import ModelRunner
+from ferry.worker.tp_worker import TensorParallelWorkers
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine_core(args: EngineArgs, loaded: LoadedModel | None = None) -> EngineCore:
+    """Load the model (unless `loaded` is given: tests share one), start the other tensor-parallel
+    ranks, size and allocate the KV cache, and return the core, ready to step."""
+    tp_workers: TensorParallelWorkers | None = None
+    tp = SINGLE
+    if args.tensor_parallel_size > 1:
+        if loaded is not None:
+            raise ValueError("tensor parallelism loads the model in every rank; do not pass a loaded model")
+        tp_workers = TensorParallelWorkers(args)  # ranks 1..N-1 load their shards meanwhile
+        atexit.register(tp_workers.shutdown)  # LLM users rarely shut down; tear the group down cleanly
+        tp = tp_workers.tp
+    try:
+        return _build(args, loaded or load_model(args, tp), tp, tp_workers)
+    except BaseException:
+        if tp_workers is not None:
+            tp_workers.shutdown()
+        raise
+
+
+def _build(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, tp_workers: TensorParallelWorkers | None):
+    cfg: ModelConfig = loaded.model.config
+    torch.manual_seed(args.seed)
+    runner = ModelRunner.create(args, loaded, tp, check_peers=tp_workers.check_alive if tp_workers else None)
+    bs = args.block_size
+    block_bytes = kv_bytes_per_block(cfg, bs, runner.cache_dtype, tp.size)
+    num_blocks = args.num_kv_blocks or blocks_in_budget(_kv_budget_bytes(args, runner, tp_workers), block_bytes)
+    max_len = _max_model_len(args, cfg, num_blocks)
+    eos_token_ids = set(cfg.eos_token_ids)
+    if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
+        eos_token_ids.add(loaded.tokenizer.eos_token_id)
+
+    kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
+    scheduler = Scheduler(
+        kv,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+    )
+    if not args.enable_chunked_prefill and args.max_num_batched_tokens < max_len:
+        raise ValueError(
+            f"without chunked prefill, max_num_batched_tokens ({args.max_num_batched_tokens}) "
+            f"must be >= max_model_len ({max_len})"
+        )
+    if tp_workers is not None:
+        tp_workers.initialize_kv_cache(runner, num_blocks, args.max_num_seqs, max_len)
+    else:
+        runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
+    info = EngineInfo(
+        model_path=str(args.model or ""),
+        max_model_len=max_len,
+        vocab_size=cfg.vocab_size,
+        eos_token_ids=sorted(eos_token_ids),
+        block_size=bs,
+        num_kv_blocks=num_blocks,
+    )
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * block_bytes / 2**30)
+    return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
+                      tp_workers=tp_workers)  # fmt: skip
+
+
+def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None) -> int:
+    if args.kv_cache_memory_bytes is not None or runner.device.type != "cuda":
+        return host_kv_budget(args)
+    if tp_workers is not None:
+        return tp_workers.gpu_kv_budget(runner)
+    return gpu_kv_budget(runner, args)
+
+
+def _max_model_len(args: EngineArgs, cfg: ModelConfig, num_blocks: int) -> int:
+    """The model's context (or --max-model-len), capped to what this engine can hold: a lone
+    request always fits, so the scheduler always makes progress."""
+    capacity = num_blocks * args.block_size
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    if cfg.sliding_window is not None and cfg.sliding_window < max_len:
+        logger.warning("sliding-window attention is not implemented; capping max_model_len to %d", cfg.sliding_window)
+        max_len = cfg.sliding_window
+    if max_len > capacity:
+        if args.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len {args.max_model_len} needs {cdiv(args.max_model_len, args.block_size)} KV blocks, "
+                f"but the KV cache has {num_blocks}; raise num_kv_blocks / kv_cache_memory_bytes "
+                "or lower max_model_len"
+            )
+        logger.warning("KV cache holds %d tokens; capping max_model_len from %d", capacity, max_len)
+        max_len = capacity
+    return max_len

@@ -1,0 +1,140 @@
+"""The API process's connection to the EngineCore process: spawning it, the two ZMQ sockets, and
+whether it is still alive.
+
+Inputs go through a plain (synchronous) PUSH socket with no high-water mark: a send either
+happens now or raises (the core is not connected), which keeps aborts from cancellation
+handlers simple. Outputs come through an asyncio PULL socket. Both are ipc sockets in a private
+temporary directory. This module imports no model code: the core process imports
+`core_proc.py` itself once spawned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
+from ferry.engine.messages import CoreFailed, CoreReady, EngineInfo, OutputMessage, UtilityCall
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process is gone; nothing more can be served."""
+
+
+def _run_core_process(*args) -> None:
+    """The spawned process's target. The import happens there: the API process never loads the
+    engine core's modules (the model, the runner, the kernels)."""
+    from ferry.engine.core_proc import run_engine_core
+
+    run_engine_core(*args)
+
+
+class EngineCoreClient:
+    def __init__(
+        self,
+        args: EngineArgs,
+        kv_events: KVEventsConfig | None = None,
+        kv_transfer: KVTransferConfig | None = None,
+    ) -> None:
+        self.args = args
+        self.kv_events = kv_events  # publish KV events from the core (for the gateway)
+        self.kv_transfer = kv_transfer  # prefill/decode disaggregation (ferry/kv_transfer/)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self._ipc_dir = tempfile.mkdtemp(prefix="ferry-ipc-")
+        self._sync_ctx = zmq.Context()
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(f"ipc://{self._ipc_dir}/input")
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(f"ipc://{self._ipc_dir}/output")
+        self.proc: multiprocessing.Process | None = None
+
+    def spawn(self) -> None:
+        """Start the core process (it loads the model and warms up; see `wait_ready`)."""
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        addrs = (f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output")
+        self.proc = ctx.Process(
+            target=_run_core_process,
+            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events, self.kv_transfer),
+            name="ferry-engine-core",
+            # A daemonic process may not start children: tensor-parallel ranks are the core's
+            # children (they and the core die with their parent through PR_SET_PDEATHSIG).
+            daemon=self.args.tensor_parallel_size == 1,
+        )
+        self.proc.start()
+        logger.info("EngineCore process %d started", self.proc.pid)
+
+    async def wait_ready(self, timeout: float) -> EngineInfo:
+        """The core's EngineInfo once it has loaded and warmed the model; EngineDeadError if it
+        failed, exited or took longer than `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = await self.recv(200)
+            if isinstance(msg, CoreReady):
+                return msg.info
+            if isinstance(msg, CoreFailed):
+                raise EngineDeadError(f"EngineCore failed to start: {msg.message}")
+            if msg is None and not self.alive:
+                raise EngineDeadError(f"EngineCore exited with code {self.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"EngineCore did not become ready within {timeout:.0f}s")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode if self.proc is not None else None
+
+    def encode(self, msg) -> bytes:
+        return self._encoder.encode(msg)
+
+    def send(self, msg) -> None:
+        self.send_bytes(self._encoder.encode(msg))
+
+    def send_bytes(self, data: bytes) -> None:
+        # With no high-water mark a PUSH send only fails when the core is not connected.
+        try:
+            self._input.send(data, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("EngineCore is not connected") from None
+
+    async def recv(self, timeout_ms: int) -> OutputMessage | None:
+        """The core's next message, or None if none came within `timeout_ms`."""
+        if not await self._output.poll(timeout_ms):
+            return None
+        return self._decoder.decode(await self._output.recv())
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the core to stop, then terminate and kill it if it does not; close the sockets."""
+        if self.alive:
+            try:
+                self.send(UtilityCall(-1, "shutdown"))
+            except EngineDeadError:
+                pass
+            await asyncio.to_thread(self.proc.join, timeout)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                await asyncio.to_thread(self.proc.join, 2.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self._input.close()
+        self._output.close()
+        self._ctx.term()
+        self._sync_ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -1,0 +1,56 @@
+"""The messages of a KV transfer: between a prefill worker's sender and a decode worker's
+receiver (ZMQ DEALER/ROUTER, msgspec), and the outcome the EngineCore reports to its API process.
+
+tcp and shm: the sender offers a hash chain (`Offer`), the receiver answers how many leading
+blocks it already holds (`Have`), the sender pushes the rest (`Push`: the payload's metadata,
+then its bytes as frames of at most CHUNK_BYTES, or the name of a shared-memory segment), the
+receiver's core imports them and answers `Done`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ferry.kv_transfer.blocks import KVBlocks
+
+CHUNK_BYTES = 4 << 20
+
+
+class Offer(msgspec.Struct, tag="offer", array_like=True):
+    transfer_id: str
+    block_hashes: list[bytes]
+
+
+class Have(msgspec.Struct, tag="have", array_like=True):
+    transfer_id: str
+    num_held: int  # leading blocks of the offer the receiver caches already
+
+
+class Push(msgspec.Struct, tag="push", array_like=True):
+    transfer_id: str
+    meta: KVBlocks  # data and scales empty: they follow as frames, or in shared memory
+    data_bytes: int
+    shm_name: str | None = None  # shm: the segment holding data then scales
+
+
+class Done(msgspec.Struct, tag="done", array_like=True):
+    transfer_id: str
+    ok: bool
+    num_imported: int = 0
+    error: str | None = None
+
+
+WireMessage = Offer | Have | Push | Done
+
+
+class KVTransferDone(msgspec.Struct, tag="kv", array_like=True):
+    """A KV transfer finished (EngineCore -> API process): `sent` (prefill side, for request_id),
+    `received` (decode side: pushed blocks imported, or a Redis pull for request_id)."""
+
+    request_id: str
+    direction: str  # "sent" | "received"
+    ok: bool
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None

@@ -1,0 +1,148 @@
+"""One step's inputs laid out on the host (`StepPlan`), built from the scheduler's decision, and
+the record of where the step's time went (`StepRecord`).
+
+Decode rows come first, then prefill chunks, in one flat token list with positions and a slot
+(block id x block size + offset) per token; all numpy, so rank 0 can broadcast the plan to the
+other tensor-parallel ranks and the runner copies it to the device once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ferry.core.request import Request
+from ferry.core.scheduler import SchedulerOutput
+from ferry.layers.attention import PrefillHost
+from ferry.utils.math import cdiv
+
+
+@dataclass
+class StepPlan:
+    """One step's inputs on the host; what rank 0 broadcasts to the other tensor-parallel ranks."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    decode_blocks: list[np.ndarray]  # per decode row, its block ids
+    decode_seq_lens: np.ndarray  # [num_decodes] int64
+    prefills: list[PrefillHost]
+    logits_rows: np.ndarray  # rows of the batch that need logits
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_blocks)
+
+
+@dataclass
+class StepRecord:
+    """One step's shape and the seconds spent in each phase (the `--profile` breakdown)."""
+
+    num_decodes: int
+    num_prefill_tokens: int
+    decode_context_tokens: int  # K/V positions read by the decode rows
+    # Seconds in each phase: scheduling, building the plan, the forward pass, sampling, applying tokens.
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+
+    def total(self) -> float:
+        """Seconds of the whole step."""
+        return self.schedule + self.prepare + self.forward + self.sample + self.update
+
+
+def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Request]]:
+    """The step's flat batch, and the requests that sample a token at its end (in logits-row order).
+
+    A request whose one new token is not its first computed one is a decode row; everything
+    else (a prompt chunk, a recomputation after preemption) is a prefill chunk."""
+    bs = block_size
+    decodes, prefills = [], []
+    for request, n in sched.scheduled:
+        (decodes if n == 1 and request.num_computed_tokens > 1 else prefills).append((request, n))
+    ids: list[int] = []
+    pos_parts: list[np.ndarray] = []
+    slot_parts: list[np.ndarray] = []
+    logits_rows: list[int] = []
+    sampling: list[Request] = []
+
+    nd = len(decodes)
+    decode_blocks: list[np.ndarray] = []
+    seq_lens = np.empty(nd, dtype=np.int64)
+    if nd:
+        dec_pos = np.empty(nd, dtype=np.int64)
+        dec_slot = np.empty(nd, dtype=np.int64)
+        for i, (r, _) in enumerate(decodes):
+            blocks = sched.block_ids[r.request_id]
+            decode_blocks.append(np.asarray(blocks, dtype=np.int64))
+            ctx = r.num_computed_tokens  # includes the token computed now
+            p = ctx - 1
+            seq_lens[i] = ctx
+            dec_pos[i] = p
+            dec_slot[i] = blocks[p // bs] * bs + p % bs
+            ids.append(r.all_token_ids[p])
+            if ctx == r.num_tokens:
+                logits_rows.append(i)
+                sampling.append(r)
+        pos_parts.append(dec_pos)
+        slot_parts.append(dec_slot)
+
+    chunks: list[PrefillHost] = []
+    start = nd
+    for r, n in prefills:
+        end_ctx = r.num_computed_tokens
+        begin = end_ctx - n
+        blocks = np.asarray(sched.block_ids[r.request_id], dtype=np.int64)
+        pos = np.arange(begin, end_ctx, dtype=np.int64)
+        ids.extend(r.all_token_ids[begin:end_ctx])
+        pos_parts.append(pos)
+        slot_parts.append(blocks[pos // bs] * bs + pos % bs)
+        chunks.append(PrefillHost(start, n, end_ctx, blocks))
+        if end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
+            logits_rows.append(start + n - 1)
+            sampling.append(r)
+        start += n
+
+    plan = StepPlan(
+        input_ids=np.asarray(ids, dtype=np.int64),
+        positions=np.concatenate(pos_parts),
+        slot_mapping=np.concatenate(slot_parts),
+        decode_blocks=decode_blocks,
+        decode_seq_lens=seq_lens,
+        prefills=chunks,
+        logits_rows=np.asarray(logits_rows, dtype=np.int64),
+    )
+    return plan, sampling
+
+
+def profiling_plan(num_tokens: int, chunk: int, num_seqs: int, block_size: int, vocab_size: int) -> StepPlan:
+    """A prefill of `num_tokens` prompt tokens in chunks of at most `chunk` (consecutive blocks
+    from 0, `profiling_blocks` of them) with `min(num_seqs, num_tokens)` logits rows: the largest
+    step the engine can schedule, for measuring peak memory."""
+    bs = block_size
+    starts = list(range(0, num_tokens, chunk))
+    per_chunk = cdiv(chunk, bs)
+    pos = np.concatenate([np.arange(min(chunk, num_tokens - s), dtype=np.int64) for s in starts])
+    prefills, slots = [], []
+    for i, s in enumerate(starts):
+        n = min(chunk, num_tokens - s)
+        table = np.arange(i * per_chunk, (i + 1) * per_chunk, dtype=np.int64)
+        prefills.append(PrefillHost(s, n, n, table))
+        slots.append(table[np.arange(n) // bs] * bs + np.arange(n) % bs)
+    return StepPlan(
+        input_ids=pos % vocab_size,
+        positions=pos,
+        slot_mapping=np.concatenate(slots),
+        decode_blocks=[],
+        decode_seq_lens=pos[:0],
+        prefills=prefills,
+        logits_rows=np.full(min(num_seqs, num_tokens), num_tokens - 1, dtype=np.int64),
+    )
+
+
+def profiling_blocks(num_tokens: int, chunk: int, block_size: int) -> int:
+    """KV blocks `profiling_plan` writes into."""
+    return cdiv(chunk, block_size) * len(range(0, num_tokens, chunk))
