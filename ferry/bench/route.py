@@ -25,11 +25,11 @@ import time
 import httpx
 
 from ferry.bench.launch import LaunchedServer
-from ferry.utils.network import free_port
 from ferry.bench.serve import run_load
 from ferry.config import EngineArgs
 from ferry.gateway.policies import POLICIES
 from ferry.gateway.up import Replicas
+from ferry.utils.network import free_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

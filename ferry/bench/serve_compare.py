@@ -21,11 +21,11 @@ from dataclasses import asdict
 import torch
 
 from ferry.bench.launch import LaunchedServer
-from ferry.utils.network import free_port
 from ferry.bench.serve import bench_once, format_summary, parse_slos, salted
 from ferry.bench.throughput import run_ferry, synthetic_requests
 from ferry.config import EngineArgs
 from ferry.models.loader import load_checkpoint
+from ferry.utils.network import free_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
