@@ -3,21 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import logging
 import sys
+from collections.abc import Iterator
 
 from ferry.config import EngineArgs
+
+# `ferry generate`'s sampling flags: (flag, SamplingParams field, type, default, help).
+# --sampling-seed, not --seed: EngineArgs has a --seed of its own.
+SAMPLING_FLAGS = (
+    ("--max-tokens", "max_tokens", int, 128, None),
+    ("--temperature", "temperature", float, 0.0, None),
+    ("--top-p", "top_p", float, 1.0, None),
+    ("--top-k", "top_k", int, 0, None),
+    ("--min-p", "min_p", float, 0.0, None),
+    ("--repetition-penalty", "repetition_penalty", float, 1.0, None),
+    ("--sampling-seed", "seed", int, None, "per-request seed"),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    for flag, _, kind, default, help in SAMPLING_FLAGS:
+        g.add_argument(flag, type=kind, default=default, help=help)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -33,17 +47,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ferry.sampling_params import RequestOutputKind, SamplingParams
 
     engine_args = EngineArgs.from_cli_args(args)  # validate everything before loading the model
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed,
-        stop=args.stop,
-        output_kind=RequestOutputKind.DELTA,
-    )
+    sampling = {field: getattr(args, _dest(flag)) for flag, field, *_ in SAMPLING_FLAGS}
+    params = SamplingParams(**sampling, stop=args.stop, output_kind=RequestOutputKind.DELTA)
     token_ids = _parse_token_ids(args.prompt_token_ids) if args.prompt_token_ids is not None else None
     if (args.prompt is None) == (token_ids is None):
         raise ValueError("give either a PROMPT or --prompt-token-ids")
@@ -81,6 +86,71 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ferry.entrypoints.openai.api_server import serve
 
     return serve(args)
+
+
+# `ferry bench NAME`: (name, module with add_args(parser) and main(args) -> exit code,
+# whether it also takes the engine's flags, help).
+BENCHMARKS = (
+    ("throughput", "ferry.bench.throughput", True, "offline throughput vs HF transformers static batching"),
+    ("latency", "ferry.bench.latency", True,
+     "decode time per output token (TPOT) at fixed batch sizes, and the memory bandwidth it reaches"),
+    ("serve", "ferry.bench.serve", False, "load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)"),
+    ("serve-compare", "ferry.bench.serve_compare", True,
+     "offline LLM.generate vs ferry serve vs llama-server on one workload, in one run"),
+    ("route", "ferry.bench.route", False, "gateway routing policies on a multi-tenant workload, in one run"),
+    ("pd", "ferry.bench.pd", False,
+     "colocated vs prefill/decode-disaggregated serving under long-prompt arrivals"),
+    ("quality", "ferry.bench.quality", True, "a quantized model's next-token distributions against fp32"),
+)  # fmt: skip
+
+# The packages of the `bench` extra (pyproject.toml), which a core install lacks.
+BENCH_EXTRA = ("aiohttp", "matplotlib")
+
+
+class MissingExtraError(Exception):
+    """A command needs an optional dependency that is not installed."""
+
+
+@contextlib.contextmanager
+def _needs_bench_extra(command: str) -> Iterator[None]:
+    """A package of the `bench` extra missing in the block becomes a one-line error."""
+    try:
+        yield
+    except ImportError as e:
+        if e.name not in BENCH_EXTRA:  # only the package itself missing, not an error inside it
+            raise
+        raise MissingExtraError(
+            f"`{command}` needs {e.name}, which is not installed: pip install 'ferry[bench]'"
+        ) from None
+
+
+class _BenchParser(argparse.ArgumentParser):
+    """The parser of one `ferry bench NAME`: imports the benchmark's module, adds its flags
+    and sets its main only when that subcommand is parsed, so no other command imports
+    ferry.bench or needs the `bench` extra."""
+
+    def __init__(self, *args, module: str, takes_engine_args: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._module, self._takes_engine_args, self._loaded = module, takes_engine_args, False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not self._loaded:
+            self._load()
+        return super().parse_known_args(args, namespace)
+
+    def _load(self) -> None:
+        with _needs_bench_extra(self.prog):
+            bench = importlib.import_module(self._module)
+        bench.add_args(self)
+        if self._takes_engine_args:
+            EngineArgs.add_cli_args(self)
+
+        def run(args: argparse.Namespace) -> int:
+            with _needs_bench_extra(self.prog):  # matplotlib is imported only to plot
+                return bench.main(args)
+
+        self.set_defaults(func=run)
+        self._loaded = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,73 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=run_up)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from ferry.bench.throughput import add_args as add_throughput_args
-    from ferry.bench.throughput import main as throughput_main
-
-    tp = bench_sub.add_parser("throughput", help="offline throughput vs HF transformers static batching")
-    add_throughput_args(tp)
-    EngineArgs.add_cli_args(tp)
-    tp.set_defaults(func=throughput_main)
-
-    from ferry.bench.latency import add_args as add_latency_args
-    from ferry.bench.latency import main as latency_main
-
-    lt = bench_sub.add_parser(
-        "latency", help="decode time per output token (TPOT) at fixed batch sizes, and the memory bandwidth it reaches"
-    )
-    add_latency_args(lt)
-    EngineArgs.add_cli_args(lt)
-    lt.set_defaults(func=latency_main)
-
-    from ferry.bench.serve import add_args as add_serve_bench_args
-    from ferry.bench.serve import main as serve_bench_main
-
-    sb = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
-    add_serve_bench_args(sb)
-    sb.set_defaults(func=serve_bench_main)
-
-    from ferry.bench.serve_compare import add_args as add_compare_args
-    from ferry.bench.serve_compare import main as compare_main
-
-    sc = bench_sub.add_parser(
-        "serve-compare", help="offline LLM.generate vs ferry serve vs llama-server on one workload, in one run"
-    )
-    add_compare_args(sc)
-    EngineArgs.add_cli_args(sc)
-    sc.set_defaults(func=compare_main)
-
-    from ferry.bench.route import add_args as add_route_args
-    from ferry.bench.route import main as route_main
-
-    rb = bench_sub.add_parser("route", help="gateway routing policies on a multi-tenant workload, in one run")
-    add_route_args(rb)
-    rb.set_defaults(func=route_main)
-
-    from ferry.bench.pd import add_args as add_pd_args
-    from ferry.bench.pd import main as pd_main
-
-    pb = bench_sub.add_parser("pd", help="colocated vs prefill/decode-disaggregated serving under long-prompt arrivals")
-    add_pd_args(pb)
-    pb.set_defaults(func=pd_main)
-
-    from ferry.bench.quality import add_args as add_quality_args
-    from ferry.bench.quality import main as quality_main
-
-    qb = bench_sub.add_parser("quality", help="a quantized model's next-token distributions against fp32")
-    add_quality_args(qb)
-    EngineArgs.add_cli_args(qb)
-    qb.set_defaults(func=quality_main)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_BenchParser)
+    for name, module, takes_engine_args, help in BENCHMARKS:
+        bench_sub.add_parser(name, help=help, module=module, takes_engine_args=takes_engine_args)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)  # `ferry bench NAME` imports its module here
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # a user mistake: say what to change, no traceback
+    except (ValueError, FileNotFoundError, MissingExtraError) as e:  # a user mistake: say what to change
         print(f"ferry: error: {e}", file=sys.stderr)
         return 2
 

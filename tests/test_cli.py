@@ -54,3 +54,18 @@ def test_bench_quality_needs_a_quantization():
     proc = _ferry("bench", "quality", timeout=60)
     assert proc.returncode == 2
     assert "--quantization int8" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_without_the_bench_extra_is_a_one_line_error():
+    # aiohttp as if not installed (None in sys.modules makes its import fail): `ferry bench serve`
+    # names the extra, and other commands (here `ferry serve`) do not import the benchmarks.
+    code = (
+        "import sys; sys.modules['aiohttp'] = None; from ferry.cli import main; "
+        "print(main(['serve', '--port', '1', '--max-queue-len', '0'])); sys.exit(main(['bench', 'serve']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout.strip() == "2", proc.stderr
+    assert "max_queue_len" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "ferry: error: `ferry bench serve` needs aiohttp, which is not installed: pip install 'ferry[bench]'"
+    )

@@ -28,7 +28,7 @@ import aiohttp
 import httpx
 
 from ferry.bench.launch import LaunchedServer
-from ferry.bench.serve import _dist, send_request
+from ferry.bench.serve import distribution, send_request
 from ferry.config import EngineArgs
 from ferry.gateway.up import Replicas
 from ferry.utils.network import free_port
@@ -118,10 +118,10 @@ def run_config(name: str, workers: list[tuple[str, list[str]]], gateway_flags: l
                     "seconds": time.perf_counter() - t0,
                     "failed": len(failed),
                     "errors": failed[:3],
-                    "short_ttft_ms": _dist([r.ttft * 1000 for r in rs if r.ok]),
-                    "short_tpot_ms": _dist([r.tpot * 1000 for r in rs if r.ok and r.tpot is not None]),
-                    "short_itl_ms": _dist([x * 1000 for r in rs if r.ok for x in r.itls]),
-                    "long_ttft_ms": _dist([r.ttft * 1000 for r in rl if r.ok]),
+                    "short_ttft_ms": distribution([r.ttft * 1000 for r in rs if r.ok]),
+                    "short_tpot_ms": distribution([r.tpot * 1000 for r in rs if r.ok and r.tpot is not None]),
+                    "short_itl_ms": distribution([x * 1000 for r in rs if r.ok for x in r.itls]),
+                    "long_ttft_ms": distribution([r.ttft * 1000 for r in rl if r.ok]),
                     "texts": [r.text for r in rs + rl],
                 }
         prefill_urls = [u for (role, _), u in zip(workers, urls) if role == "prefill"]

@@ -153,7 +153,8 @@ def salted(requests: list[tuple[list[int], int]], salt: int) -> list[tuple[list[
     return [([100 + salt % 1000, *prompt[1:]], n) for prompt, n in requests]
 
 
-def _dist(values: list[float]) -> dict[str, float]:
+def distribution(values: list[float]) -> dict[str, float]:
+    """Mean and nearest-rank PERCENTILES of `values` ({"mean", "p50", "p90", "p99"}); NaN when empty."""
     if not values:
         return {"mean": float("nan")} | {f"p{p}": float("nan") for p in PERCENTILES}
     s = sorted(values)
@@ -195,10 +196,10 @@ def summarize(results: list[RequestResult], seconds: float, slos: dict[str, floa
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / seconds,
         "goodput": len(good) / seconds,
         "slos_ms": {k: v * 1000 for k, v in slos.items()},
-        "ttft": _dist([r.ttft for r in ok]),
-        "tpot": _dist([r.tpot for r in ok if r.tpot is not None]),
-        "itl": _dist([x for r in ok for x in r.itls]),
-        "e2e": _dist([r.e2e for r in ok]),
+        "ttft": distribution([r.ttft for r in ok]),
+        "tpot": distribution([r.tpot for r in ok if r.tpot is not None]),
+        "itl": distribution([x for r in ok for x in r.itls]),
+        "e2e": distribution([r.e2e for r in ok]),
     }
 
 

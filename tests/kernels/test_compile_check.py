@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 SCRIPT = r"""
 import json, torch
-from ferry.kernels.compile_check import compiling_for, engine_kernels, report
+from ferry.tools.compile_check import compiling_for, engine_kernels, report
 from ferry.kernels import triton_attention as attn
 from dataclasses import asdict
 

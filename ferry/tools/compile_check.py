@@ -9,11 +9,11 @@ launches for a model, with the shapes and constants the engine would use, down t
 
 How: Triton asks its active driver for the target; a stand-in driver answers with the
 chosen architecture, and launches become warm-ups (compile, never run) for the duration.
-The wrappers in triton_attention / triton_fused are called as the engine calls them, on
-CPU tensors of the right dtypes and shapes, so the compiled specialisations are the ones
-a GPU run would build.
+The wrappers in ferry.kernels (triton_attention, triton_fused) are called as the engine
+calls them, on CPU tensors of the right dtypes and shapes, so the compiled
+specialisations are the ones a GPU run would build.
 
-    python -m ferry.kernels.compile_check --model llama-3.1-8b --dtype bfloat16 [--arch 90]
+    python -m ferry.tools.compile_check --model llama-3.1-8b --dtype bfloat16 [--arch 90]
 
 Exit status 1 when a kernel fails to compile or exceeds the architecture's limits.
 """
@@ -201,7 +201,7 @@ def engine_kernels(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ferry.kernels.compile_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ferry.tools.compile_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="shipped config name or a directory with config.json")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
