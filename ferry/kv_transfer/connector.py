@@ -3,8 +3,8 @@
 It lives in the EngineCore process, beside the cache it reads and writes, and
 never blocks the busy loop: sockets and Redis are served by threads, and
 everything that touches the block pool or the cache tensors runs on the core
-thread when the loop drains `events` (the threads wake it through the inproc
-socket `wake`, which the loop polls with its other sockets).
+thread when the loop drains what the threads post (core_channel.py: they
+wake it through an inproc socket the loop polls with its other sockets).
 
 Roles and transports (`ferry serve --role ... --kv-transfer ...`):
 - A prefill worker finishes a request that asked for remote decode
@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 
@@ -42,6 +43,7 @@ import zmq
 from ferry.config import KVTransferConfig
 from ferry.core.block_hash import BlockHash
 from ferry.kv_transfer.blocks import KVBlocks
+from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import CHUNK_BYTES, Done, Have, KVTransferDone, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import Receiver
 from ferry.kv_transfer.redis_store import RedisBlockStore
@@ -67,21 +69,27 @@ class _SendJob:
 
 
 class KVConnector:
-    def __init__(self, config: KVTransferConfig, ctx: zmq.Context, namespace: str, max_payload_bytes: int) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        ctx: zmq.Context,
+        namespace: str,
+        max_payload_bytes: int,
+        has_block: Callable[[BlockHash], bool],
+    ) -> None:
+        """`has_block(hash)`: whether the core's prefix cache holds a block (read from threads: a
+        dict lookup, atomic under the GIL; a block evicted right after is merely recomputed)."""
         config.validate()
         self.config = config
         self.ctx = ctx
         self.namespace = namespace  # Redis keys: model and cache geometry
-        self.events: queue.Queue = queue.Queue()
-        self._wake_addr = f"inproc://ferry-kv-wake-{uuid.uuid4().hex}"
-        self.wake = ctx.socket(zmq.PULL)
-        self.wake.bind(self._wake_addr)
+        self.has_block = has_block
+        self.channel = CoreChannel(ctx)
         self.receiver: Receiver | None = None
         self.receiver_addr: str | None = None
         self.redis = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
-        self.has_block = None  # set by the core: hash -> cached here?
         if config.redis_url:
             self.redis = RedisBlockStore(config.redis_url, namespace, config.redis_ttl, config.timeout,
                                          config.redis_max_memory)  # fmt: skip
@@ -92,7 +100,7 @@ class KVConnector:
         if self.redis is not None:
             self._start(self._pull_loop, "ferry-kv-puller")
         if config.receives:
-            self.receiver = Receiver(self, config.host, config.port, max_payload_bytes)
+            self.receiver = Receiver(self.channel, config.host, config.port, max_payload_bytes, has_block)
             self.receiver_addr = self.receiver.addr
             self._start(self.receiver.run, "ferry-kv-receiver")
 
@@ -101,39 +109,13 @@ class KVConnector:
         t.start()
         self._threads.append(t)
 
-    def set_lookup(self, has_block) -> None:
-        """`has_block(hash) -> bool`: whether the core's prefix cache holds a block (read from threads:
-        a dict lookup, atomic under the GIL; a block evicted right after is merely recomputed)."""
-        self.has_block = has_block
-
-    def waker(self) -> zmq.Socket:
-        """A thread's own socket for `post` (ZMQ sockets are not shared between threads)."""
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._wake_addr)
-        return sock
-
-    def post(self, event, waker: zmq.Socket) -> None:
-        """From a thread: hand an event to the core thread and wake it."""
-        self.events.put(event)
-        try:
-            waker.send(b"", flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a wake-up is pending already
+    @property
+    def wake(self) -> zmq.Socket:
+        return self.channel.wake
 
     def drain(self) -> list:
-        """On the core thread: the events the threads posted since the last call."""
-        while True:
-            try:
-                self.wake.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        out = []
-        while True:
-            try:
-                out.append(self.events.get_nowait())
-            except queue.Empty:
-                return out
+        """On the core thread: ImportJobs and TransferResults the threads posted since the last call."""
+        return self.channel.drain()
 
     # -- prefill side ------------------------------------------------------------------
 
@@ -141,16 +123,16 @@ class KVConnector:
         """Queue a send; its TransferResult comes back through `drain`."""
         if self.config.transport is None:
             failed = KVTransferDone(request_id, "sent", False, error="this worker has no --kv-transfer")
-            self.events.put(TransferResult(failed))
+            self.channel.put(TransferResult(failed))
         elif self.config.transport != "redis" and not target:
             failed = KVTransferDone(request_id, "sent", False, error="no decode worker address to send to")
-            self.events.put(TransferResult(failed))
+            self.channel.put(TransferResult(failed))
         else:
             self._sends.put(_SendJob(request_id, payload, target))
 
     def _send_loop(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
-        waker = self.waker()
+        waker = self.channel.waker()
         while not self._stop.is_set():
             try:
                 job: _SendJob = self._sends.get(timeout=0.5)
@@ -172,7 +154,7 @@ class KVConnector:
                         job.request_id, "sent", False, seconds=time.monotonic() - t0, error=f"{type(e).__name__}: {e}"
                     )
                 )
-            self.post(result, waker)
+            self.channel.post(result, waker)
         for s in sockets.values():
             s.close(linger=0)
         waker.close(linger=0)
@@ -245,7 +227,7 @@ class KVConnector:
 
     def missing_prefix(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """The hashes after the longest locally cached prefix (what a pull could fetch)."""
-        if self.redis is None or self.has_block is None:
+        if self.redis is None:
             return []
         i = 0
         while i < len(block_hashes) and self.has_block(block_hashes[i]):
@@ -256,7 +238,7 @@ class KVConnector:
         self._pulls.put((request_id, block_hashes, parent))
 
     def _pull_loop(self) -> None:
-        waker = self.waker()
+        waker = self.channel.waker()
         while not self._stop.is_set():
             try:
                 request_id, hashes, parent = self._pulls.get(timeout=0.5)
@@ -274,7 +256,7 @@ class KVConnector:
                     request_id, "received", False, seconds=time.monotonic() - t0, error=f"{type(e).__name__}: {e}"
                 )
                 result = TransferResult(done, payloads=[])
-            self.post(result, waker)
+            self.channel.post(result, waker)
         waker.close(linger=0)
 
     def close(self) -> None:
@@ -283,6 +265,6 @@ class KVConnector:
             self.receiver.stop()
         for t in self._threads:
             t.join(timeout=2.0)
-        self.wake.close(linger=0)
+        self.channel.close()
         if self.redis is not None:
             self.redis.close()

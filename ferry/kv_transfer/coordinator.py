@@ -74,9 +74,8 @@ class KVTransferCoordinator:
         layers = len(kv_caches)
         namespace = f"{os.path.basename(model_path)}:{model_bytes(model_path)}:{layers}x{kvh}x{d}x{bs}"
         max_payload = kv.pool.num_blocks * layers * 2 * bs * kvh * d * 4
-        self.connector = KVConnector(config, ctx, namespace, max_payload)
         cached = kv.pool.cached
-        self.connector.set_lookup(lambda h: h in cached)
+        self.connector = KVConnector(config, ctx, namespace, max_payload, has_block=lambda h: h in cached)
         self.exports: dict[str, TransferRequest] = {}  # prefill side: requests to send once finished
         self.parked: dict[str, TransferRequest] = {}  # decode side: requests waiting for a Redis pull
         self.parked_at: dict[str, float] = {}

@@ -13,18 +13,16 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
-from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from ferry.kv_transfer.blocks import KVBlocks
+from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import Done, Have, Offer, Push, WireMessage
-
-if TYPE_CHECKING:
-    from ferry.kv_transfer.connector import KVConnector
 
 logger = logging.getLogger("ferry.kv_transfer")
 
@@ -43,10 +41,18 @@ class ImportJob:
 class Receiver:
     """The decode side's socket: answers offers, turns pushes into ImportJobs, sends Done."""
 
-    def __init__(self, connector: KVConnector, host: str, port: int, max_payload_bytes: int) -> None:
-        self.connector = connector
+    def __init__(
+        self,
+        channel: CoreChannel,
+        host: str,
+        port: int,
+        max_payload_bytes: int,
+        has_block: Callable[[bytes], bool],
+    ) -> None:
+        self.channel = channel
+        self.has_block = has_block
         self.replies: queue.Queue = queue.Queue()
-        ctx = connector.ctx
+        ctx = channel.ctx
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A peer that sends more than the whole cache could hold is cut off, not buffered.
@@ -68,7 +74,7 @@ class Receiver:
         """From the core thread, after an import."""
         self.replies.put((identity, done))
         if self._core_waker is None:
-            self._core_waker = self.connector.ctx.socket(zmq.PUSH)
+            self._core_waker = self.channel.ctx.socket(zmq.PUSH)
             self._core_waker.setsockopt(zmq.LINGER, 0)
             self._core_waker.connect(self._wake_addr)
         try:
@@ -88,7 +94,7 @@ class Receiver:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.wake, zmq.POLLIN)
-        waker = self.connector.waker()
+        waker = self.channel.waker()
         try:
             while not self._stopped.is_set():
                 ready = dict(poller.poll(200))
@@ -115,12 +121,11 @@ class Receiver:
                     continue
                 if isinstance(msg, Offer):
                     held = 0
-                    has = self.connector.has_block
-                    while has is not None and held < len(msg.block_hashes) and has(msg.block_hashes[held]):
+                    while held < len(msg.block_hashes) and self.has_block(msg.block_hashes[held]):
                         held += 1
                     self.sock.send_multipart([identity, encoder.encode(Have(msg.transfer_id, held))])
                 elif isinstance(msg, Push):
-                    self.connector.post(self._assemble(msg, frames[2:], identity), waker)
+                    self.channel.post(self._assemble(msg, frames[2:], identity), waker)
         finally:
             self.sock.close(linger=0)
             self.wake.close(linger=0)
