@@ -170,8 +170,7 @@ def release_engine(engine: LLMEngine | None) -> None:
     """Stop an engine and give its KV cache back (the GPU memory the next run needs); returns None."""
     if engine is not None:
         engine.shutdown()
-        engine.runner.kv_caches = []
-        engine.runner.graphs = None
+        engine.runner.free_kv_cache()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

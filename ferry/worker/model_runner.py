@@ -108,7 +108,9 @@ class ModelRunner:
         ]  # fmt: skip
 
     def free_kv_cache(self) -> None:
+        """Drop the cache and the CUDA graphs captured over it (their memory goes with them)."""
         self.kv_caches = []
+        self.graphs = None
 
     def initialize_kv_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
         """Allocate the KV cache, then capture CUDA graphs for decode-only batches (on CUDA with
