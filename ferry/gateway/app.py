@@ -53,9 +53,9 @@ from ferry.gateway.kv_index import KVEventSubscriber
 from ferry.gateway.policies import PolicyConfig, Router
 from ferry.gateway.prefix_index import PrefixIndex
 from ferry.gateway.rate_limit import Charge, TokenRateLimiter
+from ferry.gateway.replicas import MonitorConfig, Worker, WorkerMonitor
 from ferry.gateway.response_usage import first_text_chunk, has_error_event, response_usage
 from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
-from ferry.gateway.worker import MonitorConfig, Worker, WorkerMonitor
 
 logger = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape otherwise
