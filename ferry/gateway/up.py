@@ -23,9 +23,9 @@ import urllib.request
 
 import uvicorn
 
-from ferry.utils.network import free_port
 from ferry.config import EngineArgs
 from ferry.gateway.main import add_gateway_args, build_gateway
+from ferry.utils.network import free_port
 
 logger = logging.getLogger(__name__)
 
