@@ -31,6 +31,7 @@ from ferry.core.kv_events import (
     ReplayRequest,
     ReplayResponse,
 )
+from ferry.gateway.background import BackgroundTask
 
 logger = logging.getLogger(__name__)
 
@@ -97,22 +98,14 @@ class KVIndex:
         return n
 
 
-class KVEventSubscriber:
+class KVEventSubscriber(BackgroundTask):
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, replay_port: int, name: str) -> None:
+        super().__init__(f"kv events {name}")
         self.ctx, self.host, self.port, self.replay_port, self.name = ctx, host, port, replay_port, name
         self.index = KVIndex()
-        self.task: asyncio.Task | None = None
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.replay_decoder = msgspec.msgpack.Decoder(ReplayResponse)
         self.replays = 0  # how often a gap (or the start) needed the replay socket
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"kv events {self.name}")
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
 
     async def _run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)

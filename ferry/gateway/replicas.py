@@ -1,4 +1,7 @@
-"""One `ferry serve` replica as the gateway sees it: models, health, load, circuit breaker.
+"""The gateway's registry of replicas: each one's models, health, load and circuit breaker.
+
+(`Worker` is the gateway's name for a replica, as in `--worker URL`; the
+engine's tensor-parallel rank processes are another thing, ferry/distributed.)
 
 A monitor task per worker scrapes `/metrics` every `scrape_interval` (queue
 depth, running requests, KV usage) and checks `/health` + `/v1/models` every
@@ -16,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from ferry.gateway.background import BackgroundTask
 
 logger = logging.getLogger(__name__)
 
@@ -92,21 +97,13 @@ def parse_load_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class WorkerMonitor:
+class WorkerMonitor(BackgroundTask):
     """Keeps one Worker's health and load current."""
 
     def __init__(self, worker: Worker, client: httpx.AsyncClient, config: MonitorConfig) -> None:
+        super().__init__(f"monitor {worker.url}")
         self.worker, self.client, self.config = worker, client, config
-        self.task: asyncio.Task | None = None
         self.first_check = asyncio.Event()
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"monitor {self.worker.url}")
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
 
     async def _run(self) -> None:
         next_health = 0.0
