@@ -33,7 +33,6 @@ import httpx
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ferry.core.block_hash import hash_prompt_blocks
 from ferry.core.kv_events import HASH_ALGORITHM
@@ -50,6 +49,7 @@ from ferry.gateway.disagg import (
     why_not_disaggregated,
 )
 from ferry.gateway.kv_index import KVEventSubscriber
+from ferry.gateway.metrics import GatewayMetrics
 from ferry.gateway.policies import PolicyConfig, Router
 from ferry.gateway.prefix_index import PrefixIndex
 from ferry.gateway.rate_limit import Charge, TokenRateLimiter
@@ -153,45 +153,6 @@ class _PassThroughResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._close()
-
-
-class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.decisions = Counter("ferry_gateway_routing_decisions", "routing decisions", ["model", "worker", "reason"],
-                                 registry=r)  # fmt: skip
-        self.overlap = Histogram("ferry_gateway_prefix_overlap", "cached share of the prompt on the chosen worker",
-                                 buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)  # fmt: skip
-        self.retries = Counter("ferry_gateway_retries", "requests retried on another worker", ["model"], registry=r)
-        self.failed = Counter("ferry_gateway_failed_requests", "requests no worker could take", ["model"], registry=r)
-        self.cache = Counter("ferry_gateway_result_cache", "result cache lookups", ["result"], registry=r)
-        self.rate_limited = Counter("ferry_gateway_rate_limited", "requests refused by a token limit", ["key"],
-                                    registry=r)  # fmt: skip
-        # OpenTelemetry GenAI semantic conventions, as Prometheus names.
-        self.token_usage = Histogram("gen_ai_client_token_usage", "tokens per request",
-                                     ["gen_ai_request_model", "key", "gen_ai_token_type"], registry=r,
-                                     buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536))  # fmt: skip
-        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds", "time to the first token",
-                              ["gen_ai_request_model", "key"], registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
-        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds", "time per output token after the first",
-                              ["gen_ai_request_model", "key"], registry=r,
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5))  # fmt: skip
-        self.pd_decisions = Counter("ferry_gateway_pd_decisions", "disaggregated serving: where a prompt was "
-                                    "prefilled (disaggregated | local: on its decode worker | fallback: no prefill "
-                                    "worker could)", ["model", "decision"], registry=r)  # fmt: skip
-        self.prefill_seconds = Histogram("ferry_gateway_prefill_seconds", "remote prefill, KV transfer included",
-                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-                                         registry=r)  # fmt: skip
-        self.healthy = Gauge("ferry_gateway_worker_healthy", "1 if the worker is in its pools", ["worker"], registry=r)
-        self.in_flight = Gauge("ferry_gateway_worker_in_flight", "requests in flight", ["worker"], registry=r)
-
-    def render(self, workers: list[Worker]) -> bytes:
-        for w in workers:
-            self.healthy.labels(w.url).set(1.0 if w.healthy else 0.0)
-            self.in_flight.labels(w.url).set(w.in_flight)
-        return generate_latest(self.registry)
 
 
 class Gateway:
