@@ -2,10 +2,10 @@
 
 The gateway keeps several loops running beside the requests; each needs the
 same three things, kept here so they behave alike: `start` runs the owner's
-`_run` as a named task (the name shows in asyncio's debug output),
-`stop` cancels it and waits until it has ended (nothing of it runs after
-`stop` returns), and `running` says whether it is still alive (a loop that
-raised has ended, and its owner's state may be stale).
+`_run` as a named task (the name tells the tasks apart in asyncio's task
+listings), `stop` cancels it and waits until it has ended (nothing of it runs
+after `stop` returns), and `running` says whether it is still alive (a loop
+that raised has ended, and its owner's state may be stale).
 """
 
 from __future__ import annotations

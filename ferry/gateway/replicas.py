@@ -8,7 +8,8 @@ depth, running requests, KV usage) and checks `/health` + `/v1/models` every
 `health_interval`. The circuit breaker opens after `failure_threshold`
 consecutive failures (probes, or routed requests that could not connect or got
 a 5xx before any byte) and keeps the worker out of every pool for `cooldown`
-seconds; after that it is back as soon as a health check passes.
+seconds; after that it is back as soon as a health check passes. A request
+is served by a pool: the healthy workers of some roles that list its model.
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def parse_load_metrics(text: str) -> dict[str, float]:
             except ValueError:
                 continue
     return out
+
+
+def pool(workers: list[Worker], model: str, roles: tuple[str, ...] = ("both",)) -> tuple[list[Worker], bool]:
+    """(healthy workers of these roles serving `model`, whether any worker ever advertised it)."""
+    known = [w for w in workers if model in w.models]
+    return [w for w in known if w.healthy and w.role in roles], bool(known)
 
 
 class WorkerMonitor(BackgroundTask):
