@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 
-from ferry.gateway.worker import Worker
+from ferry.gateway.replicas import Worker
 
 DISAGGREGATED, LOCAL, FALLBACK = "disaggregated", "local", "fallback"
 

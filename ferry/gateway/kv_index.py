@@ -10,6 +10,10 @@ have left the publisher's buffer, a fresh snapshot.
 Hashes are chained (ferry/core/block_hash.py), so "block i of this prompt is
 cached" implies its whole prefix is, and the overlap of a prompt with a worker
 is the count of its leading block hashes the worker holds.
+
+`KVMirrors` keeps one live subscriber per reachable worker that publishes
+events (kv-aware policy only) and answers the overlap questions the router
+asks; a worker without a live, synced mirror is routed by load alone.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from urllib.parse import urlparse
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from ferry.core.kv_events import (
+    HASH_ALGORITHM,
     TOPIC,
     AllBlocksCleared,
     BlockRemoved,
@@ -31,6 +38,8 @@ from ferry.core.kv_events import (
     ReplayRequest,
     ReplayResponse,
 )
+from ferry.gateway.background import BackgroundTask
+from ferry.gateway.replicas import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -97,22 +106,14 @@ class KVIndex:
         return n
 
 
-class KVEventSubscriber:
+class KVEventSubscriber(BackgroundTask):
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, replay_port: int, name: str) -> None:
+        super().__init__(f"kv events {name}")
         self.ctx, self.host, self.port, self.replay_port, self.name = ctx, host, port, replay_port, name
         self.index = KVIndex()
-        self.task: asyncio.Task | None = None
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.replay_decoder = msgspec.msgpack.Decoder(ReplayResponse)
         self.replays = 0  # how often a gap (or the start) needed the replay socket
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"kv events {self.name}")
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
 
     async def _run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
@@ -169,3 +170,81 @@ class KVEventSubscriber:
         for batch in resp.batches or []:
             if batch.seq == self.index.seq + 1:
                 self.index.apply(batch)
+
+
+class KVMirrors(BackgroundTask):
+    """One live KVEventSubscriber per reachable worker that publishes KV events (when `subscribe`:
+    the kv-aware policy), kept so by a loop every `interval` seconds; a worker that goes away
+    loses its mirror and `forget(url)` is called for it (it may come back with an empty cache)."""
+
+    def __init__(self, workers: list[Worker], interval: float, subscribe: bool,
+                 forget: Callable[[str], None]) -> None:  # fmt: skip
+        super().__init__("kv subscribers")
+        self.workers, self.interval, self.subscribe, self.forget = workers, interval, subscribe, forget
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self._zmq: zmq.asyncio.Context | None = None
+
+    def start(self) -> None:
+        self._zmq = zmq.asyncio.Context()
+        super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        for s in self.subscribers.values():
+            await s.stop()
+        if self._zmq is not None:
+            self._zmq.term()
+
+    def overlap(self, worker: Worker, hashes: list[bytes]) -> int:
+        """Leading blocks of a prompt `worker` caches, as far as its mirror knows."""
+        sub = self.subscribers.get(worker.url)
+        if sub is None or not sub.index.synced or not sub.running:
+            return 0  # no live mirror of this worker's cache: route it by load
+        return sub.index.overlap(hashes)
+
+    def add_pending(self, worker: Worker, hashes: list[bytes]) -> None:
+        """A prompt was just sent to `worker`: count its blocks as cached there until events confirm them."""
+        sub = self.subscribers.get(worker.url)
+        if hashes and sub is not None:
+            sub.index.add_pending(hashes)
+
+    def blocks_known(self, worker: Worker) -> int | None:
+        sub = self.subscribers.get(worker.url)
+        return len(sub.index.hashes) if sub is not None else None
+
+    async def _run(self) -> None:
+        warned: set[str] = set()
+        while True:
+            for w in self.workers:
+                try:
+                    await self._sync(w, warned)
+                except Exception:  # one worker's odd /ferry/info must not stop the others' sync
+                    logger.exception("KV-event subscriber for %s", w.url)
+            await asyncio.sleep(self.interval)
+
+    async def _sync(self, w: Worker, warned: set[str]) -> None:
+        sub = self.subscribers.get(w.url)
+        if sub is not None and (not w.reachable or not sub.running):
+            await sub.stop()  # gone, or failed: a new one starts from a fresh snapshot
+            del self.subscribers[w.url]
+            sub = None
+        if not w.reachable:
+            self.forget(w.url)
+            w.info = None  # refetched on recovery: a restarted worker has new ports
+            return
+        if sub is None and self.subscribe and w.info and w.info.get("kv_events"):
+            if w.info.get("block_hash") != HASH_ALGORITHM:
+                if w.url not in warned:
+                    warned.add(w.url)
+                    logger.warning("worker %s hashes blocks with %s, not %s: routed by load", w.url,
+                                   w.info.get("block_hash"), HASH_ALGORITHM)  # fmt: skip
+                return
+            ev = w.info["kv_events"]
+            host = ev["host"]
+            if host in ("0.0.0.0", "*", "::", ""):
+                host = urlparse(w.url).hostname or "127.0.0.1"
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"  # IPv6 in a tcp:// endpoint
+            sub = KVEventSubscriber(self._zmq, host, int(ev["port"]), int(ev["replay_port"]), w.url)
+            sub.start()
+            self.subscribers[w.url] = sub

@@ -9,7 +9,7 @@ import uvicorn
 
 from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
-from ferry.gateway.worker import MonitorConfig
+from ferry.gateway.replicas import MonitorConfig
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from ferry.gateway.worker import Worker
+from ferry.gateway.replicas import Worker
 
 POLICIES = ("kv-aware", "prefix", "least-load", "round-robin")
 

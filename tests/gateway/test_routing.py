@@ -6,7 +6,7 @@ from ferry.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KV
 from ferry.gateway.kv_index import KVIndex
 from ferry.gateway.policies import PolicyConfig, Router
 from ferry.gateway.prefix_index import PrefixIndex
-from ferry.gateway.worker import MonitorConfig, Worker, parse_load_metrics
+from ferry.gateway.replicas import MonitorConfig, Worker, parse_load_metrics
 
 
 def workers(*loads: int) -> list[Worker]:

@@ -1,11 +1,15 @@
-"""One `ferry serve` replica as the gateway sees it: models, health, load, circuit breaker.
+"""The gateway's registry of replicas: each one's models, health, load and circuit breaker.
+
+(`Worker` is the gateway's name for a replica, as in `--worker URL`; the
+engine's tensor-parallel rank processes are another thing, ferry/distributed.)
 
 A monitor task per worker scrapes `/metrics` every `scrape_interval` (queue
 depth, running requests, KV usage) and checks `/health` + `/v1/models` every
 `health_interval`. The circuit breaker opens after `failure_threshold`
 consecutive failures (probes, or routed requests that could not connect or got
 a 5xx before any byte) and keeps the worker out of every pool for `cooldown`
-seconds; after that it is back as soon as a health check passes.
+seconds; after that it is back as soon as a health check passes. A request
+is served by a pool: the healthy workers of some roles that list its model.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from ferry.gateway.background import BackgroundTask
 
 logger = logging.getLogger(__name__)
 
@@ -92,21 +98,19 @@ def parse_load_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class WorkerMonitor:
+def pool(workers: list[Worker], model: str, roles: tuple[str, ...] = ("both",)) -> tuple[list[Worker], bool]:
+    """(healthy workers of these roles serving `model`, whether any worker ever advertised it)."""
+    known = [w for w in workers if model in w.models]
+    return [w for w in known if w.healthy and w.role in roles], bool(known)
+
+
+class WorkerMonitor(BackgroundTask):
     """Keeps one Worker's health and load current."""
 
     def __init__(self, worker: Worker, client: httpx.AsyncClient, config: MonitorConfig) -> None:
+        super().__init__(f"monitor {worker.url}")
         self.worker, self.client, self.config = worker, client, config
-        self.task: asyncio.Task | None = None
         self.first_check = asyncio.Event()
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"monitor {self.worker.url}")
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
 
     async def _run(self) -> None:
         next_health = 0.0

@@ -1,0 +1,138 @@
+"""One exchange with a worker: send a request, then pass its response through byte for byte.
+
+`send` decides whether the worker took the request. Up to its first byte a
+failure can still be retried elsewhere, so a connection error or a 5xx is
+returned as a failure (the 5xx kept, as the answer if no other worker does
+better) and counted against the worker's circuit breaker when the worker is
+at fault: connection errors and 502/503/504, not a 500, which may be the
+request's own doing (one client must not empty the pool). After the first
+byte nothing can be retried: `pass_through` streams the response to the
+client with an `x-ferry-worker` header, keeps up to MAX_KEPT_BYTES of it and
+the first token's time, and settles it (settlement.py) when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import httpx
+from fastapi.responses import Response
+
+from ferry.gateway.admission import RequestContext
+from ferry.gateway.replicas import MonitorConfig, Worker
+from ferry.gateway.response_usage import first_text_chunk
+from ferry.gateway.responses import CACHE_HEADER, WORKER_HEADER
+from ferry.gateway.settlement import PassThroughResponse, Settlement
+
+logger = logging.getLogger(__name__)
+
+MAX_KEPT_BYTES = 8 * 1024 * 1024  # of a response, for usage and the result cache
+# Hop-by-hop and length headers are the gateway's own business, not the worker's.
+_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+
+
+class UpstreamError(NamedTuple):
+    """A worker's 5xx before any byte reached the client, kept to answer with if no worker does better."""
+
+    worker: Worker
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+async def send(client: httpx.AsyncClient, worker: Worker, path: str, raw: bytes, accept: str | None,
+               breaker: MonitorConfig) -> tuple[httpx.Response | None, UpstreamError | None]:  # fmt: skip
+    """(the worker's response with its headers read, None) or, when it failed before any
+    byte, (None, its 5xx response if it sent one)."""
+    headers = {"content-type": "application/json"}
+    if accept is not None:
+        headers["accept"] = accept
+    worker.in_flight += 1
+    try:
+        upstream = await client.send(
+            client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True
+        )
+    except (httpx.TransportError, OSError) as e:
+        worker.in_flight -= 1
+        worker.record_failure(f"{type(e).__name__}: {e}", breaker)
+        logger.warning("worker %s failed before responding: %s", worker.url, e)
+        return None, None
+    except BaseException:  # cancelled (client gone, shutdown): nothing is in flight here
+        worker.in_flight -= 1
+        raise
+    if upstream.status_code >= 500:
+        try:
+            body = await upstream.aread()
+        except httpx.TransportError:
+            body = b""
+        finally:
+            await upstream.aclose()
+            worker.in_flight -= 1
+        # Only a worker that cannot serve (unreachable, overloaded, draining) counts against its
+        # breaker; a 500 may be the request's own doing, and one client must not eject the pool.
+        if upstream.status_code in (502, 503, 504):
+            worker.record_failure(f"HTTP {upstream.status_code}", breaker)
+        logger.warning("worker %s answered %d; trying another", worker.url, upstream.status_code)
+        kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+        return None, UpstreamError(worker, upstream.status_code, kept, body[:65536])
+    worker.consecutive_failures = 0
+    return upstream, None
+
+
+def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, settlement: Settlement,
+                 extra_headers: dict[str, str] | None = None) -> Response:  # fmt: skip
+    """The client's response: `upstream` (in flight on `worker`) streamed through; settled once it ends."""
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+    headers[WORKER_HEADER] = worker.url
+    headers.update(extra_headers or {})
+    if ctx.cache_key is not None:
+        headers[CACHE_HEADER] = "miss"
+    status = upstream.status_code
+    state = {"kept": bytearray(), "overflow": False, "complete": False, "first": None, "closed": False}
+
+    async def body():
+        # The bookkeeping (close) runs before the client can see the end of the response, so
+        # a client that repeats a request right away finds it in the result cache: a
+        # non-streamed body is read whole first (the worker sends it at the end anyway), a
+        # stream is settled just before its `data: [DONE]` chunk goes out.
+        try:
+            if not ctx.streamed:
+                data = await upstream.aread()
+                state["kept"] += data[: MAX_KEPT_BYTES + 1]
+                state["overflow"] = len(data) > MAX_KEPT_BYTES
+                state["complete"] = True
+                await close()
+                yield data
+                return
+            async for chunk in upstream.aiter_raw():
+                if state["first"] is None and first_text_chunk(chunk):
+                    state["first"] = time.monotonic()
+                if not state["overflow"]:
+                    state["kept"] += chunk
+                    state["overflow"] = len(state["kept"]) > MAX_KEPT_BYTES
+                if chunk.rstrip().endswith(b"data: [DONE]"):
+                    state["complete"] = True
+                    await close()  # also closes the upstream: nothing may be read after this
+                    yield chunk
+                    return
+                yield chunk
+        except httpx.TransportError as e:  # the worker broke the stream: nothing can be retried now
+            logger.warning("worker %s broke a response after %.1fs: %s", worker.url,
+                           time.monotonic() - ctx.started, e)  # fmt: skip
+            return
+        state["complete"] = True
+
+    async def close() -> None:
+        # Runs exactly once, whether the body was sent, broke, or never started (a client that
+        # left before the first byte): the in-flight count and the charge must not leak.
+        if state["closed"]:
+            return
+        state["closed"] = True
+        worker.in_flight -= 1
+        await upstream.aclose()
+        kept = None if state["overflow"] else bytes(state["kept"])
+        settlement.settle(ctx, worker, status, headers, kept, state["complete"], state["first"])
+
+    return PassThroughResponse(body(), close, status_code=status, headers=headers)

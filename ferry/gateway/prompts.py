@@ -1,0 +1,54 @@
+"""A request's prompt as the token ids the replica will see, for routing and rate limits.
+
+The kv-aware and prefix policies hash the prompt's blocks exactly as the
+replica will, and a token rate limit charges an estimate of the prompt's
+tokens before it runs, so the gateway tokenizes as the server does: the
+worker's own tokenizer (`/ferry/info` names it; `--tokenizer` overrides) and,
+for chat, the same `render_chat_prompt`. Tokenizers are loaded on first use
+and kept. A body this cannot turn into ids (no tokenizer, a malformed body)
+gives None: the request is then routed by load and the replica says what is
+wrong with it.
+"""
+
+from __future__ import annotations
+
+from ferry.gateway.replicas import Worker
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer: str | None = None) -> None:
+        self.tokenizer = tokenizer  # default: what each worker's /ferry/info names
+        self._tokenizers: dict[str, object] = {}
+
+    def _tokenizer(self, worker: Worker):
+        source = self.tokenizer or (worker.info or {}).get("tokenizer")
+        if not source:
+            return None
+        if source not in self._tokenizers:
+            from ferry.tokenizer import load_tokenizer
+
+            self._tokenizers[source] = load_tokenizer(source)
+        return self._tokenizers[source]
+
+    def token_ids(self, kind: str, data: dict, worker: Worker) -> list[int] | None:
+        """The token ids the replica will see for this body (its first prompt), or None when
+        they cannot be known here (the replica then reports whatever is wrong)."""
+        try:
+            if kind == "completions":
+                prompt = data.get("prompt")
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                    prompt = prompt[0]  # several prompts go to one worker; route by the first
+                if isinstance(prompt, list):
+                    ok = all(type(t) is int and 0 <= t < 2**32 for t in prompt)
+                    return prompt if ok else None  # out-of-range ids: the replica's 400 says why
+                tok = self._tokenizer(worker)
+                return tok.encode(prompt) if isinstance(prompt, str) and tok is not None else None
+            from ferry.entrypoints.openai.protocol import ChatCompletionRequest
+            from ferry.entrypoints.openai.serving_chat import render_chat_prompt
+
+            tok = self._tokenizer(worker)
+            if tok is None:
+                return None
+            return render_chat_prompt(tok, ChatCompletionRequest.model_validate(data))["prompt_token_ids"]
+        except Exception:  # a body the replica will reject: route it by load, let the replica say why
+            return None

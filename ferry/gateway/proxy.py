@@ -1,0 +1,251 @@
+"""Getting an admitted request to a worker that takes it: plain, disaggregated, and the prefill hop.
+
+Every path runs the same loop, `try_workers`: take the current candidates
+(the healthy pool, recomputed before every choice, less the workers already
+tried), let a chooser pick one, and attempt it. An attempt ends in `Done`
+(its value is the answer), `Retry` (this worker failed; it may hand over a
+5xx to answer with if no other worker does better) or `GiveUp` (no other
+worker would do better). The loop stops when no candidate is left or more
+than `max_retries` workers have been tried, so a request gets at most
+`max_retries + 1` attempts; each attempt after the first counts in
+`ferry_gateway_retries`. The paths differ only in their candidates, chooser
+and attempt:
+
+- plain (`route`): the model's colocated pool, the policy's choice
+  (routing.py), one exchange (passthrough.py); when every attempt fails the
+  client gets the last worker's 5xx, or a 503.
+- disaggregated (`route_pd`): the decode worker is chosen first, since the
+  prefill hop sends the prompt's KV blocks to it; then the prefill hop (below,
+  unless the decode worker caches enough of the prompt to prefill it
+  itself), then the loop over the decode pool starting with that worker.
+- prefill hop (`prefill`): the prefill pool (the API key's named pool, if
+  any), one non-streamed POST with `max_tokens` 1. A 4xx other than 429 gives
+  up (the request's own fault: the decode worker, prefilling it itself, will
+  say what it is); a 429 (queue full) or 5xx tries another prefill worker.
+  Connection errors and 502/503/504 count against the breaker, as in
+  passthrough.py, but a timeout while reading does not (a long prompt is
+  slow, not broken). When no prefill worker can, the decode worker prefills
+  the prompt itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+
+from ferry.core.block_hash import hash_prompt_blocks
+from ferry.gateway.admission import RequestContext
+from ferry.gateway.disagg import (
+    DISAGGREGATED,
+    FALLBACK,
+    LOCAL,
+    decode_body,
+    prefill_body,
+    receiver_of,
+    why_not_disaggregated,
+)
+from ferry.gateway.kv_index import KVMirrors
+from ferry.gateway.metrics import GatewayMetrics
+from ferry.gateway.passthrough import UpstreamError, pass_through, send
+from ferry.gateway.prompts import PromptTokenizer
+from ferry.gateway.replicas import MonitorConfig, Worker, pool
+from ferry.gateway.responses import PREFILL_HEADER, WORKER_HEADER, error_response
+from ferry.gateway.routing import Routing
+from ferry.gateway.settlement import Settlement
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Done:
+    value: Any
+
+
+@dataclass(frozen=True)
+class Retry:
+    error: UpstreamError | None = None  # this worker's 5xx, to answer with if no other worker does better
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    pass
+
+
+@dataclass
+class Tries:
+    """How `try_workers` ended."""
+
+    done: Done | None  # the attempt that succeeded, if one did
+    tried: set[str]  # the URLs of the workers attempted
+    last_error: UpstreamError | None  # the last 5xx an attempt handed over
+
+
+async def try_workers(
+    candidates: Callable[[], list[Worker]],
+    choose: Callable[[list[Worker]], Awaitable[Worker]],
+    attempt: Callable[[Worker], Awaitable[Done | Retry | GiveUp]],
+    *,
+    max_retries: int,
+    on_retry: Callable[[], None],
+    first: Worker | None = None,
+) -> Tries:
+    """Attempt workers one at a time until one is done or gives up, none is left, or more than
+    `max_retries` have been tried. `candidates()` is the current pool (workers already tried are
+    left out here); `choose` picks one of a non-empty list; `first`, if given, is attempted
+    first without asking either. `on_retry` runs before every attempt but the first."""
+    tried: set[str] = set()
+    last_error: UpstreamError | None = None
+    worker = first
+    while True:
+        if worker is None:
+            left = [w for w in candidates() if w.url not in tried]
+            if not left or len(tried) > max_retries:
+                return Tries(None, tried, last_error)
+            if tried:
+                on_retry()
+            worker = await choose(left)
+        tried.add(worker.url)
+        outcome = await attempt(worker)
+        if isinstance(outcome, Done):
+            return Tries(outcome, tried, last_error)
+        if isinstance(outcome, GiveUp):
+            return Tries(None, tried, last_error)
+        last_error = outcome.error or last_error
+        worker = None
+
+
+class Proxy:
+    def __init__(self, workers: list[Worker], routing: Routing, kv: KVMirrors, prompts: PromptTokenizer,
+                 settlement: Settlement, metrics: GatewayMetrics, breaker: MonitorConfig, max_retries: int,
+                 pd_min_prefill_tokens: int) -> None:  # fmt: skip
+        self.workers, self.routing, self.kv, self.prompts = workers, routing, kv, prompts
+        self.settlement, self.metrics, self.breaker = settlement, metrics, breaker
+        self.max_retries, self.pd_min_prefill_tokens = max_retries, pd_min_prefill_tokens
+        self.client: httpx.AsyncClient | None = None  # the gateway's, once it has started
+
+    async def route(self, ctx: RequestContext, request: Request) -> Response:
+        """Pick a worker and forward; retry elsewhere while workers fail before their first byte."""
+
+        async def choose(candidates: list[Worker]) -> Worker:
+            return (await self.routing.decide(ctx, candidates)).worker
+
+        tries = await self._try(ctx, lambda: pool(self.workers, ctx.model)[0], choose,
+                                self._forward(ctx, request, ctx.raw))  # fmt: skip
+        return tries.done.value if tries.done is not None else self._no_worker(ctx, tries)
+
+    async def route_pd(self, ctx: RequestContext, request: Request) -> Response:
+        """Disaggregated: prefill on a prefill worker (unless not worth it), decode on a decode worker."""
+        decode_pool, _ = pool(self.workers, ctx.model, ("decode",))
+        if not decode_pool:
+            return await self.route(ctx, request)  # colocated workers of this model, if any
+        d = self.routing.choose_decode(decode_pool)
+        answer, prefill_worker, decision = None, None, LOCAL
+        if why_not_disaggregated(ctx.data, ctx.kind) is None:
+            ids = await ctx.token_ids(self.prompts, d)
+            block_size = (d.info or {}).get("block_size")
+            if ids and block_size:
+                hashes = hash_prompt_blocks(ids, block_size)
+                uncached = len(ids) - self.kv.overlap(d, hashes) * block_size
+                if uncached >= self.pd_min_prefill_tokens:
+                    answer, prefill_worker = await self.prefill(ctx, d, hashes)
+                    decision = DISAGGREGATED if answer is not None and answer.get("ok") else FALLBACK
+                self.kv.add_pending(d, hashes)
+        self.metrics.pd_decisions.labels(ctx.model, decision).inc()
+        extra = {PREFILL_HEADER: prefill_worker.url} if prefill_worker is not None else {}
+
+        async def choose(candidates: list[Worker]) -> Worker:
+            return self.routing.choose_decode(candidates)
+
+        attempt = self._forward(ctx, request, decode_body(ctx.data, answer), extra)
+        tries = await self._try(ctx, lambda: pool(self.workers, ctx.model, ("decode",))[0], choose, attempt, first=d)
+        return tries.done.value if tries.done is not None else self._no_worker(ctx, tries)
+
+    async def prefill(self, ctx: RequestContext, decode: Worker,
+                      hashes: list[bytes]) -> tuple[dict | None, Worker | None]:  # fmt: skip
+        """(the prefill worker's kv_transfer_params, that worker), retrying on other prefill workers
+        of the pool; (None, None) when none could."""
+        body = prefill_body(ctx.data, receiver_of(decode))
+
+        def candidates() -> list[Worker]:
+            prefill_pool, _ = pool(self.workers, ctx.model, ("prefill",))
+            if ctx.prefill_pool is not None:
+                prefill_pool = [w for w in prefill_pool if w.prefill_pool == ctx.prefill_pool]
+            return prefill_pool
+
+        async def choose(candidates: list[Worker]) -> Worker:
+            return self.routing.choose_prefill(candidates, hashes)
+
+        async def attempt(worker: Worker) -> Done | Retry | GiveUp:
+            t0 = time.monotonic()
+            worker.in_flight += 1
+            try:
+                r = await self.client.post(worker.url + ctx.path, content=body,
+                                           headers={"content-type": "application/json"})  # fmt: skip
+            except (httpx.TransportError, OSError) as e:
+                if not isinstance(e, httpx.ReadTimeout):  # a long prefill is slow, not broken
+                    worker.record_failure(f"{type(e).__name__}: {e}", self.breaker)
+                logger.warning("prefill worker %s failed: %s", worker.url, e)
+                return Retry()
+            finally:
+                worker.in_flight -= 1
+            if r.status_code != 200:
+                if r.status_code in (502, 503, 504):
+                    worker.record_failure(f"HTTP {r.status_code}", self.breaker)
+                logger.warning("prefill worker %s answered %d: %s", worker.url, r.status_code, r.text[:300])
+                if r.status_code < 500 and r.status_code != 429:
+                    return GiveUp()  # the request's own fault: the decode worker will say what it is
+                return Retry()  # broken or busy (429: its queue is full): another prefill worker
+            worker.consecutive_failures = 0
+            try:
+                answer = r.json()["kv_transfer_params"]
+                answer["first_token_ids"], answer["prompt_digest"]  # noqa: B018 -- both must be there
+            except (ValueError, KeyError, TypeError):
+                logger.warning("prefill worker %s sent no kv_transfer_params", worker.url)
+                return Retry()
+            if not answer.get("ok"):
+                logger.warning("KV transfer %s -> %s failed: %s", worker.url, decode.url, answer.get("error"))
+            self.metrics.prefill_seconds.observe(time.monotonic() - t0)
+            self.kv.add_pending(worker, hashes)
+            return Done((answer, worker))
+
+        tries = await self._try(ctx, candidates, choose, attempt)
+        return tries.done.value if tries.done is not None else (None, None)
+
+    async def _try(self, ctx: RequestContext, candidates, choose, attempt, first: Worker | None = None) -> Tries:
+        """try_workers with this gateway's max_retries, counting retries per model."""
+
+        def on_retry() -> None:
+            self.metrics.retries.labels(ctx.model).inc()
+
+        return await try_workers(candidates, choose, attempt, max_retries=self.max_retries, on_retry=on_retry,
+                                 first=first)  # fmt: skip
+
+    def _forward(self, ctx: RequestContext, request: Request, body: bytes, extra_headers: dict[str, str] | None = None):
+        """The attempt that sends `body` to a worker and, once it answers, passes its response through."""
+        accept = request.headers.get("accept")
+
+        async def attempt(worker: Worker) -> Done | Retry:
+            upstream, error = await send(self.client, worker, ctx.path, body, accept, self.breaker)
+            if upstream is None:
+                return Retry(error)
+            ctx.handed_off = True
+            return Done(pass_through(ctx, worker, upstream, self.settlement, extra_headers))
+
+        return attempt
+
+    def _no_worker(self, ctx: RequestContext, tries: Tries) -> Response:
+        self.metrics.failed.labels(ctx.model).inc()
+        self.settlement.release(ctx)  # nothing ran: nothing charged
+        if tries.last_error is not None:  # every attempt got a 5xx: the last one says why
+            worker, status, headers, body = tries.last_error
+            return Response(body, status_code=status, headers={**headers, WORKER_HEADER: worker.url})
+        message = f"no worker for model `{ctx.model}` could take the request" if tries.tried else (
+            f"no healthy worker for model `{ctx.model}`")  # fmt: skip
+        return error_response(503, message, "service_unavailable", headers={"Retry-After": "1"})
