@@ -66,21 +66,20 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
-        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens so far."""
         return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     def _update_block_hashes(self) -> None:
         """Hash every newly completed full block (chained on the previous hash)."""

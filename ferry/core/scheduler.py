@@ -42,13 +42,14 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
     ) -> None:
         self.kv = kv_cache_manager
+        self.waiting: list[Request] = []  # in admission order once sorted (_order_waiting)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        # Per-step limits: sequences running, tokens computed, and a sequence's whole length.
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------

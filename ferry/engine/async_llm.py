@@ -274,6 +274,7 @@ class AsyncLLM:
 
     @property
     def num_in_flight(self) -> int:
+        """User requests with an open stream (n > 1 counts once)."""
         return len(self.streams)
 
     @property
