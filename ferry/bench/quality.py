@@ -68,13 +68,14 @@ def main(args: argparse.Namespace) -> int:
     if args.text_file:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
-    reference, tokenizer, *_ = load_model(replace(eargs, quantization=None))
+    loaded = load_model(replace(eargs, quantization=None))
+    reference, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise ValueError("the model has no tokenizer to encode the text with")
     ids = tokenizer.encode(text)[: args.max_tokens]
     if len(ids) < 2:
         raise ValueError("the text is shorter than two tokens")
-    candidate, *_ = load_model(eargs)
+    candidate = load_model(eargs).model
     result = {"quantization": eargs.quantization, **compare(reference, candidate, ids)}
     print(
         f"{eargs.quantization} vs unquantized over {result['tokens']} tokens: "
