@@ -94,6 +94,8 @@ class AsyncLLM:
         kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.args = args
+        self.kv_events = kv_events  # publish KV events from the core (for the gateway)
+        self.kv_transfer = kv_transfer  # prefill/decode disaggregation (ferry/kv_transfer/)
         self.client = EngineCoreClient(args, kv_events, kv_transfer)
         self._kv_sent: dict[str, asyncio.Future] = {}  # request id -> its KVTransferDone (prefill side)
         self.tokenizer = tokenizer

@@ -47,8 +47,8 @@ class EngineCoreClient:
         kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.args = args
-        self.kv_events = kv_events  # publish KV events from the core (for the gateway)
-        self.kv_transfer = kv_transfer  # prefill/decode disaggregation (ferry/kv_transfer/)
+        self.kv_events = kv_events
+        self.kv_transfer = kv_transfer
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._ipc_dir = tempfile.mkdtemp(prefix="ferry-ipc-")
