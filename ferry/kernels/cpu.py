@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import threading
@@ -38,6 +39,29 @@ def _put_ninja_on_path() -> None:
 
 
 EXTENSION_NAME = "ferry_cpu_kernels"
+
+# Instructions that multiply u8 x s8 and accumulate straight into int32.
+_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo); empty where that is not readable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_int8_dot_product() -> bool:
+    """Whether int8 GEMMs accumulate u8 x s8 products without an int16 step (VNNI, AMX). Without
+    it (AVX2 alone), oneDNN adds pairs of products in saturating int16 (vpmaddubsw): 255 x 127 x 2
+    overflows, so int8 weights must stay within +-63 there (what PyTorch's reduce_range does)."""
+    return bool(_INT8_DOT_FLAGS & cpu_flags())
 
 
 @contextlib.contextmanager

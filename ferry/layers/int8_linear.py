@@ -1,7 +1,8 @@
 """Dynamic W8A8 int8 linear on the CPU (`--quantization int8`), through oneDNN.
 
 Weights are quantized once at load time, symmetric per output channel
-(scale = max|w| / 127). Activations are quantized every call, symmetric per
+(scale = max|w| / 127; / 63 on CPUs without VNNI, whose int8 GEMM sums pairs
+of u8 x s8 products in saturating int16, see `weight_qmax`). Activations are quantized every call, symmetric per
 token (row): x_q = round(x / s_row) + 128 as uint8. oneDNN's int8 GEMM with
 AVX-512 VNNI wants unsigned activations; with signed ones torch falls back to
 a path ~1,000x slower. Every row shares the zero point 128, so the GEMM runs
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.kernels.cpu import cpu_kernels
+from ferry.kernels.cpu import cpu_kernels, has_int8_dot_product
 
 # The M the weight layout is tuned for; any M works.
 _PACK_HINT_ROWS = 16
@@ -45,16 +46,22 @@ class Int8Weight:
     out_features: int
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: returns (q [out, in] int8, scale [out] fp32)."""
+def weight_qmax() -> int:
+    """The largest int8 weight magnitude this CPU's int8 GEMM computes exactly: 127 with VNNI or
+    AMX, 63 on AVX2 alone (kernels/cpu.py: has_int8_dot_product)."""
+    return 127 if has_int8_dot_product() else 63
+
+
+def quantize_weight(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 in [-qmax, qmax]: returns (q [out, in] int8, scale [out] fp32)."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / float(qmax)
+    q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
 def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
-    q, scale = quantize_weight(weight)
+    q, scale = quantize_weight(weight, weight_qmax())
     packed = torch.ops.onednn.qlinear_prepack(q, [_PACK_HINT_ROWS, q.shape[1]])
     zero_point = torch.zeros(q.shape[0], dtype=torch.int64)
     return Int8Weight(packed, scale, zero_point, q.shape[0])

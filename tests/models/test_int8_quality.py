@@ -2,8 +2,9 @@
 
 Teacher-forced over a fixed text: every position's next-token distribution of
 the int8 model against the fp32 one (KL, top-1 agreement, perplexity), then a
-greedy generation through the engine. Measured on ferry bench quality's DEFAULT_TEXT (231 tokens): KL 0.012,
-top-1 agreement 0.94, perplexity 17.79 -> 17.88 (+0.5%).
+greedy generation through the engine. Measured on ferry bench quality's DEFAULT_TEXT (231 tokens), with
+VNNI (8-bit weights): KL 0.012, top-1 agreement 0.94, perplexity 17.79 -> 17.88 (+0.5%); on an AVX2-only
+CPU (7-bit weights, layers/int8_linear.py: weight_qmax): KL 0.027, top-1 0.92, perplexity -> 18.79 (+5.6%).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from conftest import assert_no_blocks_referenced, run_to_completion
 from ferry.bench.quality import DEFAULT_TEXT, compare
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.layers.int8_linear import int8_linear_available
+from ferry.layers.int8_linear import int8_linear_available, weight_qmax
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
 
@@ -33,7 +34,8 @@ def test_int8_next_token_distributions_stay_close_to_fp32(smollm, int8_model):
     r = compare(fp32, int8_model[0], ids)
     assert r["kl_mean"] < 0.03, r
     assert r["top1_agreement"] >= 0.88, r
-    assert r["ppl_candidate"] < 1.04 * r["ppl_reference"], r
+    # 7-bit weights (no VNNI) double the weight step; the KL and top-1 bounds hold for both.
+    assert r["ppl_candidate"] < (1.04 if weight_qmax() == 127 else 1.08) * r["ppl_reference"], r
     # The comparison itself: a model against itself is identical.
     same = compare(fp32, fp32, ids[:50])
     assert same["kl_mean"] < 1e-6 and same["top1_agreement"] == 1.0
