@@ -9,9 +9,12 @@ from dataclasses import dataclass, fields
 
 _GiB = 1 << 30
 
-# None: run the weights in the model dtype (a GGUF's quantized tensors are dequantized).
+# None / auto: as the checkpoint is stored: a quantized GGUF runs its blocks as stored on the CPU
+#   (gguf), anything else in the model dtype.
+# none: every weight in the model dtype (a GGUF's quantized tensors dequantized): the HF-exact reference.
+# gguf: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors run as stored (ferry/layers/gguf_linear.py).
 # int8: per-channel int8 weights, per-token int8 activations (ferry/layers/int8_linear.py).
-QUANTIZATION_METHODS = (None, "int8")
+QUANTIZATION_METHODS = (None, "auto", "none", "gguf", "int8")
 
 # auto: real weights from the checkpoint; dummy: the architecture from config.json, random weights.
 LOAD_FORMATS = ("auto", "dummy")
@@ -31,7 +34,7 @@ class EngineArgs:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str | None = None  # None | int8 (dynamic W8A8 on the CPU)
+    quantization: str | None = None  # None/auto (as stored) | none | gguf | int8 (dynamic W8A8 on the CPU)
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0

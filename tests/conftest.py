@@ -22,8 +22,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def smollm():
-    """(model, tokenizer, device, dtype, path) of the bundled SmolLM2 in fp32 on the CPU."""
-    return load_model(EngineArgs(device="cpu", dtype="float32"))
+    """(model, tokenizer, device, dtype, path) of the bundled SmolLM2 in fp32 on the CPU, its Q4_1
+    tensors dequantized (`quantization="none"`): the HF-exact reference."""
+    return load_model(EngineArgs(device="cpu", dtype="float32", quantization="none"))
 
 
 @pytest.fixture(scope="session")

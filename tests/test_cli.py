@@ -19,8 +19,9 @@ def test_generate_streams_greedy_completion(smollm, make_engine):
     from ferry.sampling_params import SamplingParams
 
     proc = _ferry(
-        "generate", "The capital of France is", "--max-tokens", "12", "--num-kv-blocks", "64", "--max-model-len", "256"
-    )
+        "generate", "The capital of France is", "--max-tokens", "12", "--num-kv-blocks", "64", "--max-model-len", "256",
+        "--quantization", "none",  # the fp32 engine below; the default runs the GGUF's blocks as stored
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     engine = make_engine(max_model_len=256)
     engine.add_request("x", "The capital of France is", SamplingParams(temperature=0, max_tokens=12))
@@ -42,7 +43,7 @@ def test_serve_rejects_bad_flags_before_loading():
         (["--max-queue-len", "0"], "max_queue_len"),
         (["--block-size", "0"], "block_size"),
         (["/nonexistent/model.gguf"], "does not exist"),
-        (["--quantization", "int4"], "quantization must be one of int8"),
+        (["--quantization", "int4"], "quantization must be one of auto, none, gguf, int8"),
         (["--kv-cache-dtype", "fp8"], "kv_cache_dtype must be"),
     ):
         proc = _ferry("serve", "--port", "1", *args, timeout=60)

@@ -72,6 +72,20 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype: torch.dtype, batch: int, quan
     return total
 
 
+def model_weight_bytes_per_step(model, batch: int) -> int:
+    """The same, read off a loaded model whose weights run GGUF-quantized: each projection's
+    blocks as held, the quantized embedding's rows gathered, and the head's blocks in full."""
+    from ferry.layers.linear import Linear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # norms
+    total += sum(sum(w.nbytes for w in m.gguf) for m in model.modules() if isinstance(m, Linear) and m.gguf)
+    emb = model.embed_tokens.gguf
+    total += emb.nbytes * min(batch, emb.out_features) // emb.out_features
+    if model._gguf_lm_head is not None:
+        total += model._gguf_lm_head.nbytes
+    return total
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=kv_dtype).element_size()
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
@@ -170,7 +184,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"batch {batch}: no step decoded all {batch} requests together (KV cache too small?)")
         secs = [dt for _, dt in decode]
         tpot = statistics.fmean(secs)
-        w_bytes = weight_bytes_per_step(cfg, dtype, batch, eargs.quantization)
+        if engine.model.quantization == "gguf":
+            w_bytes = model_weight_bytes_per_step(engine.model, batch)
+        else:
+            w_bytes = weight_bytes_per_step(cfg, dtype, batch, engine.model.quantization)
         kv_bytes = statistics.fmean(r.decode_context_tokens for r, _ in decode) * kv_tok
         achieved = (w_bytes + kv_bytes) / tpot
         fraction = achieved / peak if peak else None

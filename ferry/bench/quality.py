@@ -3,7 +3,8 @@
 Both models read the same text teacher-forced (one prefill), and every
 position's next-token distribution is compared: mean KL(fp32 || quantized),
 top-1 agreement, and each model's perplexity on the text. This measures the
-weight and activation quantization (`--quantization`); the KV-cache dtype
+weight and activation quantization (`--quantization`; `gguf` or `auto` for a quantized GGUF
+compares its blocks run as stored against the same file dequantized to fp32); the KV-cache dtype
 does not enter a single prefill (see tests/engine for its greedy check).
 """
 
@@ -17,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from ferry.config import EngineArgs
+from ferry.layers.gguf_linear import int8_dots_at_any_batch
 from ferry.worker.model_loading import load_model
 
 # Held out from the SmoothQuant calibration text (ferry/layers/smoothquant.py): prose, code, Q&A.
@@ -60,15 +62,15 @@ def compare(reference, candidate, token_ids: list[int]) -> dict[str, float]:
 def main(args: argparse.Namespace) -> int:
     eargs = EngineArgs.from_cli_args(args)
     eargs.model = args.model
-    if not eargs.quantization:
-        raise ValueError("give the quantization to measure, e.g. --quantization int8")
+    if eargs.quantization in (None, "none"):
+        raise ValueError("give the quantization to measure, e.g. --quantization int8 or gguf")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     text = DEFAULT_TEXT
     if args.text_file:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
-    loaded = load_model(replace(eargs, quantization=None))
+    loaded = load_model(replace(eargs, quantization="none"))
     reference, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise ValueError("the model has no tokenizer to encode the text with")
@@ -76,14 +78,24 @@ def main(args: argparse.Namespace) -> int:
     if len(ids) < 2:
         raise ValueError("the text is shorter than two tokens")
     candidate = load_model(eargs).model
-    result = {"quantization": eargs.quantization, **compare(reference, candidate, ids)}
-    print(
-        f"{eargs.quantization} vs unquantized over {result['tokens']} tokens: "
-        f"KL {result['kl_mean']:.4f}, top-1 agreement {result['top1_agreement']:.3f}, "
-        f"perplexity {result['ppl_reference']:.2f} -> {result['ppl_candidate']:.2f} "
-        f"({result['ppl_candidate'] / result['ppl_reference'] - 1:+.1%})"
-    )
+    if candidate.quantization is None:
+        raise ValueError(f"--quantization {eargs.quantization}: this checkpoint runs unquantized; nothing to compare")
+    results = []
+    if candidate.quantization == "gguf":
+        # Prefill dequantizes into an fp32 GEMM (exact); decode quantizes activations per 32 values.
+        results.append({"quantization": "gguf (prefill path)", **compare(reference, candidate, ids)})
+        with int8_dots_at_any_batch():
+            results.append({"quantization": "gguf (decode path)", **compare(reference, candidate, ids)})
+    else:
+        results.append({"quantization": candidate.quantization, **compare(reference, candidate, ids)})
+    for result in results:
+        print(
+            f"{result['quantization']} vs unquantized over {result['tokens']} tokens: "
+            f"KL {result['kl_mean']:.4f}, top-1 agreement {result['top1_agreement']:.3f}, "
+            f"perplexity {result['ppl_reference']:.2f} -> {result['ppl_candidate']:.2f} "
+            f"({result['ppl_candidate'] / result['ppl_reference'] - 1:+.1%})"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(results if len(results) > 1 else results[0], f, indent=2)
     return 0

@@ -5,7 +5,9 @@ reference first gathers every sequence's blocks into a padded copy and then
 reads that copy again, which at large batches costs several times the
 bandwidth. The C++ kernel reads each K/V row once, straight from its block.
 The per-token activation quantization of `--quantization int8` is one C++
-pass instead of seven torch ops. If no compiler is available, or
+pass instead of seven torch ops. GGUF block-quantized weights (Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K, Q6_K) run as stored through integer dot products
+(gguf_quant_cpu.cpp). If no compiler is available, or
 FERRY_CPU_KERNELS=0, callers fall back to the torch paths.
 """
 
@@ -102,7 +104,7 @@ def cpu_kernels():
             from torch.utils.cpp_extension import _get_build_directory, load
 
             csrc = Path(__file__).parent / "csrc"
-            sources = [csrc / "paged_decode_attention_cpu.cpp", csrc / "quantize_per_token_cpu.cpp"]
+            sources = sorted(csrc.glob("*.cpp"))
             _put_ninja_on_path()
             logger.info("loading the CPU kernels (compiled on first use, ~30 s)")
             build_dir = _get_build_directory(EXTENSION_NAME, verbose=False)

@@ -1,7 +1,8 @@
-"""Residual add + RMSNorm and SiLU-and-mul: Triton kernels on CUDA, torch elsewhere.
+"""Residual add + RMSNorm, RMSNorm and SiLU-and-mul: Triton kernels on CUDA, one C++ call each
+for fp32 on the CPU (ferry/kernels/csrc/fused_ops_cpu.cpp), torch elsewhere.
 
 The decoder carries its residual stream separately (vLLM's layout): each norm first adds
-the sublayer's output to the residual, then normalises it, in one pass on a GPU.
+the sublayer's output to the residual, then normalises it, in one pass.
 """
 
 from __future__ import annotations
@@ -9,9 +10,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ferry.kernels.cpu import cpu_kernels
+
 
 def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+def cpu_fused_kernels(*tensors: torch.Tensor):
+    """The C++ kernels when every tensor is a contiguous fp32 CPU tensor (else None: torch)."""
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        return cpu_kernels()
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    kernels = cpu_fused_kernels(x, weight)
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +37,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         from ferry.kernels.triton_fused import add_rms_norm as kernel
 
         return kernel(x, residual, weight, eps)
+    kernels = cpu_fused_kernels(x, residual, weight)
+    if kernels is not None:
+        return kernels.add_rms_norm_(x, residual, weight, eps)
     residual.add_(x)
     return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
 
@@ -29,5 +49,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from ferry.kernels.triton_fused import silu_and_mul as kernel
 
         return kernel(gate_up)
+    kernels = cpu_fused_kernels(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.layers.gguf_linear import GGUFWeight, concat_rows, gguf_linear
 from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
 
 
@@ -36,14 +37,34 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can switch to a oneDNN-packed fp32 copy of its weight, or to
-    an int8 one (`--quantization int8`, see int8_linear.py)."""
+    """nn.Linear that can switch to a oneDNN-packed fp32 copy of its weight, to an int8 one
+    (`--quantization int8`, see int8_linear.py), or run GGUF block-quantized weights as stored
+    (`--quantization gguf`, see gguf_linear.py; then it has no fp32 weight at all)."""
 
     packed: torch.Tensor | None = None
     int8: Int8Weight | None = None
+    gguf: list[GGUFWeight] | None = None
+
+    def drop_weight(self) -> None:
+        """Free the fp32 weight (before it is ever allocated, on a meta model): the GGUF parts
+        given to `set_gguf` will be the only copy."""
+        self.weight = None
+
+    def set_gguf(self, parts: list[GGUFWeight]) -> None:
+        """The weight as GGUF parts stacked by output rows (e.g. q, k, v), each in its own type."""
+        rows = sum(p.out_features for p in parts)
+        if rows != self.out_features or any(p.in_features != self.in_features for p in parts):
+            raise ValueError(f"GGUF parts make [{rows}, {parts[0].in_features}], expected {tuple(self.weight_shape)}")
+        self.gguf, self.packed, self.int8 = concat_rows(parts), None, None
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def pack(self) -> None:
         """Pack the current weight; call again after changing it."""
+        if self.gguf is not None:
+            return  # already in its executable form
         self.packed, self.int8 = pack_weight(self.weight), None
 
     def quantize_int8(self) -> None:
@@ -51,6 +72,8 @@ class Linear(nn.Linear):
         self.packed, self.int8 = None, pack_int8_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:
+            return gguf_linear(x, self.gguf, self.bias)
         if self.int8 is not None:
             return int8_linear(x, self.int8, self.bias)
         if self.packed is not None:

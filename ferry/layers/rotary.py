@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ferry.kernels.cpu import cpu_kernels
+
 
 def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -79,6 +81,11 @@ class RotaryEmbedding(torch.nn.Module):
 
             rotary_(positions, q, k, self.cos, self.sin)
             return q, k
+        if q.dtype == torch.float32 and k.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1:
+            kernels = cpu_kernels()
+            if kernels is not None:  # one C++ pass, in place (q/k may be views into the fused qkv)
+                kernels.rotary_(positions, q, k, self.cos, self.sin)
+                return q, k
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(q.dtype)
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

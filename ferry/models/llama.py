@@ -23,7 +23,8 @@ from ferry.layers.attention import (
     build_metadata,
     paged_attention,
 )
-from ferry.layers.fused import add_rms_norm, silu_and_mul
+from ferry.layers.fused import add_rms_norm, rms_norm, silu_and_mul
+from ferry.layers.gguf_linear import GGUFWeight, gguf_embedding, gguf_linear
 from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
@@ -38,7 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x (in place), then normalise it (one fused pass on a GPU)."""
@@ -109,8 +110,11 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
         nn.init.normal_(self.weight)  # nn.Embedding's initialisation (loading overwrites it)
+        self.gguf: GGUFWeight | None = None  # --quantization gguf: the only copy (weight is None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:
+            return gguf_embedding(ids, self.gguf)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -153,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self._packed_lm_head: torch.Tensor | None = None
         self._int8_lm_head: Int8Weight | None = None
+        self._gguf_lm_head: GGUFWeight | None = None
+        self.quantization: str | None = None  # set by the loader: "gguf", "int8" or None (the dtype)
 
     def forward(
         self,
@@ -169,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
     def init_rotary(self) -> None:
         """(Re)build the fp32 cos/sin tables on the model's device, shared by all layers."""
         cfg = self.config
-        device = self.embed_tokens.weight.device
+        device = self.norm.weight.device
         with torch.device(device):
             rotary = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling)
         for layer in self.layers:
@@ -182,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._gguf_lm_head is not None:
+            return gguf_linear(hidden, [self._gguf_lm_head], None)
         if self._int8_lm_head is not None:
             return int8_linear(hidden, self._int8_lm_head, None)
         if self._packed_lm_head is not None:
@@ -192,11 +200,47 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def pack_linear_weights(self) -> None:
-        """Switch every projection (and the output head) to oneDNN-packed fp32 weights (CPU)."""
+        """Switch every projection (and the output head) to oneDNN-packed fp32 weights (CPU);
+        GGUF-quantized ones stay as they are."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self._packed_lm_head, self._int8_lm_head = pack_weight(self._lm_head_weight()), None
+        if self._gguf_lm_head is None:
+            self._packed_lm_head, self._int8_lm_head = pack_weight(self._lm_head_weight()), None
+
+    # -- GGUF quantized weights (--quantization gguf) ----------------------
+
+    def plan_gguf(self, quantized: dict[str, str]) -> frozenset[str]:
+        """On the meta model, before allocation: give up the fp32 weight of every projection, the
+        embedding and the head whose checkpoint tensors are all stored quantized (`quantized`:
+        HF name -> ggml type), so the GGUF bytes are the only copy. Returns the checkpoint names
+        the loader must hand over still quantized; the rest it dequantizes as before."""
+        if self.tp.size > 1:
+            raise ValueError("GGUF quantized weights do not support --tensor-parallel-size > 1 yet; "
+                             "use --quantization none")  # fmt: skip
+        keep: set[str] = set()
+        pieces: dict[str, list[str]] = {}  # module (HF-fused name) -> its checkpoint tensor names
+        for name in quantized:
+            short = name.removeprefix("model.")
+            parts = short.split(".")
+            module = ".".join(self._FUSED.get(p, (p, 0))[0] for p in parts[:-1])
+            pieces.setdefault(module, []).append(name)
+        modules = dict(self.named_modules())
+        for module_name, names in pieces.items():
+            module = modules.get(module_name)
+            if isinstance(module, Linear):
+                fused = module_name.rsplit(".", 1)[-1]
+                need = {"qkv_proj": 3, "gate_up_proj": 2}.get(fused, 1)
+                if len(names) == need:  # every part quantized, else all of them come dequantized
+                    module.drop_weight()
+                    keep.update(names)
+            elif module_name == "embed_tokens":
+                self.embed_tokens.weight = None
+                keep.update(names)
+            elif module_name == "lm_head" and self.lm_head is not None:
+                self.lm_head.weight = None
+                keep.update(names)
+        return frozenset(keep)
 
     def quantize_linear_weights_int8(self, calibration_ids: list[int], alpha: float = DEFAULT_ALPHA) -> None:
         """Switch every projection and the output head to int8 weights with per-token int8
@@ -246,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
     def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
         """Final hidden states [T, hidden] of one prompt, with a throwaway KV cache (calibration)."""
         cfg = self.config
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
         T = len(token_ids)
         shape = (T, 1, cfg.num_key_value_heads, cfg.head_dim)  # T blocks of one slot each
         kv = [
@@ -261,6 +305,30 @@ class LlamaForCausalLM(nn.Module):
         return self(torch.tensor(token_ids, device=device), positions, kv, meta)
 
     # -- weights --------------------------------------------------------
+
+    def _has_gguf(self, module: nn.Module) -> bool:
+        if module is self.lm_head:
+            return self._gguf_lm_head is not None
+        return getattr(module, "gguf", None) is not None
+
+    def _set_gguf_weights(self, gguf_parts: dict[str, dict[int, GGUFWeight]]) -> None:
+        modules = dict(self.named_modules())
+        for module_name, shards in gguf_parts.items():
+            module = modules.get(module_name)
+            parts = [shards[i] for i in sorted(shards)]
+            if isinstance(module, Linear) and module.weight is None:
+                n = {"qkv_proj": 3, "gate_up_proj": 2}.get(module_name.rsplit(".", 1)[-1], 1)
+                if len(parts) != n:
+                    raise ValueError(f"{module_name}: {len(parts)} of its {n} quantized parts in the checkpoint")
+                module.set_gguf(parts)
+            elif module_name == "embed_tokens" and self.embed_tokens.weight is None:
+                self.embed_tokens.gguf = parts[0]
+            elif module_name == "lm_head" and self.lm_head is not None and self.lm_head.weight is None:
+                self._gguf_lm_head = parts[0]
+            else:
+                raise ValueError(f"quantized checkpoint tensor for {module_name!r}, which expects a float weight")
+        if self.lm_head is None and self.embed_tokens.gguf is not None:
+            self._gguf_lm_head = self.embed_tokens.gguf  # tied: one quantized copy serves both
 
     _FUSED = {
         "q_proj": ("qkv_proj", 0),
@@ -294,6 +362,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        gguf_parts: dict[str, dict[int, GGUFWeight]] = {}  # module name -> shard -> weight
         attn, mlp = self.layers[0].self_attn, self.layers[0].mlp  # this rank's sizes
         q, kv = attn.q_size, attn.kv_size
         shard_offsets = {"qkv_proj": [0, q, q + kv], "gate_up_proj": [0, mlp.intermediate]}
@@ -311,6 +380,10 @@ class LlamaForCausalLM(nn.Module):
                     fused, shard = self._FUSED[part]
                     target = ".".join(parts[:i] + [fused] + parts[i + 1 :])
                     break
+            if isinstance(tensor, GGUFWeight):
+                gguf_parts.setdefault(target.removesuffix(".weight"), {})[shard or 0] = tensor
+                loaded.add(f"{target}#{shard}")
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             tensor = self._tensor_parallel_slice(target, tensor)
@@ -325,7 +398,8 @@ class LlamaForCausalLM(nn.Module):
                     start = shard_offsets[fused][shard]
                     param.narrow(0, start, tensor.shape[0]).copy_(tensor)
             loaded.add(f"{target}#{shard}")
-        expected = set()
+        self._set_gguf_weights(gguf_parts)
+        expected = {f"{m}.weight#{i if len(parts) > 1 else None}" for m, parts in gguf_parts.items() for i in parts}
         for pname in params:
             fused = pname.split(".")[-2] if "." in pname else ""
             n = {"qkv_proj": 3, "gate_up_proj": 2}.get(fused)
@@ -334,5 +408,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 expected.update(f"{pname}#{i}" for i in range(n))
         missing = sorted(expected - loaded)
+        unset = [n for n, m in self.named_modules() if getattr(m, "weight", 0) is None and not self._has_gguf(m)]
+        if unset:
+            raise ValueError(f"checkpoint lacks the quantized weights of {unset[:3]}")
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

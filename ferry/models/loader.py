@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import iter_dummy_weights
 from ferry.models.paths import resolve_model_path, safetensors_files
@@ -71,17 +72,38 @@ class Checkpoint:
     # iter_weights does not parse it again.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
 
-    def iter_weights(self, device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(
+        self, device: torch.device | str | None = None, keep_quantized: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         """Yield (HF name, tensor) one at a time, so that peak memory stays near one tensor.
 
         Checkpoint tensors come from the host; dummy ones are generated on `device` (default CPU).
+        GGUF tensors named in `keep_quantized` come as `GGUFWeight`s, still in their block format;
+        every other quantized tensor is dequantized to fp32.
         """
         if self.format == "dummy":
             yield from iter_dummy_weights(self.config, self.seed, device)
         elif self.format == "gguf":
-            yield from self._iter_gguf()
+            yield from self._iter_gguf(keep_quantized)
         else:
             yield from self._iter_safetensors()
+
+    def gguf_quantized_tensors(self) -> dict[str, str]:
+        """HF name -> ggml type name of each GGUF tensor stored in a type the quantized kernels run
+        (empty for other formats). Read from the header: no weight is touched."""
+        if self.format != "gguf":
+            return {}
+        found = {}
+        for tensor in self._reader().tensors:
+            type_name = tensor.tensor_type.name
+            if type_name in GGUF_QUANT_TYPES:
+                found[_hf_name(tensor.name)] = type_name
+        return found
+
+    def _reader(self) -> Any:
+        if self._gguf_reader is None:
+            self._gguf_reader = _open_gguf(self.path)
+        return self._gguf_reader
 
     def _iter_safetensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -94,18 +116,26 @@ class Checkpoint:
                         continue
                     yield name, f.get_tensor(name)
 
-    def _iter_gguf(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_gguf(self, keep_quantized: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         from gguf.quants import dequantize
 
-        reader = self._gguf_reader
-        if reader is None:
-            reader = _open_gguf(self.path)
+        reader = self._reader()
         cfg = self.config
         # Mistral shares llama.cpp's "llama" architecture and therefore its Q/K permutation.
         permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
         for tensor in reader.tensors:
             name = _hf_name(tensor.name)
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if name in keep_quantized:
+                # GGUF's shape is (in, out); rows stay whole blocks, so the Q/K unpermutation moves bytes.
+                n_out, n_in = int(tensor.shape[1]), int(tensor.shape[0])
+                weight = GGUFWeight.from_numpy(tensor.data, tensor.tensor_type.name, (n_out, n_in))
+                if permuted and (".q_proj." in name or ".k_proj." in name):
+                    n_head = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+                    order = _unpermute_qk(np.arange(n_out), n_head)
+                    weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
+                yield name, weight
                 continue
             # dequantize returns the numpy (row-major) shape, i.e. GGUF's shape reversed = HF's.
             w = dequantize(tensor.data, tensor.tensor_type)

@@ -15,12 +15,13 @@ import torch
 from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.kernels.cpu import cpu_kernels_enabled
+from ferry.layers.gguf_linear import gguf_available
 from ferry.layers.int8_linear import int8_linear_available
 from ferry.layers.linear import should_pack
 from ferry.layers.smoothquant import calibration_token_ids
 from ferry.models.config import ModelConfig
 from ferry.models.llama import LlamaForCausalLM
-from ferry.models.loader import load_checkpoint
+from ferry.models.loader import Checkpoint, load_checkpoint
 from ferry.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,49 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dty
     return dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
 
 
+def resolve_quantization(
+    method: str | None, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp: TensorParallel
+) -> str | None:
+    """What the weights run as: "gguf", "int8" or None (the model dtype). None/"auto" runs a
+    quantized GGUF as stored wherever the GGUF kernels run (CPU, float32, one rank), and says why
+    when it cannot; an explicit "gguf" that cannot run is an error."""
+    if method in ("auto", None):
+        if not ckpt.gguf_quantized_tensors():
+            return None
+        why = _gguf_unavailable(device, dtype, tp)
+        if why:
+            logger.info("running the GGUF's quantized tensors dequantized to %s: %s", dtype, why)
+            return None
+        return "gguf"
+    if method == "none":
+        return None
+    if method == "gguf":
+        if ckpt.format != "gguf":
+            raise ValueError(f"--quantization gguf needs a GGUF checkpoint, got {ckpt.format}: {ckpt.path}")
+        if not ckpt.gguf_quantized_tensors():
+            raise ValueError(f"--quantization gguf: {ckpt.path} has no tensor in a type ferry runs quantized")
+        why = _gguf_unavailable(device, dtype, tp)
+        if why:
+            raise ValueError(f"--quantization gguf: {why}")
+        return "gguf"
+    check_quantization(method, device, dtype)
+    if tp.size > 1:
+        raise ValueError("--quantization int8 does not support --tensor-parallel-size > 1 yet")
+    return method
+
+
+def _gguf_unavailable(device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> str | None:
+    if device.type != "cpu":
+        return "the GGUF kernels run on the CPU only so far"
+    if dtype != torch.float32:
+        return f"the GGUF kernels take float32 activations, not {dtype}"
+    if tp.size > 1:
+        return "the GGUF kernels do not support tensor parallelism yet"
+    if not gguf_available():
+        return "ferry's CPU kernels could not be built (no C++ compiler?)"
+    return None
+
+
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
     """Reject a quantization this device/dtype cannot run, before any weight is loaded."""
     if method != "int8":
@@ -78,23 +122,24 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     ckpt = load_checkpoint(args.model, args.load_format, args.seed)
     device = resolve_device(args.device, tp.rank, tp.size)
     dtype = resolve_dtype(args.dtype, device, ckpt.config)
-    check_quantization(args.quantization, device, dtype)
-    if args.quantization and tp.size > 1:
-        raise ValueError("--quantization int8 does not support --tensor-parallel-size > 1 yet")
+    quantization = resolve_quantization(args.quantization, ckpt, device, dtype, tp)
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp)
+        # GGUF: the quantized blocks are the only copy; those modules never get an fp32 weight.
+        keep_quantized = model.plan_gguf(ckpt.gguf_quantized_tensors()) if quantization == "gguf" else frozenset()
     # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
     # copy of the whole model on the device, which the allocator would keep from the KV cache.
     model = model.to(dtype).to_empty(device=device)
-    model.load_weights(ckpt.iter_weights(device))  # dummy weights are generated on the device
+    model.load_weights(ckpt.iter_weights(device, keep_quantized))  # dummy weights are generated on the device
     model.init_rotary()  # to_empty left the tables uninitialised; they stay fp32
     model.eval()
     tokenizer = load_tokenizer(args.tokenizer or ckpt.path)
-    if args.quantization == "int8":
+    if quantization == "int8":
         model.quantize_linear_weights_int8(calibration_token_ids(tokenizer, ckpt.config.vocab_size))
     elif should_pack(device, dtype) and cpu_kernels_enabled():
         model.pack_linear_weights()
-    quant = f", {args.quantization} weights" if args.quantization else ""
+    quant = f", {quantization} weights" if quantization else ""
     logger.info("loaded %s (%s%s) in %.1fs", ckpt.path, dtype, quant, time.perf_counter() - t0)
+    model.quantization = quantization  # what the weights run as: "gguf", "int8" or None (the dtype)
     return LoadedModel(model, tokenizer, device, dtype, ckpt.path)

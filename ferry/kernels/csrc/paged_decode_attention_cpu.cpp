@@ -183,10 +183,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(k_cache.dtype() == torch::kBFloat16, "the cache must be float32 or bfloat16");
   return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
 }
-
-std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_u8(torch::Tensor x);  // quantize_per_token_cpu.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32 q, fp32 or bf16 cache)");
-  m.def("quantize_per_token_u8", &quantize_per_token_u8, "per-row int8 quantization as uint8 + 128 (CPU)");
-}

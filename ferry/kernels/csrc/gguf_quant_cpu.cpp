@@ -1,0 +1,431 @@
+// GGUF block-quantized weights executed as stored (ferry/layers/gguf_linear.py).
+//
+// A weight is [N, row_bytes] uint8, the file's bytes per row (so a fused q/k/v
+// weight is its parts' rows concatenated). K-quant rows are ggml's blocks as
+// stored. Q4_0, Q4_1 and Q8_0 rows are the same bytes regrouped at load (see
+// gguf_linear.py: to_kernel_layout): all the blocks' quants, then all their fp16
+// scales d, then (Q4_1) all their mins m. Eight blocks' scales then convert in
+// one instruction and the min term is a vector FMA, which halves the
+// instructions per block of the decode loop (it is instruction-bound: ~11
+// cycles per block with the scales inline, measured on an AVX2 EPYC).
+//
+// Matmuls with few rows (decode) quantize the activations per 32-element block
+// to int8 (scale dy, and sy = dy * sum(q): llama.cpp's Q8_1) and take integer
+// dot products against the weight's nibbles: 32 u8 x s8 products per
+// maddubs. For a block of 32:
+//   Q4_0 (w = d (q - 8)):  d dy sum(q y) - 8 d sy
+//   Q4_1 (w = d q + m):    d dy sum(q y) + m sy
+//   Q8_0 (w = d q):        d dy sum(q y)          (signed x signed: sign trick)
+// K-quants (Q4_K, Q5_K, Q6_K) are unpacked one row at a time into int8 values
+// with a scale per 16 and a min per 32, then take the same integer dots.
+// Matmuls with many rows (prefill) are compute-bound, not byte-bound: the
+// Python side dequantizes the weight (gguf_dequantize) and calls a BLAS GEMM.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FERRY_AVX2 1
+#endif
+
+namespace {
+
+// ggml's type ids (ggml.h: enum ggml_type).
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Layout {
+  int64_t block;  // elements per block
+  int64_t bytes;  // bytes per block
+};
+
+Layout layout_of(int64_t t) {
+  switch (t) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "unsupported GGUF quantization type id ", t);
+}
+
+inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Bytes of one 32-block's quants (the regrouped rows of Q4_0, Q4_1, Q8_0).
+inline int64_t quant_bytes(int64_t t) { return t == Q8_0 ? 32 : 16; }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return fp16_to_fp32(h);
+}
+
+// Q4_K / Q5_K: the j-th (0..7) 6-bit scale and min of a super-block (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t& sc, uint8_t& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One row of a K-quant weight as int8 values plus a scale per 16 and a min per 32:
+// w[k] = scale16[k / 16] * q[k] - min32[k / 32].
+void unpack_kquant_row(int64_t t, const uint8_t* row, int64_t K, int8_t* q, float* scale16, float* min32) {
+  const int64_t nsb = K / 256;
+  for (int64_t s = 0; s < nsb; ++s) {
+    int8_t* qs_out = q + s * 256;
+    float* sc16 = scale16 + s * 16;
+    float* mn32 = min32 + s * 8;
+    if (t == Q4_K || t == Q5_K) {
+      const uint8_t* b = row + s * (t == Q4_K ? 144 : 176);
+      const float d = half_at(b), dmin = half_at(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = t == Q5_K ? b + 16 : nullptr;
+      const uint8_t* qs = b + (t == Q5_K ? 48 : 16);
+      for (int pair = 0; pair < 4; ++pair) {  // 64 values: 32 low nibbles, then 32 high
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * pair + half;
+          uint8_t sc, mn;
+          scale_min_k4(j, scales, sc, mn);
+          sc16[2 * j] = sc16[2 * j + 1] = d * sc;
+          mn32[j] = dmin * mn;
+          for (int l = 0; l < 32; ++l) {
+            int v = half ? (qs[pair * 32 + l] >> 4) : (qs[pair * 32 + l] & 0xF);
+            if (qh) v += ((qh[l] >> j) & 1) << 4;
+            qs_out[j * 32 + l] = int8_t(v);
+          }
+        }
+      }
+    } else {  // Q6_K: ql[128], qh[64], int8 scales[16], fp16 d; w = d * sc * (q - 32)
+      const uint8_t* b = row + s * 210;
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half_at(b + 208);
+      for (int g = 0; g < 16; ++g) sc16[g] = d * sc[g];
+      for (int g = 0; g < 8; ++g) mn32[g] = 0.f;
+      for (int n = 0; n < 2; ++n) {  // two halves of 128 values
+        const uint8_t* l8 = ql + n * 64;
+        const uint8_t* h8 = qh + n * 32;
+        int8_t* o = qs_out + n * 128;
+        for (int l = 0; l < 32; ++l) {
+          o[l] = int8_t(((l8[l] & 0xF) | (((h8[l] >> 0) & 3) << 4)) - 32);
+          o[l + 32] = int8_t(((l8[l + 32] & 0xF) | (((h8[l] >> 2) & 3) << 4)) - 32);
+          o[l + 64] = int8_t(((l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4)) - 32);
+          o[l + 96] = int8_t(((l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4)) - 32);
+        }
+      }
+    }
+  }
+}
+
+void dequantize_row(int64_t t, const uint8_t* row, int64_t K, float* out) {
+  if (t == Q4_0 || t == Q4_1 || t == Q8_0) {
+    const int64_t nb = K / 32, qb = quant_bytes(t);
+    const uint8_t* ds = row + nb * qb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* q = row + b * qb;
+      const float d = half_at(ds + 2 * b);
+      float* o = out + b * 32;
+      if (t == Q8_0) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(q);
+        for (int l = 0; l < 32; ++l) o[l] = d * qs[l];
+      } else {
+        const float m = t == Q4_1 ? half_at(ds + 2 * nb + 2 * b) : -8.f * d;
+        for (int l = 0; l < 16; ++l) {
+          o[l] = d * (q[l] & 0xF) + m;
+          o[l + 16] = d * (q[l] >> 4) + m;
+        }
+      }
+    }
+    return;
+  }
+  std::vector<int8_t> q(K);
+  std::vector<float> sc16(K / 16), mn32(K / 32);
+  unpack_kquant_row(t, row, K, q.data(), sc16.data(), mn32.data());
+  for (int64_t k = 0; k < K; ++k) out[k] = sc16[k / 16] * q[k] - mn32[k / 32];
+}
+
+// Activations [M, K] -> int8 [M, K], dy [M, K/32], sy [M, K/32] (sy = dy * sum of the block's q).
+void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dy, float* sy) {
+  const int64_t nb = K / 32;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(xb[l]));
+      const float d = amax / 127.f;
+      const float inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* qb = q + m * K + b * 32;
+      int sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int l = 0; l < 32; ++l) {
+        const int v = int(std::nearbyint(xb[l] * inv));
+        qb[l] = int8_t(v);
+        sum += v;
+      }
+      dy[m * nb + b] = d;
+      sy[m * nb + b] = d * float(sum);
+    }
+  }
+}
+
+#ifdef FERRY_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 unsigned nibbles of a Q4 block, in element order: low nibbles are 0..15, high 16..31.
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// sum over 32 of u[i] * s[i] (u unsigned bytes <= 127 * 2 per pair stays in int16), as 8 floats.
+inline __m256 dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+// R activation rows (R <= 4) against one regrouped weight row of a 32-block type: out[r] = dot.
+template <int T, int R>
+void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const float* const* dy,
+                 const float* const* sy, float* out) {
+  constexpr int64_t QB = T == Q8_0 ? 32 : 16;
+  const uint8_t* ds = w + nb * QB;  // fp16 scales, then (Q4_1) fp16 mins
+  const uint8_t* ms = ds + 2 * nb;
+  float tail[R];
+  for (int r = 0; r < R; ++r) tail[r] = 0.f;
+  int64_t b = 0;
+#ifdef FERRY_AVX2
+  __m256 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + 2 * b)));
+    __m256 sc[R];
+    for (int r = 0; r < R; ++r) {
+      sc[r] = _mm256_mul_ps(dw, _mm256_loadu_ps(dy[r] + b));
+      if (T == Q4_1) {
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ms + 2 * b)));
+        accm[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(sy[r] + b), accm[r]);
+      } else if (T == Q4_0) {
+        accm[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-8.f)), _mm256_loadu_ps(sy[r] + b), accm[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i lane = _mm256_set1_epi32(j);
+      const uint8_t* q = w + (b + j) * QB;
+      if (T == Q8_0) {
+        const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i aw = _mm256_sign_epi8(qw, qw);
+        for (int r = 0; r < R; ++r) {
+          const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + (b + j) * 32));
+          acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc[r], lane), dot_u8s8(aw, _mm256_sign_epi8(yv, qw)), acc[r]);
+        }
+      } else {
+        const __m256i qw = nibbles(q);
+        for (int r = 0; r < R; ++r) {
+          const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + (b + j) * 32));
+          acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sc[r], lane), dot_u8s8(qw, yv), acc[r]);
+        }
+      }
+    }
+  }
+  for (; b < nb; ++b) {  // the blocks after the last whole group of 8: scales one at a time
+    const float d = half_at(ds + 2 * b);
+    const float m = T == Q4_1 ? half_at(ms + 2 * b) : (T == Q4_0 ? -8.f * d : 0.f);
+    const uint8_t* q = w + b * QB;
+    __m256i qw, aw;
+    if (T == Q8_0) {
+      qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      aw = _mm256_sign_epi8(qw, qw);
+    } else {
+      qw = aw = nibbles(q);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + b * 32));
+      if (T == Q8_0) yv = _mm256_sign_epi8(yv, qw);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy[r][b]), dot_u8s8(aw, yv), acc[r]);
+      tail[r] += m * sy[r][b];
+    }
+  }
+  for (int r = 0; r < R; ++r) tail[r] += hsum(acc[r]) + hsum(accm[r]);
+#else
+  int8_t q[32];
+  for (; b < nb; ++b) {
+    const uint8_t* qs = w + b * QB;
+    const float d = half_at(ds + 2 * b);
+    float m = 0.f;
+    if (T == Q8_0) {
+      std::memcpy(q, qs, 32);
+    } else {
+      m = T == Q4_1 ? half_at(ms + 2 * b) : -8.f * d;
+      for (int l = 0; l < 16; ++l) q[l] = int8_t(qs[l] & 0xF), q[l + 16] = int8_t(qs[l] >> 4);
+    }
+    for (int r = 0; r < R; ++r) {
+      int acc_i = 0;
+      for (int l = 0; l < 32; ++l) acc_i += int(q[l]) * int(y[r][b * 32 + l]);
+      tail[r] += d * dy[r][b] * float(acc_i) + m * sy[r][b];
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) out[r] = tail[r];
+}
+
+template <int T>
+void dot_q32(int R, const uint8_t* w, int64_t nb, const int8_t* const* y, const float* const* dy, const float* const* sy,
+             float* out) {
+  switch (R) {
+    case 4: dot_row_q32<T, 4>(w, nb, y, dy, sy, out); break;
+    case 3: dot_row_q32<T, 3>(w, nb, y, dy, sy, out); break;
+    case 2: dot_row_q32<T, 2>(w, nb, y, dy, sy, out); break;
+    default: dot_row_q32<T, 1>(w, nb, y, dy, sy, out);
+  }
+}
+
+// K-quant row (already unpacked to int8 q, scale per 16, min per 32) against R activation rows.
+template <int R>
+void dot_row_unpacked(const int8_t* q, const float* sc16, const float* mn32, int64_t K, const int8_t* const* y,
+                      const float* const* dy, const float* const* sy, float* out) {
+  float acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int64_t g = 0; g < K / 16; ++g) {
+    const int8_t* qg = q + g * 16;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* yg = y[r] + g * 16;
+      int s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int l = 0; l < 16; ++l) s += int(qg[l]) * int(yg[l]);
+      acc[r] += sc16[g] * dy[r][g / 2] * float(s);
+    }
+  }
+  for (int64_t b = 0; b < K / 32; ++b)
+    for (int r = 0; r < R; ++r) acc[r] -= mn32[b] * sy[r][b];
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight must be contiguous uint8 [N, row_bytes]");
+  const Layout L = layout_of(qtype);
+  TORCH_CHECK(K % L.block == 0, "K=", K, " is not a multiple of the block size ", L.block);
+  TORCH_CHECK(w.size(1) == K / L.block * L.bytes, "weight rows are ", w.size(1), " bytes, expected ", K / L.block * L.bytes);
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ dequant(w [N, row_bytes]).T (+ bias), through int8 dot products.
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be a 2-D float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, qtype, K);
+  auto xc = x.contiguous();
+  auto y = torch::empty({M, N}, xc.options());
+  if (M == 0) return y;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dy(M * (K / 32)), sy(M * (K / 32));
+  quantize_q8(xc.data_ptr<float>(), M, K, qx.data(), dy.data(), sy.data());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1), nb = K / 32;
+  float* yp = y.data_ptr<float>();
+  const bool kquant = layout_of(qtype).block == 256;
+  // Each thread takes a run of output rows; one weight row is read once for all M activation rows.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<int8_t> q(kquant ? K : 0);
+    std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = wp + n * row_bytes;
+      if (kquant) unpack_kquant_row(qtype, row, K, q.data(), sc16.data(), mn32.data());
+      for (int64_t m = 0; m < M; m += 4) {
+        const int R = int(std::min<int64_t>(4, M - m));
+        const int8_t* yr[4];
+        const float *dr[4], *sr[4];
+        for (int r = 0; r < R; ++r) yr[r] = qx.data() + (m + r) * K, dr[r] = dy.data() + (m + r) * nb, sr[r] = sy.data() + (m + r) * nb;
+        float out[4];
+        if (kquant) {
+          switch (R) {
+            case 4: dot_row_unpacked<4>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
+            case 3: dot_row_unpacked<3>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
+            case 2: dot_row_unpacked<2>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
+            default: dot_row_unpacked<1>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out);
+          }
+        } else {
+          if (qtype == Q4_1) dot_q32<Q4_1>(R, row, nb, yr, dr, sr, out);
+          else if (qtype == Q4_0) dot_q32<Q4_0>(R, row, nb, yr, dr, sr, out);
+          else dot_q32<Q8_0>(R, row, nb, yr, dr, sr, out);
+        }
+        for (int r = 0; r < R; ++r) yp[(m + r) * N + n] = out[r];
+      }
+    }
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+// fp32 [N, K] copy of a quantized weight (the prefill path's GEMM operand, and the test oracle's peer).
+torch::Tensor gguf_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
+  check_weight(w, qtype, K);
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) dequantize_row(qtype, wp + n * row_bytes, K, op + n * K);
+  });
+  return out;
+}
+
+// fp32 rows `ids` of a quantized weight (an embedding lookup that reads only those rows).
+torch::Tensor gguf_get_rows(torch::Tensor w, torch::Tensor ids, int64_t qtype, int64_t K) {
+  check_weight(w, qtype, K);
+  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "ids must be 1-D int64");
+  auto idc = ids.contiguous();
+  const int64_t T = idc.size(0), N = w.size(0), row_bytes = w.size(1);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row id ", ip[i], " out of range [0, ", N, ")");
+  auto out = torch::empty({T, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) dequantize_row(qtype, wp + ip[i] * row_bytes, K, op + i * K);
+  });
+  return out;
+}

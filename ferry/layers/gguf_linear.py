@@ -1,0 +1,176 @@
+"""GGUF block-quantized weights run as stored (`--quantization gguf`, the default for a quantized GGUF).
+
+A weight keeps ggml's bytes: [out_features, row_bytes] uint8, each row K / 32 (or K / 256 for the
+K-quants) blocks with their fp16 scales inline, so the model holds the file's 4.5-6.6 bits per weight
+and nothing else. Decode is bound by reading weights; llama.cpp's answer, which the C++ kernel
+follows (ferry/kernels/csrc/gguf_quant_cpu.cpp), is to quantize each activation row per 32 values
+to int8 and take integer dot products against the nibbles. Matmuls with many rows (prefill) are
+compute-bound instead: there the weight is dequantized, a slice at a time, into an fp32 GEMM
+operand (a BLAS GEMM is ~2x the int8-dot kernel's throughput at 512 rows on AVX2).
+
+A linear whose parts have different types (llama.cpp's Q4_K_M mixes Q4_K and Q6_K, and the fused
+q/k/v weight is three tensors) keeps one `GGUFWeight` per part and concatenates their outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ferry.kernels.cpu import cpu_kernels
+
+# ggml type name -> (type id, elements per block, bytes per block): the types the kernel executes.
+GGUF_QUANT_TYPES = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+_TYPE_NAMES = {tid: name for name, (tid, _, _) in GGUF_QUANT_TYPES.items()}
+
+# At this many rows and more, dequantize-then-GEMM beats the int8 dot kernel (measured on an AVX2 EPYC:
+# equal at 64 rows, 2.2x faster at 512 for a 1536 x 576 Q4_1 weight).
+GEMM_MIN_ROWS = 64
+
+
+@contextlib.contextmanager
+def int8_dots_at_any_batch() -> Iterator[None]:
+    """Run every GGUF matmul through the decode path (int8 activations), whatever its rows: how
+    `ferry bench quality` and the tests measure, in one teacher-forced pass, what decode computes
+    (a long prefill would otherwise take the exact dequantize-then-GEMM path)."""
+    global GEMM_MIN_ROWS
+    saved, GEMM_MIN_ROWS = GEMM_MIN_ROWS, 1 << 62
+    try:
+        yield
+    finally:
+        GEMM_MIN_ROWS = saved
+
+
+# Rows dequantized at once on the GEMM path: bounds the fp32 scratch (a 49k-row output head
+# would otherwise need its whole fp32 copy).
+_DEQUANT_ROWS = 4096
+
+
+@dataclass
+class GGUFWeight:
+    """One block-quantized [out_features, in_features] matrix in ggml's layout."""
+
+    data: torch.Tensor  # uint8 [out_features, row_bytes]
+    qtype: int  # ggml type id
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def type_name(self) -> str:
+        return _TYPE_NAMES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @staticmethod
+    def from_numpy(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GGUFWeight:
+        """`raw`: the tensor's bytes as the file stores them (any shape); `shape`: (out, in)."""
+        tid, block, block_bytes = GGUF_QUANT_TYPES[type_name]
+        n, k = shape
+        if k % block:
+            raise ValueError(f"{type_name} rows of {k} values are not whole blocks of {block}")
+        rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // block * block_bytes)
+        return GGUFWeight(torch.from_numpy(to_kernel_layout(rows, type_name)), tid, k)
+
+    def rows(self, index: torch.Tensor) -> GGUFWeight:
+        """The rows `index` (a permutation or selection of output rows), still quantized."""
+        return GGUFWeight(self.data[index].contiguous(), self.qtype, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return _kernels().gguf_dequantize(self.data, self.qtype, self.in_features)
+
+
+# Bytes per block of each field, in storage order, for the types whose rows the kernel regroups.
+_BLOCK_FIELDS = {
+    "Q4_0": (("d", 2), ("qs", 16)),
+    "Q4_1": (("d", 2), ("m", 2), ("qs", 16)),
+    "Q8_0": (("d", 2), ("qs", 32)),
+}
+_KERNEL_ORDER = ("qs", "d", "m")
+
+
+def to_kernel_layout(rows: np.ndarray, type_name: str) -> np.ndarray:
+    """[N, row_bytes] uint8 as stored -> the kernel's layout, same bytes (a new array).
+
+    Q4_0/Q4_1/Q8_0 blocks interleave each block's fp16 scale (and min) with its quants; the
+    kernel wants each row's quants first, then its scales, then its mins (gguf_quant_cpu.cpp
+    says why). K-quants keep ggml's blocks."""
+    fields = _BLOCK_FIELDS.get(type_name)
+    if fields is None:
+        return rows.copy()
+    block_bytes = sum(size for _, size in fields)
+    blocks = rows.reshape(rows.shape[0], -1, block_bytes)
+    spans, start = {}, 0
+    for name, size in fields:
+        spans[name] = blocks[:, :, start : start + size].reshape(rows.shape[0], -1)
+        start += size
+    return np.concatenate([spans[name] for name in _KERNEL_ORDER if name in spans], axis=1)
+
+
+def concat_rows(parts: list[GGUFWeight]) -> list[GGUFWeight]:
+    """Stack consecutive parts of one type into one matrix (a fused q/k/v of three Q4_1 tensors
+    becomes one), keeping parts of differing types apart."""
+    merged: list[GGUFWeight] = []
+    for part in parts:
+        if merged and merged[-1].qtype == part.qtype:
+            last = merged[-1]
+            merged[-1] = GGUFWeight(torch.cat([last.data, part.data]), last.qtype, last.in_features)
+        else:
+            merged.append(part)
+    return merged
+
+
+def gguf_available() -> bool:
+    return cpu_kernels() is not None
+
+
+def _kernels():
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise RuntimeError("GGUF quantized weights need ferry's CPU kernels (a C++ compiler); use --quantization none")
+    return kernels
+
+
+def gguf_matmul(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x2 [M, K] fp32 @ w.T -> [M, N]."""
+    kernels = _kernels()
+    if x2.shape[0] < GEMM_MIN_ROWS:
+        return kernels.gguf_linear(x2, w.data, w.qtype, None)
+    out = x2.new_empty(x2.shape[0], w.out_features)
+    for n0 in range(0, w.out_features, _DEQUANT_ROWS):
+        part = w.data[n0 : n0 + _DEQUANT_ROWS]
+        torch.matmul(x2, kernels.gguf_dequantize(part, w.qtype, w.in_features).t(), out=out[:, n0 : n0 + part.shape[0]])
+    return out
+
+
+def gguf_linear(x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | None) -> torch.Tensor:
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        raise ValueError(f"GGUF quantized weights take float32 activations, got {x2.dtype}")
+    ys = [gguf_matmul(x2, w) for w in parts]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+    if bias is not None:
+        y = y.add_(bias)
+    return y.view(*lead, y.shape[-1])
+
+
+def gguf_embedding(ids: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """Rows `ids` of a quantized embedding, dequantized (only those rows are read)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    return _kernels().gguf_get_rows(w.data, flat, w.qtype, w.in_features).view(*ids.shape, w.in_features)

@@ -1,0 +1,98 @@
+"""GGUF block-quantized weights executed as stored (ferry/kernels/csrc/gguf_quant_cpu.cpp) against
+gguf-py's dequantizer, the reference implementation of ggml's block formats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from ferry.layers.gguf_linear import GEMM_MIN_ROWS, GGUF_QUANT_TYPES, GGUFWeight, gguf_embedding, gguf_linear
+
+pytestmark = pytest.mark.skipif(
+    not __import__("ferry.layers.gguf_linear", fromlist=["gguf_available"]).gguf_available(),
+    reason="no C++ compiler for the CPU kernels",
+)
+
+N, K = 72, 512  # two K-quant super-blocks, 16 32-blocks per row
+
+
+def _k_quant_blocks(type_name: str, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks with sane scales (gguf-py cannot quantize K-quants): every byte of
+    quants and sub-block scales random, the fp16 super-scales small and positive."""
+    _, _, block_bytes = GGUF_QUANT_TYPES[type_name]
+    raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    d = np.full(n_blocks, 0.01, np.float16).view(np.uint8).reshape(n_blocks, 2)
+    dmin = np.full(n_blocks, 0.004, np.float16).view(np.uint8).reshape(n_blocks, 2)
+    if type_name == "Q6_K":
+        raw[:, 208:210] = d
+    else:
+        raw[:, 0:2], raw[:, 2:4] = d, dmin
+    return raw
+
+
+def _weight(type_name: str) -> tuple[GGUFWeight, torch.Tensor]:
+    """(the kernel's weight, gguf-py's fp32 dequantization of the same bytes)."""
+    rng = np.random.default_rng(0)
+    qtype = GGMLQuantizationType[type_name]
+    if type_name.endswith("_K"):
+        raw = _k_quant_blocks(type_name, N * K // 256, rng).reshape(N, -1)
+    else:
+        raw = quantize(rng.standard_normal((N, K)).astype(np.float32), qtype)
+    reference = torch.from_numpy(dequantize(raw, qtype).astype(np.float32).reshape(N, K))
+    return GGUFWeight.from_numpy(raw, type_name, (N, K)), reference
+
+
+@pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
+def test_dequantize_and_rows_match_ggml(type_name):
+    w, reference = _weight(type_name)
+    assert (
+        w.data.dtype == torch.uint8
+        and w.nbytes == N * K // GGUF_QUANT_TYPES[type_name][1] * GGUF_QUANT_TYPES[type_name][2]
+    )
+    torch.testing.assert_close(w.dequantize(), reference, rtol=0, atol=0)
+    ids = torch.tensor([[5, 0], [71, 5]])
+    torch.testing.assert_close(gguf_embedding(ids, w), reference[ids], rtol=0, atol=0)
+    # A row selection (the loader's Q/K unpermutation) moves whole rows.
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(w.rows(order).dequantize(), reference[order], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
+@pytest.mark.parametrize("rows", [1, 3, 6, GEMM_MIN_ROWS + 5])
+def test_matmul_matches_the_dequantized_weight(type_name, rows):
+    w, reference = _weight(type_name)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(N)
+    y = gguf_linear(x, [w], bias)
+    expected = x @ reference.T + bias
+    rel = ((y - expected).norm() / expected.norm()).item()
+    if rows >= GEMM_MIN_ROWS:  # dequantize + fp32 GEMM
+        assert rel < 1e-5
+    else:  # activations quantized to int8 per 32 values, as llama.cpp does: ~0.5% per matmul
+        assert 1e-5 < rel < 0.02
+        # A row's result does not depend on the other rows in the batch (bit for bit with the
+        # hand-vectorized 32-block types; the K-quants' compiler-vectorized sums may round apart).
+        exact = not type_name.endswith("_K")
+        tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-4}
+        torch.testing.assert_close(gguf_linear(x[-1:], [w], bias), y[-1:], **tol)
+
+
+def test_parts_of_different_types_stack_by_rows():
+    (a, ra), (b, rb), (c, rc) = (_weight(t) for t in ("Q4_1", "Q4_1", "Q6_K"))
+    x = torch.randn(2, K)
+    y = gguf_linear(x, [a, b, c], None)
+    expected = x @ torch.cat([ra, rb, rc]).T
+    assert ((y - expected).norm() / expected.norm()).item() < 0.02
+
+
+def test_bad_shapes_are_refused():
+    w, _ = _weight("Q4_1")
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        gguf_linear(torch.randn(1, K + 32), [w], None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        gguf_embedding(torch.tensor([N]), w)
+    with pytest.raises(ValueError, match="whole blocks"):
+        GGUFWeight.from_numpy(np.zeros((1, 18), np.uint8), "Q4_0", (1, 40))
