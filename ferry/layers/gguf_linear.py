@@ -4,9 +4,11 @@ A weight keeps ggml's bytes: [out_features, row_bytes] uint8, each row K / 32 (o
 K-quants) blocks with their fp16 scales inline, so the model holds the file's 4.5-6.6 bits per weight
 and nothing else. Decode is bound by reading weights; llama.cpp's answer, which the C++ kernel
 follows (ferry/kernels/csrc/gguf_quant_cpu.cpp), is to quantize each activation row per 32 values
-to int8 and take integer dot products against the nibbles. Matmuls with many rows (prefill) are
-compute-bound instead: there the weight is dequantized, a slice at a time, into an fp32 GEMM
-operand (a BLAS GEMM is ~2x the int8-dot kernel's throughput at 512 rows on AVX2).
+to int8 and take integer dot products against the nibbles. Prompt rows are compute-bound instead,
+and take the exact path: the weight is dequantized, a slice at a time, into an fp32 GEMM operand
+(~2x the int8-dot kernel's throughput at 512 rows on AVX2). Rows are routed by kind, not by count
+(step_decode_rows), so a prompt computes the same however it is chunked, cached or split between
+a prefill and a decode worker.
 
 A linear whose parts have different types (llama.cpp's Q4_K_M mixes Q4_K and Q6_K, and the fused
 q/k/v weight is three tensors) keeps one `GGUFWeight` per part and concatenates their outputs.
@@ -39,13 +41,16 @@ _TYPE_NAMES = {tid: name for name, (tid, _, _) in GGUF_QUANT_TYPES.items()}
 GEMM_MIN_ROWS = 64
 
 
+_ALL_ROWS = 1 << 62
+
+
 @contextlib.contextmanager
 def int8_dots_at_any_batch() -> Iterator[None]:
     """Run every GGUF matmul through the decode path (int8 activations), whatever its rows: how
     `ferry bench quality` and the tests measure, in one teacher-forced pass, what decode computes
     (a long prefill would otherwise take the exact dequantize-then-GEMM path)."""
     global GEMM_MIN_ROWS
-    saved, GEMM_MIN_ROWS = GEMM_MIN_ROWS, 1 << 62
+    saved, GEMM_MIN_ROWS = GEMM_MIN_ROWS, _ALL_ROWS
     try:
         yield
     finally:
@@ -146,24 +151,61 @@ def _kernels():
     return kernels
 
 
-def gguf_matmul(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
-    """x2 [M, K] fp32 @ w.T -> [M, N]."""
+# Set by the model's forward for the step it runs (the batch is decode rows first, then prompt
+# rows): how many leading rows are decode tokens. None outside a step: rows are routed by count.
+_step_decode_rows: int | None = None
+
+
+@contextlib.contextmanager
+def step_decode_rows(num_decodes: int) -> Iterator[None]:
+    """Within a model step, route decode rows to the int8-dot kernel and prompt rows to the exact
+    dequantize + GEMM path, whatever the batch holds. A prompt token then gets the same K/V and
+    hidden states however its prompt is chunked, cached or split between a prefill and a decode
+    worker; routing by row count instead made a prompt's last few tokens, recomputed on a PD
+    decode worker, differ from the same prompt prefilled whole."""
+    global _step_decode_rows
+    saved, _step_decode_rows = _step_decode_rows, num_decodes
+    try:
+        yield
+    finally:
+        _step_decode_rows = saved
+
+
+def _int8_dot_rows(rows: int) -> int:
+    """How many leading rows of a matmul take the int8-dot kernel (the rest: dequantize + GEMM)."""
+    if GEMM_MIN_ROWS == _ALL_ROWS:
+        return rows
+    if _step_decode_rows is not None:
+        return min(_step_decode_rows, rows)
+    return rows if rows < GEMM_MIN_ROWS else 0
+
+
+def gguf_matmul(x2: torch.Tensor, w: GGUFWeight, int8_rows: int) -> torch.Tensor:
+    """x2 [M, K] fp32 @ w.T -> [M, N]: the first `int8_rows` rows through int8 dots, the rest exact."""
     kernels = _kernels()
-    if x2.shape[0] < GEMM_MIN_ROWS:
+    rows = x2.shape[0]
+    if int8_rows >= rows:
         return kernels.gguf_linear(x2, w.data, w.qtype, None)
-    out = x2.new_empty(x2.shape[0], w.out_features)
+    out = x2.new_empty(rows, w.out_features)
+    if int8_rows:
+        out[:int8_rows] = kernels.gguf_linear(x2[:int8_rows], w.data, w.qtype, None)
+    exact = x2[int8_rows:]
     for n0 in range(0, w.out_features, _DEQUANT_ROWS):
         part = w.data[n0 : n0 + _DEQUANT_ROWS]
-        torch.matmul(x2, kernels.gguf_dequantize(part, w.qtype, w.in_features).t(), out=out[:, n0 : n0 + part.shape[0]])
+        weight = kernels.gguf_dequantize(part, w.qtype, w.in_features)
+        out[int8_rows:, n0 : n0 + part.shape[0]] = exact @ weight.t()
     return out
 
 
 def gguf_linear(x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | None) -> torch.Tensor:
+    """Inside a model step its decode rows take the int8 dots (step_decode_rows); outside one (the
+    output head, direct calls) all rows do when there are fewer than GEMM_MIN_ROWS, else none."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32:
         raise ValueError(f"GGUF quantized weights take float32 activations, got {x2.dtype}")
-    ys = [gguf_matmul(x2, w) for w in parts]
+    int8_rows = _int8_dot_rows(x2.shape[0])
+    ys = [gguf_matmul(x2, w, int8_rows) for w in parts]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     if bias is not None:
         y = y.add_(bias)

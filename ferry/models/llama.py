@@ -24,7 +24,7 @@ from ferry.layers.attention import (
     paged_attention,
 )
 from ferry.layers.fused import add_rms_norm, rms_norm, silu_and_mul
-from ferry.layers.gguf_linear import GGUFWeight, gguf_embedding, gguf_linear
+from ferry.layers.gguf_linear import GGUFWeight, gguf_embedding, gguf_linear, step_decode_rows
 from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
@@ -168,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv_cache, meta)
+        with step_decode_rows(meta.num_decodes):  # GGUF weights: decode rows int8 dots, prompt rows exact
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.norm.add_and_norm(x, residual)
 
     def init_rotary(self) -> None:
