@@ -41,7 +41,8 @@ _TYPE_NAMES = {tid: name for name, (tid, _, _) in GGUF_QUANT_TYPES.items()}
 GEMM_MIN_ROWS = 64
 
 
-_ALL_ROWS = 1 << 62
+# Set by int8_dots_at_any_batch: every row of every matmul takes the int8 dots.
+_int8_everywhere = False
 
 
 @contextlib.contextmanager
@@ -49,12 +50,12 @@ def int8_dots_at_any_batch() -> Iterator[None]:
     """Run every GGUF matmul through the decode path (int8 activations), whatever its rows: how
     `ferry bench quality` and the tests measure, in one teacher-forced pass, what decode computes
     (a long prefill would otherwise take the exact dequantize-then-GEMM path)."""
-    global GEMM_MIN_ROWS
-    saved, GEMM_MIN_ROWS = GEMM_MIN_ROWS, _ALL_ROWS
+    global _int8_everywhere
+    saved, _int8_everywhere = _int8_everywhere, True
     try:
         yield
     finally:
-        GEMM_MIN_ROWS = saved
+        _int8_everywhere = saved
 
 
 # Rows dequantized at once on the GEMM path: bounds the fp32 scratch (a 49k-row output head
@@ -173,7 +174,7 @@ def step_decode_rows(num_decodes: int) -> Iterator[None]:
 
 def _int8_dot_rows(rows: int) -> int:
     """How many leading rows of a matmul take the int8-dot kernel (the rest: dequantize + GEMM)."""
-    if GEMM_MIN_ROWS == _ALL_ROWS:
+    if _int8_everywhere:
         return rows
     if _step_decode_rows is not None:
         return min(_step_decode_rows, rows)

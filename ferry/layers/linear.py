@@ -54,12 +54,9 @@ class Linear(nn.Linear):
         """The weight as GGUF parts stacked by output rows (e.g. q, k, v), each in its own type."""
         rows = sum(p.out_features for p in parts)
         if rows != self.out_features or any(p.in_features != self.in_features for p in parts):
-            raise ValueError(f"GGUF parts make [{rows}, {parts[0].in_features}], expected {tuple(self.weight_shape)}")
+            expected = (self.out_features, self.in_features)
+            raise ValueError(f"GGUF parts make [{rows}, {parts[0].in_features}], expected {expected}")
         self.gguf, self.packed, self.int8 = concat_rows(parts), None, None
-
-    @property
-    def weight_shape(self) -> tuple[int, int]:
-        return self.out_features, self.in_features
 
     def pack(self) -> None:
         """Pack the current weight; call again after changing it."""

@@ -8,6 +8,7 @@ checkpoint tensors), which matters on CPUs where small GEMMs are inefficient.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable
 
 import numpy as np
@@ -231,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
             module = modules.get(module_name)
             if isinstance(module, Linear):
                 fused = module_name.rsplit(".", 1)[-1]
-                need = {"qkv_proj": 3, "gate_up_proj": 2}.get(fused, 1)
+                need = self._FUSED_PARTS.get(fused, 1)
                 if len(names) == need:  # every part quantized, else all of them come dequantized
                     module.drop_weight()
                     keep.update(names)
@@ -318,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
             module = modules.get(module_name)
             parts = [shards[i] for i in sorted(shards)]
             if isinstance(module, Linear) and module.weight is None:
-                n = {"qkv_proj": 3, "gate_up_proj": 2}.get(module_name.rsplit(".", 1)[-1], 1)
+                n = self._FUSED_PARTS.get(module_name.rsplit(".", 1)[-1], 1)
                 if len(parts) != n:
                     raise ValueError(f"{module_name}: {len(parts)} of its {n} quantized parts in the checkpoint")
                 module.set_gguf(parts)
@@ -338,6 +339,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Checkpoint tensors per fused module: {"qkv_proj": 3, "gate_up_proj": 2}.
+    _FUSED_PARTS = dict(Counter(fused for fused, _ in _FUSED.values()))
 
     def _tensor_parallel_slice(self, target: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (Megatron-style sharding)."""
@@ -403,7 +406,7 @@ class LlamaForCausalLM(nn.Module):
         expected = {f"{m}.weight#{i if len(parts) > 1 else None}" for m, parts in gguf_parts.items() for i in parts}
         for pname in params:
             fused = pname.split(".")[-2] if "." in pname else ""
-            n = {"qkv_proj": 3, "gate_up_proj": 2}.get(fused)
+            n = self._FUSED_PARTS.get(fused)
             if n is None:
                 expected.add(f"{pname}#None")
             else:

@@ -71,6 +71,7 @@ class Checkpoint:
     # The parsed GGUF header (~1.5 s to parse for a 49k-token vocabulary), kept so that
     # iter_weights does not parse it again.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
+    _quantized: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     def iter_weights(
         self, device: torch.device | str | None = None, keep_quantized: frozenset[str] = frozenset()
@@ -90,15 +91,14 @@ class Checkpoint:
 
     def gguf_quantized_tensors(self) -> dict[str, str]:
         """HF name -> ggml type name of each GGUF tensor stored in a type the quantized kernels run
-        (empty for other formats). Read from the header: no weight is touched."""
-        if self.format != "gguf":
-            return {}
-        found = {}
-        for tensor in self._reader().tensors:
-            type_name = tensor.tensor_type.name
-            if type_name in GGUF_QUANT_TYPES:
-                found[_hf_name(tensor.name)] = type_name
-        return found
+        (empty for other formats). Read once from the header: no weight is touched."""
+        if self._quantized is None:
+            self._quantized = {}
+            if self.format == "gguf":
+                for tensor in self._reader().tensors:
+                    if tensor.tensor_type.name in GGUF_QUANT_TYPES:
+                        self._quantized[_hf_name(tensor.name)] = tensor.tensor_type.name
+        return self._quantized
 
     def _reader(self) -> Any:
         if self._gguf_reader is None:
