@@ -28,6 +28,7 @@ import torch
 from ferry.bench.hardware import device_name, known_peak_bandwidth, synchronize
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
+from ferry.layers.linear import Linear
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import weight_shapes
 from ferry.sampling_params import SamplingParams
@@ -74,14 +75,20 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype: torch.dtype, batch: int, quan
 
 def model_weight_bytes_per_step(model, batch: int) -> int:
     """The same, read off a loaded model whose weights run GGUF-quantized: each projection's
-    blocks as held, the quantized embedding's rows gathered, and the head's blocks in full."""
-    from ferry.layers.linear import Linear
-
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # norms
+    blocks as held, the embedding's gathered rows only, and the head in full. Any of them may
+    have stayed a float parameter (a GGUF can store some tensors as F16/F32)."""
+    embed = model.embed_tokens
+    floats = [p for p in model.parameters() if p is not embed.weight]
+    total = sum(p.numel() * p.element_size() for p in floats)  # norms, and any F16/F32 matrix
     total += sum(sum(w.nbytes for w in m.gguf) for m in model.modules() if isinstance(m, Linear) and m.gguf)
-    emb = model.embed_tokens.gguf
-    total += emb.nbytes * min(batch, emb.out_features) // emb.out_features
-    if model._gguf_lm_head is not None:
+    if embed.gguf is not None:
+        table_bytes, rows = embed.gguf.nbytes, embed.gguf.out_features
+    else:
+        table_bytes, rows = embed.weight.numel() * embed.weight.element_size(), embed.weight.shape[0]
+    total += table_bytes * min(batch, rows) // rows  # the gathered rows
+    if model.lm_head is None:
+        total += table_bytes  # the tied head reads the whole table
+    elif model._gguf_lm_head is not None:
         total += model._gguf_lm_head.nbytes
     return total
 
