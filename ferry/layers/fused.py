@@ -24,8 +24,15 @@ def cpu_fused_kernels(*tensors: torch.Tensor):
     return None
 
 
+def _heads_view(x: torch.Tensor) -> bool:
+    """[T, H, D] heads viewed inside a fused qkv, each token's heads contiguous (the C++ rms_norm
+    takes it as is: Qwen3's q/k norms)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    kernels = cpu_fused_kernels(x, weight)
+    cpu_rows = x.device.type == "cpu" and x.dtype == torch.float32 and (x.is_contiguous() or _heads_view(x))
+    kernels = cpu_fused_kernels(weight) if cpu_rows else None
     if kernels is not None:
         return kernels.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)

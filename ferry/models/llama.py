@@ -160,6 +160,8 @@ class LlamaForCausalLM(nn.Module):
         self._int8_lm_head: Int8Weight | None = None
         self._gguf_lm_head: GGUFWeight | None = None
         self.quantization: str | None = None  # set by the loader: "gguf", "int8" or None (the dtype)
+        # Set by the loader where it applies: decode-only steps in one C++ call (cpu_decode_step.py).
+        self.cpu_decode_step = None
 
     def forward(
         self,
@@ -168,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.cpu_decode_step is not None and self.cpu_decode_step.runs(kv_caches, meta):
+            return self.cpu_decode_step(input_ids, positions, kv_caches, meta)
         x, residual = self.embed_tokens(input_ids), None
         with step_decode_rows(meta.num_decodes):  # GGUF weights: decode rows int8 dots, prompt rows exact
             for layer, kv_cache in zip(self.layers, kv_caches):

@@ -20,6 +20,7 @@ from ferry.layers.int8_linear import int8_linear_available
 from ferry.layers.linear import should_pack
 from ferry.layers.smoothquant import calibration_token_ids
 from ferry.models.config import ModelConfig
+from ferry.models.cpu_decode_step import CPUDecodeStep
 from ferry.models.llama import LlamaForCausalLM
 from ferry.models.loader import Checkpoint, load_checkpoint
 from ferry.tokenizer import load_tokenizer
@@ -142,4 +143,6 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     quant = f", {quantization} weights" if quantization else ""
     logger.info("loaded %s (%s%s) in %.1fs", ckpt.path, dtype, quant, time.perf_counter() - t0)
     model.quantization = quantization  # what the weights run as: "gguf", "int8" or None (the dtype)
+    if quantization == "gguf" and not args.enforce_eager:
+        model.cpu_decode_step = CPUDecodeStep.build(model)
     return LoadedModel(model, tokenizer, device, dtype, ckpt.path)

@@ -17,6 +17,8 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+// decode_step_cpu.cpp
+void bind_decode_step(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32 q, fp32 or bf16 cache)");
@@ -28,4 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [.., 2I] (CPU, fp32)");
   m.def("rotary_", &rotary_, "NeoX rotary embedding of q and k in place (CPU, fp32)");
+  bind_decode_step(m);
 }

@@ -31,6 +31,64 @@ int64_t grain_for(int64_t K) { return std::max<int64_t>(1, (1 << 15) / std::max<
 
 }  // namespace
 
+// Raw-pointer forms, shared with the whole-step decode kernel (decode_stack_cpu.cpp).
+namespace ferry_cpu {
+
+void add_rms_norm_rows(const float* x, float* residual, const float* w, float* out, int64_t M, int64_t K, float eps) {
+  at::parallel_for(0, M, grain_for(K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* r = residual + m * K;
+      const float* xr = x + m * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) r[k] += xr[k];
+      norm_row(r, w, out + m * K, K, eps);
+    }
+  });
+}
+
+// out may alias x (each row is read whole before it is written).
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t M, int64_t K, float eps) {
+  at::parallel_for(0, M, grain_for(K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) norm_row(x + m * K, w, out + m * K, K, eps);
+  });
+}
+
+void silu_and_mul_rows(const float* gate_up, float* out, int64_t M, int64_t I) {
+  at::parallel_for(0, M, grain_for(2 * I), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gate_up + m * 2 * I;
+      float* o = out + m * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    }
+  });
+}
+
+// NeoX (rotate-half) rotary embedding in place of T tokens' q heads (H rows of D floats, tokens
+// q_tok floats apart, heads q_head apart) and k heads (KVH rows; k_tok, k_head).
+void rotary_rows(const int64_t* pos, int64_t T, float* q, int64_t q_tok, int64_t q_head, int64_t H, float* k,
+                 int64_t k_tok, int64_t k_head, int64_t KVH, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  auto rotate = [&](float* base, int64_t heads, int64_t head_stride, int64_t t) {
+    const float* c = cos + pos[t] * half;
+    const float* s = sin + pos[t] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = base + h * head_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c[i] - x2 * s[i];
+        v[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+  };
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rotate(q + t * q_tok, H, q_head, t), rotate(k + t * k_tok, KVH, k_head, t);
+  });
+}
+
+}  // namespace ferry_cpu
+
 // residual += x (in place); returns rms_norm(residual) * weight.
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   const int64_t K = weight.size(0);
@@ -39,32 +97,29 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
   check_rows(weight, K, "weight");
   TORCH_CHECK(x.numel() == residual.numel(), "x and residual differ in size");
   auto out = torch::empty_like(residual);
-  const int64_t M = residual.numel() / K;
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float *rp = residual.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, M, grain_for(K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      float* r = rp + m * K;
-      const float* xr = xp + m * K;
-#pragma omp simd
-      for (int64_t k = 0; k < K; ++k) r[k] += xr[k];
-      norm_row(r, wp, op + m * K, K, float(eps));
-    }
-  });
+  ferry_cpu::add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
+                               out.data_ptr<float>(), residual.numel() / K, K, float(eps));
   return out;
 }
 
+// x: contiguous rows, or [T, H, K] heads of a token contiguous and tokens any stride apart (the
+// q or k heads viewed inside a fused qkv, Qwen3's q/k norms); the output is contiguous.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const int64_t K = weight.size(0);
-  check_rows(x, K, "x");
   check_rows(weight, K, "weight");
+  if (!x.is_contiguous() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == K && x.size(2) == K &&
+      x.dtype() == torch::kFloat32) {
+    const int64_t T = x.size(0), H = x.size(1);
+    auto out = torch::empty({T, H, K}, x.options());
+    for (int64_t t = 0; t < T; ++t)
+      ferry_cpu::rms_norm_rows(x.data_ptr<float>() + t * x.stride(0), weight.data_ptr<float>(),
+                               out.data_ptr<float>() + t * H * K, H, K, float(eps));
+    return out;
+  }
+  check_rows(x, K, "x");
   auto out = torch::empty_like(x);
-  const int64_t M = x.numel() / K;
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, M, grain_for(K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) norm_row(xp + m * K, wp, op + m * K, K, float(eps));
-  });
+  ferry_cpu::rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.numel() / K, K,
+                           float(eps));
   return out;
 }
 
@@ -76,47 +131,22 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, M, grain_for(2 * I), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* g = gp + m * 2 * I;
-      float* o = op + m * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
-    }
-  });
+  ferry_cpu::silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), M, I);
   return out;
 }
 
-// NeoX (rotate-half) rotary embedding of q [T, H, D] and k [T, KVH, D] in place, where the
-// heads of a token are rows `head_stride` floats apart (q/k may be views into the fused qkv).
+// NeoX (rotate-half) rotary embedding of q [T, H, D] and k [T, KVH, D] in place (q/k may be views
+// into the fused qkv: any token and head strides, unit stride within a head).
 void rotary_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "q and k must be float32");
   TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.dim() == 1, "positions must be 1-D int64");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32, "cos/sin: contiguous fp32");
-  const int64_t T = q.size(0), D = q.size(2), half = D / 2, max_pos = cos.size(0);
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.size(1) == half, "unexpected q/k/cos layout");
+  const int64_t T = q.size(0), D = q.size(2), max_pos = cos.size(0);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.size(1) == D / 2, "unexpected q/k/cos layout");
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && positions.size(0) == T, "q, k and positions disagree in shape");
   auto pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position ", pp[t], " out of range");
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  auto rotate = [&](torch::Tensor x, int64_t t) {
-    const int64_t H = x.size(1);
-    float* base = x.data_ptr<float>() + t * x.stride(0);
-    const float* c = cp + pp[t] * half;
-    const float* s = sp + pp[t] * half;
-    for (int64_t h = 0; h < H; ++h) {
-      float* v = base + h * x.stride(1);
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * c[i] - x2 * s[i];
-        v[i + half] = x2 * c[i] + x1 * s[i];
-      }
-    }
-  };
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rotate(q, t), rotate(k, t);
-  });
+  ferry_cpu::rotary_rows(pp, T, q.data_ptr<float>(), q.stride(0), q.stride(1), q.size(1), k.data_ptr<float>(),
+                         k.stride(0), k.stride(1), k.size(1), D, cos.data_ptr<float>(), sin.data_ptr<float>());
 }

@@ -352,6 +352,53 @@ void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
 
 }  // namespace
 
+namespace ferry_cpu {
+
+void quantize_q8_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dy, float* sy) {
+  quantize_q8(x, M, K, q, dy, sy);
+}
+
+int64_t gguf_row_bytes(int64_t qtype, int64_t K) {
+  const Layout L = layout_of(qtype);
+  return K / L.block * L.bytes;
+}
+
+// Output rows [n0, n1) of y = x @ dequant(w).T for M activation rows quantized by quantize_q8_rows:
+// y[m * ldy + n]. One weight row is read once for all M rows. Called by one thread.
+void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
+                   int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t row_bytes = gguf_row_bytes(qtype, K), nb = K / 32;
+  const bool kquant = layout_of(qtype).block == 256;
+  std::vector<int8_t> q(kquant ? K : 0);
+  std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    if (kquant) unpack_kquant_row(qtype, row, K, q.data(), sc16.data(), mn32.data());
+    for (int64_t m = 0; m < M; m += 4) {
+      const int R = int(std::min<int64_t>(4, M - m));
+      const int8_t* yr[4];
+      const float *dr[4], *sr[4];
+      for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;
+      float out[4];
+      if (kquant) {
+        switch (R) {
+          case 4: dot_row_unpacked<4>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
+          case 3: dot_row_unpacked<3>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
+          case 2: dot_row_unpacked<2>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
+          default: dot_row_unpacked<1>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out);
+        }
+      } else {
+        if (qtype == Q4_1) dot_q32<Q4_1>(R, row, nb, yr, dr, sr, out);
+        else if (qtype == Q4_0) dot_q32<Q4_0>(R, row, nb, yr, dr, sr, out);
+        else dot_q32<Q8_0>(R, row, nb, yr, dr, sr, out);
+      }
+      for (int r = 0; r < R; ++r) y[(m + r) * ldy + n] = out[r];
+    }
+  }
+}
+
+}  // namespace ferry_cpu
+
 // y [M, N] = x [M, K] @ dequant(w [N, row_bytes]).T (+ bias), through int8 dot products.
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be a 2-D float32 tensor");
@@ -364,37 +411,10 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::
   std::vector<float> dy(M * (K / 32)), sy(M * (K / 32));
   quantize_q8(xc.data_ptr<float>(), M, K, qx.data(), dy.data(), sy.data());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1), nb = K / 32;
   float* yp = y.data_ptr<float>();
-  const bool kquant = layout_of(qtype).block == 256;
-  // Each thread takes a run of output rows; one weight row is read once for all M activation rows.
+  // Each thread takes a run of output rows.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<int8_t> q(kquant ? K : 0);
-    std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = wp + n * row_bytes;
-      if (kquant) unpack_kquant_row(qtype, row, K, q.data(), sc16.data(), mn32.data());
-      for (int64_t m = 0; m < M; m += 4) {
-        const int R = int(std::min<int64_t>(4, M - m));
-        const int8_t* yr[4];
-        const float *dr[4], *sr[4];
-        for (int r = 0; r < R; ++r) yr[r] = qx.data() + (m + r) * K, dr[r] = dy.data() + (m + r) * nb, sr[r] = sy.data() + (m + r) * nb;
-        float out[4];
-        if (kquant) {
-          switch (R) {
-            case 4: dot_row_unpacked<4>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
-            case 3: dot_row_unpacked<3>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
-            case 2: dot_row_unpacked<2>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
-            default: dot_row_unpacked<1>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out);
-          }
-        } else {
-          if (qtype == Q4_1) dot_q32<Q4_1>(R, row, nb, yr, dr, sr, out);
-          else if (qtype == Q4_0) dot_q32<Q4_0>(R, row, nb, yr, dr, sr, out);
-          else dot_q32<Q8_0>(R, row, nb, yr, dr, sr, out);
-        }
-        for (int r = 0; r < R; ++r) yp[(m + r) * N + n] = out[r];
-      }
-    }
+    ferry_cpu::gguf_dot_rows(qx.data(), dy.data(), sy.data(), M, K, wp, qtype, n0, n1, yp, N);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
