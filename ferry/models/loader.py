@@ -6,6 +6,7 @@ Whatever the format, weights come out with Hugging Face Llama/Qwen names and sha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -148,25 +149,32 @@ class Checkpoint:
 
         spec = self.hf_quantization
         parts = {n: m for m, names in self.hf_quantized_modules.items() for n in names}
-        handles = [safe_open(file, framework="pt") for file in files]
-        where = {name: f for f in handles for name in f.keys()}
-        for name, f in where.items():
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            module = parts.get(name)
-            if module is None:
-                yield name, f.get_tensor(name)
-                continue
-            names = self.hf_quantized_modules[module]
-            if name != names[0]:
-                continue  # converted with its module's first tensor
-            tensors = {n[len(module) + 1 :]: where[n].get_tensor(n) for n in names}
-            weight = unpack_module(spec, module, tensors)
-            del tensors
-            if f"{module}.weight" in keep_quantized:
-                yield f"{module}.weight", weight.to_gguf()
-            else:
-                yield f"{module}.weight", weight.dequantize()
+        rounded = 0  # modules whose scales fp16 could not hold exactly
+        with contextlib.ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
+            where = {name: f for f in handles for name in f.keys()}
+            for name, f in where.items():
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                module = parts.get(name)
+                if module is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                names = self.hf_quantized_modules[module]
+                if name != names[0]:
+                    continue  # converted with its module's first tensor
+                tensors = {n[len(module) + 1 :]: where[n].get_tensor(n) for n in names}
+                weight = unpack_module(spec, module, tensors)
+                del tensors
+                if f"{module}.weight" in keep_quantized:
+                    blocks = weight.to_gguf()
+                    rounded += not weight.scales_fit_fp16()
+                    yield f"{module}.weight", blocks
+                else:
+                    yield f"{module}.weight", weight.dequantize()
+        if rounded:
+            logger.warning("%s: the scales of %d quantized modules were rounded to fp16 for the block kernels",
+                           self.path, rounded)  # fmt: skip
 
     def _iter_gguf(self, keep_quantized: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         from gguf.quants import dequantize

@@ -29,7 +29,7 @@ Conversion to the kernels' blocks of 32 (exactness is tested against the fp32 de
   |q| <= 63 (int8_linear.weight_qmax) and checkpoints use all of [-128, 127]; Q8_0's activations are
   quantized per 32 values, finer than the per-token quantization the checkpoint was calibrated for.
 - Scales are rounded to fp16 for the blocks: exact for GPTQ/AWQ (stored fp16) and for bf16 scales in
-  fp16's normal range; fp32 scales lose bits beyond fp16's 11 (logged).
+  fp16's normal range; fp32 scales lose bits beyond fp16's 11 (the loader logs how many modules).
 - Group boundaries must fall on multiples of 32 input channels. With desc_act (or any g_idx that is
   not sorted) the input channels are sorted by group at load, and the activations gathered with the
   same permutation at run time (`GGUFWeight.input_order`).
@@ -37,7 +37,6 @@ Conversion to the kernels' blocks of 32 (exactness is tested against the fp32 de
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,8 +44,6 @@ from typing import Any
 import torch
 
 from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
-
-logger = logging.getLogger(__name__)
 
 # AWQ packs output channel 8j + _AWQ_ORDER[k] into nibble k of word j.
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -277,6 +274,10 @@ class IntWeight:
         zero = self.zero[:, self.g_idx].float()
         return scale * (self.q.float() - zero)
 
+    def scales_fit_fp16(self) -> bool:
+        """Whether the blocks' fp16 scales hold these scales exactly (fp16 / most bf16 ones do)."""
+        return self.scale.dtype == torch.float16 or torch.equal(self.scale.half().to(self.scale.dtype), self.scale)
+
     def to_gguf(self) -> GGUFWeight:
         """Blocks of 32 for the GGUF kernels (Q4_0, Q4_1 or Q8_0; see the module docstring)."""
         out, k = self.shape
@@ -292,8 +293,6 @@ class IntWeight:
             raise ValueError(f"quantization groups do not fall on multiples of {BLOCK} input channels")
         group = block_groups[:, 0]
         d = self.scale[:, group].to(torch.float16)
-        if self.scale.dtype != torch.float16 and not torch.equal(d.to(self.scale.dtype), self.scale[:, group]):
-            logger.info("%s weight scales rounded to fp16 for the block kernels", self.scale.dtype)
         zero = self.zero[:, group]  # [out, nb]
         blocks = q.view(out, nb, BLOCK)
         if self.bits == 8:

@@ -258,19 +258,28 @@ def _float_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
     return w
 
 
-def _save(directory, tensors: dict[str, torch.Tensor], quantization_config=None) -> None:
+def _save(directory, tensors: dict[str, torch.Tensor], quantization_config=None, split=None) -> None:
+    """`split(name) -> bool`: those tensors go to a second shard (with an index naming both)."""
     from safetensors.torch import save_file
 
     directory.mkdir()
     config = dict(CONFIG, quantization_config=quantization_config) if quantization_config else CONFIG
     (directory / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if split is None:
+        save_file(tensors, str(directory / "model.safetensors"))
+        return
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for name, t in tensors.items():
+        shards[list(shards)[int(split(name))]][name] = t
+    for file, part in shards.items():
+        save_file(part, str(directory / file))
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
-@pytest.fixture(scope="module", params=list(FORMATS))
-def checkpoints(request, tmp_path_factory):
-    """(quantized dir, fp32 reference dir, {module: dequantized weight}, packed bytes, exact)."""
-    qc, packer, exact = FORMATS[request.param]
+def _write_checkpoints(root, qc, packer, split=None):
+    """Returns (quantized dir, fp32 reference dir, {module: dequantized weight}, packed bytes)."""
     gen = torch.Generator().manual_seed(0)
     floats = _float_weights(gen)
     quantized, reference, dequantized, packed = {}, {}, {}, 0
@@ -283,10 +292,16 @@ def checkpoints(request, tmp_path_factory):
             reference[name] = dequantized[module] = deq
         else:
             quantized[name] = reference[name] = w
-    root = tmp_path_factory.mktemp(request.param)
-    _save(root / "quantized", quantized, qc)
+    _save(root / "quantized", quantized, qc, split)
     _save(root / "reference", reference)
-    return str(root / "quantized"), str(root / "reference"), dequantized, packed, exact, request.param
+    return str(root / "quantized"), str(root / "reference"), dequantized, packed
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def checkpoints(request, tmp_path_factory):
+    """(quantized dir, fp32 reference dir, {module: dequantized weight}, packed bytes, exact, format id)."""
+    qc, packer, exact = FORMATS[request.param]
+    return *_write_checkpoints(tmp_path_factory.mktemp(request.param), qc, packer), exact, request.param
 
 
 def _fused(dequantized: dict[str, torch.Tensor], layer: int, parts: tuple[str, ...]) -> torch.Tensor:
@@ -370,6 +385,27 @@ def test_falls_back_to_dequantized_weights_where_the_kernels_cannot_run(checkpoi
         want = _fused(dequantized, 1, parts)
         assert torch.equal(modules_fp32[f"layers.1.{fused}"].weight, want), name
         assert torch.equal(modules_bf16[f"layers.1.{fused}"].weight, want.to(torch.bfloat16)), name
+
+
+def test_group_size_the_kernels_cannot_run_is_dequantized(tmp_path):
+    qc, packer, _ = _gptq(4, 16, True, False)
+    qdir, _, dequantized, _ = _write_checkpoints(tmp_path, qc, packer)
+    loaded = load_model(EngineArgs(model=qdir, device="cpu", dtype="float32"))
+    assert loaded.model.quantization is None  # logged: group_size 16 is not a multiple of 32
+    down = loaded.model.layers[0].mlp.down_proj
+    assert torch.equal(down.weight, dequantized["model.layers.0.mlp.down_proj"])
+
+
+def test_module_split_across_shards(tmp_path):
+    """A module's qweight in one shard, its scales and zeros in the other: converted once, whole."""
+    qc, packer, _ = _gptq(4, 32, False, True)
+    qdir, _, dequantized, _ = _write_checkpoints(tmp_path, qc, packer, split=lambda n: not n.endswith(".qweight"))
+    model = load_model(EngineArgs(model=qdir, device="cpu", dtype="float32")).model
+    assert model.quantization == "gguf"
+    gate_up = model.layers[1].mlp.gate_up_proj
+    got = torch.cat([p.dequantize() for p in gate_up.gguf])
+    want = _fused(dequantized, 1, MODULES["mlp.gate_up_proj"])
+    assert (got - want).abs().max() <= 2**-11 * 15 * want.abs().max()
 
 
 def test_packers_round_trip_against_the_format_descriptions():
