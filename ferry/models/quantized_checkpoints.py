@@ -296,7 +296,10 @@ class IntWeight:
         zero = self.zero[:, group]  # [out, nb]
         blocks = q.view(out, nb, BLOCK)
         if self.bits == 8:
-            qs = (blocks.to(torch.int16) - zero[:, :, None]).to(torch.int8).view(torch.uint8).reshape(out, k)
+            diff = blocks.to(torch.int16) - zero[:, :, None]
+            if int(diff.min()) < -128 or int(diff.max()) > 127:
+                raise ValueError("8-bit levels minus their zero points leave int8's range (zero points other than 128)")
+            qs = diff.to(torch.int8).view(torch.uint8).reshape(out, k)
             parts, type_name = [qs, d], "Q8_0"
         else:
             halves = blocks.view(out, nb, 2, BLOCK // 2)

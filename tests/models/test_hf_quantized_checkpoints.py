@@ -22,9 +22,9 @@ from conftest import run_to_completion
 from ferry.bench.quality import compare
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.layers.gguf_linear import gguf_available, int8_dots_at_any_batch
+from ferry.layers.gguf_linear import gguf_available, gguf_linear, int8_dots_at_any_batch
 from ferry.layers.linear import Linear
-from ferry.models.quantized_checkpoints import parse_quantization_config
+from ferry.models.quantized_checkpoints import IntWeight, parse_quantization_config
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
 
@@ -406,6 +406,22 @@ def test_module_split_across_shards(tmp_path):
     got = torch.cat([p.dequantize() for p in gate_up.gguf])
     want = _fused(dequantized, 1, MODULES["mlp.gate_up_proj"])
     assert (got - want).abs().max() <= 2**-11 * 15 * want.abs().max()
+
+
+def test_q8_decode_dots_take_the_whole_int8_range():
+    """8-bit checkpoints use -128 (W8A8, GPTQ level 0), which a symmetric int8 kernel never sees: with
+    activations whose int8 quantization is exact, the decode kernel's integer dots are exact too."""
+    q = torch.randint(0, 256, (8, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    q[:4] = 0  # every weight of rows 0-3 is -128
+    scale, zero = torch.full((8, 1), 0.01, dtype=torch.float16), torch.full((8, 1), 128, dtype=torch.int16)
+    weight = IntWeight(q, scale, zero, torch.zeros(64, dtype=torch.int64), 8)
+    blocks = weight.to_gguf()
+    assert blocks.type_name == "Q8_0" and torch.equal(blocks.dequantize(), weight.dequantize())
+    x = torch.randint(-127, 128, (3, 64), generator=torch.Generator().manual_seed(1)).float()
+    x[:, 0::32] = 127.0  # each block's activation scale is exactly 1
+    with int8_dots_at_any_batch():
+        got = gguf_linear(x, [blocks], None)
+    torch.testing.assert_close(got, x @ weight.dequantize().t(), rtol=1e-6, atol=1e-3)
 
 
 def test_packers_round_trip_against_the_format_descriptions():
