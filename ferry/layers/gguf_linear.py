@@ -12,6 +12,11 @@ a prefill and a decode worker.
 
 A linear whose parts have different types (llama.cpp's Q4_K_M mixes Q4_K and Q6_K, and the fused
 q/k/v weight is three tensors) keeps one `GGUFWeight` per part and concatenates their outputs.
+
+GPTQ/AWQ/compressed-tensors checkpoints run on the same blocks (models/quantized_checkpoints.py). A
+GPTQ weight quantized in activation order (desc_act) has its input channels sorted by group at load;
+its `input_order` says which activation column each weight column takes, and the activations are
+gathered once per distinct order per call.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class GGUFWeight:
     data: torch.Tensor  # uint8 [out_features, row_bytes]
     qtype: int  # ggml type id
     in_features: int
+    # int64 [in_features]: column j of the blocks multiplies activation column input_order[j]
+    # (None: the identity). Set for GPTQ weights quantized in activation order (desc_act).
+    input_order: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -95,10 +103,22 @@ class GGUFWeight:
 
     def rows(self, index: torch.Tensor) -> GGUFWeight:
         """The rows `index` (a permutation or selection of output rows), still quantized."""
-        return GGUFWeight(self.data[index].contiguous(), self.qtype, self.in_features)
+        return GGUFWeight(self.data[index].contiguous(), self.qtype, self.in_features, self.input_order)
 
     def dequantize(self) -> torch.Tensor:
-        return _kernels().gguf_dequantize(self.data, self.qtype, self.in_features)
+        """fp32 [out_features, in_features], columns in the activations' order."""
+        w = _kernels().gguf_dequantize(self.data, self.qtype, self.in_features)
+        if self.input_order is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.input_order] = w
+        return out
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a is b or torch.equal(a, b)
 
 
 # Bytes per block of each field, in storage order, for the types whose rows the kernel regroups.
@@ -129,15 +149,17 @@ def to_kernel_layout(rows: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def concat_rows(parts: list[GGUFWeight]) -> list[GGUFWeight]:
-    """Stack consecutive parts of one type into one matrix (a fused q/k/v of three Q4_1 tensors
-    becomes one), keeping parts of differing types apart."""
+    """Stack consecutive parts of one type and input order into one matrix (a fused q/k/v of three
+    Q4_1 tensors becomes one), keeping other parts apart. Parts with equal input orders end up
+    sharing one order tensor, so gguf_linear gathers the activations once for them."""
     merged: list[GGUFWeight] = []
     for part in parts:
-        if merged and merged[-1].qtype == part.qtype:
+        order = next((m.input_order for m in merged if _same_order(m.input_order, part.input_order)), part.input_order)
+        if merged and merged[-1].qtype == part.qtype and _same_order(merged[-1].input_order, order):
             last = merged[-1]
-            merged[-1] = GGUFWeight(torch.cat([last.data, part.data]), last.qtype, last.in_features)
+            merged[-1] = GGUFWeight(torch.cat([last.data, part.data]), last.qtype, last.in_features, order)
         else:
-            merged.append(part)
+            merged.append(GGUFWeight(part.data, part.qtype, part.in_features, order))
     return merged
 
 
@@ -206,7 +228,17 @@ def gguf_linear(x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | N
     if x2.dtype != torch.float32:
         raise ValueError(f"GGUF quantized weights take float32 activations, got {x2.dtype}")
     int8_rows = _int8_dot_rows(x2.shape[0])
-    ys = [gguf_matmul(x2, w, int8_rows) for w in parts]
+    gathered: dict[int, torch.Tensor] = {}  # id(input_order) -> x2's columns in that order
+
+    def inputs(w: GGUFWeight) -> torch.Tensor:
+        if w.input_order is None:
+            return x2
+        key = id(w.input_order)
+        if key not in gathered:
+            gathered[key] = x2.index_select(1, w.input_order)
+        return gathered[key]
+
+    ys = [gguf_matmul(inputs(w), w, int8_rows) for w in parts]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     if bias is not None:
         y = y.add_(bias)
@@ -215,5 +247,7 @@ def gguf_linear(x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | N
 
 def gguf_embedding(ids: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """Rows `ids` of a quantized embedding, dequantized (only those rows are read)."""
+    if w.input_order is not None:
+        raise ValueError("a quantized embedding cannot have a permuted input order")
     flat = ids.reshape(-1).to(torch.int64)
     return _kernels().gguf_get_rows(w.data, flat, w.qtype, w.in_features).view(*ids.shape, w.in_features)

@@ -6,6 +6,7 @@ Whatever the format, weights come out with Hugging Face Llama/Qwen names and sha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,12 @@ from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import iter_dummy_weights
 from ferry.models.paths import resolve_model_path, safetensors_files
+from ferry.models.quantized_checkpoints import (
+    HFQuantization,
+    parse_quantization_config,
+    quantized_modules,
+    unpack_module,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,10 @@ class Checkpoint:
     # iter_weights does not parse it again.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
     _quantized: dict[str, str] | None = field(default=None, repr=False, compare=False)
+    # A GPTQ / AWQ / compressed-tensors checkpoint: its parsed quantization_config, and its quantized
+    # modules (checkpoint module name -> the names of the tensors that make up its weight).
+    hf_quantization: HFQuantization | None = None
+    hf_quantized_modules: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def iter_weights(
         self, device: torch.device | str | None = None, keep_quantized: frozenset[str] = frozenset()
@@ -80,14 +91,23 @@ class Checkpoint:
 
         Checkpoint tensors come from the host; dummy ones are generated on `device` (default CPU).
         GGUF tensors named in `keep_quantized` come as `GGUFWeight`s, still in their block format;
-        every other quantized tensor is dequantized to fp32.
+        every other quantized tensor is dequantized to fp32. A GPTQ/AWQ/compressed-tensors module
+        comes as one `<module>.weight`: blocks for the GGUF kernels if named in `keep_quantized`,
+        else its fp32 dequantization.
         """
         if self.format == "dummy":
             yield from iter_dummy_weights(self.config, self.seed, device)
         elif self.format == "gguf":
             yield from self._iter_gguf(keep_quantized)
         else:
-            yield from self._iter_safetensors()
+            yield from self._iter_safetensors(keep_quantized)
+
+    def quantized_tensors(self) -> dict[str, str]:
+        """HF weight name -> storage type of every weight stored quantized in a form the GGUF kernels
+        can run: a GGUF's quantized tensors, or the modules of a GPTQ/AWQ/compressed-tensors checkpoint."""
+        if self.hf_quantization is not None:
+            return {f"{m}.weight": self.hf_quantization.method for m in self.hf_quantized_modules}
+        return self.gguf_quantized_tensors()
 
     def gguf_quantized_tensors(self) -> dict[str, str]:
         """HF name -> ggml type name of each GGUF tensor stored in a type the quantized kernels run
@@ -105,16 +125,56 @@ class Checkpoint:
             self._gguf_reader = _open_gguf(self.path)
         return self._gguf_reader
 
-    def _iter_safetensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_safetensors(self, keep_quantized: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         from safetensors import safe_open
 
-        for file in safetensors_files(self.path):
+        files = safetensors_files(self.path)
+        if self.hf_quantization is not None:
+            yield from self._iter_hf_quantized(files, keep_quantized)
+            return
+        for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     # A tied head, if saved anyway, is a copy of the embedding the model already has.
                     if name == "lm_head.weight" and self.config.tie_word_embeddings:
                         continue
                     yield name, f.get_tensor(name)
+
+    def _iter_hf_quantized(
+        self, files: list[str], keep_quantized: frozenset[str]
+    ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+        """A quantized module's tensors may sit in different shards: every file stays open, and a
+        module is converted when its first tensor comes up (one module's tensors in memory at a time)."""
+        from safetensors import safe_open
+
+        spec = self.hf_quantization
+        parts = {n: m for m, names in self.hf_quantized_modules.items() for n in names}
+        rounded = 0  # modules whose scales fp16 could not hold exactly
+        with contextlib.ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
+            where = {name: f for f in handles for name in f.keys()}
+            for name, f in where.items():
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                module = parts.get(name)
+                if module is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                names = self.hf_quantized_modules[module]
+                if name != names[0]:
+                    continue  # converted with its module's first tensor
+                tensors = {n[len(module) + 1 :]: where[n].get_tensor(n) for n in names}
+                weight = unpack_module(spec, module, tensors)
+                del tensors
+                if f"{module}.weight" in keep_quantized:
+                    blocks = weight.to_gguf()
+                    rounded += not weight.scales_fit_fp16()
+                    yield f"{module}.weight", blocks
+                else:
+                    yield f"{module}.weight", weight.dequantize()
+        if rounded:
+            logger.warning("%s: the scales of %d quantized modules were rounded to fp16 for the block kernels",
+                           self.path, rounded)  # fmt: skip
 
     def _iter_gguf(self, keep_quantized: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         from gguf.quants import dequantize
@@ -271,17 +331,18 @@ def read_hf_config(directory: str) -> ModelConfig:
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def _safetensors_contents(files: list[str]) -> tuple[set[str], str | None]:
-    """All tensor names in the files, and the dtype of the floating-point weights (headers only)."""
+def _safetensors_contents(files: list[str]) -> tuple[dict[str, str], str | None]:
+    """Each tensor's name -> safetensors dtype ("F32", "I8", ...), and the dtype of the
+    floating-point weights (headers only)."""
     from safetensors import safe_open
 
-    names: set[str] = set()
+    names: dict[str, str] = {}
     dtype = None
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                names.add(name)
-                dtype = dtype or _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                names[name] = f.get_slice(name).get_dtype()
+                dtype = dtype or _SAFETENSORS_DTYPES.get(names[name])
     return names, dtype
 
 
@@ -306,6 +367,8 @@ def load_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0)
         logger.info("%s: %s, %d layers, random weights (seed %d)", path, config.architecture,
                     config.num_hidden_layers, seed)  # fmt: skip
         return Checkpoint(path=path, config=config, format="dummy", seed=seed)
+    with open(os.path.join(path, "config.json")) as f:
+        quantization = parse_quantization_config(json.load(f).get("quantization_config"))
     names, dtype = _safetensors_contents(safetensors_files(path))
     # The tensors, not config.json (which may lack or misstate it), say what is stored.
     config.dtype = dtype or config.dtype
@@ -313,5 +376,12 @@ def load_checkpoint(model: str | None, load_format: str = "auto", seed: int = 0)
         # Some exports drop the head of a tied model without saying so in config.json.
         logger.warning("%s has no lm_head.weight; tying it to the input embedding", path)
         config.tie_word_embeddings = True
-    logger.info("safetensors checkpoint %s: %s, %d layers", path, config.architecture, config.num_hidden_layers)
-    return Checkpoint(path=path, config=config, format="safetensors")
+    modules = quantized_modules(quantization, set(names), names) if quantization else {}
+    if quantization and not modules:
+        raise ValueError(f"{path}: config.json has a {quantization.method} quantization_config, "
+                         "but no tensor is stored quantized")  # fmt: skip
+    quant = f", {quantization.method} ({len(modules)} quantized modules)" if quantization else ""
+    logger.info("safetensors checkpoint %s: %s, %d layers%s", path, config.architecture,
+                config.num_hidden_layers, quant)  # fmt: skip
+    return Checkpoint(path=path, config=config, format="safetensors", hf_quantization=quantization,
+                      hf_quantized_modules=modules)  # fmt: skip

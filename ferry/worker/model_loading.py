@@ -66,7 +66,19 @@ def resolve_quantization(
 ) -> str | None:
     """What the weights run as: "gguf", "int8" or None (the model dtype). None/"auto" runs a
     quantized GGUF as stored wherever the GGUF kernels run (CPU, float32, one rank), and says why
-    when it cannot; an explicit "gguf" that cannot run is an error."""
+    when it cannot; an explicit "gguf" that cannot run is an error. A GPTQ/AWQ/compressed-tensors
+    checkpoint (its config.json's quantization_config) runs on the same kernels under None/"auto",
+    converted to their blocks at load, else is dequantized to `dtype` with a log line saying why."""
+    if method in ("auto", None) and ckpt.hf_quantization is not None:
+        cfg = ckpt.config
+        in_features = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim]
+        why = _gguf_unavailable(device, dtype, tp) or ckpt.hf_quantization.kernel_unsupported(in_features)
+        if why:
+            logger.info("running the %s checkpoint dequantized to %s: %s", ckpt.hf_quantization.method, dtype, why)
+            return None
+        logger.info("running the %s checkpoint's quantized weights on the GGUF block kernels",
+                    ckpt.hf_quantization.method)  # fmt: skip
+        return "gguf"
     if method in ("auto", None):
         if not ckpt.gguf_quantized_tensors():
             return None
@@ -128,7 +140,7 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp)
         # GGUF: the quantized blocks are the only copy; those modules never get an fp32 weight.
-        keep_quantized = model.plan_gguf(ckpt.gguf_quantized_tensors()) if quantization == "gguf" else frozenset()
+        keep_quantized = model.plan_gguf(ckpt.quantized_tensors()) if quantization == "gguf" else frozenset()
     # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
     # copy of the whole model on the device, which the allocator would keep from the KV cache.
     model = model.to(dtype).to_empty(device=device)
