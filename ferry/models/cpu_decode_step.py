@@ -73,6 +73,8 @@ class CPUDecodeStep:
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
         if any(m.gguf is None for m in linears):
             return "some projections are not GGUF-quantized"
+        if any(w.input_order is not None for m in linears for w in m.gguf):
+            return "activation-order (GPTQ desc_act) weights gather their inputs in Python"
         if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
             return "the model is not float32 on the CPU"
         return None

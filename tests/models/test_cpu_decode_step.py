@@ -138,6 +138,9 @@ def test_which_models_and_steps_take_it(tmp_path):
     assert CPUDecodeStep.build(model) is None  # float weights: the Python forward (oneDNN GEMMs)
     model.quantization = "gguf"
     assert CPUDecodeStep.build(model) is not None
+    down = model.layers[1].mlp.down_proj.gguf[0]
+    down.input_order = torch.arange(down.in_features).flip(0)  # GPTQ desc_act: not in C++ yet
+    assert CPUDecodeStep.build(model) is None
     # Loading: a quantized GGUF gets the C++ step unless --enforce-eager.
     eager = load_model(EngineArgs(device="cpu", enforce_eager=True, num_kv_blocks=16))
     assert eager.model.quantization == "gguf" and eager.model.cpu_decode_step is None
