@@ -28,7 +28,7 @@ KV_ROLES = ("both", "prefill", "decode")
 KV_TRANSPORTS = ("tcp", "shm", "redis")
 KV_ENCODINGS = ("raw", "int8")
 # --kv-cache-dtype: auto (the model dtype), a float dtype, or a quantized format with per-(token, head)
-# scales stored beside the values (ferry/kernels/kv_quant.py; fp8 is fp8_e4m3).
+# scales stored beside the values (ferry/kv_quant.py; fp8 is fp8_e4m3).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 
 

@@ -28,7 +28,7 @@ import torch
 from ferry.bench.hardware import device_name, known_peak_bandwidth, synchronize
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.kernels.kv_quant import kv_cache_bytes_per_token
+from ferry.kv_quant import kv_cache_bytes_per_token
 from ferry.layers.linear import Linear
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import weight_shapes

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from ferry.config import EngineArgs
-from ferry.kernels.kv_quant import KV_FORMAT_DTYPES
+from ferry.kv_quant import KV_FORMAT_DTYPES
 from ferry.layers.gguf_linear import int8_dots_at_any_batch
 from ferry.worker.model_loading import load_model
 

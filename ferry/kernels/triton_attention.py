@@ -19,7 +19,7 @@ position's block through the request's block table, so any block size works.
 
 Scores and softmax run in fp32; `tl.dot` takes the cache dtype (bf16/fp16 on tensor
 cores) and full fp32 precision (no TF32) when the cache is fp32. A quantized cache (int8 or
-fp8 e4m3 rows, each followed by its fp32 scale: kernels/kv_quant.py) is quantized by
+fp8 e4m3 rows, each followed by its fp32 scale: ferry/kv_quant.py) is quantized by
 `store_kv` and widened to q's dtype in the loops (exact in bf16); K's scales multiply the
 scores' columns, V's fold into the probabilities before the second dot. On the CPU the
 kernels run under TRITON_INTERPRET=1 (the tests compare them with the torch backend).
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.kernels.kv_quant import qmax
 from ferry.kernels.triton_compat import apply_interpreter_numpy_fix
+from ferry.kv_quant import qmax
 
 apply_interpreter_numpy_fix()
 

@@ -18,7 +18,7 @@ symmetric, one fp32 scale per (block, layer, K/V, token, head), i.e. over a
 head's `head_dim` values, which keeps the error at ~0.4% of each vector's
 largest element while halving bf16 (quartering fp32) bytes.
 
-A quantized cache (`--kv-cache-dtype int8 | fp8`, kernels/kv_quant.py) is sent as stored: its rows
+A quantized cache (`--kv-cache-dtype int8 | fp8`, ferry/kv_quant.py) is sent as stored: its rows
 (values + scale) are the raw bytes, `dtype` names the format, nothing is requantized (an
 `int8` transit encoding is ignored for it), and an importer whose cache has another dtype
 refuses the payload (both peers need the same --kv-cache-dtype).
@@ -32,7 +32,7 @@ import torch
 from ferry.config import KV_ENCODINGS
 from ferry.core.block_hash import BlockHash
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.kernels.kv_quant import as_bytes, head_dim_of, is_quantized, row_width
+from ferry.kv_quant import as_bytes, head_dim_of, is_quantized, row_width
 
 
 class KVBlocks(msgspec.Struct, array_like=True):

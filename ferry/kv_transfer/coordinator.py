@@ -23,7 +23,7 @@ import zmq
 from ferry.config import KVTransferConfig
 from ferry.core.block_hash import hash_prompt_blocks
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.kernels.kv_quant import is_quantized
+from ferry.kv_quant import is_quantized
 from ferry.kv_transfer.blocks import KVBlocks, export_blocks, import_blocks
 from ferry.kv_transfer.connector import KVConnector, TransferResult
 from ferry.kv_transfer.protocol import Done, KVTransferDone

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
-from ferry.kernels.kv_quant import row_width
+from ferry.kv_quant import row_width
 from ferry.layers.attention import (
     AttentionMetadata,
     PrefillHost,

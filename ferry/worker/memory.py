@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
-from ferry.kernels.kv_quant import kv_cache_bytes_per_token
+from ferry.kv_quant import kv_cache_bytes_per_token
 from ferry.models.config import ModelConfig
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.step_plan import profiling_blocks, profiling_plan

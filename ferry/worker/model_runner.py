@@ -19,7 +19,7 @@ from ferry.config import EngineArgs
 from ferry.core.request import Request
 from ferry.core.scheduler import SchedulerOutput
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
-from ferry.kernels.kv_quant import row_width
+from ferry.kv_quant import row_width
 from ferry.layers.attention import AttentionBackend, build_metadata, select_attention_backend
 from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator

@@ -12,7 +12,7 @@ from ferry.bench.quality import DEFAULT_TEXT, compare
 from ferry.config import EngineArgs
 from ferry.core.block_hash import hash_prompt_blocks
 from ferry.engine.llm_engine import LLMEngine
-from ferry.kernels.kv_quant import KV_FORMAT_DTYPES
+from ferry.kv_quant import KV_FORMAT_DTYPES
 from ferry.models.config import ModelConfig
 from ferry.sampling_params import SamplingParams
 from ferry.worker.memory import blocks_in_budget, kv_bytes_per_block

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferry.kernels import kv_quant
+from ferry import kv_quant
 from ferry.kernels.cpu import cpu_kernels
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -149,3 +149,47 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads):
         ref = dense_reference(q[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
                               torch.tensor([n - 1]), d**-0.5)  # fmt: skip
         torch.testing.assert_close(got[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+COMPILE_SCRIPT = r"""
+import json, torch
+from dataclasses import asdict
+from ferry.tools.compile_check import compiling_for, report
+from ferry.kernels import triton_attention as attn
+for dt in (torch.int8, torch.float8_e4m3fn):
+    kc = torch.empty(4, 16, 8, 128 + 4, dtype=dt)  # Llama-3.1-8B's KV geometry
+    q = torch.empty(64, 32, 128, dtype=torch.bfloat16)
+    k = torch.empty(64, 8, 128, dtype=torch.bfloat16)
+    t = torch.zeros(8, 8, dtype=torch.int64)
+    n = torch.ones(8, dtype=torch.int64)
+    with compiling_for(90) as compiled:
+        attn.store_kv(k, k, kc, kc, torch.zeros(64, dtype=torch.int64))
+        attn.paged_decode(q[:8], kc, kc, t, n, 0.1, 2, out=torch.empty(8, 32, 128, dtype=torch.bfloat16))
+        attn.paged_prefill(q, kc, kc, t, torch.zeros(9, dtype=torch.int64), n, 64, 0.1, torch.empty_like(q))
+    for name, kern in compiled:
+        print(json.dumps(asdict(report(name, str(dt), kern, 90))))
+"""
+
+
+def test_quantized_kernel_variants_compile_for_sm90():
+    """The int8 / fp8 store, decode and prefill kernels compile for an H100 within its limits, no
+    spills, dots on tensor cores (no GPU here: Triton's own compiler and ptxas, tools/compile_check)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert {(r["kernel"], r["case"]) for r in rows} >= {
+        (k, c)
+        for k in ("_store_kv_kernel", "_decode_kernel", "_prefill_kernel")
+        for c in ("torch.int8", "torch.float8_e4m3fn")
+    }
+    for r in rows:
+        assert r["problems"] == [] and r["local_bytes"] == 0, r
+        if r["kernel"] in ("_decode_kernel", "_prefill_kernel"):
+            assert r["tensor_cores"] in ("mma", "wgmma"), r

@@ -3,7 +3,7 @@
 //
 // q:            [B, H, D]           float32
 // k/v_cache:    [NB, BS, KVH, W]    float32 or bfloat16 (W = D), or int8 / float8_e4m3fn rows of
-//                                   D values followed by their fp32 scale (W = D + 4; kernels/kv_quant.py)
+//                                   D values followed by their fp32 scale (W = D + 4; ferry/kv_quant.py)
 // block_tables: [B, MAXB]           int64
 // seq_lens:     [B]                 int64 (tokens attended to, including the new one)
 // out:          [B, H, D]           float32

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ferry.kernels.kv_quant import is_quantized
+from ferry.kv_quant import is_quantized
 from ferry.layers.attention.metadata import AttentionBackend, AttentionMetadata, PrefillHost, build_metadata
 from ferry.layers.attention.torch_backend import TorchAttentionBackend, cpu_decode_kernel_usable
 

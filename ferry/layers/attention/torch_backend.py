@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ferry.kernels.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
+from ferry.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
 from ferry.layers.attention.metadata import AttentionMetadata
 
 
