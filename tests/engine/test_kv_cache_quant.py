@@ -56,10 +56,10 @@ def text_ids(smollm):
     return smollm.tokenizer.encode(DEFAULT_TEXT)[:96]
 
 
-@pytest.mark.parametrize("fmt, max_kl", [("int8", 0.01), ("fp8", 0.03)])
+@pytest.mark.parametrize("fmt, max_kl", [("int8", 0.005), ("fp8", 0.015)])
 def test_kl_of_each_format_is_bounded(smollm, text_ids, fmt, max_kl):
-    """Every position attends to quantized K/V (its own included). Measured on 96 tokens: int8
-    KL ~0.002, fp8 ~0.01; a kernel that misreads rows or scales gives KL > 1."""
+    """Every position attends to quantized K/V (its own included). Measured on these 96 tokens:
+    int8 KL 0.0006, fp8 0.0031; one mean scale for all rows instead of each row's gives KL 4.3."""
     r = compare(smollm.model, smollm.model, text_ids, KV_FORMAT_DTYPES[fmt])
     assert r["kl_mean"] < max_kl, r
     assert r["top1_agreement"] > 0.9, r
