@@ -28,6 +28,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 KV_ROLES = ("both", "prefill", "decode")
 KV_TRANSPORTS = ("tcp", "shm", "redis")
 KV_ENCODINGS = ("raw", "int8")
+# --kv-cache-dtype: auto (the model dtype), a float dtype, or a quantized format with per-(token, head)
+# scales stored beside the values (ferry/kv_quant.py; fp8 is fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -36,7 +39,7 @@ class EngineArgs:
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str | None = None  # None/auto (as stored) | none | gguf | int8 (dynamic W8A8 on the CPU)
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16 | int8 | fp8 | fp8_e4m3
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length
@@ -66,8 +69,8 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             choices = ", ".join(m for m in QUANTIZATION_METHODS if m)
             raise ValueError(f"quantization must be one of {choices} (or unset), got {self.quantization!r}")

@@ -28,6 +28,7 @@ import torch
 from ferry.bench.hardware import device_name, known_peak_bandwidth, synchronize
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
+from ferry.kv_quant import kv_cache_bytes_per_token
 from ferry.layers.linear import Linear
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import weight_shapes
@@ -94,8 +95,8 @@ def model_weight_bytes_per_step(model, batch: int) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+    """K and V of one token over all layers; a quantized cache's scales included."""
+    return kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
 
 
 def _requests(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:

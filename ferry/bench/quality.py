@@ -4,8 +4,11 @@ Both models read the same text teacher-forced (one prefill), and every
 position's next-token distribution is compared: mean KL(fp32 || quantized),
 top-1 agreement, and each model's perplexity on the text. This measures the
 weight and activation quantization (`--quantization`; `gguf` or `auto` for a quantized GGUF
-compares its blocks run as stored against the same file dequantized to fp32); the KV-cache dtype
-does not enter a single prefill (see tests/engine for its greedy check).
+compares its blocks run as stored against the same file dequantized to fp32) and a quantized
+KV cache (`--kv-cache-dtype int8 | fp8`, alone or with a weight quantization): with a quantized
+cache every position of the prefill attends to the stored (quantized) K/V, its own included,
+which is what decoding from that cache reads. A float `--kv-cache-dtype` (bf16) is not
+measured this way: a single prefill attends to the fresh K/V.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from ferry.config import EngineArgs
+from ferry.kv_quant import KV_FORMAT_DTYPES
 from ferry.layers.gguf_linear import int8_dots_at_any_batch
 from ferry.worker.model_loading import load_model
 
@@ -45,10 +49,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 @torch.no_grad()
-def compare(reference, candidate, token_ids: list[int]) -> dict[str, float]:
-    """Teacher-forced comparison of two loaded models (LlamaForCausalLM) on one token sequence."""
+def compare(reference, candidate, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Teacher-forced comparison of two loaded models (LlamaForCausalLM) on one token sequence; the
+    candidate's K/V go through a cache of `kv_cache_dtype` (None: the model dtype)."""
     ref = reference.compute_logits(reference._forward_prompt(token_ids)).float().log_softmax(-1)
-    got = candidate.compute_logits(candidate._forward_prompt(token_ids)).float().log_softmax(-1)
+    got = candidate.compute_logits(candidate._forward_prompt(token_ids, kv_cache_dtype)).float().log_softmax(-1)
     target = torch.tensor(token_ids[1:], device=ref.device)[:, None]
     return {
         "tokens": len(token_ids),
@@ -62,8 +67,11 @@ def compare(reference, candidate, token_ids: list[int]) -> dict[str, float]:
 def main(args: argparse.Namespace) -> int:
     eargs = EngineArgs.from_cli_args(args)
     eargs.model = args.model
-    if eargs.quantization in (None, "none"):
-        raise ValueError("give the quantization to measure, e.g. --quantization int8 or gguf")
+    kv_format = eargs.kv_cache_dtype if eargs.kv_cache_dtype in KV_FORMAT_DTYPES else None
+    if eargs.quantization in (None, "none") and kv_format is None:
+        raise ValueError(
+            "give the quantization to measure, e.g. --quantization int8 or gguf, or --kv-cache-dtype int8 or fp8"
+        )
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     text = DEFAULT_TEXT
@@ -77,17 +85,24 @@ def main(args: argparse.Namespace) -> int:
     ids = tokenizer.encode(text)[: args.max_tokens]
     if len(ids) < 2:
         raise ValueError("the text is shorter than two tokens")
-    candidate = load_model(eargs).model
-    if candidate.quantization is None:
-        raise ValueError(f"--quantization {eargs.quantization}: this checkpoint runs unquantized; nothing to compare")
+    kv_dtype = KV_FORMAT_DTYPES[kv_format] if kv_format else None
+    if eargs.quantization in (None, "none"):
+        candidate = reference  # the KV cache alone
+    else:
+        candidate = load_model(eargs).model
+        if candidate.quantization is None:
+            raise ValueError(
+                f"--quantization {eargs.quantization}: this checkpoint runs unquantized; nothing to compare"
+            )
+    label = " + ".join(x for x in (candidate.quantization, kv_format and f"{kv_format} KV cache") if x)
     results = []
     if candidate.quantization == "gguf":
         # Prefill dequantizes into an fp32 GEMM (exact); decode quantizes activations per 32 values.
-        results.append({"quantization": "gguf (prefill path)", **compare(reference, candidate, ids)})
+        results.append({"quantization": f"{label} (prefill path)", **compare(reference, candidate, ids, kv_dtype)})
         with int8_dots_at_any_batch():
-            results.append({"quantization": "gguf (decode path)", **compare(reference, candidate, ids)})
+            results.append({"quantization": f"{label} (decode path)", **compare(reference, candidate, ids, kv_dtype)})
     else:
-        results.append({"quantization": candidate.quantization, **compare(reference, candidate, ids)})
+        results.append({"quantization": label, **compare(reference, candidate, ids, kv_dtype)})
     for result in results:
         print(
             f"{result['quantization']} vs unquantized over {result['tokens']} tokens: "

@@ -18,7 +18,10 @@ position's block through the request's block table, so any block size works.
   tile are (token, head-of-group) pairs, so GQA again reads K/V once per group.
 
 Scores and softmax run in fp32; `tl.dot` takes the cache dtype (bf16/fp16 on tensor
-cores) and full fp32 precision (no TF32) when the cache is fp32. On the CPU the
+cores) and full fp32 precision (no TF32) when the cache is fp32. A quantized cache (int8 or
+fp8 e4m3 rows, each followed by its fp32 scale: ferry/kv_quant.py) is quantized by
+`store_kv` and widened to q's dtype in the loops (exact in bf16); K's scales multiply the
+scores' columns, V's fold into the probabilities before the second dot. On the CPU the
 kernels run under TRITON_INTERPRET=1 (the tests compare them with the torch backend).
 """
 
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.triton_compat import apply_interpreter_numpy_fix
+from ferry.kv_quant import qmax
 
 apply_interpreter_numpy_fix()
 
@@ -53,11 +57,39 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _round_e4m3(y):
+    """y (|y| <= 448) rounded to the nearest e4m3 value (ties to even) in fp32 arithmetic, so the
+    conversion that follows is exact: Triton 3.6's interpreter loses the carry when rounding up
+    crosses a power of two (124.5 -> 64), and this keeps the GPU on the same, tested path."""
+    e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # e4m3: 3 mantissa bits, min exp -6
+    inv_ulp = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2 ** (3 - e)
+    ulp = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2 ** (e - 3)
+    r = y * inv_ulp  # |r| < 16: adding 1.5 * 2**23 rounds it to an integer, ties to even
+    return ((r + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _quantize_rows(x, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """Rows of x [rows, D_PAD] (padding zeros) -> (values to store, fp32 scale per row): symmetric,
+    scale = absmax / QMAX; int8 rounds half away from zero (as kv_quant.quantize_rows), fp8 to nearest."""
+    x = x.to(tl.float32)
+    sc = tl.maximum(tl.max(tl.abs(x), 1), 1e-30) / QMAX
+    y = x / sc[:, None]
+    if QUANT == 1:
+        y = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -127.0), 127.0)
+    else:
+        y = _round_e4m3(tl.minimum(tl.maximum(y, -QMAX), QMAX))
+    return y, sc
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_ptr,
     stride_kt,
     stride_kh,
@@ -69,33 +101,56 @@ def _store_kv_kernel(
     D: tl.constexpr,
     KVH_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, KVH_PAD)
     d = tl.arange(0, D_PAD)
     mask = (h[:, None] < KVH) & (d[None, :] < D) & (slot >= 0)
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    dst = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    row = slot * stride_cs + h * stride_ch
+    dst = row[:, None] + d[None, :]
+    if QUANT:
+        # Each (token, head) row: D quantized values, then its fp32 scale (element D // 4 of the
+        # row seen as fp32; the row's byte offset is a multiple of 4).
+        k, k_sc = _quantize_rows(k, QUANT, QMAX)
+        v, v_sc = _quantize_rows(v, QUANT, QMAX)
+        h_ok = (h < KVH) & (slot >= 0)
+        tl.store(k_scale_ptr + row // 4 + D // 4, k_sc, mask=h_ok)
+        tl.store(v_scale_ptr + row // 4 + D // 4, v_sc, mask=h_ok)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _quant(cache: torch.Tensor) -> int:
+    """The kernels' QUANT constant: 0 a float cache, 1 int8, 2 fp8 e4m3 (rows + scales, kv_quant.py)."""
+    return {torch.int8: 1, torch.float8_e4m3fn: 2}.get(cache.dtype, 0)
+
+
+def _scales(cache: torch.Tensor) -> torch.Tensor:
+    """A quantized cache seen as fp32 (where the kernels read the rows' scales); itself otherwise."""
+    return cache.view(torch.float32) if _quant(cache) else cache
 
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """k, v: [T, KVH, D]; caches [num_blocks, block_size, KVH, D]; slot_mapping [T] (-1: skip)."""
+    """k, v: [T, KVH, D]; caches [num_blocks, block_size, KVH, D] (D + 4 when quantized: each row's
+    values are quantized on the write and its scale stored after them); slot_mapping [T] (-1: skip)."""
     T, kvh, d = k.shape
     if T == 0:
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    quant = _quant(k_cache)
     _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, _scales(k_cache), _scales(v_cache), slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        KVH=kvh, D=d, KVH_PAD=_pow2(kvh), D_PAD=_pow2(d),
+        KVH=kvh, D=d, KVH_PAD=_pow2(kvh), D_PAD=_pow2(d), QUANT=quant, QMAX=qmax(k_cache.dtype) if quant else 1.0,
     )  # fmt: skip
 
 
@@ -104,6 +159,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -128,6 +185,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,7 +203,8 @@ def _decode_kernel(
     q = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
     )
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not QUANT:  # a quantized cache is widened to q's dtype instead (int8 and e4m3 are exact in bf16)
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -158,14 +217,23 @@ def _decode_kernel(
         off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale  # [GROUP_PAD, BLOCK_N]
+        if QUANT:
+            k_sc = tl.load(k_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, DOT_F32) * (k_sc * scale)[None, :]
+        else:
+            s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
+        if QUANT:  # V's scales fold into the probabilities: p @ (diag(sc) v) = (p * sc) @ v
+            v_sc = tl.load(v_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            pv = _dot((p * v_sc[None, :]).to(q.dtype), v.to(q.dtype), PRECISION, DOT_F32)
+        else:
+            pv = _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     if NUM_SPLITS == 1:
@@ -247,12 +315,14 @@ def paged_decode(
         part_lse = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    quant = _quant(k_cache)
     _decode_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        q, k_cache, v_cache, _scales(k_cache), _scales(v_cache), block_tables, seq_lens, out, part_out, part_lse,
+        scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), D=D, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=H, PRECISION=_precision(k_cache.dtype), DOT_F32=_INTERPRETED,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=H, PRECISION=_precision(q.dtype if quant else k_cache.dtype),
+        DOT_F32=_INTERPRETED, QUANT=quant,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(B, H)](
@@ -267,6 +337,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table_ptr,
     query_start_ptr,
     seq_lens_ptr,
@@ -289,6 +361,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -307,7 +380,8 @@ def _prefill_kernel(
     heads = kvh * GROUP + g
     q_off = (q_start + tok).to(tl.int64) * stride_qt + heads * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not QUANT:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = prefix + tok  # absolute position of each row's token
 
     # Causal: this tile's last token sees positions <= prefix + its index; an empty tile reads nothing.
@@ -325,7 +399,11 @@ def _prefill_kernel(
         off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
         kv_mask = valid[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
+        if QUANT:
+            k_sc = tl.load(k_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, DOT_F32) * (k_sc * scale)[None, :]
+        else:
+            s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -333,7 +411,12 @@ def _prefill_kernel(
         alpha = tl.exp(m - m_safe)
         l_sum = l_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
+        if QUANT:
+            v_sc = tl.load(v_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            pv = _dot((p * v_sc[None, :]).to(q.dtype), v.to(q.dtype), PRECISION, DOT_F32)
+        else:
+            pv = _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
@@ -370,12 +453,14 @@ def paged_prefill(
     group_pad = _pow2(group)
     block_m = max(1, rows // group_pad)
     grid = (P, triton.cdiv(max_query_len, block_m), kvh)
+    quant = _quant(k_cache)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
+        q, k_cache, v_cache, _scales(k_cache), _scales(v_cache), block_tables, query_start_loc, seq_lens, out, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, D=D, D_PAD=_pow2(D), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(k_cache.dtype), DOT_F32=_INTERPRETED,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype if quant else k_cache.dtype),
+        DOT_F32=_INTERPRETED, QUANT=quant,
         num_stages=2 if k_cache.dtype == torch.float32 else 3,  # fp32 K/V tiles: keep shared memory in bounds
     )  # fmt: skip
     return out

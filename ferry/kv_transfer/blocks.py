@@ -17,6 +17,11 @@ anything is written. In transit the bytes may be int8 (`encoding="int8"`):
 symmetric, one fp32 scale per (block, layer, K/V, token, head), i.e. over a
 head's `head_dim` values, which keeps the error at ~0.4% of each vector's
 largest element while halving bf16 (quartering fp32) bytes.
+
+A quantized cache (`--kv-cache-dtype int8 | fp8`, ferry/kv_quant.py) is sent as stored: its rows
+(values + scale) are the raw bytes, `dtype` names the format, nothing is requantized (an
+`int8` transit encoding is ignored for it), and an importer whose cache has another dtype
+refuses the payload (both peers need the same --kv-cache-dtype).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from ferry.config import KV_ENCODINGS
 from ferry.core.block_hash import BlockHash
 from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.kv_quant import as_bytes, head_dim_of, is_quantized, row_width
 
 
 class KVBlocks(msgspec.Struct, array_like=True):
@@ -34,10 +40,10 @@ class KVBlocks(msgspec.Struct, array_like=True):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # torch dtype name of the bytes, e.g. "float32"
+    dtype: str  # torch dtype name of the bytes, e.g. "float32"; "int8" / "float8_e4m3fn": a quantized cache's rows
     block_hashes: list[bytes]  # a chain, in prompt order
     parent_hash: bytes | None  # the parent of block_hashes[0] (None: the prompt's first block)
-    data: bytes  # [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+    data: bytes  # [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim (+ 4: a quantized row's scale)]
     encoding: str = "raw"  # "raw": `dtype` values; "int8": int8 values + fp32 `scales`
     scales: bytes = b""  # int8: [num_blocks, num_layers, 2, block_size, num_kv_heads] float32
 
@@ -50,10 +56,12 @@ class KVBlocks(msgspec.Struct, array_like=True):
         return len(self.data) + len(self.scales)
 
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        width = row_width(self.head_dim, _dtype(self.dtype))
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, width)
 
     def values(self) -> torch.Tensor:
-        """The blocks as a float tensor of `shape()` (dequantized when int8)."""
+        """The blocks as a tensor of `shape()`: floats (dequantized when in transit as int8), or a
+        quantized cache's rows as stored."""
         if self.encoding == "raw":
             return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(_dtype(self.dtype)).view(self.shape())
         q = torch.frombuffer(bytearray(self.data), dtype=torch.int8).view(self.shape())
@@ -108,8 +116,10 @@ def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
+    if isinstance(dtype, torch.dtype) and is_quantized(dtype):
+        return dtype
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize not in (2, 4):
-        raise ValueError(f"unsupported KV dtype {name!r} (float32, bfloat16 or float16)")
+        raise ValueError(f"unsupported KV dtype {name!r} (float32, bfloat16, float16, int8 or float8_e4m3fn)")
     return dtype
 
 
@@ -125,7 +135,10 @@ def export_blocks(
     if encoding not in KV_ENCODINGS:
         raise ValueError(f"KV transfer encoding must be one of {KV_ENCODINGS}, got {encoding!r}")
     k0 = kv_caches[0][0]
-    _, block_size, kvh, d = k0.shape
+    _, block_size, kvh, _ = k0.shape
+    d = head_dim_of(k0)
+    if is_quantized(k0.dtype):
+        encoding = "raw"  # already int8 / fp8 with its scales: sent as stored
     start = 0
     while start < len(block_hashes) and block_hashes[start] in skip:
         start += 1
@@ -140,7 +153,9 @@ def export_blocks(
     if ids:
         index = torch.tensor(ids, device=k0.device)
         # [layers, 2, n, bs, kvh, d] -> [n, layers, 2, bs, kvh, d]: one contiguous slab per block.
-        stacked = torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)]) for k, v in kv_caches])
+        # (A quantized cache is gathered as bytes: torch lacks some float8 ops on the CPU.)
+        stacked = torch.stack([torch.stack([as_bytes(k).index_select(0, index), as_bytes(v).index_select(0, index)])
+                               for k, v in kv_caches])  # fmt: skip
         data = stacked.permute(2, 0, 1, 3, 4, 5).contiguous()
         if encoding == "int8":
             q, sc = quantize_int8(data)
@@ -168,7 +183,8 @@ def import_blocks(kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.
     prefix cache; returns how many were written. Raises ValueError, changing nothing, when the
     payload does not fit this cache (geometry, dtype, size) or free blocks run short."""
     k0 = kv_caches[0][0]
-    _, block_size, kvh, d = k0.shape
+    _, block_size, kvh, _ = k0.shape
+    d = head_dim_of(k0)
     if (payload.block_size, payload.num_layers, payload.num_kv_heads, payload.head_dim) != (
         block_size, len(kv_caches), kvh, d):  # fmt: skip
         raise ValueError(
@@ -181,7 +197,15 @@ def import_blocks(kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.
     src_dtype = _dtype(payload.dtype)
     if payload.encoding not in KV_ENCODINGS:
         raise ValueError(f"unknown KV encoding {payload.encoding!r}")
-    elements = len(kv_caches) * 2 * block_size * kvh * d * payload.num_blocks
+    quantized = is_quantized(k0.dtype)
+    if (quantized or is_quantized(src_dtype)) and src_dtype != k0.dtype:
+        raise ValueError(
+            f"KV blocks of dtype {payload.dtype} do not fit this {str(k0.dtype).removeprefix('torch.')} cache: "
+            "quantized blocks move as stored, so both peers need the same --kv-cache-dtype"
+        )
+    if quantized and payload.encoding != "raw":
+        raise ValueError(f"KV blocks of a quantized cache travel raw, got encoding {payload.encoding!r}")
+    elements = len(kv_caches) * 2 * block_size * kvh * row_width(d, src_dtype) * payload.num_blocks
     itemsize = 1 if payload.encoding == "int8" else src_dtype.itemsize
     if len(payload.data) != elements * itemsize:
         raise ValueError(f"KV payload has {len(payload.data)} bytes, expected {elements * itemsize}")
@@ -197,10 +221,13 @@ def import_blocks(kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.
     data = payload.values()
     blocks = kv.pool.allocate(len(wanted))
     index = torch.tensor([b.block_id for b in blocks], device=k0.device)
-    rows = data[torch.tensor(wanted)].to(device=k0.device, dtype=k0.dtype)  # [n, layers, 2, bs, kvh, d]
+    if quantized:  # the bytes as stored (same dtype, checked above)
+        rows = data.view(torch.uint8)[torch.tensor(wanted)].to(k0.device)  # [n, layers, 2, bs, kvh, d + 4]
+    else:
+        rows = data[torch.tensor(wanted)].to(device=k0.device, dtype=k0.dtype)  # [n, layers, 2, bs, kvh, d]
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
-        k_cache.index_copy_(0, index, rows[:, layer, 0])
-        v_cache.index_copy_(0, index, rows[:, layer, 1])
+        as_bytes(k_cache).index_copy_(0, index, rows[:, layer, 0])
+        as_bytes(v_cache).index_copy_(0, index, rows[:, layer, 1])
     for block, i in zip(blocks, wanted):
         parent = payload.block_hashes[i - 1] if i > 0 else payload.parent_hash
         kv.pool.cache_block(block, payload.block_hashes[i], parent)

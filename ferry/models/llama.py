@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.kv_quant import row_width
 from ferry.layers.attention import (
     AttentionMetadata,
     PrefillHost,
@@ -293,14 +294,16 @@ class LlamaForCausalLM(nn.Module):
         return head * s
 
     @torch.no_grad()
-    def _forward_prompt(self, token_ids: list[int]) -> torch.Tensor:
-        """Final hidden states [T, hidden] of one prompt, with a throwaway KV cache (calibration)."""
+    def _forward_prompt(self, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of one prompt, with a throwaway KV cache (calibration; `ferry bench
+        quality`, where a quantized `kv_cache_dtype` makes every position attend to quantized K/V)."""
         cfg = self.config
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        cache_dtype = kv_cache_dtype or dtype
         T = len(token_ids)
-        shape = (T, 1, cfg.num_key_value_heads, cfg.head_dim)  # T blocks of one slot each
+        shape = (T, 1, cfg.num_key_value_heads, row_width(cfg.head_dim, cache_dtype))  # T blocks of one slot each
         kv = [
-            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            (torch.zeros(shape, device=device, dtype=cache_dtype), torch.zeros(shape, device=device, dtype=cache_dtype))
             for _ in self.layers
         ]
         slots = np.arange(T, dtype=np.int64)

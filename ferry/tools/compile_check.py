@@ -156,11 +156,14 @@ def engine_kernels(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     num_sms: int = H100_SMS,
+    kv_cache_dtype: str = "auto",
 ) -> list[KernelReport]:
     """Compile every kernel launch the engine makes for `model` (a shipped config name or a
-    directory with config.json) and report its resources on `arch`."""
+    directory with config.json) and report its resources on `arch`; `kv_cache_dtype` as the
+    engine's flag (int8 / fp8: the quantized cache's kernel variants)."""
     from ferry.kernels import triton_attention as attn
     from ferry.kernels import triton_fused as fused
+    from ferry.kv_quant import KV_FORMAT_DTYPES, row_width
     from ferry.models.loader import read_hf_config
     from ferry.models.paths import resolve_model_path
 
@@ -177,7 +180,10 @@ def engine_kernels(
             fn(*args, **kwargs)
         reports.extend(report(name, case, k, arch) for name, k in compiled)
 
-    k_cache = torch.empty(4, block_size, kvh, d, dtype=dt)
+    cache_dt = (
+        dt if kv_cache_dtype == "auto" else KV_FORMAT_DTYPES.get(kv_cache_dtype) or getattr(torch, kv_cache_dtype)
+    )
+    k_cache = torch.empty(4, block_size, kvh, row_width(d, cache_dt), dtype=cache_dt)
     v_cache = torch.empty_like(k_cache)
     # index tensors as the engine builds them (int64: ferry/layers/attention/metadata.py)
     tables = torch.zeros(B, 8, dtype=torch.int64)
@@ -209,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"]
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of a table")
     args = p.parse_args(argv)
     try:
         reports = engine_kernels(args.model, args.dtype, args.arch, args.tensor_parallel_size, args.block_size,
-                                 args.max_num_seqs, args.max_num_batched_tokens)  # fmt: skip
+                                 args.max_num_seqs, args.max_num_batched_tokens,
+                                 kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     except Exception as e:  # a compile error is the finding: print it, exit 1
         print(f"compile failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in reports:
             print(json.dumps(asdict(r)))
     else:
-        print(f"{args.model} {args.dtype} sm_{args.arch} tp={args.tensor_parallel_size}")
+        print(f"{args.model} {args.dtype} sm_{args.arch} tp={args.tensor_parallel_size} kv {args.kv_cache_dtype}")
         print(f"{'kernel':24} {'case':22} {'warps':>5} {'stages':>6} {'regs':>5} {'shared':>8} {'spill':>6} {'tc':>6}")
         for r in reports:
             line = (f"{r.kernel:24} {r.case:22} {r.num_warps:5} {r.num_stages:6} {r.registers:5} {r.shared_bytes:8} "

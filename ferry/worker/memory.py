@@ -13,6 +13,7 @@ import logging
 import torch
 
 from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from ferry.kv_quant import kv_cache_bytes_per_token
 from ferry.models.config import ModelConfig
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.step_plan import profiling_blocks, profiling_plan
@@ -24,9 +25,9 @@ CUDA_GRAPH_RESERVE_BYTES = 1 << 30
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Bytes of one block on one rank (its share of the KV heads)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * (cfg.num_key_value_heads // tp_size) * cfg.head_dim * elem
+    """Bytes of one block on one rank (its share of the KV heads), the scales of a quantized cache included."""
+    kvh = cfg.num_key_value_heads // tp_size
+    return block_size * kv_cache_bytes_per_token(cfg.num_hidden_layers, kvh, cfg.head_dim, dtype)
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ import torch
 from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.kernels.cpu import cpu_kernels_enabled
+from ferry.kv_quant import KV_FORMAT_DTYPES
 from ferry.layers.gguf_linear import gguf_available
 from ferry.layers.int8_linear import int8_linear_available
 from ferry.layers.linear import should_pack
@@ -57,8 +58,11 @@ def resolve_dtype(dtype: str, device: torch.device, cfg: ModelConfig) -> torch.d
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """`auto`: the model's dtype."""
-    return dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    """`auto`: the model's dtype; `int8` -> torch.int8, `fp8`/`fp8_e4m3` -> torch.float8_e4m3fn (quantized
+    rows with their scales, ferry/kv_quant.py)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return KV_FORMAT_DTYPES.get(kv_cache_dtype) or getattr(torch, kv_cache_dtype)
 
 
 def resolve_quantization(

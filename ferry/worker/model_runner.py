@@ -19,6 +19,7 @@ from ferry.config import EngineArgs
 from ferry.core.request import Request
 from ferry.core.scheduler import SchedulerOutput
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.kv_quant import row_width
 from ferry.layers.attention import AttentionBackend, build_metadata, select_attention_backend
 from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator
@@ -98,9 +99,10 @@ class ModelRunner:
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors per layer."""
+        """One (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors per layer
+        (head_dim + 4 for a quantized cache: each row's fp32 scale follows its values)."""
         cfg = self.model.config
-        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, row_width(cfg.head_dim, self.cache_dtype))
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
              torch.zeros(shape, dtype=self.cache_dtype, device=self.device))

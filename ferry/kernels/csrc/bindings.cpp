@@ -21,7 +21,7 @@ void rotary_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::T
 void bind_decode_step(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32 q, fp32 or bf16 cache)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32 q, fp32, bf16, int8 or fp8 cache)");
   m.def("quantize_per_token_u8", &quantize_per_token_u8, "per-row int8 quantization as uint8 + 128 (CPU)");
   m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T for a GGUF block-quantized weight, via int8 dots (CPU)");
   m.def("gguf_dequantize", &gguf_dequantize, "fp32 copy of a GGUF block-quantized weight (CPU)");

@@ -2,7 +2,8 @@
 // straight from the block-paged cache (no gathered copy), online over blocks.
 //
 // q:            [B, H, D]           float32
-// k/v_cache:    [NB, BS, KVH, D]    float32 or bfloat16 (--kv-cache-dtype bfloat16)
+// k/v_cache:    [NB, BS, KVH, W]    float32 or bfloat16 (W = D), or int8 / float8_e4m3fn rows of
+//                                   D values followed by their fp32 scale (W = D + 4; ferry/kv_quant.py)
 // block_tables: [B, MAXB]           int64
 // seq_lens:     [B]                 int64 (tokens attended to, including the new one)
 // out:          [B, H, D]           float32
@@ -11,7 +12,8 @@
 // a kv head are processed together, so every K/V row is loaded once.
 // A bf16 cache halves the bytes read (decode attention is bound by them); each
 // block's rows of this head are widened to fp32 in an L1-resident scratch and
-// the fp32 loops run on that.
+// the fp32 loops run on that. An int8 / fp8 cache (about a quarter of fp32's bytes) is
+// dequantized the same way: value x the row's scale (fp8 through a 256-entry table).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -44,11 +46,64 @@ inline const float* rows_as_f32(const uint16_t* src, int64_t n, int64_t D, int64
   return scratch;
 }
 
+// An fp8 e4m3fn byte (a distinct type, so the template picks its widening).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+inline void read_scale(const uint8_t* p, float& s) { std::memcpy(&s, p, sizeof(float)); }
+
+inline const float* rows_as_f32(const int8_t* src, int64_t n, int64_t D, int64_t stride, float* scratch,
+                                int64_t& out_stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* row = src + t * stride;
+    float s;
+    read_scale(reinterpret_cast<const uint8_t*>(row + D), s);
+    float* dst = scratch + t * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(row[d]) * s;
+  }
+  out_stride = D;
+  return scratch;
+}
+
+// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities (0x7f/0xff are NaN and never stored).
+static float fp8_e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  return (b & 0x80) ? -mag : mag;
+}
+
+static const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = fp8_e4m3_value(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
+inline const float* rows_as_f32(const Fp8E4M3* src, int64_t n, int64_t D, int64_t stride, float* scratch,
+                                int64_t& out_stride) {
+  const float* table = fp8_table();
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * stride);
+    float s;
+    read_scale(row + D, s);
+    float* dst = scratch + t * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = table[row[d]] * s;
+  }
+  out_stride = D;
+  return scratch;
+}
+
 template <typename CacheT>
 torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t W = k_cache.size(3);  // row width: D, or D + 4 with a quantized row's scale
   const int64_t G = H / KVH;
   const int64_t MAXB = block_tables.size(1);
   auto bt = block_tables.contiguous();
@@ -80,18 +135,18 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         const int64_t blk = btp[b * MAXB + j];
         const int64_t n = std::min(BS, L - j * BS);
         int64_t ks = 0, vs = 0;  // row strides of kb / vb in floats
-        const float* kb = rows_as_f32(kp + (blk * BS * KVH + h) * D, n, D, KVH * D, kscratch.data(), ks);
-        const float* vb = rows_as_f32(vp + (blk * BS * KVH + h) * D, n, D, KVH * D, vscratch.data(), vs);
+        const float* kb = rows_as_f32(kp + (blk * BS * KVH + h) * W, n, D, KVH * W, kscratch.data(), ks);
+        const float* vb = rows_as_f32(vp + (blk * BS * KVH + h) * W, n, D, KVH * W, vscratch.data(), vs);
         if ((j + 1) * BS < L) {
           // The next block lives elsewhere in the pool: start its loads now so
           // they overlap this block's arithmetic (one 64-byte line at a time).
           const int64_t nblk = btp[b * MAXB + j + 1];
-          const char* nk = reinterpret_cast<const char*>(kp + (nblk * BS * KVH + h) * D);
-          const char* nv = reinterpret_cast<const char*>(vp + (nblk * BS * KVH + h) * D);
+          const char* nk = reinterpret_cast<const char*>(kp + (nblk * BS * KVH + h) * W);
+          const char* nv = reinterpret_cast<const char*>(vp + (nblk * BS * KVH + h) * W);
           for (int64_t t = 0; t < BS; ++t)
-            for (int64_t off = 0; off < D * kElem; off += 64) {
-              __builtin_prefetch(nk + t * KVH * D * kElem + off);
-              __builtin_prefetch(nv + t * KVH * D * kElem + off);
+            for (int64_t off = 0; off < W * kElem; off += 64) {
+              __builtin_prefetch(nk + t * KVH * W * kElem + off);
+              __builtin_prefetch(nv + t * KVH * W * kElem + off);
             }
         }
         // Scores of this block for all G heads, exponentiated in one vectorizable
@@ -178,8 +233,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "k and v caches must share a dtype");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  if (k_cache.dtype() == torch::kFloat32)
+  const auto dt = k_cache.scalar_type();
+  const bool quantized = dt == at::ScalarType::Char || dt == at::ScalarType::Float8_e4m3fn;
+  TORCH_CHECK(k_cache.size(3) == q.size(2) + (quantized ? 4 : 0), "cache rows must be head_dim wide (+4: a scale)");
+  if (dt == at::ScalarType::Float)
     return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale);
-  TORCH_CHECK(k_cache.dtype() == torch::kBFloat16, "the cache must be float32 or bfloat16");
-  return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  if (dt == at::ScalarType::BFloat16)
+    return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  if (dt == at::ScalarType::Char)
+    return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  TORCH_CHECK(dt == at::ScalarType::Float8_e4m3fn, "the cache must be float32, bfloat16, int8 or float8_e4m3fn");
+  return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale);
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ferry.kv_quant import is_quantized
 from ferry.layers.attention.metadata import AttentionBackend, AttentionMetadata, PrefillHost, build_metadata
 from ferry.layers.attention.torch_backend import TorchAttentionBackend, cpu_decode_kernel_usable
 
@@ -37,13 +38,18 @@ def resolve_attention_backend(name: str, device: torch.device, cache_dtype: torc
             return "torch"
         from ferry.layers.attention.flashinfer_backend import flashinfer_available
 
-        # FlashInfer's kernels take 16-bit caches only.
-        return "flashinfer" if flashinfer_available() and cache_dtype != torch.float32 else "triton"
+        # FlashInfer's kernels take 16-bit caches only (not fp32, not our scaled int8/fp8 rows).
+        usable = cache_dtype in (torch.bfloat16, torch.float16)
+        return "flashinfer" if usable and flashinfer_available() else "triton"
     if name == "flashinfer":
         from ferry.layers.attention.flashinfer_backend import flashinfer_available
 
         if device.type != "cuda" or not flashinfer_available():
             raise ValueError("--attention-backend flashinfer needs CUDA and the flashinfer package")
+        if is_quantized(cache_dtype):
+            raise ValueError(
+                "--attention-backend flashinfer does not read int8/fp8 KV caches (per-row scales); use triton"
+            )
     if name == "triton":
         try:
             import triton  # noqa: F401

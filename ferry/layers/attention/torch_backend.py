@@ -1,10 +1,11 @@
 """The reference backend in plain torch (the oracle for the others), with the CPU decode kernel.
 
-- decode rows together: with the C++ CPU kernel (fp32 queries, fp32 or bf16 cache)
-  straight from the blocks; otherwise their blocks are gathered with one index_select
-  into [B, max_len] and masked by length;
+- decode rows together: with the C++ CPU kernel (fp32 queries, fp32, bf16, int8 or fp8
+  cache) straight from the blocks; otherwise their blocks are gathered with one index_select
+  into [B, max_len] (dequantized when the cache is quantized) and masked by length;
 - each prefill chunk on its own: SDPA over its cached prefix (gathered from the cache)
-  plus its own tokens, causally.
+  plus its own tokens, causally. With a quantized cache the chunk's own tokens are read
+  back from the cache too (what decode and the Triton kernels see).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ferry.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
 from ferry.layers.attention.metadata import AttentionMetadata
 
 
@@ -34,7 +36,7 @@ class TorchState:
 
 
 def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16):
+    if device.type != "cpu" or cache_dtype not in (torch.float32, torch.bfloat16, *QUANTIZED_KV_DTYPES):
         return False
     from ferry.kernels.cpu import cpu_kernels
 
@@ -69,13 +71,18 @@ class TorchAttentionBackend:
         meta.state = state
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_blocks, block_size, kvh, d = k_cache.shape
-        flat_k = k_cache.view(-1, kvh, d)
-        flat_v = v_cache.view(-1, kvh, d)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        state: TorchState = meta.state
+        num_blocks, block_size, kvh, w = k_cache.shape
+        store_rows(k_cache, meta.slot_mapping, k)
+        store_rows(v_cache, meta.slot_mapping, v)
+        flat_k = k_cache.view(-1, kvh, w)
+        flat_v = v_cache.view(-1, kvh, w)
+        quantized = is_quantized(k_cache.dtype)
 
+        def read(rows: torch.Tensor) -> torch.Tensor:
+            """Gathered cache rows as q's dtype (dequantized when the cache is quantized)."""
+            return dequantize_rows(rows, q.dtype) if quantized else rows.to(q.dtype)
+
+        state: TorchState = meta.state
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and state.use_cpu_kernel:
@@ -88,23 +95,28 @@ class TorchAttentionBackend:
             max_blocks = meta.decode_block_tables.shape[1]
             length = max_blocks * block_size
             ids = meta.decode_block_tables.reshape(-1)
-            kd = k_cache.index_select(0, ids).view(nd, length, kvh, d).transpose(1, 2)
-            vd = v_cache.index_select(0, ids).view(nd, length, kvh, d).transpose(1, 2)
+            kd = read(k_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
+            vd = read(v_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(
-                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=state.decode_mask, scale=scale, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=state.decode_mask, scale=scale, enable_gqa=True)
             out[:nd] = o.squeeze(2)
         for chunk in state.chunks:
             s, n = chunk.start, chunk.length
             qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if chunk.context_slots is None:
+            if chunk.context_slots is None and not quantized:
                 kp = k[s : s + n].transpose(0, 1).unsqueeze(0)
                 vp = v[s : s + n].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            elif chunk.context_slots is None:
+                # A quantized cache: attend to the stored (quantized) rows, as decode and the Triton
+                # prefill do, so a prompt's logits see the same K/V its continuation will.
+                slots = meta.slot_mapping[s : s + n]
+                kp = read(flat_k.index_select(0, slots)).transpose(0, 1).unsqueeze(0)
+                vp = read(flat_v.index_select(0, slots)).transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                kp = flat_k.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
-                vp = flat_v.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+                kp = read(flat_k.index_select(0, chunk.context_slots)).transpose(0, 1).unsqueeze(0)
+                vp = read(flat_v.index_select(0, chunk.context_slots)).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
