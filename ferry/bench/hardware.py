@@ -1,8 +1,10 @@
-"""What a benchmark ran on: the device's name, and the peak memory bandwidth of known GPUs."""
+"""What a benchmark ran on: the device's name, the peak memory bandwidth of known GPUs, and the
+CPU's measured read bandwidth."""
 
 from __future__ import annotations
 
 import platform
+import time
 
 import torch
 
@@ -38,3 +40,17 @@ def known_peak_bandwidth(name: str) -> float | None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def measure_cpu_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s the CPU reads with all of torch's threads: the best of `repeats` sums over a
+    buffer far larger than the last-level cache (a decode step's weights stream the same way).
+    The best, not the mean: the floor a step is compared against should be reachable."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()  # page it in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best

@@ -9,8 +9,9 @@ every context token, so
 
     bandwidth fraction = (weight bytes + KV bytes read per step) / TPOT / peak bandwidth
 
-with the peak from `--peak-bandwidth` (bytes/s) or the datasheet value of a known GPU
-(ferry/bench/hardware.py); n/a on a CPU unless given.
+with the peak from `--peak-bandwidth` (bytes/s), the datasheet value of a known GPU, or on a
+CPU its measured read bandwidth (ferry/bench/hardware.py); 1/fraction is the step's distance
+from its bytes floor. Prefill tok/s counts the steps that prefilled the B prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import asdict
 
 import torch
 
-from ferry.bench.hardware import device_name, known_peak_bandwidth, synchronize
+from ferry.bench.hardware import device_name, known_peak_bandwidth, measure_cpu_read_bandwidth, synchronize
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.kv_quant import kv_cache_bytes_per_token
@@ -160,6 +161,8 @@ def main(args: argparse.Namespace) -> int:
     name = device_name(device)
     peak = args.peak_bandwidth or known_peak_bandwidth(name)
     peak_src = "--peak-bandwidth" if args.peak_bandwidth else ("datasheet" if peak else None)
+    if peak is None and device.type == "cpu":  # the bytes floor of a CPU step: its measured read rate
+        peak, peak_src = measure_cpu_read_bandwidth(), "measured: tensor.sum over 256 MB"
     kv_tok = kv_bytes_per_token(cfg, engine.kv_cache_dtype)
     print(
         f"model {eargs.model or 'default'} ({cfg.architecture}, {cfg.num_hidden_layers} layers), {dtype} on {name}; "
@@ -199,13 +202,16 @@ def main(args: argparse.Namespace) -> int:
         kv_bytes = statistics.fmean(r.decode_context_tokens for r, _ in decode) * kv_tok
         achieved = (w_bytes + kv_bytes) / tpot
         fraction = achieved / peak if peak else None
+        prefill_tokens = sum(r.num_prefill_tokens for r, _ in steps)
+        prefill_s = sum(dt for r, dt in steps if r.num_prefill_tokens)
         row = {
             "batch_size": batch,
             "decode_steps": len(decode),
             "tpot_ms": tpot * 1e3,
             "tpot_p50_ms": statistics.median(secs) * 1e3,
             "output_tok_per_s": batch / tpot,
-            "prefill_s": sum(dt for r, dt in steps if r.num_prefill_tokens),
+            "prefill_s": prefill_s,
+            "prefill_tok_per_s": prefill_tokens / prefill_s if prefill_s else None,
             "weight_bytes_per_step": w_bytes,
             "kv_bytes_per_step": kv_bytes,
             "bandwidth_bytes_per_s": achieved,
@@ -217,7 +223,12 @@ def main(args: argparse.Namespace) -> int:
             f"B={batch:4d}: TPOT {row['tpot_ms']:8.3f} ms (p50 {row['tpot_p50_ms']:.3f}) over {len(decode)} steps, "
             f"{row['output_tok_per_s']:10.1f} tok/s; reads {_fmt_bytes(w_bytes)} weights + {_fmt_bytes(kv_bytes)} KV "
             f"per step = {_fmt_bytes(achieved)}/s"
-            + (f" = {fraction * 100:.1f}% of peak" if fraction is not None else ", fraction of peak n/a")
+            + (
+                f" = {fraction * 100:.1f}% of peak ({1 / fraction:.2f}x the bytes floor)"
+                if fraction
+                else ", fraction of peak n/a"
+            )
+            + (f"; prefill {row['prefill_tok_per_s']:.0f} tok/s" if prefill_s else "")
             + (f" ({preempted} preemptions)" if preempted else "")
         )
     if args.json:
