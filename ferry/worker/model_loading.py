@@ -95,6 +95,11 @@ def resolve_quantization(
     if method == "none":
         return None
     if method == "gguf":
+        if ckpt.format == "dummy":  # random Q4_0 projections (dummy_weights.py), e.g. to measure the kernels
+            why = _gguf_unavailable(device, dtype, tp)
+            if why:
+                raise ValueError(f"--quantization gguf: {why}")
+            return "gguf"
         if ckpt.format != "gguf":
             raise ValueError(f"--quantization gguf needs a GGUF checkpoint, got {ckpt.format}: {ckpt.path}")
         if not ckpt.gguf_quantized_tensors():

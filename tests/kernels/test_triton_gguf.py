@@ -114,3 +114,29 @@ def test_cuda_is_allowed_for_gguf_and_other_cases_still_refused():
     assert resolve_quantization("auto", gguf_file, cuda, torch.bfloat16, SINGLE) == "gguf"
     assert resolve_quantization("gguf", gguf_file, cuda, torch.float16, SINGLE) == "gguf"
     assert resolve_quantization("none", gguf_file, cuda, torch.bfloat16, SINGLE) is None
+
+
+def test_a_dummy_int4_model_runs_on_the_triton_path(tmp_path, monkeypatch):
+    """`--load-format dummy --quantization gguf` (random Q4_0 projections) through the Triton kernels,
+    forced on CPU tensors: a prompt's hidden states equal the CPU path's exact (dequantize + GEMM) ones."""
+    import json
+
+    import ferry.layers.linear as linear_module
+    from ferry.config import EngineArgs
+    from ferry.worker.model_loading import load_model
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf", load_format="dummy")).model
+    ids = [1, 5, 9, 33, 2]
+    exact = model._forward_prompt(ids)  # 5 prompt rows outside int8_dots_at_any_batch: the exact CPU path
+    calls = []
+
+    def on_triton(x, parts, bias):
+        calls.append(len(parts))
+        return gguf_linear(x, parts, bias, triton=True)
+
+    monkeypatch.setattr(linear_module, "gguf_linear", on_triton)
+    torch.testing.assert_close(model._forward_prompt(ids), exact, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2 * 4  # every projection of both layers took the Triton kernels
