@@ -14,6 +14,7 @@ from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight, gguf_availabl
 
 tg = pytest.importorskip("ferry.kernels.triton_gguf")
 pytestmark = pytest.mark.skipif(not gguf_available(), reason="no C++ compiler for the CPU reference kernels")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device; references are on the CPU
 
 # 40 output rows: a partial 64-row tile; 320 columns: 10 blocks, a partial K tile, and K split across
 # programs at decode sizes (few output tiles).
@@ -54,7 +55,7 @@ def test_fused_matmul_matches_the_dequantized_weight(type_name, dtype, order):
     bias = torch.randn(N).to(dtype)
     for m in (1, 3, 17):  # decode tiles (split K), and a prefill tile
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
-        y = gguf_linear(x, [w], bias, triton=True)
+        y = gguf_linear(x.to(DEVICE), [w.to(DEVICE)], bias.to(DEVICE), triton=True).cpu()
         assert y.dtype == dtype and y.shape == (m, N)
         expected = _reference(x, w) + bias.float()
         if dtype == torch.float32:
@@ -74,16 +75,18 @@ def test_decode_shapes_split_k_and_read_each_byte_once():
     w = _weight("Q4_1", n=16, k=1024)
     x = torch.randn(2, 1024)
     assert tg.matmul_config(2, 16, 1024, w.qtype)["split"] == 8
-    torch.testing.assert_close(tg.gguf_matmul(x, w.data, w.qtype, 1024), _reference(x, w), rtol=1e-5, atol=1e-4)
+    y = tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, 1024).cpu()
+    torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
 def test_torch_dequantize_matches_the_cpu_kernels(type_name):
     """Embedding rows and K-quant matmuls on CUDA dequantize with torch ops: the CPU kernels' values."""
     w = _weight(type_name, k=512)
-    torch.testing.assert_close(tg.dequantize(w.data, w.qtype, 512), w.dequantize(), rtol=0, atol=0)
+    data = w.data.to(DEVICE)
+    torch.testing.assert_close(tg.dequantize(data, w.qtype, 512).cpu(), w.dequantize(), rtol=0, atol=0)
     rows = torch.tensor([3, 0, 3])
-    torch.testing.assert_close(tg.dequantize(w.data[rows], w.qtype, 512, torch.bfloat16),
+    torch.testing.assert_close(tg.dequantize(data[rows.to(DEVICE)], w.qtype, 512, torch.bfloat16).cpu(),
                                w.dequantize()[rows].to(torch.bfloat16), rtol=0, atol=0)  # fmt: skip
 
 
@@ -91,7 +94,7 @@ def test_k_quants_and_mixed_parts_on_the_triton_path():
     """A Q4_K_M-style linear (Q4_1 q/k parts, a Q6_K v part): K-quants dequantized + torch matmul."""
     parts = [_weight("Q4_1", k=512, seed=1), _weight("Q6_K", k=512, seed=2), _weight("Q5_K", k=512, seed=3)]
     x = torch.randn(3, 512).to(torch.bfloat16)
-    y = gguf_linear(x, parts, None, triton=True)
+    y = gguf_linear(x.to(DEVICE), [p.to(DEVICE) for p in parts], None, triton=True).cpu()
     expected = torch.cat([_reference(x, p) for p in parts], dim=-1)
     torch.testing.assert_close(y.float(), expected, rtol=0, atol=expected.abs().max().item() / 64)
 
@@ -116,6 +119,7 @@ def test_cuda_is_allowed_for_gguf_and_other_cases_still_refused():
     assert resolve_quantization("none", gguf_file, cuda, torch.bfloat16, SINGLE) is None
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors through the interpreter (tests/gpu runs the model on CUDA)")
 def test_a_dummy_int4_model_runs_on_the_triton_path(tmp_path, monkeypatch):
     """`--load-format dummy --quantization gguf` (random Q4_0 projections) through the Triton kernels,
     forced on CPU tensors: a prompt's hidden states equal the CPU path's exact (dequantize + GEMM) ones."""
