@@ -72,6 +72,9 @@ def int8_dots_at_any_batch() -> Iterator[None]:
 # Rows dequantized at once on the GEMM path: bounds the fp32 scratch (a 49k-row output head
 # would otherwise need its whole fp32 copy).
 _DEQUANT_ROWS = 4096
+# Weights dequantized at once by the CUDA K-quant path (torch ops with fp32 and int32 intermediates:
+# ~0.25 GB of scratch at this size, counted by the KV-cache sizing's profile run).
+_DEQUANT_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -250,8 +253,9 @@ def gguf_matmul_triton(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     if w.qtype in triton_gguf.FUSED_TYPES:
         return triton_gguf.gguf_matmul(x2, w.data, w.qtype, w.in_features)
     out = x2.new_empty(x2.shape[0], w.out_features)
-    for n0 in range(0, w.out_features, _DEQUANT_ROWS):
-        part = w.data[n0 : n0 + _DEQUANT_ROWS]
+    chunk = max(1, _DEQUANT_ELEMENTS // w.in_features)  # bounds the fp32/int32 scratch of `dequantize`
+    for n0 in range(0, w.out_features, chunk):
+        part = w.data[n0 : n0 + chunk]
         weight = triton_gguf.dequantize(part, w.qtype, w.in_features, x2.dtype)
         out[:, n0 : n0 + part.shape[0]] = x2 @ weight.t()
     return out

@@ -90,8 +90,12 @@ def test_torch_dequantize_matches_the_cpu_kernels(type_name):
                                w.dequantize()[rows].to(torch.bfloat16), rtol=0, atol=0)  # fmt: skip
 
 
-def test_k_quants_and_mixed_parts_on_the_triton_path():
-    """A Q4_K_M-style linear (Q4_1 q/k parts, a Q6_K v part): K-quants dequantized + torch matmul."""
+def test_k_quants_and_mixed_parts_on_the_triton_path(monkeypatch):
+    """A Q4_K_M-style linear (Q4_1, Q6_K and Q5_K parts): K-quants dequantized + torch matmul, 16 rows
+    at a time here (40-row parts: a partial last slice)."""
+    import ferry.layers.gguf_linear as gguf_linear_module
+
+    monkeypatch.setattr(gguf_linear_module, "_DEQUANT_ELEMENTS", 16 * 512)
     parts = [_weight("Q4_1", k=512, seed=1), _weight("Q6_K", k=512, seed=2), _weight("Q5_K", k=512, seed=3)]
     x = torch.randn(3, 512).to(torch.bfloat16)
     y = gguf_linear(x.to(DEVICE), [p.to(DEVICE) for p in parts], None, triton=True).cpu()
