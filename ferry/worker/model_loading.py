@@ -173,6 +173,6 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     quant = f", {quantization} weights" if quantization else ""
     logger.info("loaded %s (%s%s) in %.1fs", ckpt.path, dtype, quant, time.perf_counter() - t0)
     model.quantization = quantization  # what the weights run as: "gguf", "int8" or None (the dtype)
-    if quantization == "gguf" and not args.enforce_eager:
+    if quantization == "gguf" and not args.enforce_eager and device.type == "cpu":  # (CUDA: graphs instead)
         model.cpu_decode_step = CPUDecodeStep.build(model)
     return LoadedModel(model, tokenizer, device, dtype, ckpt.path)
