@@ -10,10 +10,11 @@ from dataclasses import dataclass, fields
 _GiB = 1 << 30
 
 # None / auto: as the checkpoint is stored: a quantized GGUF runs its blocks as stored on the CPU
-#   (gguf), and so does a GPTQ/AWQ/compressed-tensors checkpoint (converted to the same blocks at
-#   load, ferry/models/quantized_checkpoints.py); anything else in the model dtype.
+#   and on CUDA (gguf), and so does a GPTQ/AWQ/compressed-tensors checkpoint (converted to the same
+#   blocks at load, ferry/models/quantized_checkpoints.py); anything else in the model dtype.
 # none: every weight in the model dtype (a GGUF's quantized tensors dequantized): the HF-exact reference.
-# gguf: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors run as stored (ferry/layers/gguf_linear.py).
+# gguf: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors run as stored (ferry/layers/gguf_linear.py);
+#   with --load-format dummy, random Q4_0 projections (ferry/models/dummy_weights.py).
 # int8: per-channel int8 weights, per-token int8 activations (ferry/layers/int8_linear.py).
 QUANTIZATION_METHODS = (None, "auto", "none", "gguf", "int8")
 

@@ -66,6 +66,21 @@ def test_bench_latency(tiny_dir, tmp_path, capsys):
     assert all(b["bandwidth_fraction"] > 0 for b in result["batches"])
 
 
+def test_bench_latency_int4_dummy_weights_counts_the_blocks(tiny_dir, tmp_path):
+    """`--quantization gguf` on dummy weights (random Q4_0 projections, as the GPU session measures an
+    8B-shaped int4 model): the bandwidth figure counts the blocks' bytes, not the float weights'."""
+    out = tmp_path / "int4.json"
+    argv = ["bench", "latency", "--model", tiny_dir, "--batch-sizes", "1", "--input-len", "16", "--output-len", "4",
+            "--warmup-steps", "0", "--quantization", "gguf", "--json", str(out), *ENGINE]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["engine_args"]["quantization"] == "gguf"
+    h, d, layers = 64, 16, 2
+    projections = layers * (h * 4 * d + 2 * h * 2 * d + 4 * d * h + 3 * h * 128)  # q, k, v, o, gate, up, down
+    floats = 4 * (layers * 2 * h + h + 512 * h + h)  # fp32 norms, the tied head in full, one embedding row
+    assert result["batches"][0]["weight_bytes_per_step"] == projections * 18 // 32 + floats
+
+
 def test_bench_throughput_sharegpt_like_with_hf_reference(tiny_dir, tmp_path, capsys):
     out = tmp_path / "tp.json"
     argv = ["bench", "throughput", "--model", tiny_dir, "--dataset", "sharegpt-like", "--num-prompts", "6",

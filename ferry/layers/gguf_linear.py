@@ -17,6 +17,12 @@ GPTQ/AWQ/compressed-tensors checkpoints run on the same blocks (models/quantized
 GPTQ weight quantized in activation order (desc_act) has its input channels sorted by group at load;
 its `input_order` says which activation column each weight column takes, and the activations are
 gathered once per distinct order per call.
+
+On CUDA the same bytes run through Triton (ferry/kernels/triton_gguf.py), in bf16/fp16/fp32
+activations: a fused dequantize-matmul for Q4_0/Q4_1/Q8_0 that reads each weight byte once at decode
+batch sizes, and for the K-quants a dequantize-to-the-activation-dtype of a slice of rows followed by
+torch's matmul (correct, not yet bandwidth-efficient). There every row takes that path: the CPU's
+int8-dot/exact routing (step_decode_rows) does not apply.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ def int8_dots_at_any_batch() -> Iterator[None]:
 # Rows dequantized at once on the GEMM path: bounds the fp32 scratch (a 49k-row output head
 # would otherwise need its whole fp32 copy).
 _DEQUANT_ROWS = 4096
+# Weights dequantized at once by the CUDA K-quant path (torch ops with fp32 and int32 intermediates:
+# ~0.25 GB of scratch at this size, counted by the KV-cache sizing's profile run).
+_DEQUANT_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -100,6 +109,11 @@ class GGUFWeight:
             raise ValueError(f"{type_name} rows of {k} values are not whole blocks of {block}")
         rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // block * block_bytes)
         return GGUFWeight(torch.from_numpy(to_kernel_layout(rows, type_name)), tid, k)
+
+    def to(self, device: torch.device | str) -> GGUFWeight:
+        """The same blocks on `device` (the loader moves each weight to the model's device)."""
+        order = None if self.input_order is None else self.input_order.to(device)
+        return GGUFWeight(self.data.to(device), self.qtype, self.in_features, order)
 
     def rows(self, index: torch.Tensor) -> GGUFWeight:
         """The rows `index` (a permutation or selection of output rows), still quantized."""
@@ -167,6 +181,15 @@ def gguf_available() -> bool:
     return cpu_kernels() is not None
 
 
+def gguf_cuda_available() -> bool:
+    """Whether GGUF weights can run on CUDA: the Triton kernels (ferry/kernels/triton_gguf.py) import."""
+    try:
+        import ferry.kernels.triton_gguf  # noqa: F401
+    except Exception:  # no triton, or one too old for the kernels
+        return False
+    return True
+
+
 def _kernels():
     kernels = cpu_kernels()
     if kernels is None:
@@ -220,14 +243,37 @@ def gguf_matmul(x2: torch.Tensor, w: GGUFWeight, int8_rows: int) -> torch.Tensor
     return out
 
 
-def gguf_linear(x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | None) -> torch.Tensor:
-    """Inside a model step its decode rows take the int8 dots (step_decode_rows); outside one (the
-    output head, direct calls) all rows do when there are fewer than GEMM_MIN_ROWS, else none."""
+def gguf_matmul_triton(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x2 [M, K] (bf16/fp16/fp32, columns already in w's input order) @ w.T -> [M, N] in x2's dtype, off
+    the CPU: Q4_0/Q4_1/Q8_0 through the fused Triton kernel, K-quants dequantized to x2's dtype a slice
+    of rows at a time and multiplied by torch (no fused K-quant kernel yet). No host sync, no branch on
+    values: CUDA-graph capturable."""
+    from ferry.kernels import triton_gguf
+
+    if w.qtype in triton_gguf.FUSED_TYPES:
+        return triton_gguf.gguf_matmul(x2, w.data, w.qtype, w.in_features)
+    out = x2.new_empty(x2.shape[0], w.out_features)
+    chunk = max(1, _DEQUANT_ELEMENTS // w.in_features)  # bounds the fp32/int32 scratch of `dequantize`
+    for n0 in range(0, w.out_features, chunk):
+        part = w.data[n0 : n0 + chunk]
+        weight = triton_gguf.dequantize(part, w.qtype, w.in_features, x2.dtype)
+        out[:, n0 : n0 + part.shape[0]] = x2 @ weight.t()
+    return out
+
+
+def gguf_linear(
+    x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | None, triton: bool | None = None
+) -> torch.Tensor:
+    """On the CPU, inside a model step its decode rows take the int8 dots (step_decode_rows); outside
+    one (the output head, direct calls) all rows do when there are fewer than GEMM_MIN_ROWS, else none.
+    Off the CPU (weights on CUDA) every row takes the Triton kernels (gguf_matmul_triton); `triton`
+    forces either path (the tests run the Triton one on CPU tensors, interpreted)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != torch.float32:
-        raise ValueError(f"GGUF quantized weights take float32 activations, got {x2.dtype}")
-    int8_rows = _int8_dot_rows(x2.shape[0])
+    on_cpu = x2.device.type == "cpu" if triton is None else not triton
+    if on_cpu and x2.dtype != torch.float32:
+        raise ValueError(f"GGUF quantized weights take float32 activations on the CPU, got {x2.dtype}")
+    int8_rows = _int8_dot_rows(x2.shape[0]) if on_cpu else 0
     gathered: dict[int, torch.Tensor] = {}  # id(input_order) -> x2's columns in that order
 
     def inputs(w: GGUFWeight) -> torch.Tensor:
@@ -238,16 +284,26 @@ def gguf_linear(x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | N
             gathered[key] = x2.index_select(1, w.input_order)
         return gathered[key]
 
-    ys = [gguf_matmul(inputs(w), w, int8_rows) for w in parts]
+    if on_cpu:
+        ys = [gguf_matmul(inputs(w), w, int8_rows) for w in parts]
+    else:
+        ys = [gguf_matmul_triton(inputs(w), w) for w in parts]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     if bias is not None:
         y = y.add_(bias)
     return y.view(*lead, y.shape[-1])
 
 
-def gguf_embedding(ids: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
-    """Rows `ids` of a quantized embedding, dequantized (only those rows are read)."""
+def gguf_embedding(ids: torch.Tensor, w: GGUFWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` of a quantized embedding, dequantized to `dtype` (only those rows are read). On the CPU
+    the C++ kernel (float32); off it, the gathered rows are dequantized by torch ops (graph-capturable)."""
     if w.input_order is not None:
         raise ValueError("a quantized embedding cannot have a permuted input order")
     flat = ids.reshape(-1).to(torch.int64)
-    return _kernels().gguf_get_rows(w.data, flat, w.qtype, w.in_features).view(*ids.shape, w.in_features)
+    if w.data.device.type != "cpu":
+        from ferry.kernels.triton_gguf import dequantize
+
+        rows = dequantize(w.data.index_select(0, flat), w.qtype, w.in_features, dtype)
+        return rows.view(*ids.shape, w.in_features)
+    out = _kernels().gguf_get_rows(w.data, flat, w.qtype, w.in_features).view(*ids.shape, w.in_features)
+    return out if dtype == torch.float32 else out.to(dtype)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
 from ferry.models.config import ModelConfig
 
 INIT_STD = 0.02
@@ -51,13 +52,39 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
 
 
+# `--load-format dummy --quantization gguf`: the projections come as random blocks of this type, the
+# embedding and the head stay float, as in a GPTQ int4 checkpoint (symmetric 4-bit: Q4_0 at load).
+DUMMY_GGUF_TYPE = "Q4_0"
+
+
+def quantizable_weights(cfg: ModelConfig) -> dict[str, str]:
+    """HF name -> DUMMY_GGUF_TYPE of every projection weight (not the embedding or the head)."""
+    return {
+        name: DUMMY_GGUF_TYPE
+        for name, shape in weight_shapes(cfg)
+        if len(shape) == 2 and name.startswith("model.layers.") and shape[1] % 32 == 0
+    }
+
+
+def dummy_q4_0(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> GGUFWeight:
+    """Random Q4_0 blocks in the kernels' layout: uniform nibbles (q - 8 has std ~4.6) with every scale
+    INIT_STD / 4.6, so the weights have the float dummies' spread."""
+    n, k = shape
+    quants = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    scales = torch.full((n, k // 32), INIT_STD / 4.6, dtype=torch.float16, device=device).view(torch.uint8)
+    tid = GGUF_QUANT_TYPES[DUMMY_GGUF_TYPE][0]
+    return GGUFWeight(torch.cat([quants, scales], dim=1), tid, k)
+
+
 def iter_dummy_weights(
     cfg: ModelConfig,
     seed: int = 0,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, random tensor) for every weight of `cfg`, generated on `device`."""
+    keep_quantized: frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yield (HF name, random tensor) for every weight of `cfg`, generated on `device`; those named in
+    `keep_quantized` (from quantizable_weights) as random Q4_0 blocks instead."""
     device = torch.device(device or "cpu")
     for name, shape in weight_shapes(cfg):
         if name.endswith("norm.weight"):
@@ -67,5 +94,8 @@ def iter_dummy_weights(
         else:
             gen = torch.Generator(device=device)
             gen.manual_seed(_tensor_seed(seed, name))
+            if name in keep_quantized:
+                yield name, dummy_q4_0(shape, gen, device)
+                continue
             t = torch.empty(shape, dtype=dtype, device=device)
             yield name, t.normal_(0.0, INIT_STD, generator=gen)

@@ -113,10 +113,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
         nn.init.normal_(self.weight)  # nn.Embedding's initialisation (loading overwrites it)
         self.gguf: GGUFWeight | None = None  # --quantization gguf: the only copy (weight is None)
+        self.gguf_dtype = torch.float32  # the rows' dtype out of self.gguf (the model's; set by the loader)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.gguf is not None:
-            return gguf_embedding(ids, self.gguf)
+            return gguf_embedding(ids, self.gguf, self.gguf_dtype)
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -331,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"{module_name}: {len(parts)} of its {n} quantized parts in the checkpoint")
                 module.set_gguf(parts)
             elif module_name == "embed_tokens" and self.embed_tokens.weight is None:
-                self.embed_tokens.gguf = parts[0]
+                self.embed_tokens.gguf, self.embed_tokens.gguf_dtype = parts[0], self.norm.weight.dtype
             elif module_name == "lm_head" and self.lm_head is not None and self.lm_head.weight is None:
                 self._gguf_lm_head = parts[0]
             else:
@@ -392,6 +393,8 @@ class LlamaForCausalLM(nn.Module):
                     target = ".".join(parts[:i] + [fused] + parts[i + 1 :])
                     break
             if isinstance(tensor, GGUFWeight):
+                # Checkpoint blocks come from the host: onto the model's device (CUDA: Triton kernels).
+                tensor = tensor.to(self.norm.weight.device)
                 gguf_parts.setdefault(target.removesuffix(".weight"), {})[shard or 0] = tensor
                 loaded.add(f"{target}#{shard}")
                 continue

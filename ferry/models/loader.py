@@ -20,7 +20,7 @@ import torch
 
 from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
 from ferry.models.config import ModelConfig
-from ferry.models.dummy_weights import iter_dummy_weights
+from ferry.models.dummy_weights import iter_dummy_weights, quantizable_weights
 from ferry.models.paths import resolve_model_path, safetensors_files
 from ferry.models.quantized_checkpoints import (
     HFQuantization,
@@ -96,7 +96,7 @@ class Checkpoint:
         else its fp32 dequantization.
         """
         if self.format == "dummy":
-            yield from iter_dummy_weights(self.config, self.seed, device)
+            yield from iter_dummy_weights(self.config, self.seed, device, keep_quantized=keep_quantized)
         elif self.format == "gguf":
             yield from self._iter_gguf(keep_quantized)
         else:
@@ -107,6 +107,8 @@ class Checkpoint:
         can run: a GGUF's quantized tensors, or the modules of a GPTQ/AWQ/compressed-tensors checkpoint."""
         if self.hf_quantization is not None:
             return {f"{m}.weight": self.hf_quantization.method for m in self.hf_quantized_modules}
+        if self.format == "dummy":  # random blocks for every projection (--quantization gguf only)
+            return quantizable_weights(self.config)
         return self.gguf_quantized_tensors()
 
     def gguf_quantized_tensors(self) -> dict[str, str]:

@@ -9,7 +9,7 @@ launches for a model, with the shapes and constants the engine would use, down t
 
 How: Triton asks its active driver for the target; a stand-in driver answers with the
 chosen architecture, and launches become warm-ups (compile, never run) for the duration.
-The wrappers in ferry.kernels (triton_attention, triton_fused) are called as the engine
+The wrappers in ferry.kernels (triton_attention, triton_fused, triton_gguf) are called as the engine
 calls them, on CPU tensors of the right dtypes and shapes, so the compiled
 specialisations are the ones a GPU run would build.
 
@@ -157,10 +157,12 @@ def engine_kernels(
     max_num_batched_tokens: int = 2048,
     num_sms: int = H100_SMS,
     kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> list[KernelReport]:
     """Compile every kernel launch the engine makes for `model` (a shipped config name or a
     directory with config.json) and report its resources on `arch`; `kv_cache_dtype` as the
-    engine's flag (int8 / fp8: the quantized cache's kernel variants)."""
+    engine's flag (int8 / fp8: the quantized cache's kernel variants); `quantization="gguf"` adds
+    the GGUF dequantize-matmul (Q4_0, Q4_1, Q8_0) at a decode and a prefill shape."""
     from ferry.kernels import triton_attention as attn
     from ferry.kernels import triton_fused as fused
     from ferry.kv_quant import KV_FORMAT_DTYPES, row_width
@@ -203,6 +205,16 @@ def engine_kernels(
     launch("residual + RMSNorm", fused.add_rms_norm, torch.empty(T, hidden, dtype=dt), torch.empty(T, hidden, dtype=dt),
            torch.empty(hidden, dtype=dt), 1e-6)  # fmt: skip
     launch("SiLU-and-mul", fused.silu_and_mul, torch.empty(T, 2 * inter, dtype=dt))
+    if quantization == "gguf":
+        from ferry.kernels import triton_gguf as gguf
+        from ferry.layers.gguf_linear import GGUF_QUANT_TYPES
+
+        for type_name in ("Q4_0", "Q4_1", "Q8_0"):
+            tid, block, block_bytes = GGUF_QUANT_TYPES[type_name]
+            # decode: down_proj at batch 1 (K split across programs); prefill: gate_up over the token budget
+            for case, rows, n, k in (("decode", 1, hidden, inter), ("prefill", T, 2 * inter, hidden)):
+                data = torch.empty(n, k // block * block_bytes, dtype=torch.uint8)
+                launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
     return reports
 
 
@@ -218,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"]
     )
+    p.add_argument("--quantization", default=None, choices=["gguf"], help="also the GGUF dequantize-matmul kernels")
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of a table")
     args = p.parse_args(argv)
     try:
         reports = engine_kernels(args.model, args.dtype, args.arch, args.tensor_parallel_size, args.block_size,
                                  args.max_num_seqs, args.max_num_batched_tokens,
-                                 kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+                                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)  # fmt: skip
     except Exception as e:  # a compile error is the finding: print it, exit 1
         print(f"compile failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

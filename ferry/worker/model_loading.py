@@ -16,7 +16,7 @@ from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.kernels.cpu import cpu_kernels_enabled
 from ferry.kv_quant import KV_FORMAT_DTYPES
-from ferry.layers.gguf_linear import gguf_available
+from ferry.layers.gguf_linear import gguf_available, gguf_cuda_available
 from ferry.layers.int8_linear import int8_linear_available
 from ferry.layers.linear import should_pack
 from ferry.layers.smoothquant import calibration_token_ids
@@ -69,7 +69,8 @@ def resolve_quantization(
     method: str | None, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp: TensorParallel
 ) -> str | None:
     """What the weights run as: "gguf", "int8" or None (the model dtype). None/"auto" runs a
-    quantized GGUF as stored wherever the GGUF kernels run (CPU, float32, one rank), and says why
+    quantized GGUF as stored wherever the GGUF kernels run (one rank; the CPU in float32, CUDA in
+    bf16/fp16/fp32 through Triton), and says why
     when it cannot; an explicit "gguf" that cannot run is an error. A GPTQ/AWQ/compressed-tensors
     checkpoint (its config.json's quantization_config) runs on the same kernels under None/"auto",
     converted to their blocks at load, else is dequantized to `dtype` with a log line saying why."""
@@ -94,6 +95,11 @@ def resolve_quantization(
     if method == "none":
         return None
     if method == "gguf":
+        if ckpt.format == "dummy":  # random Q4_0 projections (dummy_weights.py), e.g. to measure the kernels
+            why = _gguf_unavailable(device, dtype, tp)
+            if why:
+                raise ValueError(f"--quantization gguf: {why}")
+            return "gguf"
         if ckpt.format != "gguf":
             raise ValueError(f"--quantization gguf needs a GGUF checkpoint, got {ckpt.format}: {ckpt.path}")
         if not ckpt.gguf_quantized_tensors():
@@ -109,12 +115,20 @@ def resolve_quantization(
 
 
 def _gguf_unavailable(device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> str | None:
-    if device.type != "cpu":
-        return "the GGUF kernels run on the CPU only so far"
-    if dtype != torch.float32:
-        return f"the GGUF kernels take float32 activations, not {dtype}"
+    """Why GGUF blocks cannot run here (None: they can): on the CPU the C++ kernels with float32
+    activations; on CUDA the Triton kernels (ferry/kernels/triton_gguf.py) with bf16/fp16/fp32; one rank."""
     if tp.size > 1:
         return "the GGUF kernels do not support tensor parallelism yet"
+    if device.type == "cuda":
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"the GGUF Triton kernels take bfloat16/float16/float32 activations, not {dtype}"
+        if not gguf_cuda_available():
+            return "the GGUF Triton kernels need triton (not importable)"
+        return None
+    if device.type != "cpu":
+        return f"the GGUF kernels run on the CPU and CUDA, not {device.type}"
+    if dtype != torch.float32:
+        return f"the GGUF kernels take float32 activations on the CPU, not {dtype}"
     if not gguf_available():
         return "ferry's CPU kernels could not be built (no C++ compiler?)"
     return None
@@ -159,6 +173,6 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     quant = f", {quantization} weights" if quantization else ""
     logger.info("loaded %s (%s%s) in %.1fs", ckpt.path, dtype, quant, time.perf_counter() - t0)
     model.quantization = quantization  # what the weights run as: "gguf", "int8" or None (the dtype)
-    if quantization == "gguf" and not args.enforce_eager:
+    if quantization == "gguf" and not args.enforce_eager and device.type == "cpu":  # (CUDA: graphs instead)
         model.cpu_decode_step = CPUDecodeStep.build(model)
     return LoadedModel(model, tokenizer, device, dtype, ckpt.path)

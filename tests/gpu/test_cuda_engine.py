@@ -81,6 +81,15 @@ def test_bf16_default_graphs_match_eager(tiny_dir):
     assert_greedy_agree(graphs, eager, first=4, fraction=0.9)
 
 
+def test_gguf_int4_dummy_weights_with_and_without_graphs(tiny_dir):
+    """Random Q4_0 projections (--quantization gguf on dummy weights) through the Triton GGUF kernels,
+    captured in CUDA graphs and eager: the same greedy tokens."""
+    eager, _ = generate(tiny_dir, quantization="gguf", enforce_eager=True)
+    graphs, engine = generate(tiny_dir, quantization="gguf")
+    assert engine.model.quantization == "gguf" and engine.runner.graphs is not None and engine.runner.graphs.graphs
+    assert_greedy_agree(graphs, eager, first=8, fraction=0.95)
+
+
 def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_dir):
     _, engine = generate(tiny_dir, num_kv_blocks=None, gpu_memory_utilization=0.3)
     free, total = torch.cuda.mem_get_info()

@@ -1,5 +1,6 @@
-"""Every Triton kernel the engine launches compiles for an H100 (sm_90) on this CPU-only
-machine, within the chip's limits; and the check does flag a kernel that does not fit.
+"""Every Triton kernel the engine launches (GGUF-quantized weights' included) compiles for an H100
+(sm_90) on this CPU-only machine, within the chip's limits; and the check does flag a kernel that
+does not fit.
 
 Runs in a subprocess: the test session sets TRITON_INTERPRET=1 (see conftest.py), which
 replaces Triton's compiler with the interpreter for every kernel defined afterwards."""
@@ -21,7 +22,7 @@ from ferry.tools.compile_check import compiling_for, engine_kernels, report
 from ferry.kernels import triton_attention as attn
 from dataclasses import asdict
 
-for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64):
+for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64, quantization="gguf"):
     print(json.dumps(asdict(r)))
 # A prefill tile too large for one block's shared memory: 3 stages of bf16 K/V tiles of 512 keys.
 kc = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
@@ -45,7 +46,13 @@ def test_engine_kernels_compile_for_sm90():
         assert r["problems"] == [], r
         assert r["registers"] > 0
     assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
-                            "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel"}  # fmt: skip
+                            "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
+                            "_gguf_matmul_kernel"}  # fmt: skip
+    # The GGUF dequantize-matmul: each 32-block type at a decode and a prefill shape, on tensor cores,
+    # without spills (checked above with every kernel's other limits).
+    gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
+    assert set(gguf) == {f"{t} {c}" for t in ("Q4_0", "Q4_1", "Q8_0") for c in ("decode", "prefill")}
+    assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in gguf.values())
     # One decode specialisation per split count that a CUDA-graph batch size can ask for (1..16).
     assert sorted(int(r["case"].split("=")[1]) for r in by_name["_decode_kernel"]) == [1, 2, 4, 8, 16]
     # bf16 attention runs its dots on tensor cores: Hopper's wgmma for the 64-row prefill tiles.

@@ -96,8 +96,16 @@ def test_quantization_choices(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "vocab_size": 64, '
                                           '"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
                                           '"num_attention_heads": 2}')  # fmt: skip
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 32)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
-        load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf", load_format="dummy"))
+        load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf"))
+    # Dummy weights with gguf: random Q4_0 projections (to measure the kernels), a float embedding.
+    dummy = load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf", load_format="dummy")).model
+    down = dummy.layers[0].mlp.down_proj
+    assert dummy.quantization == "gguf" and down.weight is None and [w.type_name for w in down.gguf] == ["Q4_0"]
+    assert dummy.embed_tokens.gguf is None and 0.01 < down.gguf[0].dequantize().std().item() < 0.03
     with pytest.raises(ValueError, match="float32 activations"):
         load_model(EngineArgs(device="cpu", dtype="bfloat16", quantization="gguf"))
     with pytest.raises(ValueError, match="quantization must be one of"):

@@ -1,0 +1,232 @@
+"""GGUF block-quantized weights on CUDA: a fused dequantize-matmul for Q4_0/Q4_1/Q8_0, torch dequantizers.
+
+`gguf_matmul(x, data, qtype, K)` computes y[M, N] = x[M, K] @ dequant(w).T for a weight in ferry's kernel
+layout (ferry/layers/gguf_linear.py: to_kernel_layout; per row all the blocks' quants, then their fp16
+scales d, then (Q4_1) their fp16 mins m; a Q4 byte holds element l of its block in the low nibble and
+element l + 16 in the high one). x is bf16, fp16 or fp32; the dot products accumulate in fp32 and y has
+x's dtype.
+
+Decode (few rows) is bound by reading the weight: each program takes BLOCK_N weight rows and one of
+SPLIT_K slices of K, reads each of their bytes once (a Q4 tile is loaded as bytes, its low and high
+nibbles multiplying two gathers of x's columns), dequantizes it in registers to x's dtype and takes a
+`tl.dot` with x's rows padded to 16. SPLIT_K is chosen so that the grid has about two programs per SM
+whatever N; partial sums then go to an fp32 [SPLIT_K, M, N] buffer summed by torch (deterministic, no
+atomics, no memset). Prefill rows take the same kernel with 64-row tiles of x (the weight is re-read
+once per 64 rows, which the tensor cores hide: prefill is compute-bound).
+
+K-quants (Q4_K, Q5_K, Q6_K) have no fused kernel yet: `dequantize` (torch ops, any rows) turns a chunk of
+rows into x's dtype and torch's matmul takes it (gguf_linear.py). Embedding rows use `dequantize` too.
+
+Nothing here reads a tensor's values on the host or branches on them: the launches are CUDA-graph
+capturable. The kernels also run under TRITON_INTERPRET=1 on CPU tensors (the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ferry.kernels.triton_compat import apply_interpreter_numpy_fix
+
+apply_interpreter_numpy_fix()
+
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+FUSED_TYPES = (Q4_0, Q4_1, Q8_0)
+
+# Triton 3.6's interpreter multiplies the raw bits of 16-bit floats in tl.dot (see triton_attention.py):
+# there the dot takes fp32 copies of the already-rounded operands, the same arithmetic.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Rows of x at or below which a matmul takes the decode configuration.
+DECODE_MAX_ROWS = 16
+_DEFAULT_SMS = 132  # an H100 SXM: the split heuristic's SM count where no CUDA device is visible
+
+
+@triton.jit
+def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_split, stride_xm, stride_ys,
+                        stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of y (or of split pid_k's partial sums) over K [k_begin, k_end).
+    q_ptr: the weight's bytes (int8 view for Q8_0, uint8 for Q4); s_ptr: the same bytes as fp16."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = output columns
+    m_ok = rows < M
+    n_ok = cols < N
+    rows64 = rows.to(tl.int64)
+    w_row = cols.to(tl.int64) * row_bytes  # byte offset of each weight row
+    s_row = cols.to(tl.int64) * (row_bytes // 2)  # fp16 offset of each weight row
+    nb = K // 32
+    if QTYPE == 8:
+        s_base = K // 2  # fp16 index of the row's first scale: after K quant bytes
+    else:
+        s_base = K // 4  # after K / 2 quant bytes
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if QTYPE == 8:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < k_end
+            wm = k_ok[:, None] & n_ok[None, :]
+            q = tl.load(q_ptr + w_row[None, :] + kk[:, None], mask=wm, other=0).to(tl.float32)
+            d = tl.load(s_ptr + s_row[None, :] + s_base + (kk // 32)[:, None], mask=wm, other=0.0).to(tl.float32)
+            w = (q * d).to(x_ptr.dtype.element_ty)
+            xv = tl.load(x_ptr + rows64[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)  # fmt: skip
+            if DOT_F32:
+                acc += tl.dot(xv.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(xv, w, input_precision="ieee")
+            else:
+                acc += tl.dot(xv, w)
+        else:
+            # Byte j of the tile: block (k0 + 2j) // 32, element j % 16 (low nibble) and j % 16 + 16 (high).
+            j = tl.arange(0, BLOCK_K // 2)
+            blk = k0 // 32 + j // 16
+            k_lo = blk * 32 + j % 16
+            k_ok = k_lo < k_end
+            wm = k_ok[:, None] & n_ok[None, :]
+            byte = tl.load(q_ptr + w_row[None, :] + (k0 // 2 + j)[:, None], mask=wm, other=0).to(tl.int32)
+            d = tl.load(s_ptr + s_row[None, :] + s_base + blk[:, None], mask=wm, other=0.0).to(tl.float32)
+            if QTYPE == 3:
+                mn = tl.load(s_ptr + s_row[None, :] + s_base + nb + blk[:, None], mask=wm, other=0.0).to(tl.float32)
+            else:
+                mn = -8.0 * d
+            w_lo = ((byte & 15).to(tl.float32) * d + mn).to(x_ptr.dtype.element_ty)
+            w_hi = ((byte >> 4).to(tl.float32) * d + mn).to(x_ptr.dtype.element_ty)
+            xm = m_ok[:, None] & k_ok[None, :]
+            x_lo = tl.load(x_ptr + rows64[:, None] * stride_xm + k_lo[None, :], mask=xm, other=0.0)
+            x_hi = tl.load(x_ptr + rows64[:, None] * stride_xm + (k_lo + 16)[None, :], mask=xm, other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x_lo.to(tl.float32), w_lo.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(x_hi.to(tl.float32), w_hi.to(tl.float32), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(x_lo, w_lo, input_precision="ieee")
+                acc += tl.dot(x_hi, w_hi, input_precision="ieee")
+            else:
+                acc += tl.dot(x_lo, w_lo)
+                acc += tl.dot(x_hi, w_hi)
+    y = y_ptr + pid_k.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@functools.cache
+def _num_sms(device_index: int | None) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
+    return _DEFAULT_SMS
+
+
+def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
+    """Tile sizes and K splits of one launch: host arithmetic on shapes only (graph-safe)."""
+    if M <= DECODE_MAX_ROWS:
+        block_m, block_n, block_k = 16, 64, 128 if qtype != Q8_0 else 64
+        block_k = min(block_k, max(32, triton.next_power_of_2(K)))
+        tiles = triton.cdiv(N, block_n)
+        k_chunks = triton.cdiv(K, block_k)
+        split = 1
+        while split * 2 <= k_chunks and tiles * split * 2 <= 2 * num_sms:
+            split *= 2
+        num_warps, num_stages = 4, 3
+    else:
+        block_m, block_n, block_k, split = 64, 64, 64, 1
+        num_warps, num_stages = 4, 3
+    k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
+    split = triton.cdiv(K, k_per_split)  # no empty split
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": split, "k_per_split": k_per_split,
+            "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
+
+
+def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ dequant(data [N, row_bytes]).T -> [M, N] in x's dtype (fp32 sums)."""
+    if qtype not in FUSED_TYPES:
+        raise ValueError(f"no fused Triton kernel for GGUF type id {qtype}; dequantize() it instead")
+    M, K = x.shape
+    if K != in_features or K % 32:
+        raise ValueError(f"activations of {K} columns for a weight of {in_features}")
+    N, row_bytes = data.shape
+    x = x.contiguous()
+    data = data.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    cfg = matmul_config(M, N, K, qtype, _num_sms(x.device.index) if x.is_cuda else _DEFAULT_SMS)
+    split = cfg["split"]
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    q = data.view(torch.int8) if qtype == Q8_0 else data
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
+    _gguf_matmul_kernel[grid](x, q, data.view(torch.float16), out, M, N, K, row_bytes, cfg["k_per_split"],
+                              x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
+                              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                              IEEE=x.dtype == torch.float32, DOT_F32=_INTERPRETED and x.dtype != torch.float32,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    if split > 1:
+        y.copy_(out.sum(0))  # the splits' fp32 partial sums, rounded once to x's dtype
+    return y
+
+
+# -- torch dequantizers (any device, any type): K-quant matmuls and embedding rows ----------------------------
+
+
+def _halves(data: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """`count` fp16 values from byte `start` of each row (any leading dims), as fp32."""
+    return data[..., start : start + 2 * count].contiguous().view(torch.float16).float()
+
+
+def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: the 8 6-bit scales and mins of each super-block from its 12 bytes s [..., 12] (int32)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def dequantize(data: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows [R, row_bytes] in ferry's kernel layout -> [R, in_features] in `dtype` (computed in fp32; the
+    same values as the CPU kernels' gguf_dequantize). Columns in storage order (input_order not applied)."""
+    R, K = data.shape[0], in_features
+    if qtype in FUSED_TYPES:
+        nb = K // 32
+        if qtype == Q8_0:
+            q = data[:, :K].view(torch.int8).float().view(R, nb, 32)
+            w = q * _halves(data, K, nb)[..., None]
+        else:
+            b = data[:, : K // 2].view(R, nb, 16).to(torch.int32)
+            q = torch.cat([b & 15, b >> 4], dim=-1).float()  # [R, nb, 32]: low nibbles, then high
+            d = _halves(data, K // 2, nb)[..., None]
+            m = _halves(data, K // 2 + 2 * nb, nb)[..., None] if qtype == Q4_1 else -8.0 * d
+            w = q * d + m
+        return w.reshape(R, K).to(dtype)
+    nsb = K // 256
+    blocks = data.view(R, nsb, -1).to(torch.int32)
+    if qtype in (Q4_K, Q5_K):
+        d = _halves(data.view(R, nsb, -1), 0, 1)  # [R, nsb, 1]
+        dmin = _halves(data.view(R, nsb, -1), 2, 1)
+        sc, mn = _scale_min_k4(blocks[..., 4:16])  # [R, nsb, 8]
+        qs = blocks[..., 16:144] if qtype == Q4_K else blocks[..., 48:176]
+        qs = qs.reshape(R, nsb, 4, 1, 32)
+        v = torch.cat([qs & 15, qs >> 4], dim=3).view(R, nsb, 8, 32)  # sub-block j = 2 * pair + half
+        if qtype == Q5_K:
+            qh = blocks[..., 16:48].reshape(R, nsb, 1, 32)
+            bit = torch.arange(8, device=data.device, dtype=torch.int32).view(1, 1, 8, 1)
+            v = v + (((qh >> bit) & 1) << 4)
+        w = (d * sc)[..., None] * v.float() - (dmin * mn)[..., None]
+        return w.reshape(R, K).to(dtype)
+    if qtype == Q6_K:
+        ql = blocks[..., 0:128].reshape(R, nsb, 2, 2, 32)  # [half n, ql[n*64 : n*64+32] / ql[n*64+32 : ...], l]
+        qh = blocks[..., 128:192].reshape(R, nsb, 2, 1, 32)
+        shift = torch.arange(4, device=data.device, dtype=torch.int32).view(1, 1, 1, 4, 1) * 2
+        hi = (qh >> shift) & 3  # [R, nsb, 2, 4, 32]: the 2 high bits of outputs l, l+32, l+64, l+96
+        lo = torch.cat([ql & 15, ql >> 4], dim=3)  # same order: low nibbles of both halves, then high
+        q = ((lo | (hi << 4)) - 32).float().view(R, nsb, 16, 16)
+        sc = data.view(R, nsb, -1)[..., 192:208].contiguous().view(torch.int8).float()  # [R, nsb, 16]
+        d = _halves(data.view(R, nsb, -1), 208, 1)
+        return (q * (d * sc)[..., None]).reshape(R, K).to(dtype)
+    raise ValueError(f"unsupported GGUF type id {qtype}")

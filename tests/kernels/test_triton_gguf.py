@@ -1,0 +1,150 @@
+"""The CUDA path of GGUF block-quantized weights (ferry/kernels/triton_gguf.py), interpreted on the CPU:
+the fused Q4_0/Q4_1/Q8_0 dequantize-matmul and the torch dequantizers against the CPU kernels'
+dequantization (itself checked against gguf-py in test_gguf_kernels.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight, gguf_available, gguf_linear
+
+tg = pytest.importorskip("ferry.kernels.triton_gguf")
+pytestmark = pytest.mark.skipif(not gguf_available(), reason="no C++ compiler for the CPU reference kernels")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device; references are on the CPU
+
+# 40 output rows: a partial 64-row tile; 320 columns: 10 blocks, a partial K tile, and K split across
+# programs at decode sizes (few output tiles).
+N, K = 40, 320
+
+
+def _weight(type_name: str, n: int = N, k: int = K, order: bool = False, seed: int = 0) -> GGUFWeight:
+    rng = np.random.default_rng(seed)
+    _, block, block_bytes = GGUF_QUANT_TYPES[type_name]
+    if type_name.endswith("_K"):  # random bytes, small positive fp16 super-scales (as test_gguf_kernels.py)
+        raw = rng.integers(0, 256, size=(n * k // block, block_bytes), dtype=np.uint8)
+        d = np.full(len(raw), 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+        if type_name == "Q6_K":
+            raw[:, 208:210] = d
+        else:
+            raw[:, 0:2], raw[:, 2:4] = d, np.full(len(raw), 0.004, np.float16).view(np.uint8).reshape(-1, 2)
+        raw = raw.reshape(n, -1)
+    else:
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[type_name])
+    w = GGUFWeight.from_numpy(raw, type_name, (n, k))
+    if order:  # GPTQ desc_act: weight column j multiplies activation column input_order[j]
+        w.input_order = torch.from_numpy(rng.permutation(k))
+    return w
+
+
+def _reference(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """fp32 x @ dequant(w).T with the weight rounded to x's dtype, as the kernel feeds the dot. (Triton
+    3.6's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: bf16 results here are
+    compared within two ulps of the largest output.)"""
+    return x.float() @ w.dequantize().to(x.dtype).float().T
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("order", [False, True])
+def test_fused_matmul_matches_the_dequantized_weight(type_name, dtype, order):
+    w = _weight(type_name, order=order)
+    bias = torch.randn(N).to(dtype)
+    for m in (1, 3, 17):  # decode tiles (split K), and a prefill tile
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(dtype)
+        y = gguf_linear(x.to(DEVICE), [w.to(DEVICE)], bias.to(DEVICE), triton=True).cpu()
+        assert y.dtype == dtype and y.shape == (m, N)
+        expected = _reference(x, w) + bias.float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+        else:  # fp32 sums rounded to bf16, the bias added in bf16: within two ulps of the largest output
+            torch.testing.assert_close(y.float(), expected, rtol=0, atol=expected.abs().max().item() / 64)
+
+
+def test_decode_shapes_split_k_and_read_each_byte_once():
+    """At decode sizes the grid covers the SMs by splitting K (each split reads its own slice of every
+    row: each weight byte is read once), and a split result equals an unsplit one."""
+    for n, k in ((6144, 4096), (4096, 14336), (4096, 4096), (28672, 4096)):  # Llama-3.1-8B's projections
+        cfg = tg.matmul_config(1, n, k, tg.Q4_0, num_sms=132)
+        programs = -(-n // cfg["BLOCK_N"]) * cfg["split"]
+        assert programs >= 132 and cfg["split"] * cfg["k_per_split"] >= k > (cfg["split"] - 1) * cfg["k_per_split"]
+    assert tg.matmul_config(64, 4096, 4096, tg.Q4_0)["split"] == 1
+    w = _weight("Q4_1", n=16, k=1024)
+    x = torch.randn(2, 1024)
+    assert tg.matmul_config(2, 16, 1024, w.qtype)["split"] == 8
+    y = tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, 1024).cpu()
+    torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
+def test_torch_dequantize_matches_the_cpu_kernels(type_name):
+    """Embedding rows and K-quant matmuls on CUDA dequantize with torch ops: the CPU kernels' values."""
+    w = _weight(type_name, k=512)
+    data = w.data.to(DEVICE)
+    torch.testing.assert_close(tg.dequantize(data, w.qtype, 512).cpu(), w.dequantize(), rtol=0, atol=0)
+    rows = torch.tensor([3, 0, 3])
+    torch.testing.assert_close(tg.dequantize(data[rows.to(DEVICE)], w.qtype, 512, torch.bfloat16).cpu(),
+                               w.dequantize()[rows].to(torch.bfloat16), rtol=0, atol=0)  # fmt: skip
+
+
+def test_k_quants_and_mixed_parts_on_the_triton_path(monkeypatch):
+    """A Q4_K_M-style linear (Q4_1, Q6_K and Q5_K parts): K-quants dequantized + torch matmul, 16 rows
+    at a time here (40-row parts: a partial last slice)."""
+    import ferry.layers.gguf_linear as gguf_linear_module
+
+    monkeypatch.setattr(gguf_linear_module, "_DEQUANT_ELEMENTS", 16 * 512)
+    parts = [_weight("Q4_1", k=512, seed=1), _weight("Q6_K", k=512, seed=2), _weight("Q5_K", k=512, seed=3)]
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    y = gguf_linear(x.to(DEVICE), [p.to(DEVICE) for p in parts], None, triton=True).cpu()
+    expected = torch.cat([_reference(x, p) for p in parts], dim=-1)
+    torch.testing.assert_close(y.float(), expected, rtol=0, atol=expected.abs().max().item() / 64)
+
+
+def test_cuda_is_allowed_for_gguf_and_other_cases_still_refused():
+    from types import SimpleNamespace
+
+    from ferry.distributed.parallel_state import SINGLE
+    from ferry.worker.model_loading import _gguf_unavailable, resolve_quantization
+
+    cuda = torch.device("cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert _gguf_unavailable(cuda, dtype, SINGLE) is None
+    assert "float32" in _gguf_unavailable(torch.device("cpu"), torch.bfloat16, SINGLE)
+    assert "tensor parallelism" in _gguf_unavailable(cuda, torch.bfloat16, SimpleNamespace(size=2))
+    tensors = {"model.layers.0.mlp.up_proj.weight": "Q4_0"}
+    gguf_file = SimpleNamespace(
+        hf_quantization=None, format="gguf", path="x.gguf", gguf_quantized_tensors=lambda: tensors
+    )
+    assert resolve_quantization("auto", gguf_file, cuda, torch.bfloat16, SINGLE) == "gguf"
+    assert resolve_quantization("gguf", gguf_file, cuda, torch.float16, SINGLE) == "gguf"
+    assert resolve_quantization("none", gguf_file, cuda, torch.bfloat16, SINGLE) is None
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors through the interpreter (tests/gpu runs the model on CUDA)")
+def test_a_dummy_int4_model_runs_on_the_triton_path(tmp_path, monkeypatch):
+    """`--load-format dummy --quantization gguf` (random Q4_0 projections) through the Triton kernels,
+    forced on CPU tensors: a prompt's hidden states equal the CPU path's exact (dequantize + GEMM) ones."""
+    import json
+
+    import ferry.layers.linear as linear_module
+    from ferry.config import EngineArgs
+    from ferry.worker.model_loading import load_model
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf", load_format="dummy")).model
+    ids = [1, 5, 9, 33, 2]
+    exact = model._forward_prompt(ids)  # 5 prompt rows outside int8_dots_at_any_batch: the exact CPU path
+    calls = []
+
+    def on_triton(x, parts, bias):
+        calls.append(len(parts))
+        return gguf_linear(x, parts, bias, triton=True)
+
+    monkeypatch.setattr(linear_module, "gguf_linear", on_triton)
+    torch.testing.assert_close(model._forward_prompt(ids), exact, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2 * 4  # every projection of both layers took the Triton kernels
