@@ -15,6 +15,8 @@ import pytest  # noqa: E402
 
 from ferry.config import EngineArgs  # noqa: E402
 from ferry.engine.llm_engine import LLMEngine
+from ferry.models.config import ModelConfig
+from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.model_loading import load_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -64,3 +66,54 @@ def assert_no_blocks_referenced(engine: LLMEngine) -> None:
     assert pool.num_referenced() == 0
     assert pool.num_free_blocks == pool.num_blocks
     assert not engine.kv.req_blocks
+
+
+# A tiny Llama (GQA: 8 query heads over 2 KV heads) for logic tests of whole engine steps.
+TINY_LLAMA = dict(
+    architecture="LlamaForCausalLM",
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    qk_norm=False,
+    sliding_window=None,
+    bos_token_id=None,
+    eos_token_ids=[],
+    dtype="float32",
+)
+
+
+def tiny_llama(random_norms: bool = False, **overrides) -> LlamaForCausalLM:
+    """TINY_LLAMA (with `overrides`) with seeded random weights N(0, 0.1); norms stay 1 unless
+    `random_norms` (N(1, 0.1)), in eval mode with its rotary tables built."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(**{**TINY_LLAMA, **overrides}), max_position=512)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)
+            elif random_norms:
+                p.normal_(1.0, 0.1)
+    model.init_rotary()
+    return model.eval()
+
+
+def dense_attention(q, k, v, q_pos, scale):
+    """The attention oracle: q [M, H, D] at absolute positions q_pos; k, v [N, KVH, D] (any float
+    dtype); causal by position; fp32 result [M, H, D]."""
+    H, kvh = q.shape[1], k.shape[1]
+    k = k.float().repeat_interleave(H // kvh, dim=1)
+    v = v.float().repeat_interleave(H // kvh, dim=1)
+    s = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    s = s.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)

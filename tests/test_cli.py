@@ -44,7 +44,7 @@ def test_serve_rejects_bad_flags_before_loading():
         (["--block-size", "0"], "block_size"),
         (["/nonexistent/model.gguf"], "does not exist"),
         (["--quantization", "int4"], "quantization must be one of auto, none, gguf, int8"),
-        (["--kv-cache-dtype", "fp8"], "kv_cache_dtype must be"),
+        (["--kv-cache-dtype", "fp4"], "kv_cache_dtype must be"),
     ):
         proc = _ferry("serve", "--port", "1", *args, timeout=60)
         assert proc.returncode == 2, proc.stderr

@@ -12,46 +12,15 @@ import torch
 
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.models.config import ModelConfig
-from ferry.models.llama import LlamaForCausalLM
 from ferry.sampling_params import SamplingParams
-from tests.conftest import assert_no_blocks_referenced, run_to_completion
+from tests.conftest import assert_no_blocks_referenced, run_to_completion, tiny_llama
 
 pytest.importorskip("triton")
-
-TINY = dict(
-    architecture="LlamaForCausalLM",
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    qk_norm=False,
-    sliding_window=None,
-    bos_token_id=None,
-    eos_token_ids=[],
-    dtype="float32",
-)
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(**TINY), max_position=512)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.1)
-    model.init_rotary()
-    return model.eval()
+    return tiny_llama()
 
 
 def run(model, backend: str, prompts, max_tokens=6, **kwargs):

@@ -13,10 +13,9 @@ from ferry.config import EngineArgs
 from ferry.core.block_hash import hash_prompt_blocks
 from ferry.engine.llm_engine import LLMEngine
 from ferry.kv_quant import KV_FORMAT_DTYPES
-from ferry.models.config import ModelConfig
 from ferry.sampling_params import SamplingParams
 from ferry.worker.memory import blocks_in_budget, kv_bytes_per_block
-from tests.conftest import assert_no_blocks_referenced, run_to_completion
+from tests.conftest import assert_no_blocks_referenced, run_to_completion, tiny_llama
 
 FORMATS = ["int8", "fp8"]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -125,29 +124,13 @@ def test_pd_transfer_moves_quantized_blocks_as_stored(make_engine, fmt):
         decode.import_kv(mismatched)
 
 
-TINY = dict(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=256,
-            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-            rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=False,
-            attention_bias=False, qk_norm=False, sliding_window=None, bos_token_id=None, eos_token_ids=[],
-            dtype="float32")  # fmt: skip
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_and_torch_backends_agree_on_a_quantized_cache(fmt):
     """Mixed steps (decode rows beside prefill chunks, chunked prefill, prefix hits, blocks of 4)
     through the Triton kernels (interpreted) and the torch reference: the same tokens and the same
     cache bytes up to a step of rounding."""
     pytest.importorskip("triton")
-    from ferry.models.llama import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(**TINY), max_position=512)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.1)
-    model.init_rotary()
-    model.eval()
+    model = tiny_llama()
     shared = list(range(10, 30))
     prompts = [shared + [40, 41, 42], list(range(50, 59)), shared + [60], [7]]
     outs = {}

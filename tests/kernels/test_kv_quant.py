@@ -9,6 +9,7 @@ import torch
 
 from ferry import kv_quant
 from ferry.kernels.cpu import cpu_kernels
+from tests.conftest import dense_attention
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,17 +62,6 @@ def test_triton_store_matches_torch_quantization_bit_for_bit(tk, dtype):
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
 
 
-def dense_reference(q, k, v, q_pos, scale):
-    """q: [M, H, D]; k, v: [N, KVH, D] floats; causal by absolute position."""
-    H, kvh = q.shape[1], k.shape[1]
-    k = k.float().repeat_interleave(H // kvh, dim=1)
-    v = v.float().repeat_interleave(H // kvh, dim=1)
-    s = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
-    s = s.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
-
-
 def tables(lens, bs, num_blocks, seed=0):
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks - 1, generator=g) + 1
@@ -103,7 +93,7 @@ def test_triton_decode_reads_quantized_blocks(tk, dtype, splits):
     q = torch.randn(len(lens), heads, d, device=DEVICE)
     out = tk.paged_decode(q, k_cache, v_cache, table, torch.tensor(lens, device=DEVICE), d**-0.5, splits, block_n=16)
     for i, n in enumerate(lens):
-        ref = dense_reference(q[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
+        ref = dense_attention(q[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
                               torch.tensor([n - 1], device=DEVICE), d**-0.5)  # fmt: skip
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-4, atol=1e-4)
 
@@ -126,7 +116,7 @@ def test_triton_prefill_reads_quantized_prefix_and_chunk(tk, dtype):
                      max(n for _, n in chunks), d**-0.5, out, block_n=16, rows=16)  # fmt: skip
     for i, (prefix, n) in enumerate(chunks):
         s, ctx = starts[i], prefix + n
-        ref = dense_reference(q[s : s + n], gathered(k_cache, table[i], ctx), gathered(v_cache, table[i], ctx),
+        ref = dense_attention(q[s : s + n], gathered(k_cache, table[i], ctx), gathered(v_cache, table[i], ctx),
                               torch.arange(prefix, ctx, device=DEVICE), d**-0.5)  # fmt: skip
         torch.testing.assert_close(out[s : s + n], ref, rtol=1e-4, atol=1e-4)
 
@@ -146,7 +136,7 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads):
     q = torch.randn(len(lens), heads, d)
     got = kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lens), d**-0.5)
     for i, n in enumerate(lens):
-        ref = dense_reference(q[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
+        ref = dense_attention(q[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
                               torch.tensor([n - 1]), d**-0.5)  # fmt: skip
         torch.testing.assert_close(got[i : i + 1], ref, rtol=1e-5, atol=1e-5)
 

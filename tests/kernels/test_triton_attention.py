@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import dense_attention
+
 triton_attention = pytest.importorskip("ferry.kernels.triton_attention")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,17 +42,6 @@ def gather(cache, table_row, n):
     pos = torch.arange(n, device=cache.device)
     blocks = table_row.long()[pos // block_size]
     return cache[blocks, pos % block_size]  # [n, KVH, D]
-
-
-def reference(q, k, v, q_pos, scale):
-    """q: [M, H, D] at absolute positions q_pos; k, v: [N, KVH, D]; causal by position."""
-    H, kvh = q.shape[1], k.shape[1]
-    k = k.float().repeat_interleave(H // kvh, dim=1)
-    v = v.float().repeat_interleave(H // kvh, dim=1)
-    s = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
-    s = s.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
 
 
 @pytest.mark.parametrize("kvh,heads", [(2, 8), (1, 4), (3, 3)])
@@ -99,7 +90,7 @@ def test_paged_decode_matches_reference(kvh, heads, d, bs, splits):
     scale = d**-0.5
     out = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, scale, splits, block_n=16)
     for i, n in enumerate(lens):
-        ref = reference(q[i : i + 1], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
+        ref = dense_attention(q[i : i + 1], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
                         torch.tensor([n - 1], device=DEVICE), scale)  # fmt: skip
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-4, atol=1e-4)
 
@@ -114,7 +105,7 @@ def test_paged_decode_padding_rows_give_zeros_and_bf16():
         out = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, d**-0.5, splits, block_n=16)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out[1], torch.zeros_like(out[1]))
-        ref = reference(q[:1], gather(k_cache, table[0], 20), gather(v_cache, table[0], 20),
+        ref = dense_attention(q[:1], gather(k_cache, table[0], 20), gather(v_cache, table[0], 20),
                         torch.tensor([19], device=DEVICE), d**-0.5)  # fmt: skip
         torch.testing.assert_close(out[:1].float(), ref, rtol=2e-2, atol=2e-2)
 
@@ -143,7 +134,7 @@ def test_paged_prefill_prefix_plus_chunk(kvh, heads, d, bs):
     for i, (prefix, n) in enumerate(chunks):
         ctx = prefix + n
         s = starts[i]
-        ref = reference(q[s : s + n], gather(k_cache, table[i], ctx), gather(v_cache, table[i], ctx),
+        ref = dense_attention(q[s : s + n], gather(k_cache, table[i], ctx), gather(v_cache, table[i], ctx),
                         torch.arange(prefix, ctx, device=DEVICE), scale)  # fmt: skip
         torch.testing.assert_close(out[s : s + n], ref, rtol=1e-4, atol=1e-4)
 

@@ -14,36 +14,14 @@ from gguf.quants import quantize
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.gguf_linear import GGUFWeight, gguf_available
-from ferry.models.config import ModelConfig
 from ferry.models.cpu_decode_step import CPUDecodeStep
 from ferry.models.llama import LlamaForCausalLM
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
-from tests.conftest import assert_no_blocks_referenced, run_to_completion
+from tests.conftest import assert_no_blocks_referenced, run_to_completion, tiny_llama
 
 pytestmark = pytest.mark.skipif(not gguf_available(), reason="no C++ compiler for the CPU kernels")
 
-TINY = dict(
-    architecture="LlamaForCausalLM",
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    qk_norm=False,
-    sliding_window=None,
-    bos_token_id=None,
-    eos_token_ids=[],
-    dtype="float32",
-)
 # Each projection in another block type, as llama.cpp's mixes do (q/k/v fused from two types).
 TYPES = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_up_proj": "Q8_0",
          "down_proj": "Q4_0"}  # fmt: skip
@@ -56,11 +34,7 @@ def _gguf(w: torch.Tensor, type_name: str) -> GGUFWeight:
 
 def tiny_gguf_model(**overrides) -> LlamaForCausalLM:
     """A random tiny model whose projections run as GGUF blocks, as the loader would leave it."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(ModelConfig(**{**TINY, **overrides}), max_position=512)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.1)
+    model = tiny_llama(random_norms=True, **overrides)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
@@ -70,9 +44,8 @@ def tiny_gguf_model(**overrides) -> LlamaForCausalLM:
                               (mlp.down_proj, [_gguf(mlp.down_proj.weight, TYPES["down_proj"])])):  # fmt: skip
             linear.drop_weight()
             linear.set_gguf(parts)
-    model.init_rotary()
     model.quantization = "gguf"
-    return model.eval()
+    return model
 
 
 def generate(model, prompts, step: CPUDecodeStep | None, kv_cache_dtype="auto", **kwargs):
