@@ -31,7 +31,7 @@ from ferry.bench.launch import LaunchedServer
 from ferry.bench.serve import distribution, send_request
 from ferry.config import EngineArgs
 from ferry.gateway.up import Replicas
-from ferry.utils.network import free_port
+from ferry.utils.network import free_port, free_ports
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +89,7 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
 def run_config(name: str, workers: list[tuple[str, list[str]]], gateway_flags: list[str], short, long, args,
                log_dir: str) -> dict:  # fmt: skip
     eargs = EngineArgs(model=args.model, max_model_len=args.long_input_len + args.long_output_len + 64)
-    ports = [free_port() for _ in workers]
+    ports = free_ports(len(workers))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     base = [sys.executable, "-m", "ferry.cli", "serve", *([args.model] if args.model else []), "--enable-kv-events",
             *eargs.to_cli_flags()]  # fmt: skip

@@ -25,7 +25,7 @@ import uvicorn
 
 from ferry.config import EngineArgs
 from ferry.gateway.main import add_gateway_args, build_gateway
-from ferry.utils.network import free_port
+from ferry.utils.network import free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def run_up(args: argparse.Namespace) -> int:
         if args.kv_transfer == "redis" and not args.redis_url:
             raise ValueError("--kv-transfer redis needs --redis-url")
         roles = ["prefill"] * num_p + ["decode"] * num_d
-    ports = [free_port() for _ in roles]
+    ports = free_ports(len(roles), exclude=frozenset({args.port}))  # the gateway's own port too
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     cmds = []
     for port, role in zip(ports, roles):

@@ -1,6 +1,7 @@
 """`ferry up`: replicas and a gateway from one command, all gone after SIGTERM."""
 
 import signal
+import socket
 import subprocess
 import sys
 
@@ -8,7 +9,18 @@ import httpx
 import openai
 
 from ferry.bench.launch import LaunchedServer
-from ferry.utils.network import free_port
+from ferry.utils.network import free_port, free_ports
+
+
+def test_free_ports_are_distinct_and_bindable():
+    """`ferry up` picks its workers' ports together: one port handed out twice made two workers
+    race for it (a CI failure of the PD test below)."""
+    taken = free_port()
+    ports = free_ports(64, exclude=frozenset({taken}))
+    assert len(set(ports)) == 64 and taken not in ports
+    for port in ports[:8]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_up_serves_then_sigterm_stops_every_process():
