@@ -363,6 +363,8 @@ int64_t gguf_row_bytes(int64_t qtype, int64_t K) {
   return K / L.block * L.bytes;
 }
 
+constexpr int64_t kPrefetchAhead = 2048;  // bytes; 1, 2 and 4 KB measured alike
+
 // Output rows [n0, n1) of y = x @ dequant(w).T for M activation rows quantized by quantize_q8_rows:
 // y[m * ldy + n]. One weight row is read once for all M rows. Called by one thread.
 void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
@@ -371,8 +373,16 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
   const bool kquant = layout_of(qtype).block == 256;
   std::vector<int8_t> q(kquant ? K : 0);
   std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
+  const uint8_t* end = w + n1 * row_bytes;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
+#ifdef FERRY_AVX2
+    // Software prefetch kPrefetchAhead bytes ahead within this thread's rows: the hardware prefetcher
+    // restarts on every one of a step's ~120 short weight streams and alone left the batch-1 matmuls
+    // at ~14 GB/s; with it, ~20 GB/s (a standalone pass over SmolLM2's shapes, 6.9 -> 4.5-5.0 ms).
+    for (const uint8_t* p = row + kPrefetchAhead; p < std::min(row + kPrefetchAhead + row_bytes, end); p += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#endif
     if (kquant) unpack_kquant_row(qtype, row, K, q.data(), sc16.data(), mn32.data());
     for (int64_t m = 0; m < M; m += 4) {
       const int R = int(std::min<int64_t>(4, M - m));

@@ -8,8 +8,9 @@
 // seq_lens:     [B]                 int64 (tokens attended to, including the new one)
 // out:          [B, H, D]           float32
 //
-// Work is split over (sequence, kv head); the G = H / KVH query heads that share
-// a kv head are processed together, so every K/V row is loaded once.
+// Work is split over (sequence, 64-token partition, kv head); the G = H / KVH query
+// heads that share a kv head are processed together, so every K/V row is loaded once.
+// A sequence's partitions are merged by their softmax maxima (flash-decoding).
 // A bf16 cache halves the bytes read (decode attention is bound by them); each
 // block's rows of this head are widened to fp32 in an L1-resident scratch and
 // the fp32 loops run on that. An int8 / fp8 cache (about a quarter of fp32's bytes) is
@@ -26,6 +27,8 @@
 
 // Built with -ffast-math (so expf vectorizes): no infinities, a large finite floor instead.
 constexpr float kNegBig = -1e30f;
+// Tokens per partition of a long sequence (see paged_decode_attention_impl).
+constexpr int64_t kPartitionTokens = 64;
 
 // n rows of D values, `stride` elements apart, as fp32. A float cache is used in
 // place (returns src with its stride); bf16 is widened into `scratch` (stride D).
@@ -118,26 +121,42 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  // A sequence's blocks are split into partitions of kPartitionTokens (flash-decoding): at batch 1
+  // B x KVH tasks alone (3 for SmolLM2) leave one of two threads idle half the time. Partitions
+  // depend only on the sequence's own length, so its result is the same in any batch.
+  const int64_t P = std::max<int64_t>(1, kPartitionTokens / BS);  // blocks per partition
+  std::vector<int64_t> first(B + 1, 0);  // first task of each sequence; a task is (partition, kv head)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nblk = (lp[b] + BS - 1) / BS;
+    first[b + 1] = first[b] + std::max<int64_t>(1, (nblk + P - 1) / P) * KVH;
+  }
+  const int64_t tasks = first[B];
+  const bool split = tasks > B * KVH;
+  // Unnormalized partial results of split tasks: running max, sum of exps, weighted values.
+  std::vector<float> part_m(split ? tasks * G : 0), part_l(split ? tasks * G : 0), part_acc(split ? tasks * G * D : 0);
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * BS);
     std::vector<float> kscratch(BS * D), vscratch(BS * D);
     std::vector<float> acc(G * D);
     std::vector<float> m(G), l(G), corr(G);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, h = task % KVH;
+      const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+      const int64_t part = (task - first[b]) / KVH, h = (task - first[b]) % KVH;
       const int64_t L = lp[b];
+      const int64_t nparts = (first[b + 1] - first[b]) / KVH;
+      const int64_t j0 = part * P, j1 = std::min((L + BS - 1) / BS, j0 + P);
       const float* qb = qp + (b * H + h * G) * D;
-      scores.resize(G * BS);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), kNegBig);
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = 0; j * BS < L; ++j) {
+      for (int64_t j = j0; j < j1; ++j) {
         const int64_t blk = btp[b * MAXB + j];
         const int64_t n = std::min(BS, L - j * BS);
         int64_t ks = 0, vs = 0;  // row strides of kb / vb in floats
         const float* kb = rows_as_f32(kp + (blk * BS * KVH + h) * W, n, D, KVH * W, kscratch.data(), ks);
         const float* vb = rows_as_f32(vp + (blk * BS * KVH + h) * W, n, D, KVH * W, vscratch.data(), vs);
-        if ((j + 1) * BS < L) {
+        if (j + 1 < j1) {
           // The next block lives elsewhere in the pool: start its loads now so
           // they overlap this block's arithmetic (one 64-byte line at a time).
           const int64_t nblk = btp[b * MAXB + j + 1];
@@ -218,6 +237,12 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
           }
         }
       }
+      if (nparts > 1) {
+        std::copy(m.begin(), m.end(), part_m.begin() + task * G);
+        std::copy(l.begin(), l.end(), part_l.begin() + task * G);
+        std::copy(acc.begin(), acc.end(), part_acc.begin() + task * G * D);
+        continue;
+      }
       float* ob = op + (b * H + h * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
@@ -225,6 +250,33 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       }
     }
   });
+  if (split) {  // merge each split sequence's partitions, rescaled to their common max
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / KVH, h = bh % KVH;
+        const int64_t nparts = (first[b + 1] - first[b]) / KVH;
+        if (nparts == 1) continue;
+        float* ob = op + (b * H + h * G) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float mx = kNegBig;
+          for (int64_t p = 0; p < nparts; ++p) mx = std::max(mx, part_m[(first[b] + p * KVH + h) * G + g]);
+          float lsum = 0.f;
+          float* og = ob + g * D;
+          std::fill(og, og + D, 0.f);
+          for (int64_t p = 0; p < nparts; ++p) {
+            const int64_t t = first[b] + p * KVH + h;
+            const float w = std::exp(part_m[t * G + g] - mx);
+            lsum += part_l[t * G + g] * w;
+            const float* a = part_acc.data() + (t * G + g) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) og[d] += a[d] * w;
+          }
+          const float inv = 1.f / lsum;
+          for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+        }
+      }
+    });
+  }
   return out;
 }
 
