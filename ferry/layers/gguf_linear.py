@@ -46,6 +46,10 @@ GGUF_QUANT_TYPES = {
     "Q6_K": (14, 256, 210),
 }
 _TYPE_NAMES = {tid: name for name, (tid, _, _) in GGUF_QUANT_TYPES.items()}
+# On the CPU, Q4_0/Q4_1 weights run interleaved by 8 rows (gguf_quant_cpu.cpp says why): ferry's own
+# type ids, 256 + ggml's, same bytes.
+INTERLEAVED_TYPES = {2: 258, 3: 259}
+_TYPE_NAMES.update({258: "Q4_0x8", 259: "Q4_1x8"})
 
 # At this many rows and more, dequantize-then-GEMM beats the int8 dot kernel (measured on an AVX2 EPYC:
 # equal at 64 rows, 2.2x faster at 512 for a 1536 x 576 Q4_1 weight).
@@ -110,13 +114,30 @@ class GGUFWeight:
         rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // block * block_bytes)
         return GGUFWeight(torch.from_numpy(to_kernel_layout(rows, type_name)), tid, k)
 
+    @property
+    def interleaved(self) -> bool:
+        return self.qtype in INTERLEAVED_TYPES.values()
+
+    def interleave(self) -> GGUFWeight:
+        """This weight as the CPU kernel runs it fastest: Q4_0/Q4_1 interleaved by 8 rows (same bytes;
+        other types, and weights off the CPU, are returned as they are). Applied once the weight is
+        final (after loading, concatenating and row selection: those work on plain rows)."""
+        if self.qtype not in INTERLEAVED_TYPES or self.data.device.type != "cpu":
+            return self
+        data = _kernels().gguf_interleave(self.data, self.qtype, self.in_features)
+        return GGUFWeight(data, INTERLEAVED_TYPES[self.qtype], self.in_features, self.input_order)
+
     def to(self, device: torch.device | str) -> GGUFWeight:
         """The same blocks on `device` (the loader moves each weight to the model's device)."""
+        if self.interleaved and torch.device(device).type != "cpu":
+            raise ValueError("a weight interleaved for the CPU kernel cannot move off the CPU")
         order = None if self.input_order is None else self.input_order.to(device)
         return GGUFWeight(self.data.to(device), self.qtype, self.in_features, order)
 
     def rows(self, index: torch.Tensor) -> GGUFWeight:
         """The rows `index` (a permutation or selection of output rows), still quantized."""
+        if self.interleaved:
+            raise ValueError("rows of a weight interleaved for the CPU kernel cannot be selected")
         return GGUFWeight(self.data[index].contiguous(), self.qtype, self.in_features, self.input_order)
 
     def dequantize(self) -> torch.Tensor:
@@ -166,6 +187,8 @@ def concat_rows(parts: list[GGUFWeight]) -> list[GGUFWeight]:
     """Stack consecutive parts of one type and input order into one matrix (a fused q/k/v of three
     Q4_1 tensors becomes one), keeping other parts apart. Parts with equal input orders end up
     sharing one order tensor, so gguf_linear gathers the activations once for them."""
+    if any(p.interleaved for p in parts):
+        raise ValueError("weights interleaved for the CPU kernel cannot be concatenated")
     merged: list[GGUFWeight] = []
     for part in parts:
         order = next((m.input_order for m in merged if _same_order(m.input_order, part.input_order)), part.input_order)
@@ -250,6 +273,8 @@ def gguf_matmul_triton(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     values: CUDA-graph capturable."""
     from ferry.kernels import triton_gguf
 
+    if w.interleaved:
+        raise ValueError(f"{w.type_name} is the CPU kernel's layout; the Triton kernels take ggml's rows")
     if w.qtype in triton_gguf.FUSED_TYPES:
         return triton_gguf.gguf_matmul(x2, w.data, w.qtype, w.in_features)
     out = x2.new_empty(x2.shape[0], w.out_features)

@@ -59,9 +59,11 @@ class Linear(nn.Linear):
         self.gguf, self.packed, self.int8 = concat_rows(parts), None, None
 
     def pack(self) -> None:
-        """Pack the current weight; call again after changing it."""
+        """Pack the current weight; call again after changing it. GGUF parts are interleaved for the
+        CPU kernel instead (Q4_0/Q4_1; the others already run as they are)."""
         if self.gguf is not None:
-            return  # already in its executable form
+            self.gguf = [p.interleave() for p in self.gguf]
+            return
         self.packed, self.int8 = pack_weight(self.weight), None
 
     def quantize_int8(self) -> None:

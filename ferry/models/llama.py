@@ -209,12 +209,17 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linear_weights(self) -> None:
         """Switch every projection (and the output head) to oneDNN-packed fp32 weights (CPU);
-        GGUF-quantized ones stay as they are."""
+        GGUF-quantized ones to the CPU kernel's layout (Linear.pack)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         if self._gguf_lm_head is None:
             self._packed_lm_head, self._int8_lm_head = pack_weight(self._lm_head_weight()), None
+        else:
+            head = self._gguf_lm_head.interleave()
+            if self.embed_tokens.gguf is self._gguf_lm_head:  # tied: still one copy for both
+                self.embed_tokens.gguf = head
+            self._gguf_lm_head = head
 
     # -- GGUF quantized weights (--quantization gguf) ----------------------
 

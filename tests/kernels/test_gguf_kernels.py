@@ -96,3 +96,40 @@ def test_bad_shapes_are_refused():
         gguf_embedding(torch.tensor([N]), w)
     with pytest.raises(ValueError, match="whole blocks"):
         GGUFWeight.from_numpy(np.zeros((1, 18), np.uint8), "Q4_0", (1, 40))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("k", [512, 576])  # 576: 18 blocks, not a multiple of the plain kernel's 8
+def test_interleaved_by_eight_rows(type_name, k):
+    """On the CPU, Q4_0/Q4_1 run interleaved by 8 rows (rows past the last group stay plain): the
+    same bytes and values, dot products with one rounding order per row whatever the batch or the
+    thread split, and no row selection or move off the CPU once interleaved."""
+    n = 8 * 5 + 3
+    raw = quantize(np.random.default_rng(1).standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[type_name])
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32).reshape(n, k))
+    plain = GGUFWeight.from_numpy(raw, type_name, (n, k))
+    w = plain.interleave()
+    assert w.interleaved and w.qtype == plain.qtype + 256 and w.type_name == type_name + "x8"
+    assert w.nbytes == plain.nbytes and not torch.equal(w.data, plain.data)
+    assert w.interleave() is w
+    torch.testing.assert_close(w.dequantize(), reference, rtol=0, atol=0)
+    ids = torch.tensor([0, 7, 8, 39, 40, 42])  # group edges and the plain tail
+    torch.testing.assert_close(gguf_embedding(ids, w), reference[ids], rtol=0, atol=0)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2))
+    y = gguf_linear(x, [w], None)
+    expected = x @ reference.T
+    assert 1e-5 < ((y - expected).norm() / expected.norm()).item() < 0.02
+    torch.testing.assert_close(y, gguf_linear(x, [plain], None), rtol=1e-4, atol=1e-4)
+    grouped = slice(0, 40)
+    for r in range(6):  # alone, each activation row gets the same grouped outputs as in the batch
+        assert torch.equal(gguf_linear(x[r : r + 1], [w], None)[0, grouped], y[r, grouped])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gguf_linear(x, [w], None)[:, grouped], y[:, grouped])
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="cannot be selected"):
+        w.rows(torch.arange(n))
+    with pytest.raises(ValueError, match="cannot move off the CPU"):
+        w.to("meta")

@@ -136,6 +136,9 @@ def test_a_dummy_int4_model_runs_on_the_triton_path(tmp_path, monkeypatch):
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
+    # Keep ggml's row layout: on a CPU model the loader interleaves Q4_0 rows for the C++ kernel,
+    # a layout the Triton kernels (the CUDA path's) never see.
+    monkeypatch.setattr(GGUFWeight, "interleave", lambda self: self)
     model = load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf", load_format="dummy")).model
     ids = [1, 5, 9, 33, 2]
     exact = model._forward_prompt(ids)  # 5 prompt rows outside int8_dots_at_any_batch: the exact CPU path

@@ -35,7 +35,8 @@ def test_weights_stay_quantized_and_are_the_only_copy(gguf_model):
     assert model.quantization == "gguf"
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is None and m.gguf and m.packed is None for m in linears)
-    assert [p.type_name for p in model.layers[0].self_attn.qkv_proj.gguf] == ["Q4_1"]  # q, k, v in one
+    # q, k, v in one, interleaved by 8 rows for the CPU kernel
+    assert [p.type_name for p in model.layers[0].self_attn.qkv_proj.gguf] == ["Q4_1x8"]
     assert model.embed_tokens.weight is None and model.embed_tokens.gguf.type_name == "Q8_0"
     assert model._gguf_lm_head is model.embed_tokens.gguf  # tied: one copy
     held = sum(m.gguf[0].nbytes for m in linears) + model.embed_tokens.gguf.nbytes
@@ -104,7 +105,7 @@ def test_quantization_choices(tmp_path):
     # Dummy weights with gguf: random Q4_0 projections (to measure the kernels), a float embedding.
     dummy = load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf", load_format="dummy")).model
     down = dummy.layers[0].mlp.down_proj
-    assert dummy.quantization == "gguf" and down.weight is None and [w.type_name for w in down.gguf] == ["Q4_0"]
+    assert dummy.quantization == "gguf" and down.weight is None and [w.type_name for w in down.gguf] == ["Q4_0x8"]
     assert dummy.embed_tokens.gguf is None and 0.01 < down.gguf[0].dequantize().std().item() < 0.03
     with pytest.raises(ValueError, match="float32 activations"):
         load_model(EngineArgs(device="cpu", dtype="bfloat16", quantization="gguf"))

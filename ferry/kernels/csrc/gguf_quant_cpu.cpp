@@ -9,6 +9,17 @@
 // instructions per block of the decode loop (it is instruction-bound: ~11
 // cycles per block with the scales inline, measured on an AVX2 EPYC).
 //
+// On the CPU, after loading, Q4_0/Q4_1 weights are interleaved by eight rows (type ids
+// Q4_0X8 / Q4_1X8 = 256 + the ggml id; gguf_interleave): per block, four 32-byte chunks, chunk c
+// holding bytes 4c..4c+3 of each of the 8 rows' quants (row r at 4r), then the 8 rows' fp16
+// scales, then (Q4_1) their mins; rows past the last whole group stay as above. One 32-bit lane
+// per row: maddubs against 4 broadcast activation bytes yields 8 rows' partial dots at once,
+// they add up in int16 over the block's 32 values (8 x 2 x 15 x 127 < 2^15), and the float
+// conversion and scale FMA run once per block for 8 rows instead of once per row. That took the
+// SmolLM2 layer shapes from ~1.7 to ~0.6-0.75 ns per row-block on one Zen 5 core (AVX2), making
+// the batch-1 matmuls bound by memory, not instructions. Same bytes, same results per row
+// whatever range of rows a thread takes (a row is always computed with its whole group).
+//
 // Matmuls with few rows (decode) quantize the activations per 32-element block
 // to int8 (scale dy, and sy = dy * sum(q): llama.cpp's Q8_1) and take integer
 // dot products against the weight's nibbles: 32 u8 x s8 products per
@@ -38,6 +49,13 @@ namespace {
 
 // ggml's type ids (ggml.h: enum ggml_type).
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+// ferry's own: Q4_0 / Q4_1 interleaved by 8 rows (see the top of this file).
+constexpr int64_t kInterleaved = 256;
+constexpr int64_t Q4_0X8 = kInterleaved + Q4_0, Q4_1X8 = kInterleaved + Q4_1;
+constexpr int64_t kGroup = 8;  // rows per interleaved group
+
+inline bool is_x8(int64_t t) { return t == Q4_0X8 || t == Q4_1X8; }
+inline int64_t base_type(int64_t t) { return is_x8(t) ? t - kInterleaved : t; }
 
 struct Layout {
   int64_t block;  // elements per block
@@ -46,8 +64,8 @@ struct Layout {
 
 Layout layout_of(int64_t t) {
   switch (t) {
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
+    case Q4_0: case Q4_0X8: return {32, 18};
+    case Q4_1: case Q4_1X8: return {32, 20};
     case Q8_0: return {32, 34};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
@@ -177,6 +195,40 @@ void dequantize_row(int64_t t, const uint8_t* row, int64_t K, float* out) {
   std::vector<float> sc16(K / 16), mn32(K / 32);
   unpack_kquant_row(t, row, K, q.data(), sc16.data(), mn32.data());
   for (int64_t k = 0; k < K; ++k) out[k] = sc16[k / 16] * q[k] - mn32[k / 32];
+}
+
+// Eight plain rows (each: nb * 16 quant bytes, nb fp16 scales, [nb fp16 mins]) -> one interleaved group.
+void interleave_group(const uint8_t* rows, int64_t nb, bool mins, int64_t row_bytes, uint8_t* out) {
+  uint8_t* scales = out + nb * 128;
+  uint8_t* mns = scales + nb * 16;
+  for (int r = 0; r < kGroup; ++r) {
+    const uint8_t* row = rows + r * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int c = 0; c < 4; ++c) std::memcpy(out + b * 128 + c * 32 + r * 4, row + b * 16 + c * 4, 4);
+      std::memcpy(scales + b * 16 + r * 2, row + nb * 16 + b * 2, 2);
+      if (mins) std::memcpy(mns + b * 16 + r * 2, row + nb * 18 + b * 2, 2);
+    }
+  }
+}
+
+// Row r of an interleaved group, gathered back into the plain row layout.
+void gather_row(const uint8_t* group, int64_t nb, bool mins, int r, uint8_t* row) {
+  const uint8_t* scales = group + nb * 128;
+  const uint8_t* mns = scales + nb * 16;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < 4; ++c) std::memcpy(row + b * 16 + c * 4, group + b * 128 + c * 32 + r * 4, 4);
+    std::memcpy(row + nb * 16 + b * 2, scales + b * 16 + r * 2, 2);
+    if (mins) std::memcpy(row + nb * 18 + b * 2, mns + b * 16 + r * 2, 2);
+  }
+}
+
+// Row n of an [N, row_bytes] weight of type t in the plain layout of base_type(t): in place, or
+// gathered into `scratch` (row_bytes) when it sits in an interleaved group.
+const uint8_t* plain_row(const uint8_t* w, int64_t N, int64_t t, int64_t row_bytes, int64_t K, int64_t n,
+                         uint8_t* scratch) {
+  if (!is_x8(t) || n >= N / kGroup * kGroup) return w + n * row_bytes;
+  gather_row(w + n / kGroup * kGroup * row_bytes, K / 32, t == Q4_1X8, int(n % kGroup), scratch);
+  return scratch;
 }
 
 // Activations [M, K] -> int8 [M, K], dy [M, K/32], sy [M, K/32] (sy = dy * sum of the block's q).
@@ -311,6 +363,46 @@ void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const flo
   for (int r = 0; r < R; ++r) out[r] = tail[r];
 }
 
+#ifdef FERRY_AVX2
+// R activation rows (R <= 4) against one interleaved group of 8 weight rows (T = Q4_0 or Q4_1):
+// out[r * 8 + i] = dot of activation row r with weight row i.
+template <int T, int R>
+void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+                  const float* const* sy, float* out) {
+  const uint8_t* scales = group + nb * 128;
+  const uint8_t* mns = scales + nb * 16;
+  const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  __m256 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = group + b * 128;
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32));
+      const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        int32_t ylo, yhi;  // activations 4c..4c+3 (low nibbles) and 16+4c.. (high), in every lane
+        std::memcpy(&ylo, y[r] + b * 32 + 4 * c, 4);
+        std::memcpy(&yhi, y[r] + b * 32 + 16 + 4 * c, 4);
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ylo)));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yhi)));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16)));
+    const __m256 mw = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mns + b * 16)))
+                                : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+    for (int r = 0; r < R; ++r) {
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
+      acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dw, _mm256_set1_ps(dy[r][b])), acc[r]);
+      accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(acc[r], accm[r]));
+}
+#endif
+
 template <int T>
 void dot_q32(int R, const uint8_t* w, int64_t nb, const int8_t* const* y, const float* const* dy, const float* const* sy,
              float* out) {
@@ -321,6 +413,21 @@ void dot_q32(int R, const uint8_t* w, int64_t nb, const int8_t* const* y, const 
     default: dot_row_q32<T, 1>(w, nb, y, dy, sy, out);
   }
 }
+
+#ifndef FERRY_AVX2
+// Portable: each row of the group gathered back and taken by the plain kernel.
+template <int T, int R>
+void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+                  const float* const* sy, float* out) {
+  std::vector<uint8_t> row(nb * (T == Q4_1 ? 20 : 18));
+  for (int i = 0; i < kGroup; ++i) {
+    gather_row(group, nb, T == Q4_1, i, row.data());
+    float o[4];
+    dot_q32<T>(R, row.data(), nb, y, dy, sy, o);
+    for (int r = 0; r < R; ++r) out[r * kGroup + i] = o[r];
+  }
+}
+#endif
 
 // K-quant row (already unpacked to int8 q, scale per 16, min per 32) against R activation rows.
 template <int R>
@@ -366,29 +473,60 @@ int64_t gguf_row_bytes(int64_t qtype, int64_t K) {
 constexpr int64_t kPrefetchAhead = 2048;  // bytes; 1, 2 and 4 KB measured alike
 
 // Output rows [n0, n1) of y = x @ dequant(w).T for M activation rows quantized by quantize_q8_rows:
-// y[m * ldy + n]. One weight row is read once for all M rows. Called by one thread.
+// y[m * ldy + n]; w is [N, row_bytes]. One weight row is read once for all M rows. Called by one
+// thread; a row of an interleaved group is always computed with its whole group, so its result does
+// not depend on how rows are split between threads (callers split at multiples of 8 to waste none).
 void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
-                   int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+                   int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t row_bytes = gguf_row_bytes(qtype, K), nb = K / 32;
-  const bool kquant = layout_of(qtype).block == 256;
+  const int64_t t = base_type(qtype);
+  const bool kquant = layout_of(t).block == 256;
+  const int64_t grouped = is_x8(qtype) ? N / kGroup * kGroup : 0;  // rows in whole interleaved groups
   std::vector<int8_t> q(kquant ? K : 0);
   std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
-  const uint8_t* end = w + n1 * row_bytes;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
+  const uint8_t* end = w + std::min(N, (n1 + kGroup - 1) / kGroup * kGroup) * row_bytes;
+  auto prefetch = [&](const uint8_t* at, int64_t bytes) {
 #ifdef FERRY_AVX2
     // Software prefetch kPrefetchAhead bytes ahead within this thread's rows: the hardware prefetcher
     // restarts on every one of a step's ~120 short weight streams and alone left the batch-1 matmuls
     // at ~14 GB/s; with it, ~20 GB/s (a standalone pass over SmolLM2's shapes, 6.9 -> 4.5-5.0 ms).
-    for (const uint8_t* p = row + kPrefetchAhead; p < std::min(row + kPrefetchAhead + row_bytes, end); p += 64)
+    for (const uint8_t* p = at + kPrefetchAhead; p < std::min(at + kPrefetchAhead + bytes, end); p += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 #endif
-    if (kquant) unpack_kquant_row(qtype, row, K, q.data(), sc16.data(), mn32.data());
+  };
+  const int8_t* yr[4];
+  const float *dr[4], *sr[4];
+  auto activations = [&](int64_t m, int R) {
+    for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;
+  };
+  int64_t n = n0;
+  while (n < n1 && n < grouped) {  // interleaved groups of 8 rows
+    const int64_t g0 = n / kGroup * kGroup;
+    const uint8_t* group = w + g0 * row_bytes;
+    prefetch(group, kGroup * row_bytes);
     for (int64_t m = 0; m < M; m += 4) {
       const int R = int(std::min<int64_t>(4, M - m));
-      const int8_t* yr[4];
-      const float *dr[4], *sr[4];
-      for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;
+      activations(m, R);
+      float out[4 * kGroup];
+      const bool q41 = qtype == Q4_1X8;
+      switch (R) {
+        case 4: q41 ? dot_group_q4<Q4_1, 4>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 4>(group, nb, yr, dr, sr, out); break;
+        case 3: q41 ? dot_group_q4<Q4_1, 3>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 3>(group, nb, yr, dr, sr, out); break;
+        case 2: q41 ? dot_group_q4<Q4_1, 2>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 2>(group, nb, yr, dr, sr, out); break;
+        default: q41 ? dot_group_q4<Q4_1, 1>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 1>(group, nb, yr, dr, sr, out);
+      }
+      for (int64_t i = std::max(n, g0); i < std::min(n1, g0 + kGroup); ++i)
+        for (int r = 0; r < R; ++r) y[(m + r) * ldy + i] = out[r * kGroup + (i - g0)];
+    }
+    n = g0 + kGroup;
+  }
+  for (; n < n1; ++n) {  // plain rows
+    const uint8_t* row = w + n * row_bytes;
+    prefetch(row, row_bytes);
+    if (kquant) unpack_kquant_row(t, row, K, q.data(), sc16.data(), mn32.data());
+    for (int64_t m = 0; m < M; m += 4) {
+      const int R = int(std::min<int64_t>(4, M - m));
+      activations(m, R);
       float out[4];
       if (kquant) {
         switch (R) {
@@ -398,8 +536,8 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
           default: dot_row_unpacked<1>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out);
         }
       } else {
-        if (qtype == Q4_1) dot_q32<Q4_1>(R, row, nb, yr, dr, sr, out);
-        else if (qtype == Q4_0) dot_q32<Q4_0>(R, row, nb, yr, dr, sr, out);
+        if (t == Q4_1) dot_q32<Q4_1>(R, row, nb, yr, dr, sr, out);
+        else if (t == Q4_0) dot_q32<Q4_0>(R, row, nb, yr, dr, sr, out);
         else dot_q32<Q8_0>(R, row, nb, yr, dr, sr, out);
       }
       for (int r = 0; r < R; ++r) y[(m + r) * ldy + n] = out[r];
@@ -422,9 +560,9 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::
   quantize_q8(xc.data_ptr<float>(), M, K, qx.data(), dy.data(), sy.data());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // Each thread takes a run of output rows.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    ferry_cpu::gguf_dot_rows(qx.data(), dy.data(), sy.data(), M, K, wp, qtype, n0, n1, yp, N);
+  // Each thread takes a run of output rows, whole groups of 8 (see gguf_dot_rows).
+  at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t t0, int64_t t1) {
+    ferry_cpu::gguf_dot_rows(qx.data(), dy.data(), sy.data(), M, K, wp, N, qtype, t0 * 8, std::min(N, t1 * 8), yp, N);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
@@ -438,7 +576,9 @@ torch::Tensor gguf_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) dequantize_row(qtype, wp + n * row_bytes, K, op + n * K);
+    std::vector<uint8_t> scratch(row_bytes);
+    for (int64_t n = n0; n < n1; ++n)
+      dequantize_row(base_type(qtype), plain_row(wp, N, qtype, row_bytes, K, n, scratch.data()), K, op + n * K);
   });
   return out;
 }
@@ -455,7 +595,26 @@ torch::Tensor gguf_get_rows(torch::Tensor w, torch::Tensor ids, int64_t qtype, i
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
-    for (int64_t i = t0; i < t1; ++i) dequantize_row(qtype, wp + ip[i] * row_bytes, K, op + i * K);
+    std::vector<uint8_t> scratch(row_bytes);
+    for (int64_t i = t0; i < t1; ++i)
+      dequantize_row(base_type(qtype), plain_row(wp, N, qtype, row_bytes, K, ip[i], scratch.data()), K, op + i * K);
   });
+  return out;
+}
+
+// A Q4_0 / Q4_1 weight [N, row_bytes] in the plain layout -> the same bytes interleaved by 8 rows
+// (type id + 256); rows past the last whole group are copied as they are.
+torch::Tensor gguf_interleave(torch::Tensor w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "only Q4_0 and Q4_1 weights are interleaved, not type ", qtype);
+  check_weight(w, qtype, K);
+  const int64_t N = w.size(0), row_bytes = w.size(1), groups = N / kGroup;
+  auto out = torch::empty_like(w);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      interleave_group(wp + g * kGroup * row_bytes, K / 32, qtype == Q4_1, row_bytes, op + g * kGroup * row_bytes);
+  });
+  std::memcpy(op + groups * kGroup * row_bytes, wp + groups * kGroup * row_bytes, (N - groups * kGroup) * row_bytes);
   return out;
 }
