@@ -5,8 +5,8 @@ At batch 1 the layer-by-layer forward spent more time in Python, pybind crossing
 and thread forks (30 layers x a dozen ops) than in reading the weights. The C++ step loops over
 the layers itself, on buffers allocated once per step, calling the very kernels the Python path
 calls: both compute the same numbers (tests/models/test_cpu_decode_step.py). It takes steps
-made only of decode rows whose attention is the C++ paged decode kernel; any other step (prompt
-rows, another backend or cache dtype) runs the Python forward.
+made only of decode rows whose attention is the C++ paged decode kernel (fp32, bf16, int8 or fp8
+cache); any other step (prompt rows, another backend) runs the Python forward.
 
 `--enforce-eager` keeps every step on the Python path (vLLM's flag for "no compiled or captured
 step").
@@ -23,7 +23,7 @@ from ferry.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
 def _parts(linear) -> list[tuple[torch.Tensor, int]]:

@@ -96,13 +96,18 @@ def test_cpu_decode_step_matches_the_python_forward(overrides):
         assert torch.equal(got, ref)
 
 
-def test_cpu_decode_step_with_a_bfloat16_cache():
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8", "fp8"])
+def test_cpu_decode_step_with_a_narrow_cache(kv_cache_dtype):
+    """bf16 rounding, int8 / fp8 quantization of K/V (values and scales) written by the C++ step
+    are the Python path's, byte for byte."""
     model = tiny_gguf_model()
     step = CPUDecodeStep.build(model)
-    ref_tokens, ref_logprobs, ref_kv, _ = generate(model, PROMPTS, None, kv_cache_dtype="bfloat16")
-    tokens, logprobs, kv, taken = generate(model, PROMPTS, step, kv_cache_dtype="bfloat16")
+    ref_tokens, ref_logprobs, ref_kv, _ = generate(model, PROMPTS, None, kv_cache_dtype=kv_cache_dtype)
+    tokens, logprobs, kv, taken = generate(model, PROMPTS, step, kv_cache_dtype=kv_cache_dtype)
     assert taken > 5 and tokens == ref_tokens and logprobs == ref_logprobs
-    assert all(torch.equal(g, r) for g, r in zip(kv, ref_kv))  # the same bf16 rounding of K/V
+    dtypes = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+    assert ref_kv[0].dtype == dtypes[kv_cache_dtype]
+    assert all(torch.equal(g.view(torch.uint8), r.view(torch.uint8)) for g, r in zip(kv, ref_kv))
 
 
 def test_which_models_and_steps_take_it(tmp_path):

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <cstdint>
 #include <cstring>
@@ -122,6 +123,33 @@ inline void store_row(CacheT* dst, const float* src, int64_t n) {
   }
 }
 
+// One (token, head) row of an int8 / fp8 cache, as ferry/kv_quant.py's quantize_rows writes it:
+// scale = max(absmax, 1e-30) / qmax, values x / scale (int8: rounded half away from zero and
+// clamped to +-127; fp8 e4m3fn: clamped to +-448, rounded to nearest even), then the fp32 scale.
+// Compiled without -ffast-math: x / scale must round as torch's division does (no reciprocal),
+// so both paths write bit-identical caches.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+template <typename Q>
+void store_quantized_row(uint8_t* dst, const float* x, int64_t D) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  constexpr float qmax = std::is_same_v<Q, int8_t> ? 127.f : 448.f;
+  const float scale = std::max(amax, 1e-30f) / qmax;
+  for (int64_t i = 0; i < D; ++i) {
+    const float y = x[i] / scale;
+    if constexpr (std::is_same_v<Q, int8_t>) {
+      const float r = std::min(127.f, std::max(-127.f, std::trunc(y + std::copysign(0.5f, y))));
+      dst[i] = static_cast<uint8_t>(static_cast<int8_t>(r));
+    } else {
+      const c10::Float8_e4m3fn f(std::min(448.f, std::max(-448.f, y)));
+      std::memcpy(dst + i, &f, 1);
+    }
+  }
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+#pragma GCC pop_options
+
 }  // namespace
 
 class DecodeStep {
@@ -172,10 +200,13 @@ class DecodeStep {
     }
     for (int64_t l = 0; l < L; ++l) {
       const auto &kc = k_caches[l], &vc = v_caches[l];
+      const bool quantized = kc.dtype() == torch::kInt8 || kc.dtype() == at::ScalarType::Float8_e4m3fn;
+      const int64_t width = D_ + (quantized ? 4 : 0);  // a quantized row carries its fp32 scale
       TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() &&
-                      kc.size(2) == KVH_ && kc.size(3) == D_ && kc.dtype() == vc.dtype(),
-                  "layer ", l, ": caches must be contiguous [blocks, block_size, ", KVH_, ", ", D_, "] pairs");
-      TORCH_CHECK(kc.dtype() == torch::kFloat32 || kc.dtype() == torch::kBFloat16, "cache must be float32 or bfloat16");
+                      kc.size(2) == KVH_ && kc.size(3) == width && kc.dtype() == vc.dtype(),
+                  "layer ", l, ": caches must be contiguous [blocks, block_size, ", KVH_, ", ", width, "] pairs");
+      TORCH_CHECK(quantized || kc.dtype() == torch::kFloat32 || kc.dtype() == torch::kBFloat16,
+                  "cache must be float32, bfloat16, int8 or float8_e4m3fn");
       const int64_t capacity = kc.size(0) * kc.size(1);
       for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] < capacity, "slot ", sp[b], " out of range");
     }
@@ -218,6 +249,21 @@ class DecodeStep {
         if (kc.dtype() == torch::kFloat32) {
           store_row(kc.data_ptr<float>() + sp[b] * row, t + q_size, row);
           store_row(vc.data_ptr<float>() + sp[b] * row, t + q_size + row, row);
+        } else if (kc.dtype() == torch::kInt8 || kc.dtype() == at::ScalarType::Float8_e4m3fn) {
+          const bool int8 = kc.dtype() == torch::kInt8;
+          const int64_t W = D_ + 4;
+          auto* kp = static_cast<uint8_t*>(kc.data_ptr()) + sp[b] * KVH_ * W;
+          auto* vp = static_cast<uint8_t*>(vc.data_ptr()) + sp[b] * KVH_ * W;
+          for (int64_t h = 0; h < KVH_; ++h) {
+            const float* kx = t + q_size + h * D_;
+            const float* vx = t + q_size + row + h * D_;
+            if (int8) {
+              store_quantized_row<int8_t>(kp + h * W, kx, D_), store_quantized_row<int8_t>(vp + h * W, vx, D_);
+            } else {
+              store_quantized_row<c10::Float8_e4m3fn>(kp + h * W, kx, D_);
+              store_quantized_row<c10::Float8_e4m3fn>(vp + h * W, vx, D_);
+            }
+          }
         } else {
           store_row(kc.data_ptr<c10::BFloat16>() + sp[b] * row, t + q_size, row);
           store_row(vc.data_ptr<c10::BFloat16>() + sp[b] * row, t + q_size + row, row);
