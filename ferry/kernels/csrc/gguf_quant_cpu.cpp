@@ -429,6 +429,17 @@ void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
 }
 #endif
 
+template <int T>
+void dot_group(int R, const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+               const float* const* sy, float* out) {
+  switch (R) {
+    case 4: dot_group_q4<T, 4>(group, nb, y, dy, sy, out); break;
+    case 3: dot_group_q4<T, 3>(group, nb, y, dy, sy, out); break;
+    case 2: dot_group_q4<T, 2>(group, nb, y, dy, sy, out); break;
+    default: dot_group_q4<T, 1>(group, nb, y, dy, sy, out);
+  }
+}
+
 // K-quant row (already unpacked to int8 q, scale per 16, min per 32) against R activation rows.
 template <int R>
 void dot_row_unpacked(const int8_t* q, const float* sc16, const float* mn32, int64_t K, const int8_t* const* y,
@@ -508,13 +519,8 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
       const int R = int(std::min<int64_t>(4, M - m));
       activations(m, R);
       float out[4 * kGroup];
-      const bool q41 = qtype == Q4_1X8;
-      switch (R) {
-        case 4: q41 ? dot_group_q4<Q4_1, 4>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 4>(group, nb, yr, dr, sr, out); break;
-        case 3: q41 ? dot_group_q4<Q4_1, 3>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 3>(group, nb, yr, dr, sr, out); break;
-        case 2: q41 ? dot_group_q4<Q4_1, 2>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 2>(group, nb, yr, dr, sr, out); break;
-        default: q41 ? dot_group_q4<Q4_1, 1>(group, nb, yr, dr, sr, out) : dot_group_q4<Q4_0, 1>(group, nb, yr, dr, sr, out);
-      }
+      if (qtype == Q4_1X8) dot_group<Q4_1>(R, group, nb, yr, dr, sr, out);
+      else dot_group<Q4_0>(R, group, nb, yr, dr, sr, out);
       for (int64_t i = std::max(n, g0); i < std::min(n1, g0 + kGroup); ++i)
         for (int r = 0; r < R; ++r) y[(m + r) * ldy + i] = out[r * kGroup + (i - g0)];
     }
