@@ -33,6 +33,7 @@ from ferry.kv_quant import kv_cache_bytes_per_token
 from ferry.layers.linear import Linear
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import weight_shapes
+from ferry.models.weight_memory import held_weight_bytes, process_rss_bytes
 from ferry.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,17 @@ def main(args: argparse.Namespace) -> int:
         f"prompt {args.input_len}, output {args.output_len} tokens; peak bandwidth "
         + (f"{peak:.3g} B/s ({peak_src})" if peak else "n/a (pass --peak-bandwidth)")
     )
+    held = held_weight_bytes(engine.model)
+    rss = process_rss_bytes()
+    print(
+        f"weights held ({engine.model.quantization or dtype}): {_fmt_bytes(held['total'])} = projections "
+        f"{_fmt_bytes(held['projections'])} + head {_fmt_bytes(held['head'])} + embedding "
+        f"{_fmt_bytes(held['embedding'])} + norms {_fmt_bytes(held['other'])}"
+        + (f"; process RSS {_fmt_bytes(rss)} (KV cache included)" if rss is not None else "")
+    )
     result: dict = {
+        "weight_bytes_held": held,
+        "process_rss_bytes": rss,
         "model": eargs.model,
         "load_format": eargs.load_format,
         "dtype": str(dtype),

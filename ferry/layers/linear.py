@@ -59,16 +59,23 @@ class Linear(nn.Linear):
         self.gguf, self.packed, self.int8 = concat_rows(parts), None, None
 
     def pack(self) -> None:
-        """Pack the current weight; call again after changing it. GGUF parts are interleaved for the
-        CPU kernel instead (Q4_0/Q4_1; the others already run as they are)."""
+        """Replace the weight by its oneDNN-packed copy, which is the only copy from then on (the
+        original is freed: one copy of each weight in memory). GGUF parts are interleaved for the CPU
+        kernel instead (Q4_0/Q4_1; the others already run as they are). A no-op once packed."""
         if self.gguf is not None:
             self.gguf = [p.interleave() for p in self.gguf]
             return
+        if self.weight is None:
+            return
         self.packed, self.int8 = pack_weight(self.weight), None
+        self.weight = None
 
     def quantize_int8(self) -> None:
-        """Quantize the current weight to int8 (per output channel); call again after changing it."""
+        """Replace the weight by int8 (per output channel, see int8_linear.py); the original is freed."""
+        if self.weight is None:
+            raise ValueError("quantize_int8 needs the layer's float weight; it was already packed or quantized")
         self.packed, self.int8 = None, pack_int8_weight(self.weight)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gguf is not None:

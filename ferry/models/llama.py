@@ -214,7 +214,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         if self._gguf_lm_head is None:
-            self._packed_lm_head, self._int8_lm_head = pack_weight(self._lm_head_weight()), None
+            if self._packed_lm_head is None:
+                self._packed_lm_head, self._int8_lm_head = pack_weight(self._lm_head_weight()), None
+            # An untied head's packed copy is its only copy; a tied one keeps the embedding table for
+            # the lookups beside the packed head (oneDNN's layout cannot be gathered by row), a
+            # trade of one table for a 2x faster head GEMV here (BENCHMARKS.md, issue 15 fourth part).
+            if self.lm_head is not None:
+                self.lm_head.weight = None
         else:
             head = self._gguf_lm_head.interleave()
             if self.embed_tokens.gguf is self._gguf_lm_head:  # tied: still one copy for both
@@ -265,6 +271,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quantize_int8()
         self._packed_lm_head, self._int8_lm_head = None, pack_int8_weight(head)
+        if self.lm_head is not None:  # the int8 copy is the head's only one (a tied table stays for lookups)
+            self.lm_head.weight = None
 
     @torch.no_grad()
     def smooth_for_int8(self, calibration_ids: list[int], alpha: float = DEFAULT_ALPHA) -> torch.Tensor:

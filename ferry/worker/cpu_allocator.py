@@ -11,6 +11,7 @@ Process-wide, idempotent, and a no-op where glibc's `mallopt` is absent.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import sys
 
@@ -34,3 +35,17 @@ def tune_cpu_allocator() -> bool:
         logger.debug("mallopt unavailable; CPU activations use the default allocator settings")
     _done = ok
     return ok
+
+
+def release_free_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc `malloc_trim`), after loading a model: the
+    checkpoint reader's objects and the float originals of packed or quantized weights are garbage
+    by then, and the trim threshold set above would otherwise keep their pages resident for good
+    (~60 MB for the bundled GGUF, measured: BENCHMARKS.md, issue 15 fourth part)."""
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -25,6 +25,7 @@ from ferry.models.cpu_decode_step import CPUDecodeStep
 from ferry.models.llama import LlamaForCausalLM
 from ferry.models.loader import Checkpoint, load_checkpoint
 from ferry.tokenizer import load_tokenizer
+from ferry.worker.cpu_allocator import release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -175,4 +176,8 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     model.quantization = quantization  # what the weights run as: "gguf", "int8" or None (the dtype)
     if quantization == "gguf" and not args.enforce_eager and device.type == "cpu":  # (CUDA: graphs instead)
         model.cpu_decode_step = CPUDecodeStep.build(model)
-    return LoadedModel(model, tokenizer, device, dtype, ckpt.path)
+    path = ckpt.path
+    del ckpt  # the reader's metadata objects (a GGUF's vocabulary: ~100k small arrays) are garbage now
+    if device.type == "cpu":
+        release_free_heap()
+    return LoadedModel(model, tokenizer, device, dtype, path)

@@ -37,10 +37,12 @@ def test_weight_quantization_error_is_half_a_step_per_channel():
 def test_int8_linear_close_to_fp64_for_any_batch(bias):
     torch.manual_seed(0)
     lin = Linear(96, 160, bias=bias)
+    weight = lin.weight.detach().clone()
     lin.quantize_int8()
+    assert lin.weight is None  # the int8 copy is the only one
     for m in (1, 5, 64, 300):
         x = torch.randn(m, 96)
-        ref = F.linear(x.double(), lin.weight.double(), lin.bias.double() if bias else None)
+        ref = F.linear(x.double(), weight.double(), lin.bias.double() if bias else None)
         got = lin(x)
         assert got.dtype == torch.float32 and got.shape == (m, 160)
         assert rel_err(got, ref) < 0.02

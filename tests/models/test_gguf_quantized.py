@@ -17,6 +17,7 @@ from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.gguf_linear import gguf_available, int8_dots_at_any_batch
 from ferry.layers.linear import Linear
 from ferry.models.paths import default_model_path
+from ferry.models.weight_memory import held_weight_bytes
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
 
@@ -39,10 +40,10 @@ def test_weights_stay_quantized_and_are_the_only_copy(gguf_model):
     assert [p.type_name for p in model.layers[0].self_attn.qkv_proj.gguf] == ["Q4_1x8"]
     assert model.embed_tokens.weight is None and model.embed_tokens.gguf.type_name == "Q8_0"
     assert model._gguf_lm_head is model.embed_tokens.gguf  # tied: one copy
-    held = sum(m.gguf[0].nbytes for m in linears) + model.embed_tokens.gguf.nbytes
-    held += sum(p.numel() * p.element_size() for p in model.parameters())  # norms (F32 in the file)
+    held = held_weight_bytes(model)  # every weight tensor the model holds, each counted once
     file_tensors = sum(int(t.n_bytes) for t in gguf.GGUFReader(default_model_path()).tensors)
-    assert held <= 1.001 * file_tensors  # the file's bytes, nothing beside them
+    assert held["head"] == 0 and held["embedding"] == model.embed_tokens.gguf.nbytes
+    assert file_tensors * 0.999 <= held["total"] <= 1.001 * file_tensors  # the file's bytes, nothing beside them
 
 
 def test_next_token_distributions_stay_close_to_the_dequantized_model(smollm, gguf_model):
