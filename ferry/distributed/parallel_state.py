@@ -25,6 +25,12 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """In place, the elementwise maximum over ranks (e.g. a sharded weight's column maxima)."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n], rank-major."""
         if self.size == 1:

@@ -101,6 +101,16 @@ def record_input_absmax(modules: dict[str, nn.Module]) -> Iterator[dict[str, tor
 
 def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> torch.Tensor:
     """s_j for a linear with weight [out, in] whose input channels reach act_absmax [in]."""
+    return smoothing_factors_from_maxima(act_absmax, weight_column_absmax(weight), alpha)
+
+
+def weight_column_absmax(weight: torch.Tensor) -> torch.Tensor:
+    """max_i |W[i, j]| of a weight [out, in], in fp32 (under tensor parallelism, of this rank's rows;
+    the model reduces them over ranks to smooth each shard as one rank would)."""
+    return weight.detach().float().abs().amax(dim=0)
+
+
+def smoothing_factors_from_maxima(act_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
     a = act_absmax.float().clamp_min(1e-5)
-    w = weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
+    w = w_absmax.float().clamp_min(1e-5)
     return (a.pow(alpha) / w.pow(1.0 - alpha)).clamp_min(1e-5)

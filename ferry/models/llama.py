@@ -30,7 +30,13 @@ from ferry.layers.gguf_linear import GGUFWeight, gguf_embedding, gguf_linear, st
 from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
-from ferry.layers.smoothquant import DEFAULT_ALPHA, record_input_absmax, smoothing_factors
+from ferry.layers.smoothquant import (
+    DEFAULT_ALPHA,
+    record_input_absmax,
+    smoothing_factors,
+    smoothing_factors_from_maxima,
+    weight_column_absmax,
+)
 from ferry.models.config import ModelConfig
 
 
@@ -290,20 +296,29 @@ class LlamaForCausalLM(nn.Module):
             targets[f"{i}.down"] = layer.mlp.down_proj
         with record_input_absmax(targets) as absmax:
             hidden = self._forward_prompt(calibration_ids)
+
+        def column_parallel_factors(act_absmax: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            # Under TP this rank holds some of the weight's rows (its input, hence act_absmax, is whole
+            # on every rank). Each rank's own maxima would be exact too (its norm copy feeds only its
+            # rows), but the maxima over all ranks give TP=1's s: a shard's int8 rows are TP=1's rows.
+            w_absmax = self.tp.all_reduce_max(weight_column_absmax(weight))
+            return smoothing_factors_from_maxima(act_absmax, w_absmax, alpha)
+
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            s = smoothing_factors(absmax[f"{i}.qkv"], attn.qkv_proj.weight, alpha)
+            s = column_parallel_factors(absmax[f"{i}.qkv"], attn.qkv_proj.weight)
             layer.input_layernorm.weight.div_(s)
             attn.qkv_proj.weight.mul_(s)
-            s = smoothing_factors(absmax[f"{i}.gate_up"], mlp.gate_up_proj.weight, alpha)
+            s = column_parallel_factors(absmax[f"{i}.gate_up"], mlp.gate_up_proj.weight)
             layer.post_attention_layernorm.weight.div_(s)
             mlp.gate_up_proj.weight.mul_(s)
             # down_proj's input is silu(gate) * up: linear in up, so up's rows take the division.
+            # (Row-parallel: this rank's input channels are its own, and it holds their whole columns.)
             s = smoothing_factors(absmax[f"{i}.down"], mlp.down_proj.weight, alpha)
             mlp.gate_up_proj.weight[mlp.intermediate :].div_(s[:, None])
             mlp.down_proj.weight.mul_(s)
-        head = self._lm_head_weight()
-        s = smoothing_factors(hidden.abs().amax(dim=0), head, alpha)
+        head = self._lm_head_weight()  # vocab-parallel: this rank's rows
+        s = column_parallel_factors(hidden.abs().amax(dim=0), head)
         self.norm.weight.div_(s)
         return head * s
 
@@ -315,7 +330,8 @@ class LlamaForCausalLM(nn.Module):
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         cache_dtype = kv_cache_dtype or dtype
         T = len(token_ids)
-        shape = (T, 1, cfg.num_key_value_heads, row_width(cfg.head_dim, cache_dtype))  # T blocks of one slot each
+        kv_heads = self.layers[0].self_attn.num_kv_heads  # this rank's (tensor parallel)
+        shape = (T, 1, kv_heads, row_width(cfg.head_dim, cache_dtype))  # T blocks of one slot each
         kv = [
             (torch.zeros(shape, device=device, dtype=cache_dtype), torch.zeros(shape, device=device, dtype=cache_dtype))
             for _ in self.layers

@@ -110,8 +110,6 @@ def resolve_quantization(
             raise ValueError(f"--quantization gguf: {why}")
         return "gguf"
     check_quantization(method, device, dtype)
-    if tp.size > 1:
-        raise ValueError("--quantization int8 does not support --tensor-parallel-size > 1 yet")
     return method
 
 
