@@ -39,7 +39,7 @@ class EngineArgs:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str | None = None  # None/auto (as stored) | none | gguf | int8 (dynamic W8A8 on the CPU)
+    quantization: str | None = None  # None/auto (as stored) | none | gguf | int8 (dynamic W8A8: CPU and CUDA)
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16 | int8 | fp8 | fp8_e4m3
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0

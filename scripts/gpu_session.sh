@@ -47,6 +47,9 @@ tests)
   step latency-int4 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization gguf \
     --batch-sizes 1 16 64 --json $OUT/latency-int4.json"
   step compile-check-gguf 120 python3 -m ferry.tools.compile_check --model llama-3.1-8b --quantization gguf
+  # int8 W8A8 (SmoothQuant-calibrated, Triton int8 GEMM): 1 byte a weight read per decode step.
+  step latency-int8 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization int8 \
+    --batch-sizes 1 16 64 --json $OUT/latency-int8.json"
   ;;
 bench)
   step throughput-qwen3 280 bash -c "ferry bench throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \

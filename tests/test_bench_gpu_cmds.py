@@ -79,6 +79,9 @@ def test_bench_latency_int4_dummy_weights_counts_the_blocks(tiny_dir, tmp_path):
     projections = layers * (h * 4 * d + 2 * h * 2 * d + 4 * d * h + 3 * h * 128)  # q, k, v, o, gate, up, down
     floats = 4 * (layers * 2 * h + h + 512 * h + h)  # fp32 norms, the tied head in full, one embedding row
     assert result["batches"][0]["weight_bytes_per_step"] == projections * 18 // 32 + floats
+    held = result["weight_bytes_held"]  # what the model holds: the blocks, and no float copy beside them;
+    assert held["projections"] == projections * 18 // 32  # the tied fp32 table for lookups, its packed copy
+    assert held["embedding"] == held["head"] == 4 * 512 * h  # for the head
 
 
 def test_bench_throughput_sharegpt_like_with_hf_reference(tiny_dir, tmp_path, capsys):

@@ -124,16 +124,27 @@ def _num_sms(device_index: int | None) -> int:
     return _DEFAULT_SMS
 
 
+def decode_split_k(tiles: int, k_chunks: int, num_sms: int) -> int:
+    """K splits (a power of two, at most one per K chunk) that give a decode launch of `tiles` output
+    tiles about two programs per SM: few rows of x leave a weight-bound GEMV with too few tiles to
+    fill the GPU, and every split still reads its own slice of each weight row once."""
+    split = 1
+    while split * 2 <= k_chunks and tiles * split * 2 <= 2 * num_sms:
+        split *= 2
+    return split
+
+
+def num_sms(device: torch.device) -> int:
+    """The SM count the split heuristic plans for: the device's, or an H100's off CUDA (the tests)."""
+    return _num_sms(device.index) if device.type == "cuda" else _DEFAULT_SMS
+
+
 def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
     """Tile sizes and K splits of one launch: host arithmetic on shapes only (graph-safe)."""
     if M <= DECODE_MAX_ROWS:
         block_m, block_n, block_k = 16, 64, 128 if qtype != Q8_0 else 64
         block_k = min(block_k, max(32, triton.next_power_of_2(K)))
-        tiles = triton.cdiv(N, block_n)
-        k_chunks = triton.cdiv(K, block_k)
-        split = 1
-        while split * 2 <= k_chunks and tiles * split * 2 <= 2 * num_sms:
-            split *= 2
+        split = decode_split_k(triton.cdiv(N, block_n), triton.cdiv(K, block_k), num_sms)
         num_warps, num_stages = 4, 3
     else:
         block_m, block_n, block_k, split = 64, 64, 64, 1
@@ -157,7 +168,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    cfg = matmul_config(M, N, K, qtype, _num_sms(x.device.index) if x.is_cuda else _DEFAULT_SMS)
+    cfg = matmul_config(M, N, K, qtype, num_sms(x.device))
     split = cfg["split"]
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     q = data.view(torch.int8) if qtype == Q8_0 else data

@@ -1,4 +1,8 @@
-"""Dynamic W8A8 int8 linear on the CPU (`--quantization int8`), through oneDNN.
+"""Dynamic W8A8 int8 linear (`--quantization int8`): through oneDNN on the CPU, Triton on CUDA.
+
+On CUDA the weight is `Int8Rows` (+-127 per output channel) and the activations are quantized per
+token by the Triton kernels of ferry/kernels/triton_int8.py, which apply both scales in the GEMM's
+epilogue; the rest of this docstring is the CPU path.
 
 Weights are quantized once at load time, symmetric per output channel
 (scale = max|w| / 127; / 63 on CPUs without VNNI, whose int8 GEMM sums pairs
@@ -30,6 +34,7 @@ _PACK_HINT_ROWS = 16
 
 
 def int8_linear_available() -> bool:
+    """Whether the CPU path runs here: torch's oneDNN int8 ops."""
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops, "onednn")
@@ -38,12 +43,33 @@ def int8_linear_available() -> bool:
     )
 
 
+def int8_triton_available() -> bool:
+    """Whether the CUDA path runs here: the Triton kernels (ferry/kernels/triton_int8.py) import."""
+    try:
+        import ferry.kernels.triton_int8  # noqa: F401
+    except Exception:  # no triton, or one too old for the kernels
+        return False
+    return True
+
+
 @dataclass
 class Int8Weight:
     packed: torch.Tensor  # opaque oneDNN int8 weight
     scale: torch.Tensor  # [out] fp32, per output channel
     zero_point: torch.Tensor  # [out] int64 zeros (symmetric)
     out_features: int
+
+
+@dataclass
+class Int8Rows:
+    """The CUDA form: int8 rows [out, in] (+-127) and an fp32 scale per row, for the Triton kernels."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
 
 
 def weight_qmax() -> int:
@@ -60,7 +86,11 @@ def quantize_weight(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor
     return q, scale
 
 
-def pack_int8_weight(weight: torch.Tensor) -> Int8Weight:
+def pack_int8_weight(weight: torch.Tensor, triton: bool | None = None) -> Int8Weight | Int8Rows:
+    """The int8 form of a [out, in] weight: Int8Rows for the Triton kernels (`triton`, by default where
+    the weight is on CUDA), else oneDNN's packed Int8Weight (CPU)."""
+    if weight.is_cuda if triton is None else triton:
+        return Int8Rows(*quantize_weight(weight, 127))
     q, scale = quantize_weight(weight, weight_qmax())
     packed = torch.ops.onednn.qlinear_prepack(q, [_PACK_HINT_ROWS, q.shape[1]])
     zero_point = torch.zeros(q.shape[0], dtype=torch.int64)
@@ -82,11 +112,15 @@ def quantize_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return q, scale
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, w: Int8Weight | Int8Rows, bias: torch.Tensor | None) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return x.new_zeros(*lead, w.out_features)
+    if isinstance(w, Int8Rows):
+        from ferry.kernels import triton_int8
+
+        return triton_int8.int8_linear(x2, w.q, w.scale, bias).view(*lead, w.out_features)
     q, scale = quantize_per_token(x2)
     y = torch.ops.onednn.qlinear_pointwise(
         q, 1.0, 128, w.packed, w.scale, w.zero_point, None, 1.0, 0, torch.float32, "none", [], ""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.layers.gguf_linear import GGUFWeight, concat_rows, gguf_linear
-from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
+from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
 
 
 def onednn_packing_available() -> bool:
@@ -42,7 +42,7 @@ class Linear(nn.Linear):
     (`--quantization gguf`, see gguf_linear.py; then it has no fp32 weight at all)."""
 
     packed: torch.Tensor | None = None
-    int8: Int8Weight | None = None
+    int8: Int8Weight | Int8Rows | None = None
     gguf: list[GGUFWeight] | None = None
 
     def drop_weight(self) -> None:
@@ -70,11 +70,12 @@ class Linear(nn.Linear):
         self.packed, self.int8 = pack_weight(self.weight), None
         self.weight = None
 
-    def quantize_int8(self) -> None:
-        """Replace the weight by int8 (per output channel, see int8_linear.py); the original is freed."""
+    def quantize_int8(self, triton: bool | None = None) -> None:
+        """Replace the weight by int8 (per output channel, see int8_linear.py; the Triton form where
+        `triton`, by default on CUDA); the original is freed."""
         if self.weight is None:
             raise ValueError("quantize_int8 needs the layer's float weight; it was already packed or quantized")
-        self.packed, self.int8 = None, pack_int8_weight(self.weight)
+        self.packed, self.int8 = None, pack_int8_weight(self.weight, triton)
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

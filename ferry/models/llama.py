@@ -27,7 +27,7 @@ from ferry.layers.attention import (
 )
 from ferry.layers.fused import add_rms_norm, rms_norm, silu_and_mul
 from ferry.layers.gguf_linear import GGUFWeight, gguf_embedding, gguf_linear, step_decode_rows
-from ferry.layers.int8_linear import Int8Weight, int8_linear, pack_int8_weight
+from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
 from ferry.layers.smoothquant import (
@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = self.embed_tokens.rows  # the output head is vocab-parallel like the embedding
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self._packed_lm_head: torch.Tensor | None = None
-        self._int8_lm_head: Int8Weight | None = None
+        self._int8_lm_head: Int8Weight | Int8Rows | None = None
         self._gguf_lm_head: GGUFWeight | None = None
         self.quantization: str | None = None  # set by the loader: "gguf", "int8" or None (the dtype)
         # Set by the loader where it applies: decode-only steps in one C++ call (cpu_decode_step.py).
@@ -267,16 +267,18 @@ class LlamaForCausalLM(nn.Module):
                 keep.update(names)
         return frozenset(keep)
 
-    def quantize_linear_weights_int8(self, calibration_ids: list[int], alpha: float = DEFAULT_ALPHA) -> None:
+    def quantize_linear_weights_int8(
+        self, calibration_ids: list[int], alpha: float = DEFAULT_ALPHA, triton: bool | None = None
+    ) -> None:
         """Switch every projection and the output head to int8 weights with per-token int8
-        activations (CPU, `--quantization int8`), after SmoothQuant smoothing. The output head
-        is quantized too: it is the largest matrix of a small model, and llama.cpp's GGUFs keep
-        it in Q8_0 for the same trade."""
+        activations (`--quantization int8`: oneDNN on the CPU, the Triton kernels on CUDA or where
+        `triton`), after SmoothQuant smoothing. The output head is quantized too: it is the largest
+        matrix of a small model, and llama.cpp's GGUFs keep it in Q8_0 for the same trade."""
         head = self.smooth_for_int8(calibration_ids, alpha)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.quantize_int8()
-        self._packed_lm_head, self._int8_lm_head = None, pack_int8_weight(head)
+                module.quantize_int8(triton)
+        self._packed_lm_head, self._int8_lm_head = None, pack_int8_weight(head, triton)
         if self.lm_head is not None:  # the int8 copy is the head's only one (a tied table stays for lookups)
             self.lm_head.weight = None
 

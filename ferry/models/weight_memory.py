@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ferry.layers.gguf_linear import GGUFWeight
-from ferry.layers.int8_linear import Int8Weight
+from ferry.layers.int8_linear import Int8Rows, Int8Weight
 from ferry.layers.linear import Linear
 
 
@@ -38,6 +38,8 @@ class _Census:
                 total += h.nbytes + self.bytes_of(h.input_order)
             elif isinstance(h, Int8Weight):
                 total += self.bytes_of(h.packed, h.scale, h.zero_point)
+            elif isinstance(h, Int8Rows):
+                total += self.bytes_of(h.q, h.scale)
             else:
                 total += _tensor_bytes(h)
         return total

@@ -9,7 +9,7 @@ launches for a model, with the shapes and constants the engine would use, down t
 
 How: Triton asks its active driver for the target; a stand-in driver answers with the
 chosen architecture, and launches become warm-ups (compile, never run) for the duration.
-The wrappers in ferry.kernels (triton_attention, triton_fused, triton_gguf) are called as the engine
+The wrappers in ferry.kernels (triton_attention, triton_fused, triton_gguf, triton_int8) are called as the engine
 calls them, on CPU tensors of the right dtypes and shapes, so the compiled
 specialisations are the ones a GPU run would build.
 
@@ -162,7 +162,8 @@ def engine_kernels(
     """Compile every kernel launch the engine makes for `model` (a shipped config name or a
     directory with config.json) and report its resources on `arch`; `kv_cache_dtype` as the
     engine's flag (int8 / fp8: the quantized cache's kernel variants); `quantization="gguf"` adds
-    the GGUF dequantize-matmul (Q4_0, Q4_1, Q8_0) at a decode and a prefill shape."""
+    the GGUF dequantize-matmul (Q4_0, Q4_1, Q8_0) at a decode and a prefill shape, "int8" the W8A8
+    activation quantizer and int8 GEMM at the same shapes."""
     from ferry.kernels import triton_attention as attn
     from ferry.kernels import triton_fused as fused
     from ferry.kv_quant import KV_FORMAT_DTYPES, row_width
@@ -215,6 +216,14 @@ def engine_kernels(
             for case, rows, n, k in (("decode", 1, hidden, inter), ("prefill", T, 2 * inter, hidden)):
                 data = torch.empty(n, k // block * block_bytes, dtype=torch.uint8)
                 launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
+    if quantization == "int8":
+        from ferry.kernels import triton_int8
+
+        for case, rows, n, k in (("decode", 1, hidden, inter), ("prefill", T, 2 * inter, hidden)):
+            launch(f"int8 {case}", triton_int8.quantize_rows, torch.empty(rows, k, dtype=dt))
+            xq, sx = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
+            wq, sw = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.float32)
+            launch(f"int8 {case}", triton_int8.int8_matmul, xq, sx, wq, sw, None, dt)
     return reports
 
 
@@ -230,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8"]
     )
-    p.add_argument("--quantization", default=None, choices=["gguf"], help="also the GGUF dequantize-matmul kernels")
+    p.add_argument("--quantization", default=None, choices=["gguf", "int8"],
+                   help="also the GGUF dequantize-matmul kernels (gguf) or the W8A8 ones (int8)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per kernel instead of a table")
     args = p.parse_args(argv)
     try:

@@ -17,7 +17,7 @@ from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.kernels.cpu import cpu_kernels_enabled
 from ferry.kv_quant import KV_FORMAT_DTYPES
 from ferry.layers.gguf_linear import gguf_available, gguf_cuda_available
-from ferry.layers.int8_linear import int8_linear_available
+from ferry.layers.int8_linear import int8_linear_available, int8_triton_available
 from ferry.layers.linear import should_pack
 from ferry.layers.smoothquant import calibration_token_ids
 from ferry.models.config import ModelConfig
@@ -137,8 +137,14 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
     """Reject a quantization this device/dtype cannot run, before any weight is loaded."""
     if method != "int8":
         return
+    if device.type == "cuda":  # the Triton kernels (kernels/triton_int8.py)
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"--quantization int8 on CUDA takes bfloat16/float16/float32 activations, not {dtype}")
+        if not int8_triton_available():
+            raise ValueError("--quantization int8 on CUDA needs triton (not importable)")
+        return
     if device.type != "cpu":
-        raise ValueError("--quantization int8 runs on the CPU only (oneDNN's int8 GEMM)")
+        raise ValueError(f"--quantization int8 runs on the CPU (oneDNN) and CUDA (Triton), not {device.type}")
     if dtype != torch.float32:
         raise ValueError(f"--quantization int8 needs --dtype float32 (activations are fp32), got {dtype}")
     if not int8_linear_available():
@@ -178,4 +184,6 @@ def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
     del ckpt  # the reader's metadata objects (a GGUF's vocabulary: ~100k small arrays) are garbage now
     if device.type == "cpu":
         release_free_heap()
+    elif device.type == "cuda" and quantization == "int8":
+        torch.cuda.empty_cache()  # the float originals' blocks, freed as each projection was quantized
     return LoadedModel(model, tokenizer, device, dtype, path)

@@ -90,6 +90,20 @@ def test_gguf_int4_dummy_weights_with_and_without_graphs(tiny_dir):
     assert_greedy_agree(graphs, eager, first=8, fraction=0.95)
 
 
+def test_int8_w8a8_with_and_without_graphs(tiny_dir):
+    """`--quantization int8` on CUDA (the Triton W8A8 kernels, bf16 activations), captured in CUDA
+    graphs and eager: the same greedy tokens; int8 rows are the only copy of each projection."""
+    from ferry.layers.int8_linear import Int8Rows
+    from ferry.layers.linear import Linear
+
+    eager, _ = generate(tiny_dir, quantization="int8", enforce_eager=True)
+    graphs, engine = generate(tiny_dir, quantization="int8")
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    assert all(isinstance(m.int8, Int8Rows) and m.weight is None for m in linears)
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+    assert_greedy_agree(graphs, eager, first=8, fraction=0.95)
+
+
 def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_dir):
     _, engine = generate(tiny_dir, num_kv_blocks=None, gpu_memory_utilization=0.3)
     free, total = torch.cuda.mem_get_info()

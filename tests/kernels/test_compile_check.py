@@ -1,4 +1,4 @@
-"""Every Triton kernel the engine launches (GGUF-quantized weights' included) compiles for an H100
+"""Every Triton kernel the engine launches (GGUF-quantized and int8 weights' included) compiles for an H100
 (sm_90) on this CPU-only machine, within the chip's limits; and the check does flag a kernel that
 does not fit.
 
@@ -24,6 +24,9 @@ from dataclasses import asdict
 
 for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64, quantization="gguf"):
     print(json.dumps(asdict(r)))
+for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64, quantization="int8"):
+    if r.case.startswith("int8"):
+        print(json.dumps(asdict(r)))
 # A prefill tile too large for one block's shared memory: 3 stages of bf16 K/V tiles of 512 keys.
 kc = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
 q = torch.empty(8, 16, 128, dtype=torch.bfloat16)
@@ -47,12 +50,15 @@ def test_engine_kernels_compile_for_sm90():
         assert r["registers"] > 0
     assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
-                            "_gguf_matmul_kernel"}  # fmt: skip
+                            "_gguf_matmul_kernel", "_quantize_rows_kernel", "_int8_matmul_kernel"}  # fmt: skip
     # The GGUF dequantize-matmul: each 32-block type at a decode and a prefill shape, on tensor cores,
     # without spills (checked above with every kernel's other limits).
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
     assert set(gguf) == {f"{t} {c}" for t in ("Q4_0", "Q4_1", "Q8_0") for c in ("decode", "prefill")}
     assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in gguf.values())
+    # The W8A8 GEMM: integer dots on tensor cores (mma.sync for 16-row decode tiles, wgmma for prefill).
+    int8 = {r["case"]: r["tensor_cores"] for r in by_name["_int8_matmul_kernel"]}
+    assert int8 == {"int8 decode": "mma", "int8 prefill": "wgmma"}, int8
     # One decode specialisation per split count that a CUDA-graph batch size can ask for (1..16).
     assert sorted(int(r["case"].split("=")[1]) for r in by_name["_decode_kernel"]) == [1, 2, 4, 8, 16]
     # bf16 attention runs its dots on tensor cores: Hopper's wgmma for the 64-row prefill tiles.
