@@ -140,6 +140,36 @@ class GGUFWeight:
             raise ValueError("rows of a weight interleaved for the CPU kernel cannot be selected")
         return GGUFWeight(self.data[index].contiguous(), self.qtype, self.in_features, self.input_order)
 
+    def columns(self, start: int, stop: int) -> GGUFWeight:
+        """Input columns [start, stop) of every row, still quantized (a row-parallel shard under tensor
+        parallelism): whole blocks only, so the shard's blocks are the file's blocks, byte for byte."""
+        if self.interleaved:
+            raise ValueError("columns of a weight interleaved for the CPU kernel cannot be selected")
+        if self.input_order is not None:
+            raise ValueError("columns of an activation-order (desc_act) weight are not contiguous blocks")
+        _, block, block_bytes = GGUF_QUANT_TYPES[self.type_name]
+        if start % block or stop % block or not 0 <= start < stop <= self.in_features:
+            raise ValueError(f"{self.type_name} columns [{start}, {stop}) are not whole blocks of {block} "
+                             f"within {self.in_features}")  # fmt: skip
+        fields = _BLOCK_FIELDS.get(self.type_name)
+        # Per row, each field's bytes for all blocks in turn (to_kernel_layout), or K-quants' whole blocks.
+        sizes = [size for name in _KERNEL_ORDER for f, size in fields if f == name] if fields else [block_bytes]
+        nb, b0, b1 = self.in_features // block, start // block, stop // block
+        pieces, offset = [], 0
+        for size in sizes:
+            pieces.append(self.data[:, offset + b0 * size : offset + b1 * size])
+            offset += nb * size
+        return GGUFWeight(torch.cat(pieces, dim=1).contiguous(), self.qtype, stop - start)
+
+    def padded_rows(self, rows: int) -> GGUFWeight:
+        """This weight with zero rows appended up to `rows` (zero scales: they dequantize to zeros)."""
+        if self.interleaved:
+            raise ValueError("a weight interleaved for the CPU kernel cannot be padded")
+        if rows <= self.out_features:
+            return self
+        zeros = self.data.new_zeros(rows - self.out_features, self.data.shape[1])
+        return GGUFWeight(torch.cat([self.data, zeros]), self.qtype, self.in_features, self.input_order)
+
     def dequantize(self) -> torch.Tensor:
         """fp32 [out_features, in_features], columns in the activations' order."""
         w = _kernels().gguf_dequantize(self.data, self.qtype, self.in_features)

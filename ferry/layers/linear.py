@@ -70,6 +70,14 @@ class Linear(nn.Linear):
         self.packed, self.int8 = pack_weight(self.weight), None
         self.weight = None
 
+    def float_weight(self) -> torch.Tensor:
+        """The float weight [out, in], recovered from the oneDNN-packed copy once packed (a new tensor)."""
+        if self.weight is not None:
+            return self.weight
+        if self.packed is not None:
+            return self.packed.to_dense()
+        raise ValueError("this layer holds int8 or GGUF blocks, not a float weight; dequantize those instead")
+
     def quantize_int8(self, triton: bool | None = None) -> None:
         """Replace the weight by int8 (per output channel, see int8_linear.py; the Triton form where
         `triton`, by default on CUDA); the original is freed."""

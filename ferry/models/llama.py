@@ -8,6 +8,7 @@ checkpoint tensors), which matters on CPUs where small GEMMs are inefficient.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Iterable
 
@@ -26,7 +27,7 @@ from ferry.layers.attention import (
     paged_attention,
 )
 from ferry.layers.fused import add_rms_norm, rms_norm, silu_and_mul
-from ferry.layers.gguf_linear import GGUFWeight, gguf_embedding, gguf_linear, step_decode_rows
+from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight, gguf_embedding, gguf_linear, step_decode_rows
 from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
@@ -38,6 +39,8 @@ from ferry.layers.smoothquant import (
     weight_column_absmax,
 )
 from ferry.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -122,14 +125,17 @@ class VocabParallelEmbedding(nn.Module):
         self.gguf_dtype = torch.float32  # the rows' dtype out of self.gguf (the model's; set by the loader)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.gguf is not None:
-            return gguf_embedding(ids, self.gguf, self.gguf_dtype)
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
         mine = (local >= 0) & (local < self.rows)
-        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(x)
+        x = self._rows(local.clamp(0, self.rows - 1))
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf is not None:
+            return gguf_embedding(ids, self.gguf, self.gguf_dtype)
+        return F.embedding(ids, self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -240,9 +246,6 @@ class LlamaForCausalLM(nn.Module):
         embedding and the head whose checkpoint tensors are all stored quantized (`quantized`:
         HF name -> ggml type), so the GGUF bytes are the only copy. Returns the checkpoint names
         the loader must hand over still quantized; the rest it dequantizes as before."""
-        if self.tp.size > 1:
-            raise ValueError("GGUF quantized weights do not support --tensor-parallel-size > 1 yet; "
-                             "use --quantization none")  # fmt: skip
         keep: set[str] = set()
         pieces: dict[str, list[str]] = {}  # module (HF-fused name) -> its checkpoint tensor names
         for name in quantized:
@@ -256,6 +259,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 fused = module_name.rsplit(".", 1)[-1]
                 need = self._FUSED_PARTS.get(fused, 1)
+                splits = all(self._shards_into_blocks(module, quantized[n]) for n in names)
+                if fused in self._ROW_PARALLEL and not splits:
+                    logger.info("%s: its input columns do not split into whole blocks over %d ranks; "
+                                "dequantized", module_name, self.tp.size)  # fmt: skip
+                    continue
                 if len(names) == need:  # every part quantized, else all of them come dequantized
                     module.drop_weight()
                     keep.update(names)
@@ -381,6 +389,31 @@ class LlamaForCausalLM(nn.Module):
     # Checkpoint tensors per fused module: {"qkv_proj": 3, "gate_up_proj": 2}.
     _FUSED_PARTS = dict(Counter(fused for fused, _ in _FUSED.values()))
 
+    _ROW_PARALLEL = ("o_proj", "down_proj")
+
+    def _shards_into_blocks(self, module: Linear, type_name: str) -> bool:
+        """Whether this rank's input columns of a row-parallel module are whole blocks of `type_name`."""
+        block = GGUF_QUANT_TYPES[type_name][1] if type_name in GGUF_QUANT_TYPES else None
+        return self.tp.size == 1 or (block is not None and module.in_features % block == 0)
+
+    def _tensor_parallel_slice_gguf(self, target: str, w: GGUFWeight) -> GGUFWeight:
+        """This rank's part of a full checkpoint tensor still in blocks, sharded as the float path does
+        (`_tensor_parallel_slice`): output rows, whole blocks of input columns, or vocab rows."""
+        tp = self.tp
+        if tp.size == 1:
+            return w
+        module = target.split(".")[-2]
+        if module in ("qkv_proj", "gate_up_proj"):
+            rows = w.out_features // tp.size
+            return w.rows(slice(tp.rank * rows, (tp.rank + 1) * rows))
+        if module in self._ROW_PARALLEL:
+            cols = w.in_features // tp.size
+            return w.columns(tp.rank * cols, (tp.rank + 1) * cols)
+        if module in ("embed_tokens", "lm_head"):
+            rows = self.embed_tokens.rows
+            return w.rows(slice(tp.rank * rows, (tp.rank + 1) * rows)).padded_rows(rows)
+        raise ValueError(f"no tensor-parallel sharding for quantized {target}")
+
     def _tensor_parallel_slice(self, target: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (Megatron-style sharding)."""
         tp = self.tp
@@ -425,7 +458,7 @@ class LlamaForCausalLM(nn.Module):
                     break
             if isinstance(tensor, GGUFWeight):
                 # Checkpoint blocks come from the host: onto the model's device (CUDA: Triton kernels).
-                tensor = tensor.to(self.norm.weight.device)
+                tensor = self._tensor_parallel_slice_gguf(target, tensor).to(self.norm.weight.device)
                 gguf_parts.setdefault(target.removesuffix(".weight"), {})[shard or 0] = tensor
                 loaded.add(f"{target}#{shard}")
                 continue

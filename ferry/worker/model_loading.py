@@ -70,15 +70,19 @@ def resolve_quantization(
     method: str | None, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp: TensorParallel
 ) -> str | None:
     """What the weights run as: "gguf", "int8" or None (the model dtype). None/"auto" runs a
-    quantized GGUF as stored wherever the GGUF kernels run (one rank; the CPU in float32, CUDA in
-    bf16/fp16/fp32 through Triton), and says why
+    quantized GGUF as stored wherever the GGUF kernels run (the CPU in float32, CUDA in
+    bf16/fp16/fp32 through Triton; any tensor-parallel size), and says why
     when it cannot; an explicit "gguf" that cannot run is an error. A GPTQ/AWQ/compressed-tensors
     checkpoint (its config.json's quantization_config) runs on the same kernels under None/"auto",
     converted to their blocks at load, else is dequantized to `dtype` with a log line saying why."""
     if method in ("auto", None) and ckpt.hf_quantization is not None:
         cfg = ckpt.config
         in_features = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim]
-        why = _gguf_unavailable(device, dtype, tp) or ckpt.hf_quantization.kernel_unsupported(in_features)
+        why = (
+            ("the block conversion does not shard over --tensor-parallel-size > 1 yet" if tp.size > 1 else None)
+            or _gguf_unavailable(device, dtype)
+            or ckpt.hf_quantization.kernel_unsupported(in_features)
+        )
         if why:
             logger.info("running the %s checkpoint dequantized to %s: %s", ckpt.hf_quantization.method, dtype, why)
             return None
@@ -88,7 +92,7 @@ def resolve_quantization(
     if method in ("auto", None):
         if not ckpt.gguf_quantized_tensors():
             return None
-        why = _gguf_unavailable(device, dtype, tp)
+        why = _gguf_unavailable(device, dtype)
         if why:
             logger.info("running the GGUF's quantized tensors dequantized to %s: %s", dtype, why)
             return None
@@ -97,7 +101,7 @@ def resolve_quantization(
         return None
     if method == "gguf":
         if ckpt.format == "dummy":  # random Q4_0 projections (dummy_weights.py), e.g. to measure the kernels
-            why = _gguf_unavailable(device, dtype, tp)
+            why = _gguf_unavailable(device, dtype)
             if why:
                 raise ValueError(f"--quantization gguf: {why}")
             return "gguf"
@@ -105,7 +109,7 @@ def resolve_quantization(
             raise ValueError(f"--quantization gguf needs a GGUF checkpoint, got {ckpt.format}: {ckpt.path}")
         if not ckpt.gguf_quantized_tensors():
             raise ValueError(f"--quantization gguf: {ckpt.path} has no tensor in a type ferry runs quantized")
-        why = _gguf_unavailable(device, dtype, tp)
+        why = _gguf_unavailable(device, dtype)
         if why:
             raise ValueError(f"--quantization gguf: {why}")
         return "gguf"
@@ -113,11 +117,10 @@ def resolve_quantization(
     return method
 
 
-def _gguf_unavailable(device: torch.device, dtype: torch.dtype, tp: TensorParallel) -> str | None:
+def _gguf_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why GGUF blocks cannot run here (None: they can): on the CPU the C++ kernels with float32
-    activations; on CUDA the Triton kernels (ferry/kernels/triton_gguf.py) with bf16/fp16/fp32; one rank."""
-    if tp.size > 1:
-        return "the GGUF kernels do not support tensor parallelism yet"
+    activations; on CUDA the Triton kernels (ferry/kernels/triton_gguf.py) with bf16/fp16/fp32. Under
+    tensor parallelism each rank holds its shard's blocks (LlamaForCausalLM._tensor_parallel_slice_gguf)."""
     if device.type == "cuda":
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"the GGUF Triton kernels take bfloat16/float16/float32 activations, not {dtype}"

@@ -98,6 +98,28 @@ def test_bad_shapes_are_refused():
         GGUFWeight.from_numpy(np.zeros((1, 18), np.uint8), "Q4_0", (1, 40))
 
 
+@pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
+def test_column_shards_and_padded_rows_are_the_same_blocks(type_name):
+    """Tensor parallelism's shards, still quantized: a row-parallel rank's input columns (whole blocks,
+    the file's bytes) and a vocab shard padded with zero rows; anything but whole blocks is refused."""
+    w, reference = _weight(type_name)
+    block = GGUF_QUANT_TYPES[type_name][1]
+    for start, stop in ((0, K // 2), (K // 2, K), (0, K), (block, 2 * block)):
+        part = w.columns(start, stop)
+        assert part.in_features == stop - start and part.nbytes * K == w.nbytes * (stop - start)
+        torch.testing.assert_close(part.dequantize(), reference[:, start:stop], rtol=0, atol=0)
+    halves = [w.columns(0, K // 2), w.columns(K // 2, K)]
+    x = torch.randn(3, K)
+    y = sum(gguf_linear(x[:, i * K // 2 : (i + 1) * K // 2], [h], None) for i, h in enumerate(halves))
+    torch.testing.assert_close(y, gguf_linear(x, [w], None), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="whole blocks"):
+        w.columns(0, block // 2)
+    padded = w.rows(slice(N - 5, N)).padded_rows(8)
+    assert padded.out_features == 8
+    torch.testing.assert_close(padded.dequantize()[:5], reference[N - 5 :], rtol=0, atol=0)
+    assert torch.count_nonzero(padded.dequantize()[5:]) == 0
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("k", [512, 576])  # 576: 18 blocks, not a multiple of the plain kernel's 8
 def test_interleaved_by_eight_rows(type_name, k):

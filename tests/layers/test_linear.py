@@ -26,10 +26,12 @@ def test_packing_keeps_one_copy_of_the_weight():
     """The packed copy replaces the float weight (one copy of each weight in memory); packing
     again is a no-op, and quantizing a packed layer is a clear error, not a silent fp32 copy."""
     lin = Linear(8, 4, bias=False)
+    weight = lin.weight.detach().clone()
     x = torch.randn(2, 8)
     expected = lin(x)
     lin.pack()
     assert lin.weight is None and [p for p in lin.parameters()] == []
+    assert torch.equal(lin.float_weight(), weight)  # recoverable from the packed copy
     packed = lin.packed
     lin.pack()
     assert lin.packed is packed

@@ -71,6 +71,32 @@ def test_engine_generates_with_quantized_weights(gguf_model):
     assert_no_blocks_referenced(engine)
 
 
+def test_bundled_gguf_runs_quantized_under_tensor_parallelism(gguf_model):
+    """SmolLM2's 9 heads / 3 kv heads over 3 CPU ranks (gloo), its blocks sharded as stored: q/k/v and
+    gate/up by rows, o/down by whole 32-blocks of their input columns, the tied Q8_0 embedding / head
+    by vocab rows. A block's int8 dot is the same on either side of a split, so the greedy text is
+    TP=1's."""
+    model, tokenizer, device, dtype, path = gguf_model
+    prompts = ["The capital of France is Paris. The capital of Germany is", "def fibonacci(n):"]
+
+    def greedy(engine: LLMEngine) -> list[list[int]]:
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=12))
+            done = run_to_completion(engine)
+            assert_no_blocks_referenced(engine)
+            return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+        finally:
+            engine.shutdown()
+
+    ref = greedy(LLMEngine(EngineArgs(model=path, device="cpu", num_kv_blocks=64), model=model, tokenizer=tokenizer,
+                           device=device, dtype=dtype))  # fmt: skip
+    tp3 = LLMEngine(EngineArgs(model=path, device="cpu", num_kv_blocks=64, tensor_parallel_size=3))
+    assert tp3.model.quantization == "gguf" and tp3.model.embed_tokens.gguf.out_features == 49152 // 3
+    assert tp3.model.layers[0].mlp.down_proj.gguf[0].in_features == 1536 // 3
+    assert greedy(tp3) == ref
+
+
 def test_prompt_rows_compute_the_same_however_the_prompt_is_chunked(gguf_model):
     """Prompt rows take the exact path and decode rows the int8 dots whatever the batch holds, so
     a chunked prefill (or a PD decode worker recomputing a prompt's tail) matches a whole one."""

@@ -114,6 +114,38 @@ def test_int8_weights_under_tp2_track_tp1(checkpoint):
     assert [lp for _, lp in tp1] != [lp for _, lp in fp32]  # int8 did run
 
 
+def test_gguf_blocks_shard_over_tp2(checkpoint):
+    """`--quantization gguf` under TP=2 (random Q4_0 projections: --load-format dummy): each rank holds
+    its shard as blocks (rows of q/k/v and gate/up, whole blocks of o/down's input columns, no float
+    copy), and a block's int8 dot is the same on either side of the split, so TP=2 decodes TP=1's
+    tokens."""
+    from ferry.layers.linear import Linear
+
+    def run(tp: int) -> tuple[list[list[int]], LLMEngine]:
+        args = EngineArgs(model=checkpoint, load_format="dummy", quantization="gguf", device="cpu",
+                          dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64, block_size=4,
+                          max_num_batched_tokens=16)  # fmt: skip
+        engine = LLMEngine(args)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+            for i, ids in enumerate(PROMPTS):
+                engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+            done = run_to_completion(engine)
+            assert_no_blocks_referenced(engine)
+            return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))], engine
+        finally:
+            engine.shutdown()
+
+    ref, _ = run(1)
+    got, engine = run(2)
+    assert engine.model.quantization == "gguf"
+    attn, mlp = engine.model.layers[0].self_attn, engine.model.layers[0].mlp
+    assert all(isinstance(m, Linear) and m.weight is None for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
+    assert attn.o_proj.gguf[0].in_features == 32 and mlp.down_proj.gguf[0].in_features == 64  # rank 0's columns
+    assert attn.qkv_proj.gguf[0].out_features == (4 + 2 * 2) * 16 // 2
+    assert got == ref
+
+
 def test_indivisible_heads_are_a_clear_error(checkpoint):
     with pytest.raises(ValueError, match="divisible by tensor_parallel_size"):
         generate(checkpoint, 3)
