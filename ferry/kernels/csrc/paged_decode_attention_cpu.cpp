@@ -226,17 +226,18 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         int64_t ks = 0, vs = 0;  // row strides of kb / vb in floats
         const float* kb = rows_as_f32(kp + (blk * BS * KVH + h) * W, n, D, KVH * W, kscratch.data(), ks);
         const float* vb = rows_as_f32(vp + (blk * BS * KVH + h) * W, n, D, KVH * W, vscratch.data(), vs);
-        if (j + 1 < j1) {
-          // The next block lives elsewhere in the pool: start its loads now so
-          // they overlap this block's arithmetic (one 64-byte line at a time).
+        if (h == 0 && j + 1 < j1) {
+          // The next block lives elsewhere in the pool: start its loads now so they overlap this
+          // block's arithmetic. The first kv head's task takes the whole block (every head's rows,
+          // one contiguous run of 64-byte lines); the other heads' tasks, which follow it on this
+          // thread, find their rows cached.
           const int64_t nblk = btp[b * MAXB + j + 1];
-          const char* nk = reinterpret_cast<const char*>(kp + (nblk * BS * KVH + h) * W);
-          const char* nv = reinterpret_cast<const char*>(vp + (nblk * BS * KVH + h) * W);
-          for (int64_t t = 0; t < BS; ++t)
-            for (int64_t off = 0; off < W * kElem; off += 64) {
-              __builtin_prefetch(nk + t * KVH * W * kElem + off);
-              __builtin_prefetch(nv + t * KVH * W * kElem + off);
-            }
+          const char* nk = reinterpret_cast<const char*>(kp + nblk * BS * KVH * W);
+          const char* nv = reinterpret_cast<const char*>(vp + nblk * BS * KVH * W);
+          for (int64_t off = 0; off < BS * KVH * W * kElem; off += 64) {
+            __builtin_prefetch(nk + off);
+            __builtin_prefetch(nv + off);
+          }
         }
         // Scores of this block for all G heads, exponentiated in one vectorizable
         // loop, then an online-softmax update of the accumulators. With AVX2 and
