@@ -53,8 +53,13 @@ PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [250, 1, 2, 3], list(range(40, 75))]
 
 
 def generate(path: str, tp: int) -> list[list[int]]:
+    return generate_with_engine(path, tp)[0]
+
+
+def generate_with_engine(path: str, tp: int, **kwargs) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy tokens of PROMPTS, and the (shut down) engine to inspect rank 0's model."""
     args = EngineArgs(model=path, device="cpu", dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64,
-                      block_size=4, max_num_batched_tokens=16)  # fmt: skip
+                      block_size=4, max_num_batched_tokens=16, **kwargs)  # fmt: skip
     engine = LLMEngine(args)
     try:
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -62,7 +67,7 @@ def generate(path: str, tp: int) -> list[list[int]]:
             engine.add_request(str(i), {"prompt_token_ids": ids}, params)
         done = run_to_completion(engine)
         assert_no_blocks_referenced(engine)
-        return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
+        return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))], engine
     finally:
         workers = engine.tp_workers.procs if engine.tp_workers else []
         engine.shutdown()
@@ -121,23 +126,8 @@ def test_gguf_blocks_shard_over_tp2(checkpoint):
     tokens."""
     from ferry.layers.linear import Linear
 
-    def run(tp: int) -> tuple[list[list[int]], LLMEngine]:
-        args = EngineArgs(model=checkpoint, load_format="dummy", quantization="gguf", device="cpu",
-                          dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64, block_size=4,
-                          max_num_batched_tokens=16)  # fmt: skip
-        engine = LLMEngine(args)
-        try:
-            params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-            for i, ids in enumerate(PROMPTS):
-                engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-            done = run_to_completion(engine)
-            assert_no_blocks_referenced(engine)
-            return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))], engine
-        finally:
-            engine.shutdown()
-
-    ref, _ = run(1)
-    got, engine = run(2)
+    ref, _ = generate_with_engine(checkpoint, 1, load_format="dummy", quantization="gguf")
+    got, engine = generate_with_engine(checkpoint, 2, load_format="dummy", quantization="gguf")
     assert engine.model.quantization == "gguf"
     attn, mlp = engine.model.layers[0].self_attn, engine.model.layers[0].mlp
     assert all(isinstance(m, Linear) and m.weight is None for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
