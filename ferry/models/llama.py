@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
                 fused = module_name.rsplit(".", 1)[-1]
                 need = self._FUSED_PARTS.get(fused, 1)
                 splits = all(self._shards_into_blocks(module, quantized[n]) for n in names)
-                if fused in self._ROW_PARALLEL and not splits:
+                if self._SHARDING.get(fused) == "row" and not splits:
                     logger.info("%s: its input columns do not split into whole blocks over %d ranks; "
                                 "dequantized", module_name, self.tp.size)  # fmt: skip
                     continue
@@ -389,7 +389,16 @@ class LlamaForCausalLM(nn.Module):
     # Checkpoint tensors per fused module: {"qkv_proj": 3, "gate_up_proj": 2}.
     _FUSED_PARTS = dict(Counter(fused for fused, _ in _FUSED.values()))
 
-    _ROW_PARALLEL = ("o_proj", "down_proj")
+    # How each module's checkpoint tensors shard over tensor-parallel ranks (Megatron-style); the
+    # rest (norms) is replicated. Read by both the float and the block slicers below.
+    _SHARDING = {
+        "qkv_proj": "column",  # output rows (whole heads) split
+        "gate_up_proj": "column",
+        "o_proj": "row",  # input columns split, an all-reduce after
+        "down_proj": "row",
+        "embed_tokens": "vocab",  # ceil(V / N) rows per rank, the last shard zero-padded
+        "lm_head": "vocab",
+    }
 
     def _shards_into_blocks(self, module: Linear, type_name: str) -> bool:
         """Whether this rank's input columns of a row-parallel module are whole blocks of `type_name`."""
@@ -402,14 +411,14 @@ class LlamaForCausalLM(nn.Module):
         tp = self.tp
         if tp.size == 1:
             return w
-        module = target.split(".")[-2]
-        if module in ("qkv_proj", "gate_up_proj"):
+        sharding = self._SHARDING.get(target.split(".")[-2])
+        if sharding == "column":
             rows = w.out_features // tp.size
             return w.rows(slice(tp.rank * rows, (tp.rank + 1) * rows))
-        if module in self._ROW_PARALLEL:
+        if sharding == "row":
             cols = w.in_features // tp.size
             return w.columns(tp.rank * cols, (tp.rank + 1) * cols)
-        if module in ("embed_tokens", "lm_head"):
+        if sharding == "vocab":
             rows = self.embed_tokens.rows
             return w.rows(slice(tp.rank * rows, (tp.rank + 1) * rows)).padded_rows(rows)
         raise ValueError(f"no tensor-parallel sharding for quantized {target}")
@@ -420,13 +429,14 @@ class LlamaForCausalLM(nn.Module):
         if tp.size == 1:
             return tensor
         module, kind = target.split(".")[-2:]
-        if module in ("qkv_proj", "gate_up_proj"):  # column-parallel: rows (whole heads) split
+        sharding = self._SHARDING.get(module)
+        if sharding == "column":
             return tensor.chunk(tp.size, dim=0)[tp.rank]
-        if module in ("o_proj", "down_proj"):  # row-parallel: input columns split
+        if sharding == "row":
             if kind == "weight":
                 return tensor.chunk(tp.size, dim=1)[tp.rank]
             return tensor if tp.rank == 0 else torch.zeros_like(tensor)  # the bias is added once
-        if module in ("embed_tokens", "lm_head"):  # vocab-parallel, the last shard zero-padded
+        if sharding == "vocab":
             rows = self.embed_tokens.rows
             part = tensor[tp.rank * rows : (tp.rank + 1) * rows]
             if part.shape[0] < rows:
