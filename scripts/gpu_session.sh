@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of the GPU path (issue 6), for a lent H100/H200 machine. From the repo root:
-#   here, once:  bash scripts/gpu_wheels.sh            (msgspec + pyzmq wheels for the GPU image, in .whl/)
+#   here, once:  bash scripts/gpu_wheels.sh            (wheels the GPU image lacks, in .whl/)
 #   there:       bash scripts/gpu_session.sh tests     (gpu-marked tests, kernel tests on CUDA, latency bench)
 #                bash scripts/gpu_session.sh bench     (the two throughput benchmarks)
+#                bash scripts/gpu_session.sh tests latency latency-int4   (only the named steps: one device
+#                call runs at most 10 minutes, so the steps are spread over calls)
 # With the device tool: run(command="bash scripts/gpu_session.sh tests", carry=[".whl"]).
 # Each step has its own time limit, so one hang cannot eat the whole call; logs and JSON go to $OUT.
 set -uo pipefail
@@ -11,6 +13,7 @@ case ${1:-} in tests | bench) ;; *)
   exit 2
   ;;
 esac
+ONLY=" ${*:2} "
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -26,6 +29,7 @@ ferry() { python3 -m ferry.cli "$@"; }
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, report its status
   local name=$1 limit=$2
   shift 2
+  if [[ $ONLY != "  " && $ONLY != *" $name "* ]]; then return; fi
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?

@@ -18,6 +18,8 @@ import fcntl
 import functools
 import logging
 import os
+import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -84,6 +86,40 @@ def _build_lock(build_dir: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def embeds_its_own_libstdcxx(compiler: str) -> bool:
+    """Whether `compiler` links a private copy of libstdc++ into a shared library.
+
+    Seen on the GPU machines' image: CXX=/opt/gcc/bin/g++ is a wrapper that links libstdc++
+    statically. An extension built so carries a second libstdc++ beside the one torch loaded,
+    and its first formatted error message (TORCH_CHECK with a number) crashes the process in
+    the uninitialised copy's locale code. One tiny build finds out (well under a second)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "probe.so")
+        src = "#include <string>\nstd::string ferry_probe(long v) { return std::to_string(v); }\n"
+        try:
+            subprocess.run([compiler, "-shared", "-fPIC", "-x", "c++", "-", "-o", out], input=src.encode(),
+                           capture_output=True, timeout=120, check=True)  # fmt: skip
+            with open(out, "rb") as f:
+                return b"libstdc++.so" not in f.read()
+        except (OSError, subprocess.SubprocessError):
+            return False  # the build itself will say what is wrong with this compiler
+
+
+@contextlib.contextmanager
+def _sound_compiler():
+    """Build with $CXX unless it embeds its own libstdc++; then with torch's default, `c++`."""
+    cxx = os.environ.get("CXX")
+    if not cxx or not embeds_its_own_libstdcxx(cxx):
+        yield
+        return
+    logger.warning("CXX=%s links libstdc++ statically into shared libraries; building the CPU kernels with c++", cxx)
+    del os.environ["CXX"]
+    try:
+        yield
+    finally:
+        os.environ["CXX"] = cxx
+
+
 def cpu_kernels_enabled() -> bool:
     """FERRY_CPU_KERNELS=0 selects the plain torch paths on the CPU (no C++ attention, no oneDNN packing)."""
     return os.environ.get("FERRY_CPU_KERNELS", "1") != "0"
@@ -108,7 +144,7 @@ def cpu_kernels():
             _put_ninja_on_path()
             logger.info("loading the CPU kernels (compiled on first use, ~30 s)")
             build_dir = _get_build_directory(EXTENSION_NAME, verbose=False)
-            with _build_lock(build_dir):
+            with _build_lock(build_dir), _sound_compiler():
                 _module = load(
                     name=EXTENSION_NAME,
                     sources=[str(s) for s in sources],

@@ -1,9 +1,11 @@
 """The compiled CPU decode kernel against the torch reference path, on random paged caches."""
 
+import shutil
+
 import pytest
 import torch
 
-from ferry.kernels.cpu import cpu_kernels
+from ferry.kernels.cpu import cpu_kernels, embeds_its_own_libstdcxx
 from ferry.layers.attention import TorchAttentionBackend, build_metadata, paged_attention
 
 
@@ -140,3 +142,16 @@ def test_stale_build_lock_is_cleared(kernels):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
     assert not os.path.exists(lock)
+
+
+def test_a_compiler_that_embeds_libstdcxx_is_recognised(tmp_path):
+    """The GPU image's CXX wrapper links libstdc++ statically; an extension built with it crashed
+    on its first formatted TORCH_CHECK message, so the build must notice and use `c++` instead."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    wrapper = tmp_path / "static-gxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    assert not embeds_its_own_libstdcxx(compiler)
+    assert embeds_its_own_libstdcxx(str(wrapper))
