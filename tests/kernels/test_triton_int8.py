@@ -95,7 +95,7 @@ def test_tiny_model_on_the_triton_path_tracks_fp32():
     7-bit weights on this AVX2 machine, top-1 0.92 for both)."""
     from tests.layers.test_int8_linear import tiny_llama
 
-    model = tiny_llama(tie=True)
+    model = tiny_llama(tie=True).to(DEVICE)
     ids = list(range(3, 40))
     ref = model.compute_logits(model._forward_prompt(ids)).log_softmax(-1)
     model.quantize_linear_weights_int8(list(range(50, 90)), triton=True)
@@ -112,5 +112,5 @@ def test_pack_picks_the_form_by_device():
     assert isinstance(pack_int8_weight(w, triton=True), Int8Rows)
     if torch.cuda.is_available():
         assert isinstance(pack_int8_weight(w.cuda()), Int8Rows)
-    y = int8_linear(torch.randn(3, 32), pack_int8_weight(w, triton=True), None)
+    y = int8_linear(torch.randn(3, 32, device=DEVICE), pack_int8_weight(w.to(DEVICE), triton=True), None)
     assert y.shape == (3, 8)
