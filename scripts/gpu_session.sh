@@ -50,6 +50,8 @@ tests)
   # the issue's target is >= 70% of peak HBM bandwidth per decode step at batch 1.
   step latency-int4 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization gguf \
     --batch-sizes 1 16 64 --json $OUT/latency-int4.json"
+  # the int4 GEMV alone: default tiles, the best of a sweep, cuBLAS bf16 and the bytes floor per shape
+  step gguf-sweep 200 python3 scripts/gguf_gemv_sweep.py
   step compile-check-gguf 120 python3 -m ferry.tools.compile_check --model llama-3.1-8b --quantization gguf
   # int8 W8A8 (SmoothQuant-calibrated, Triton int8 GEMM): 1 byte a weight read per decode step.
   step latency-int8 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization int8 \

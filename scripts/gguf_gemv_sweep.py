@@ -1,0 +1,85 @@
+"""Q4_0 GEMV at batch 1 on CUDA: ferry's fused Triton kernel (ferry/kernels/triton_gguf.py) with its
+default tiles and the best of a tile sweep, against cuBLAS on a bf16 weight of the same shape and the
+bytes floor (the Q4_0 bytes over the datasheet bandwidth). Llama-3.1-8B's four projection shapes.
+CUDA-graph timings (triton.testing.do_bench_cudagraph); needs a GPU. From the repo root:
+    python3 scripts/gguf_gemv_sweep.py [--peak-bandwidth 3.35e12]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from ferry.kernels import triton_gguf as tg
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def random_q4_0(n: int, k: int) -> torch.Tensor:
+    """A weight in ferry's kernel layout: each row's K/2 quant bytes, then its K/32 fp16 scales."""
+    quants = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
+    scales = (torch.rand(n, k // 32, device="cuda") * 0.01 + 0.001).half().view(torch.uint8)
+    return torch.cat([quants, scales], 1).contiguous()
+
+
+def launcher(x: torch.Tensor, data: torch.Tensor, k: int, cfg: dict):
+    """gguf_matmul's launch with the tiles of `cfg` (split partial sums summed as it does)."""
+    m, (n, row_bytes), split = x.shape[0], data.shape, cfg["split"]
+    y = torch.empty(m, n, dtype=x.dtype, device="cuda")
+    out = torch.empty(split, m, n, dtype=torch.float32, device="cuda") if split > 1 else y
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+
+    def run():
+        tg._gguf_matmul_kernel[grid](x, data, data.view(torch.float16), out, m, n, k, row_bytes, cfg["k_per_split"],
+                                     x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=tg.Q4_0,
+                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                     IEEE=False, DOT_F32=False, num_warps=cfg["num_warps"],
+                                     num_stages=cfg["num_stages"])  # fmt: skip
+        if split > 1:
+            y.copy_(out.sum(0))
+
+    return run, y
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peak-bandwidth", type=float, default=3.35e12, help="bytes/s (default: an H100 SXM's datasheet)")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'default':>8s} {'best':>8s}  best tiles; rel. error")
+    for name, (n, k) in SHAPES.items():
+        data = random_q4_0(n, k)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        floor = data.numel() / args.peak_bandwidth * 1e6
+        t_bf16 = do_bench_cudagraph(lambda: torch.matmul(x, w_bf16.T)) * 1e3  # noqa: B023
+        default = tg.matmul_config(1, n, k, tg.Q4_0, tg.num_sms(x.device))
+        run, y = launcher(x, data, k, default)
+        t_default = do_bench_cudagraph(run) * 1e3
+        ref = x.float() @ tg.dequantize(data, tg.Q4_0, k, torch.float32).T
+        run()
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        timings = []
+        for bn, bk, warps, stages, split in itertools.product([32, 64, 128], [128, 256], [4, 8], [2, 3, 4],
+                                                               [1, 2, 4, 8, 16]):  # fmt: skip
+            if k // bk < split:
+                continue
+            kps = triton.cdiv(triton.cdiv(k, bk), split) * bk
+            cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "split": triton.cdiv(k, kps), "k_per_split": kps,
+                   "num_warps": warps, "num_stages": stages}  # fmt: skip
+            timings.append((do_bench_cudagraph(launcher(x, data, k, cfg)[0], rep=20) * 1e3, cfg))
+        best, cfg = min(timings, key=lambda t: t[0])
+        tiles = f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
+        print(
+            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_default:8.1f} {best:8.1f}  {tiles}; {err:.1e}"
+            f"  ({floor / best:.0%} of peak at best, {floor / t_default:.0%} with the default tiles)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
