@@ -1,6 +1,7 @@
-"""Q4_0 GEMV at batch 1 on CUDA: ferry's fused Triton kernel (ferry/kernels/triton_gguf.py) with its
-default tiles and the best of a tile sweep, against cuBLAS on a bf16 weight of the same shape and the
-bytes floor (the Q4_0 bytes over the datasheet bandwidth). Llama-3.1-8B's four projection shapes.
+"""Q4_0 GEMV at batch 1 on CUDA: ferry's GEMV kernel (ferry/kernels/triton_gguf.py, what one row of x
+takes) with its default tiles and the best of a tile sweep, and the tile (mma) kernel that batch 1 took
+before it, against cuBLAS on a bf16 weight of the same shape and the bytes floor (the Q4_0 bytes over
+the datasheet bandwidth). Llama-3.1-8B's four projection shapes.
 CUDA-graph timings (triton.testing.do_bench_cudagraph); needs a GPU. From the repo root:
     python3 scripts/gguf_gemv_sweep.py [--peak-bandwidth 3.35e12]"""
 
@@ -44,38 +45,56 @@ def launcher(x: torch.Tensor, data: torch.Tensor, k: int, cfg: dict):
     return run, y
 
 
+def gemv_launcher(x: torch.Tensor, data: torch.Tensor, k: int, cfg: dict):
+    """gguf_matmul's batch-1 launch (the GEMV kernel) with the tiles of `cfg`."""
+    n, row_bytes, split = data.shape[0], data.shape[1], cfg["split"]
+    y = torch.empty(1, n, dtype=x.dtype, device="cuda")
+    out = torch.empty(split, 1, n, dtype=torch.float32, device="cuda") if split > 1 else y
+
+    def run():
+        tg._gguf_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, 1)](
+            x, data, data.view(torch.float16), out, n, k, row_bytes, cfg["blocks_per_split"], x.stride(0),
+            out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=tg.Q4_0, BLOCK_N=cfg["BLOCK_N"],
+            BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+        if split > 1:
+            y.copy_(out.sum(0))
+
+    return run, y
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peak-bandwidth", type=float, default=3.35e12, help="bytes/s (default: an H100 SXM's datasheet)")
     args = p.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'default':>8s} {'best':>8s}  best tiles; rel. error")
+    print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'tiles us':>8s} {'gemv us':>8s} {'best us':>8s}"
+          "  best gemv tiles; rel. error of the default gemv")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         data = random_q4_0(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         floor = data.numel() / args.peak_bandwidth * 1e6
         t_bf16 = do_bench_cudagraph(lambda: torch.matmul(x, w_bf16.T)) * 1e3  # noqa: B023
-        default = tg.matmul_config(1, n, k, tg.Q4_0, tg.num_sms(x.device))
-        run, y = launcher(x, data, k, default)
+        t_tiles = do_bench_cudagraph(launcher(x, data, k, tg.matmul_config(1, n, k, tg.Q4_0, 132))[0]) * 1e3
+        default = tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device))
+        run, y = gemv_launcher(x, data, k, default)
         t_default = do_bench_cudagraph(run) * 1e3
         ref = x.float() @ tg.dequantize(data, tg.Q4_0, k, torch.float32).T
         run()
         err = ((y.float() - ref).norm() / ref.norm()).item()
         timings = []
-        for bn, bk, warps, stages, split in itertools.product([32, 64, 128], [128, 256], [4, 8], [2, 3, 4],
-                                                               [1, 2, 4, 8, 16]):  # fmt: skip
-            if k // bk < split:
-                continue
-            kps = triton.cdiv(triton.cdiv(k, bk), split) * bk
-            cfg = {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "split": triton.cdiv(k, kps), "k_per_split": kps,
+        nb = k // 32
+        for bn, blocks, warps, stages, split in itertools.product([16, 32, 64], [4, 8, 16], [4, 8], [1, 3],
+                                                                   [1, 2, 4, 8, 16]):  # fmt: skip
+            per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
+            cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
                    "num_warps": warps, "num_stages": stages}  # fmt: skip
-            timings.append((do_bench_cudagraph(launcher(x, data, k, cfg)[0], rep=20) * 1e3, cfg))
+            timings.append((do_bench_cudagraph(gemv_launcher(x, data, k, cfg)[0], rep=20) * 1e3, cfg))
         best, cfg = min(timings, key=lambda t: t[0])
-        tiles = f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
+        tiles = f"N{cfg['BLOCK_N']} blocks{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
         print(
-            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_default:8.1f} {best:8.1f}  {tiles}; {err:.1e}"
+            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best:8.1f}  {tiles}; {err:.1e}"
             f"  ({floor / best:.0%} of peak at best, {floor / t_default:.0%} with the default tiles)",
             flush=True,
         )

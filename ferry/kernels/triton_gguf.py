@@ -14,6 +14,15 @@ whatever N; partial sums then go to an fp32 [SPLIT_K, M, N] buffer summed by tor
 atomics, no memset). Prefill rows take the same kernel with 64-row tiles of x (the weight is re-read
 once per 64 rows, which the tensor cores hide: prefill is compute-bound).
 
+A single row of x (batch-1 decode, the latency case) takes a GEMV-shaped kernel instead: measured on an
+H100 (BENCHMARKS.md), the tile kernel above pads that row to 16 for `mma` and dequantizes every nibble
+into a bf16 tile, and ran a Q4_0 GEMV at 12-25% of HBM bandwidth, no faster than cuBLAS on the bf16
+weight. `_gguf_gemv_kernel` reads [BLOCK_N rows, BLOCKS quant blocks] of bytes per step (16-byte loads
+along each row), turns nibbles into floats with an exponent trick instead of int->float conversions
+(2^23 + q has q in its mantissa: an OR and a subtraction), multiplies with x in fp32 CUDA-core FMAs,
+reduces each block's 32 products, and applies the block's scale once to that sum. No tensor cores: at
+one row there is nothing for them to share.
+
 K-quants (Q4_K, Q5_K, Q6_K) have no fused kernel yet: `dequantize` (torch ops, any rows) turns a chunk of
 rows into x's dtype and torch's matmul takes it (gguf_linear.py). Embedding rows use `dequantize` too.
 
@@ -117,6 +126,70 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_sp
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# 2^23 as fp32 bits: OR-ing an integer q < 2^23 into the mantissa makes the float 2^23 + q exactly.
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _gguf_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_split, stride_xm, stride_ys,
+                      stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    """y[row, cols] (or split pid_k's partial sums) for one row of x (program axis 2) and BLOCK_N weight
+    rows over quant blocks [pid_k * blocks_per_split, ...). q_ptr: the weight's bytes (uint8, Q8_0's
+    too); s_ptr: the same bytes as fp16."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    w_row = cols.to(tl.int64) * row_bytes
+    s_row = cols.to(tl.int64) * (row_bytes // 2)
+    nb = K // 32
+    if QTYPE == 8:
+        s_base = K // 2  # fp16 index of the row's first scale: after K quant bytes
+    else:
+        s_base = K // 4  # after K / 2 quant bytes
+    b_begin = pid_k * blocks_per_split
+    b_end = tl.minimum(b_begin + blocks_per_split, nb)
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
+    for b0 in range(b_begin, b_end, BLOCKS):
+        blk = b0 + tl.arange(0, BLOCKS)
+        b_ok = blk < b_end
+        wm = n_ok[:, None] & b_ok[None, :]
+        d = tl.load(s_ptr + s_row[:, None] + s_base + blk[None, :], mask=wm, other=0.0).to(tl.float32)
+        if QTYPE == 8:
+            # Bytes as uint8: q + 128 = byte ^ 128 in [0, 255] goes into the mantissa as the nibbles do.
+            j = tl.arange(0, 32)
+            byte = tl.load(q_ptr + w_row[:, None, None] + (blk * 32)[None, :, None] + j[None, None, :],
+                           mask=wm[:, :, None], other=128).to(tl.int32)  # fmt: skip
+            q = ((byte ^ 128) | _MAGIC_BITS).to(tl.float32, bitcast=True) - (_MAGIC + 128.0)
+            xv = tl.load(x_row + (blk * 32)[:, None] + j[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
+            acc += d * tl.sum(q * xv[None, :, :], axis=2)
+        else:
+            # Byte j of block b: element j (low nibble) and j + 16 (high nibble) of the block.
+            j = tl.arange(0, 16)
+            byte = tl.load(q_ptr + w_row[:, None, None] + (blk * 16)[None, :, None] + j[None, None, :],
+                           mask=wm[:, :, None], other=0).to(tl.int32)  # fmt: skip
+            if QTYPE == 2:  # Q4_0: w = (q - 8) d
+                offset = _MAGIC + 8.0
+            else:  # Q4_1: w = q d + m
+                offset = _MAGIC
+            lo = ((byte & 15) | _MAGIC_BITS).to(tl.float32, bitcast=True) - offset
+            hi = ((byte >> 4) | _MAGIC_BITS).to(tl.float32, bitcast=True) - offset
+            xb = x_row + (blk * 32)[:, None] + j[None, :]
+            x_lo = tl.load(xb, mask=b_ok[:, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(xb + 16, mask=b_ok[:, None], other=0.0).to(tl.float32)
+            dot = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
+            if QTYPE == 3:
+                mn = tl.load(s_ptr + s_row[:, None] + s_base + nb + blk[None, :], mask=wm, other=0.0).to(tl.float32)
+                acc += d * dot + mn * tl.sum(x_lo + x_hi, axis=1)[None, :]
+            else:
+                acc += d * dot
+    y = y_ptr + pid_k.to(tl.int64) * stride_ys + row * stride_ym + cols
+    tl.store(y, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 @functools.cache
 def _num_sms(device_index: int | None) -> int:
     if torch.cuda.is_available():
@@ -155,6 +228,22 @@ def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SM
             "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
 
 
+# Rows of x at or below which a matmul takes the GEMV kernel (one program row per x row; the weight is
+# read once per row, from L2 after the first).
+GEMV_MAX_ROWS = 1
+
+
+def gemv_config(N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
+    """The GEMV kernel's tiles and K splits: host arithmetic on shapes only (graph-safe). BLOCKS quant
+    blocks of BLOCK_N rows per step: 4 KB of Q4 bytes (32 per thread) for 4 warps."""
+    block_n, blocks = 32, 8
+    nb = K // 32
+    split = decode_split_k(triton.cdiv(N, block_n), triton.cdiv(nb, blocks), num_sms)
+    blocks_per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
+    return {"BLOCK_N": block_n, "BLOCKS": blocks, "split": triton.cdiv(nb, blocks_per_split),
+            "blocks_per_split": blocks_per_split, "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ dequant(data [N, row_bytes]).T -> [M, N] in x's dtype (fp32 sums)."""
     if qtype not in FUSED_TYPES:
@@ -167,6 +256,17 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
     data = data.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
+        return y
+    if M <= GEMV_MAX_ROWS:
+        cfg = gemv_config(N, K, qtype, num_sms(x.device))
+        split = cfg["split"]
+        out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        _gguf_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split, M)](
+            x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"], x.stride(0),
+            out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
+            BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+        if split > 1:
+            y.copy_(out.sum(0))
         return y
     cfg = matmul_config(M, N, K, qtype, num_sms(x.device))
     split = cfg["split"]

@@ -48,6 +48,7 @@ class KernelReport:
     shared_bytes: int  # dynamic shared memory Triton asks for at launch
     local_bytes: int  # per-thread local memory: register spills (our kernels keep no local arrays)
     tensor_cores: str  # "wgmma", "mma" or "-"
+    widest_load: int  # bytes of the widest global load in the PTX: 16 means 128-bit vector loads
     problems: list[str]
 
 
@@ -121,6 +122,26 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
     return usage
 
 
+def widest_global_load(ptx: str) -> int:
+    """Bytes one thread moves in the widest global load of the PTX (ld.global.v4.b32, or an asynchronous
+    copy to shared memory `cp.async... 16`): a bandwidth-bound kernel wants 16, coalesced across the warp."""
+    widest = 0
+    for line in ptx.splitlines():
+        op, _, operands = line.strip().lstrip("@!%p0123456789 ").partition(" ")
+        if op.startswith("cp.async.") and ".shared.global" in op:
+            fields = operands.replace(";", "").split(",")  # [dst], [src], bytes (0x10), optional src-size
+            with contextlib.suppress(IndexError, ValueError):
+                widest = max(widest, int(fields[2].strip(), 0))
+            continue
+        if not op.startswith("ld.global"):
+            continue
+        parts = op.split(".")
+        lanes = next((int(q[1:]) for q in parts if q in ("v2", "v4", "v8")), 1)
+        bits = next((int(q[1:]) for q in reversed(parts) if q[:1] in "bsuf" and q[1:].isdigit()), 0)
+        widest = max(widest, lanes * bits // 8)
+    return widest
+
+
 def report(kernel_name: str, case: str, kernel, arch: int) -> KernelReport:
     usage = _resource_usage(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
@@ -136,7 +157,7 @@ def report(kernel_name: str, case: str, kernel, arch: int) -> KernelReport:
         problems.append(f"{usage['LOCAL']} B of local memory per thread (register spills)")
     cores = "wgmma" if "wgmma" in ptx else "mma" if "mma.sync" in ptx else "-"
     return KernelReport(kernel_name, case, md.num_warps, md.num_stages, regs, md.shared, usage.get("LOCAL", 0), cores,
-                        problems)  # fmt: skip
+                        widest_global_load(ptx), problems)  # fmt: skip
 
 
 def _graph_split_counts(num_kv_heads: int, max_num_seqs: int, num_sms: int) -> list[int]:
@@ -212,8 +233,10 @@ def engine_kernels(
 
         for type_name in ("Q4_0", "Q4_1", "Q8_0"):
             tid, block, block_bytes = GGUF_QUANT_TYPES[type_name]
-            # decode: down_proj at batch 1 (K split across programs); prefill: gate_up over the token budget
-            for case, rows, n, k in (("decode", 1, hidden, inter), ("prefill", T, 2 * inter, hidden)):
+            # down_proj at batch 1 (the GEMV kernel) and at 4 rows (the tile kernel's decode tiles; K split
+            # across programs in both); prefill: gate_up over the token budget
+            for case, rows, n, k in (("gemv", 1, hidden, inter), ("decode", 4, hidden, inter),
+                                     ("prefill", T, 2 * inter, hidden)):  # fmt: skip
                 data = torch.empty(n, k // block * block_bytes, dtype=torch.uint8)
                 launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
     if quantization == "int8":
@@ -255,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(r)))
     else:
         print(f"{args.model} {args.dtype} sm_{args.arch} tp={args.tensor_parallel_size} kv {args.kv_cache_dtype}")
-        print(f"{'kernel':24} {'case':22} {'warps':>5} {'stages':>6} {'regs':>5} {'shared':>8} {'spill':>6} {'tc':>6}")
+        print(f"{'kernel':24} {'case':22} {'warps':>5} {'stages':>6} {'regs':>5} {'shared':>8} {'spill':>6} {'tc':>6} "
+              f"{'load':>5}")  # fmt: skip
         for r in reports:
             line = (f"{r.kernel:24} {r.case:22} {r.num_warps:5} {r.num_stages:6} {r.registers:5} {r.shared_bytes:8} "
-                    f"{r.local_bytes:6} {r.tensor_cores:>6}  {'; '.join(r.problems)}")  # fmt: skip
+                    f"{r.local_bytes:6} {r.tensor_cores:>6} {r.widest_load:4}B  {'; '.join(r.problems)}")  # fmt: skip
             print(line.rstrip())
     return 1 if any(r.problems for r in reports) else 0
 

@@ -50,12 +50,17 @@ def test_engine_kernels_compile_for_sm90():
         assert r["registers"] > 0
     assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
-                            "_gguf_matmul_kernel", "_quantize_rows_kernel", "_int8_matmul_kernel"}  # fmt: skip
+                            "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_quantize_rows_kernel",
+                            "_int8_matmul_kernel"}  # fmt: skip
     # The GGUF dequantize-matmul: each 32-block type at a decode and a prefill shape, on tensor cores,
     # without spills (checked above with every kernel's other limits).
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
     assert set(gguf) == {f"{t} {c}" for t in ("Q4_0", "Q4_1", "Q8_0") for c in ("decode", "prefill")}
     assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in gguf.values())
+    # Batch 1's GEMV: CUDA cores, the weight bytes in 16-byte loads.
+    gemv = {r["case"]: r for r in by_name["_gguf_gemv_kernel"]}
+    assert set(gemv) == {f"{t} gemv" for t in ("Q4_0", "Q4_1", "Q8_0")}
+    assert all(r["tensor_cores"] == "-" and r["widest_load"] == 16 for r in gemv.values())
     # The W8A8 GEMM: integer dots on tensor cores (mma.sync for 16-row decode tiles, wgmma for prefill).
     int8 = {r["case"]: r["tensor_cores"] for r in by_name["_int8_matmul_kernel"]}
     assert int8 == {"int8 decode": "mma", "int8 prefill": "wgmma"}, int8
@@ -65,3 +70,13 @@ def test_engine_kernels_compile_for_sm90():
     assert {r["tensor_cores"] for r in by_name["_decode_kernel"]} <= {"mma", "wgmma"}
     assert by_name["_prefill_kernel"][0]["tensor_cores"] == "wgmma"
     assert any("shared memory" in p for p in oversized["oversized"]), oversized
+
+
+def test_widest_global_load_reads_vector_loads_and_async_copies():
+    from ferry.tools.compile_check import widest_global_load
+
+    assert widest_global_load("\tld.global.b16 {%rs1}, [%rd1];\n\tld.global.v2.b32 {%r1, %r2}, [%rd2];") == 8
+    assert widest_global_load("\t@%p3 ld.global.L1::evict_last.v4.b32 { %r5, %r6, %r7, %r8 }, [ %rd9 + 0 ];") == 16
+    assert widest_global_load("\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd2 + 0 ], 0x10, %r3;") == 16
+    assert widest_global_load("\tcp.async.ca.shared.global [ %r1 + 0 ], [ %rd2 + 0 ], 0x4, %r3;") == 4
+    assert widest_global_load("\tld.shared.v4.b32 {%r1, %r2, %r3, %r4}, [%r5];") == 0

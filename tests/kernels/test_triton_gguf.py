@@ -68,15 +68,41 @@ def test_decode_shapes_split_k_and_read_each_byte_once():
     """At decode sizes the grid covers the SMs by splitting K (each split reads its own slice of every
     row: each weight byte is read once), and a split result equals an unsplit one."""
     for n, k in ((6144, 4096), (4096, 14336), (4096, 4096), (28672, 4096)):  # Llama-3.1-8B's projections
-        cfg = tg.matmul_config(1, n, k, tg.Q4_0, num_sms=132)
+        cfg = tg.matmul_config(4, n, k, tg.Q4_0, num_sms=132)
         programs = -(-n // cfg["BLOCK_N"]) * cfg["split"]
         assert programs >= 132 and cfg["split"] * cfg["k_per_split"] >= k > (cfg["split"] - 1) * cfg["k_per_split"]
+        gemv = tg.gemv_config(n, k, tg.Q4_0, num_sms=132)  # batch 1: the GEMV kernel, in quant blocks of 32
+        per_split, nb = gemv["blocks_per_split"], k // 32
+        assert -(-n // gemv["BLOCK_N"]) * gemv["split"] >= 132 and per_split % gemv["BLOCKS"] == 0
+        assert gemv["split"] * per_split >= nb > (gemv["split"] - 1) * per_split
     assert tg.matmul_config(64, 4096, 4096, tg.Q4_0)["split"] == 1
     w = _weight("Q4_1", n=16, k=1024)
     x = torch.randn(2, 1024)
     assert tg.matmul_config(2, 16, 1024, w.qtype)["split"] == 8
     y = tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, 1024).cpu()
     torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, monkeypatch):
+    """Batch 1 runs the GEMV kernel: partial row tiles, a partial last step of quant blocks, K split
+    over programs or not, fp32 and bf16 activations; the fp32 result is the dequantized weight's."""
+    k = 96 * 32  # 96 blocks: 12 steps of 8
+    w = _weight(type_name, n=72, k=k, seed=3)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
+    expected = _reference(x, w)
+    results = []
+    for sms in (1, 132):  # one SM: no split; 132: split K
+        monkeypatch.setattr(tg, "num_sms", lambda device, sms=sms: sms)
+        assert (tg.gemv_config(72, k, w.qtype, sms)["split"] > 1) == (sms > 1)
+        y = tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, k).cpu()
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+        results.append(y)
+        yb = tg.gguf_matmul(x.to(DEVICE, torch.bfloat16), w.data.to(DEVICE), w.qtype, k).cpu()
+        assert yb.dtype == torch.bfloat16
+        bound = expected.abs().max().item() / 64  # two bf16 ulps of the largest output
+        torch.testing.assert_close(yb.float(), _reference(x.bfloat16(), w), rtol=0, atol=bound)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
