@@ -14,7 +14,11 @@
 // A bf16 cache halves the bytes read (decode attention is bound by them); each
 // block's rows of this head are widened to fp32 in an L1-resident scratch and
 // the fp32 loops run on that. An int8 / fp8 cache (about a quarter of fp32's bytes) is
-// dequantized the same way: value x the row's scale (fp8 through a 256-entry table).
+// dequantized the same way: value x the row's scale (fp8 through a 256-entry table). With AVX2 an
+// int8 cache skips most of that: K rows are widened to int16 and dotted with q rounded to int16
+// (per head, 2^-15 of its largest value: far below K's own int8 step) by vpmaddwd, 16 products
+// per instruction, and the row scales multiply the 8 sums of 8 keys at once; V rows are widened
+// without their scale, which multiplies the softmax weight instead (one product per key, not D).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // Built with -ffast-math (so expf vectorizes): no infinities, a large finite floor instead.
@@ -82,6 +87,75 @@ inline void block_values(const float* p, const float* vb, int64_t vs, int64_t n,
   if (d + 32 <= D) block_values_chunk<4>(p, vb + d, vs, n, acc + d), d += 32;
   if (d + 16 <= D) block_values_chunk<2>(p, vb + d, vs, n, acc + d), d += 16;
   if (d + 8 <= D) block_values_chunk<1>(p, vb + d, vs, n, acc + d);
+}
+
+// q (D floats, D a multiple of 16) rounded to int16 with one scale: returns it (q ~ q16 * scale).
+inline float quantize_q_int16(const float* q, int64_t D, int16_t* q16) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  const float scale = amax > 0.f ? amax / 32767.f : 1.f;
+  const __m256 inv = _mm256_set1_ps(1.f / scale);
+  for (int64_t d = 0; d < D; d += 16) {  // round to nearest even, as lrintf; |q * inv| <= 32767
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d), inv));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + d + 8), inv));
+    // packs interleaves 128-bit lanes: [lo0 hi0 lo1 hi1]; permute back to [lo0 lo1 hi0 hi1].
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + d),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+  }
+  return scale;
+}
+
+// n int8 rows of D values (D a multiple of 16), `stride` bytes apart, each followed by its fp32
+// scale: the values widened to int16 into `dst` (D apart), the scales into `scales`.
+inline void widen_rows_int16(const int8_t* src, int64_t n, int64_t D, int64_t stride, int16_t* dst, float* scales) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* row = src + t * stride;
+    std::memcpy(&scales[t], row + D, sizeof(float));
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * D + d),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+  }
+}
+
+// The same rows as unscaled fp32 (D a multiple of 8) into `dst`, their scales into `scales`.
+inline void widen_rows_f32(const int8_t* src, int64_t n, int64_t D, int64_t stride, float* dst, float* scales) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* row = src + t * stride;
+    std::memcpy(&scales[t], row + D, sizeof(float));
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(dst + t * D + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)))));
+  }
+}
+
+// out[t] = scale * qscale * kscale[t] * dot(q16, k16_t) over n int16 rows of D (a multiple of 16):
+// block_scores with integer products (vpmaddwd: 16 int16 x int16 -> 8 int32 pair sums), exact in
+// int32 (|q16| < 2^15, |k| <= 127: a lane sums D / 16 pairs of at most 2^23.1 each).
+inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float* kscale, int64_t n, int64_t D,
+                               float scale, float* out) {
+  int64_t t = 0;
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (; t + 8 <= n; t += 8) {
+    __m256i a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_si256();
+    const int16_t* k0 = kb + t * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + d));
+      for (int i = 0; i < 8; ++i)
+        a[i] = _mm256_add_epi32(
+            a[i], _mm256_madd_epi16(qv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i * D + d))));
+    }
+    const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                                         _mm256_permute2x128_si256(h0123, h4567, 0x31));
+    _mm256_storeu_ps(out + t, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), sv), _mm256_loadu_ps(kscale + t)));
+  }
+  for (; t < n; ++t) {
+    int32_t acc = 0;
+    for (int64_t d = 0; d < D; ++d) acc += static_cast<int32_t>(q[d]) * kb[t * D + d];
+    out[t] = static_cast<float>(acc) * scale * kscale[t];
+  }
 }
 #endif
 
@@ -205,9 +279,27 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
   // Unnormalized partial results of split tasks: running max, sum of exps, weighted values.
   std::vector<float> part_m(split ? tasks * G : 0), part_l(split ? tasks * G : 0), part_acc(split ? tasks * G * D : 0);
 
+  // The int8 AVX2 path (see the top of the file): every query head's q in int16 with its scale,
+  // once here rather than in each of a sequence's partition tasks.
+#ifdef FERRY_ATTN_AVX2
+  constexpr bool kInt8Dots = std::is_same_v<CacheT, int8_t>;
+#else
+  constexpr bool kInt8Dots = false;
+#endif
+  const bool int8_dots = kInt8Dots && D % 16 == 0;
+  std::vector<int16_t> q16_all(int8_dots ? B * H * D : 0);
+  std::vector<float> qscale_all(int8_dots ? B * H : 0);
+#ifdef FERRY_ATTN_AVX2
+  if (int8_dots)
+    for (int64_t r = 0; r < B * H; ++r) qscale_all[r] = quantize_q_int16(qp + r * D, D, q16_all.data() + r * D);
+#endif
+
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * BS);
     std::vector<float> kscratch(BS * D), vscratch(BS * D);
+    // The int8 AVX2 path: K rows in int16, the rows' scales, the softmax weights times V's scales.
+    std::vector<int16_t> k16(int8_dots ? BS * D : 0);
+    std::vector<float> kscale(BS), vscale(BS), pv(int8_dots ? G * BS : 0);
     std::vector<float> acc(G * D);
     std::vector<float> m(G), l(G), corr(G);
     for (int64_t task = begin; task < end; ++task) {
@@ -217,6 +309,8 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       const int64_t nparts = (first[b + 1] - first[b]) / KVH;
       const int64_t j0 = part * P, j1 = std::min((L + BS - 1) / BS, j0 + P);
       const float* qb = qp + (b * H + h * G) * D;
+      const int16_t* q16 = int8_dots ? q16_all.data() + (b * H + h * G) * D : nullptr;
+      const float* qscale = int8_dots ? qscale_all.data() + b * H + h * G : nullptr;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), kNegBig);
       std::fill(l.begin(), l.end(), 0.f);
@@ -224,8 +318,23 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         const int64_t blk = btp[b * MAXB + j];
         const int64_t n = std::min(BS, L - j * BS);
         int64_t ks = 0, vs = 0;  // row strides of kb / vb in floats
-        const float* kb = rows_as_f32(kp + (blk * BS * KVH + h) * W, n, D, KVH * W, kscratch.data(), ks);
-        const float* vb = rows_as_f32(vp + (blk * BS * KVH + h) * W, n, D, KVH * W, vscratch.data(), vs);
+        const float* kb = nullptr;
+        const float* vb = nullptr;
+#ifdef FERRY_ATTN_AVX2
+        if constexpr (kInt8Dots) {
+          if (int8_dots) {
+            const int8_t* krows = reinterpret_cast<const int8_t*>(kp + (blk * BS * KVH + h) * W);
+            const int8_t* vrows = reinterpret_cast<const int8_t*>(vp + (blk * BS * KVH + h) * W);
+            widen_rows_int16(krows, n, D, KVH * W, k16.data(), kscale.data());
+            widen_rows_f32(vrows, n, D, KVH * W, vscratch.data(), vscale.data());
+            vb = vscratch.data(), vs = D;
+          }
+        }
+#endif
+        if (!int8_dots) {
+          kb = rows_as_f32(kp + (blk * BS * KVH + h) * W, n, D, KVH * W, kscratch.data(), ks);
+          vb = rows_as_f32(vp + (blk * BS * KVH + h) * W, n, D, KVH * W, vscratch.data(), vs);
+        }
         if (h == 0 && j + 1 < j1) {
           // The next block lives elsewhere in the pool: start its loads now so they overlap this
           // block's arithmetic. The first kv head's task takes the whole block (every head's rows,
@@ -246,6 +355,11 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qb + g * D;
 #ifdef FERRY_ATTN_AVX2
+          if (int8_dots) {
+            block_scores_int16(q16 + g * D, k16.data(), kscale.data(), n, D, fscale * qscale[g],
+                               scores.data() + g * BS);
+            continue;
+          }
           if (D % 8 == 0) {
             block_scores(qg, kb, ks, n, D, fscale, scores.data() + g * BS);
             continue;
@@ -298,6 +412,12 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
           const float* pg = scores.data() + g * BS;
           float* ag = acc.data() + g * D;
 #ifdef FERRY_ATTN_AVX2
+          if (int8_dots) {  // V's row scales ride on the weights: sum_t (p_t s_t) v_t
+            float* pvg = pv.data() + g * BS;
+            for (int64_t t = 0; t < n; ++t) pvg[t] = pg[t] * vscale[t];
+            block_values(pvg, vb, vs, n, D, ag);
+            continue;
+          }
           if (D % 8 == 0) {
             block_values(pg, vb, vs, n, D, ag);
             continue;
