@@ -26,40 +26,10 @@ def random_q4_0(n: int, k: int) -> torch.Tensor:
     return torch.cat([quants, scales], 1).contiguous()
 
 
-def launcher(x: torch.Tensor, data: torch.Tensor, k: int, cfg: dict):
-    """gguf_matmul's launch with the tiles of `cfg` (split partial sums summed as it does)."""
-    m, (n, row_bytes), split = x.shape[0], data.shape, cfg["split"]
-    y = torch.empty(m, n, dtype=x.dtype, device="cuda")
-    out = torch.empty(split, m, n, dtype=torch.float32, device="cuda") if split > 1 else y
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
-
-    def run():
-        tg._gguf_matmul_kernel[grid](x, data, data.view(torch.float16), out, m, n, k, row_bytes, cfg["k_per_split"],
-                                     x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=tg.Q4_0,
-                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                                     IEEE=False, DOT_F32=False, num_warps=cfg["num_warps"],
-                                     num_stages=cfg["num_stages"])  # fmt: skip
-        if split > 1:
-            y.copy_(out.sum(0))
-
-    return run, y
-
-
-def gemv_launcher(x: torch.Tensor, data: torch.Tensor, k: int, cfg: dict):
-    """gguf_matmul's batch-1 launch (the GEMV kernel) with the tiles of `cfg`."""
-    n, row_bytes, split = data.shape[0], data.shape[1], cfg["split"]
-    y = torch.empty(1, n, dtype=x.dtype, device="cuda")
-    out = torch.empty(split, 1, n, dtype=torch.float32, device="cuda") if split > 1 else y
-
-    def run():
-        tg._gguf_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split, 1)](
-            x, data, data.view(torch.float16), out, n, k, row_bytes, cfg["blocks_per_split"], x.stride(0),
-            out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=tg.Q4_0, BLOCK_N=cfg["BLOCK_N"],
-            BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
-        if split > 1:
-            y.copy_(out.sum(0))
-
-    return run, y
+def launcher(launch, x: torch.Tensor, data: torch.Tensor, cfg: dict):
+    """A callable timing one launch (`tg.launch_gemv` / `tg.launch_tiles`) with the tiles of `cfg`, and its y."""
+    y = torch.empty(x.shape[0], data.shape[0], dtype=x.dtype, device="cuda")
+    return (lambda: launch(x, data, tg.Q4_0, cfg, y)), y
 
 
 def main() -> None:
@@ -76,9 +46,10 @@ def main() -> None:
         w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         floor = data.numel() / args.peak_bandwidth * 1e6
         t_bf16 = do_bench_cudagraph(lambda: torch.matmul(x, w_bf16.T)) * 1e3  # noqa: B023
-        t_tiles = do_bench_cudagraph(launcher(x, data, k, tg.matmul_config(1, n, k, tg.Q4_0, 132))[0]) * 1e3
+        tiles_cfg = tg.matmul_config(1, n, k, tg.Q4_0, tg.num_sms(x.device))  # what batch 1 took before the GEMV
+        t_tiles = do_bench_cudagraph(launcher(tg.launch_tiles, x, data, tiles_cfg)[0]) * 1e3
         default = tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device))
-        run, y = gemv_launcher(x, data, k, default)
+        run, y = launcher(tg.launch_gemv, x, data, default)
         t_default = do_bench_cudagraph(run) * 1e3
         ref = x.float() @ tg.dequantize(data, tg.Q4_0, k, torch.float32).T
         run()
@@ -90,7 +61,7 @@ def main() -> None:
             per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
                    "num_warps": warps, "num_stages": stages}  # fmt: skip
-            timings.append((do_bench_cudagraph(gemv_launcher(x, data, k, cfg)[0], rep=20) * 1e3, cfg))
+            timings.append((do_bench_cudagraph(launcher(tg.launch_gemv, x, data, cfg)[0], rep=20) * 1e3, cfg))
         best, cfg = min(timings, key=lambda t: t[0])
         tiles = f"N{cfg['BLOCK_N']} blocks{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
         print(

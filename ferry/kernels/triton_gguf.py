@@ -56,6 +56,20 @@ _DEFAULT_SMS = 132  # an H100 SXM: the split heuristic's SM count where no CUDA 
 
 
 @triton.jit
+def _weight_rows(pid_n, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid_n's BLOCK_N weight rows (output columns) in ferry's kernel layout: their indices, which
+    exist, each row's byte and fp16 offsets, and the fp16 index of a row's first block scale."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_row = cols.to(tl.int64) * row_bytes  # byte offset of each weight row
+    s_row = cols.to(tl.int64) * (row_bytes // 2)  # fp16 offset of each weight row
+    if QTYPE == 8:
+        s_base = K // 2  # fp16 index of the row's first scale: after K quant bytes
+    else:
+        s_base = K // 4  # after K / 2 quant bytes
+    return cols, cols < N, w_row, s_row, s_base
+
+
+@triton.jit
 def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_split, stride_xm, stride_ys,
                         stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
@@ -65,17 +79,10 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_sp
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = output columns
     m_ok = rows < M
-    n_ok = cols < N
     rows64 = rows.to(tl.int64)
-    w_row = cols.to(tl.int64) * row_bytes  # byte offset of each weight row
-    s_row = cols.to(tl.int64) * (row_bytes // 2)  # fp16 offset of each weight row
+    cols, n_ok, w_row, s_row, s_base = _weight_rows(pid_n, N, K, row_bytes, QTYPE, BLOCK_N)
     nb = K // 32
-    if QTYPE == 8:
-        s_base = K // 2  # fp16 index of the row's first scale: after K quant bytes
-    else:
-        s_base = K // 4  # after K / 2 quant bytes
     k_begin = pid_k * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -140,15 +147,8 @@ def _gguf_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_sp
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
-    w_row = cols.to(tl.int64) * row_bytes
-    s_row = cols.to(tl.int64) * (row_bytes // 2)
+    cols, n_ok, w_row, s_row, s_base = _weight_rows(pid_n, N, K, row_bytes, QTYPE, BLOCK_N)
     nb = K // 32
-    if QTYPE == 8:
-        s_base = K // 2  # fp16 index of the row's first scale: after K quant bytes
-    else:
-        s_base = K // 4  # after K / 2 quant bytes
     b_begin = pid_k * blocks_per_split
     b_end = tl.minimum(b_begin + blocks_per_split, nb)
     x_row = x_ptr + row * stride_xm
@@ -251,26 +251,40 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
     M, K = x.shape
     if K != in_features or K % 32:
         raise ValueError(f"activations of {K} columns for a weight of {in_features}")
-    N, row_bytes = data.shape
+    N = data.shape[0]
     x = x.contiguous()
     data = data.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
+    sms = num_sms(x.device)
     if M <= GEMV_MAX_ROWS:
-        cfg = gemv_config(N, K, qtype, num_sms(x.device))
-        split = cfg["split"]
-        out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        _gguf_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split, M)](
-            x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"], x.stride(0),
-            out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
-            BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
-        if split > 1:
-            y.copy_(out.sum(0))
-        return y
-    cfg = matmul_config(M, N, K, qtype, num_sms(x.device))
-    split = cfg["split"]
-    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        return launch_gemv(x, data, qtype, gemv_config(N, K, qtype, sms), y)
+    return launch_tiles(x, data, qtype, matmul_config(M, N, K, qtype, sms), y)
+
+
+def _split_sums(y: torch.Tensor, split: int) -> torch.Tensor:
+    """Where a launch writes: y itself, or an fp32 [split, M, N] buffer of partial sums."""
+    return y if split == 1 else torch.empty(split, *y.shape, dtype=torch.float32, device=y.device)
+
+
+def launch_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: torch.Tensor) -> torch.Tensor:
+    """The GEMV kernel with the tiles of `cfg` (gemv_config's keys) into y [M, N]; x and data contiguous."""
+    (M, K), (N, row_bytes), split = x.shape, data.shape, cfg["split"]
+    out = _split_sums(y, split)
+    _gguf_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split, M)](
+        x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"], x.stride(0),
+        out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
+        BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    if split > 1:
+        y.copy_(out.sum(0))  # the splits' fp32 partial sums, rounded once to x's dtype
+    return y
+
+
+def launch_tiles(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: torch.Tensor) -> torch.Tensor:
+    """The tile (tensor-core) kernel with the tiles of `cfg` (matmul_config's keys) into y [M, N]."""
+    (M, K), (N, row_bytes), split = x.shape, data.shape, cfg["split"]
+    out = _split_sums(y, split)
     q = data.view(torch.int8) if qtype == Q8_0 else data
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
     _gguf_matmul_kernel[grid](x, q, data.view(torch.float16), out, M, N, K, row_bytes, cfg["k_per_split"],
@@ -279,7 +293,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
                               IEEE=x.dtype == torch.float32, DOT_F32=_INTERPRETED and x.dtype != torch.float32,
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     if split > 1:
-        y.copy_(out.sum(0))  # the splits' fp32 partial sums, rounded once to x's dtype
+        y.copy_(out.sum(0))
     return y
 
 
