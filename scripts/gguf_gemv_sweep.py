@@ -1,7 +1,8 @@
 """Q4_0 GEMV at batch 1 on CUDA: ferry's GEMV kernel (ferry/kernels/triton_gguf.py, what one row of x
 takes) with its default tiles and the best of a tile sweep, and the tile (mma) kernel that batch 1 took
 before it, against cuBLAS on a bf16 weight of the same shape and the bytes floor (the Q4_0 bytes over
-the datasheet bandwidth). Llama-3.1-8B's four projection shapes.
+the datasheet bandwidth). Llama-3.1-8B's four projection shapes. Then the K-quant kernels (Q4_K, Q5_K,
+Q6_K) with their default tiles at batch 1 and 4 rows, against the same floor of their own bytes.
 CUDA-graph timings (triton.testing.do_bench_cudagraph); needs a GPU. From the repo root:
     python3 scripts/gguf_gemv_sweep.py [--peak-bandwidth 3.35e12]"""
 
@@ -24,6 +25,37 @@ def random_q4_0(n: int, k: int) -> torch.Tensor:
     quants = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     scales = (torch.rand(n, k // 32, device="cuda") * 0.01 + 0.001).half().view(torch.uint8)
     return torch.cat([quants, scales], 1).contiguous()
+
+
+def random_k_quant(qtype: int, n: int, k: int) -> torch.Tensor:
+    """Random super-blocks as ggml stores them, with small positive fp16 super-scales (d, and dmin)."""
+    block_bytes = tg.K_QUANTS[qtype]
+    raw = torch.randint(0, 256, (n * k // 256, block_bytes), dtype=torch.uint8, device="cuda")
+    d = torch.full((raw.shape[0], 1), 0.01, dtype=torch.float16, device="cuda").view(torch.uint8)
+    if qtype == tg.Q6_K:
+        raw[:, 208:210] = d
+    else:
+        raw[:, 0:2], raw[:, 2:4] = d, (d.view(torch.float16) * 0.4).view(torch.uint8)
+    return raw.view(n, -1).contiguous()
+
+
+def k_quant_timings(peak_bandwidth: float) -> None:
+    print(f"{'type':5s} {'shape':8s} {'floor us':>8s} {'gemv us':>8s} {'4 rows us':>9s}  rel. errors (1 row, 4 rows)")
+    for qtype, name in ((tg.Q4_K, "Q4_K"), (tg.Q5_K, "Q5_K"), (tg.Q6_K, "Q6_K")):
+        for shape, (n, k) in SHAPES.items():
+            data = random_k_quant(qtype, n, k)
+            floor = data.numel() / peak_bandwidth * 1e6
+            ref_w = tg.dequantize(data, qtype, k, torch.float32)
+            times, errors = [], []
+            for rows in (1, 4):
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                run = lambda: tg.gguf_matmul(x, data, qtype, k)  # noqa: E731, B023
+                times.append(do_bench_cudagraph(run) * 1e3)
+                y = run()
+                ref = x.float() @ ref_w.T
+                errors.append(((y.float() - ref).norm() / ref.norm()).item())
+            print(f"{name:5s} {shape:8s} {floor:8.1f} {times[0]:8.1f} {times[1]:9.1f}  {errors[0]:.1e} {errors[1]:.1e}"
+                  f"  ({floor / times[0]:.0%} of peak at batch 1)", flush=True)  # fmt: skip
 
 
 def launcher(launch, x: torch.Tensor, data: torch.Tensor, cfg: dict):
@@ -69,6 +101,7 @@ def main() -> None:
             f"  ({floor / best:.0%} of peak at best, {floor / t_default:.0%} with the default tiles)",
             flush=True,
         )
+    k_quant_timings(args.peak_bandwidth)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""GGUF block-quantized weights on CUDA: a fused dequantize-matmul for Q4_0/Q4_1/Q8_0, torch dequantizers.
+"""GGUF block-quantized weights on CUDA: fused dequantize-matmuls for Q4_0/Q4_1/Q8_0 and the K-quants.
 
 `gguf_matmul(x, data, qtype, K)` computes y[M, N] = x[M, K] @ dequant(w).T for a weight in ferry's kernel
 layout (ferry/layers/gguf_linear.py: to_kernel_layout; per row all the blocks' quants, then their fp16
@@ -23,8 +23,12 @@ along each row), turns nibbles into floats with an exponent trick instead of int
 reduces each block's 32 products, and applies the block's scale once to that sum. No tensor cores: at
 one row there is nothing for them to share.
 
-K-quants (Q4_K, Q5_K, Q6_K) have no fused kernel yet: `dequantize` (torch ops, any rows) turns a chunk of
-rows into x's dtype and torch's matmul takes it (gguf_linear.py). Embedding rows use `dequantize` too.
+K-quants (Q4_K, Q5_K, Q6_K) keep ggml's 256-value super-blocks (scales inline) and have a twin of each
+kernel (`_kquant_gemv_kernel`, `_kquant_matmul_kernel`) that steps one super-block at a time: the GEMV
+sums each sub-block's 32 (Q6_K: 16) products before its 6-bit (8-bit) scale multiplies, and takes Q4_K's
+and Q5_K's mins from sums of x's sub-blocks; the tile kernel dequantizes a super-block's low and high
+nibbles as two [128, BLOCK_N] tiles and dots each with the 128 columns of x they multiply. `dequantize`
+(torch ops, any type, any rows) serves embedding rows and the tests' references.
 
 Nothing here reads a tensor's values on the host or branches on them: the launches are CUDA-graph
 capturable. The kernels also run under TRITON_INTERPRET=1 on CPU tensors (the tests).
@@ -44,7 +48,9 @@ from ferry.kernels.triton_compat import apply_interpreter_numpy_fix
 apply_interpreter_numpy_fix()
 
 Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
-FUSED_TYPES = (Q4_0, Q4_1, Q8_0)
+K_QUANTS = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # type id -> bytes per 256-value super-block
+BLOCK32_TYPES = (Q4_0, Q4_1, Q8_0)  # 32-value blocks, kept in ferry's kernel layout (fields split per row)
+FUSED_TYPES = (*BLOCK32_TYPES, *K_QUANTS)
 
 # Triton 3.6's interpreter multiplies the raw bits of 16-bit floats in tl.dot (see triton_attention.py):
 # there the dot takes fp32 copies of the already-rounded operands, the same arithmetic.
@@ -190,6 +196,202 @@ def _gguf_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_sp
     tl.store(y, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+# -- K-quants: 256-value super-blocks kept as ggml stores them ------------------------------------------------
+#
+# Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles;
+# Q5_K (176 bytes): the same plus 32 bytes of fifth bits before the nibbles; value = d sc_j q - dmin mn_j
+# for sub-block j of 32. Nibble byte 32p + pos holds value 64p + pos (sub-block 2p) low and 64p + 32 + pos
+# (sub-block 2p + 1) high; Q5_K's fifth bits of those two are bits 2p and 2p + 1 of byte pos of qh.
+# Q6_K (210 bytes): 128 bytes of low nibbles (ql), 64 of 2-bit pairs (qh), 16 int8 scales, fp16 d; value
+# = d sc_s (q - 32) for sub-block s of 16. In half h (128 values), ql byte 64h + 32a + pos holds value
+# 128h + 32a + pos low and 128h + 32a + 64 + pos high, whose 2 high bits are bits 2a and 2a + 4 of qh byte
+# 32h + pos, and whose scales are 8h + 2a + pos // 16 and that + 4.
+
+
+@triton.jit
+def _k4_scale_min(scales, j, mask):
+    """Q4_K/Q5_K: the 6-bit scale and min of sub-blocks j (an int tensor, 0..7) of the super-blocks whose
+    12 scale bytes start at `scales` (a pointer tensor broadcast with j); ggml's get_scale_min_k4."""
+    low = j < 4
+    a = tl.load(scales + j, mask=mask, other=0).to(tl.int32)  # byte j
+    b = tl.load(scales + j + 4, mask=mask, other=0).to(tl.int32)  # byte j + 4
+    c = tl.load(scales + tl.where(low, j, j - 4), mask=mask, other=0).to(tl.int32)  # byte j - 4 (j >= 4)
+    sc = tl.where(low, a & 63, (b & 15) | ((c >> 6) << 4))
+    mn = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _as_float(q, offset):
+    """Small non-negative ints q (< 2^23) as fp32 minus `offset` (which includes 2^23): OR q into the
+    mantissa of 2^23 and subtract, instead of an int -> float conversion."""
+    return (q | _MAGIC_BITS).to(tl.float32, bitcast=True) - offset
+
+
+@triton.jit
+def _k45_values(sb, p, pos, mask, QTYPE: tl.constexpr):
+    """Q4_K/Q5_K: the unsigned 4/5-bit values of nibble bytes 32p + pos of super-blocks `sb` (pointer tensor
+    to each block's first byte, broadcast with p and pos): (low halves: sub-block 2p, high: sub-block 2p + 1)."""
+    if QTYPE == 12:
+        byte = tl.load(sb + 16 + 32 * p + pos, mask=mask, other=0).to(tl.int32)
+        return byte & 15, byte >> 4
+    byte = tl.load(sb + 48 + 32 * p + pos, mask=mask, other=0).to(tl.int32)
+    qh = tl.load(sb + 16 + pos, mask=mask, other=0).to(tl.int32)
+    return (byte & 15) | (((qh >> (2 * p)) & 1) << 4), (byte >> 4) | (((qh >> (2 * p + 1)) & 1) << 4)
+
+
+@triton.jit
+def _q6k_values(sb, g, i, mask):
+    """Q6_K: ql byte 16g + i of super-blocks `sb` (g in 0..7 groups of 16 bytes, i in 0..15) gives two values
+    in 0..63 (subtract 32): low nibble and high nibble with their 2 high bits from qh."""
+    h = g // 4
+    a = (g // 2) % 2
+    pos = 16 * (g % 2) + i
+    ql = tl.load(sb + 16 * g + i, mask=mask, other=0).to(tl.int32)
+    qh = tl.load(sb + 128 + 32 * h + pos, mask=mask, other=0).to(tl.int32)
+    return (ql & 15) | (((qh >> (2 * a)) & 3) << 4), (ql >> 4) | (((qh >> (2 * a + 4)) & 3) << 4)
+
+
+@triton.jit
+def _q6k_column(g, i):
+    """Q6_K: the value index within a super-block of ql byte 16g + i's low nibble (the high one's is + 64)."""
+    return 128 * (g // 4) + 32 * ((g // 2) % 2) + 16 * (g % 2) + i
+
+
+@triton.jit
+def _q6k_scale_index(g):
+    """Q6_K: the index of the 16-value scale of ql bytes 16g.. 16g + 15's low nibbles (the high ones': + 4)."""
+    return 8 * (g // 4) + 2 * ((g // 2) % 2) + g % 2
+
+
+@triton.jit
+def _kquant_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, sb_per_split, stride_xm, stride_ys,
+                        stride_ym, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The GEMV kernel's K-quant twin: y[row, cols] (or split pid_k's partial sums) for one row of x and
+    BLOCK_N weight rows over super-blocks [pid_k * sb_per_split, ...), one super-block per step (4 KB of
+    Q4_K nibbles for 32 rows). Each 32 (Q6_K: 16) products are summed before their scale multiplies.
+    q_ptr: the weight's bytes (uint8); s_ptr: the same bytes as fp16."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    w_row = cols.to(tl.int64) * row_bytes
+    nsb = K // 256
+    sb_begin = pid_k * sb_per_split
+    sb_end = tl.minimum(sb_begin + sb_per_split, nsb)
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m3 = n_ok[:, None, None]
+    m2 = n_ok[:, None]
+    for s in range(sb_begin, sb_end):
+        sb = q_ptr + w_row + s * BLOCK_BYTES  # [BLOCK_N] first byte of each row's super-block s
+        sb3 = sb[:, None, None]
+        xs = x_row + s * 256
+        if QTYPE == 14:
+            g = tl.arange(0, 8)[None, :, None]
+            i = tl.arange(0, 16)[None, None, :]
+            q_lo, q_hi = _q6k_values(sb3, g, i, m3)
+            col = _q6k_column(tl.arange(0, 8)[:, None], tl.arange(0, 16)[None, :])
+            x_lo = tl.load(xs + col).to(tl.float32)  # [8, 16]
+            x_hi = tl.load(xs + col + 64).to(tl.float32)
+            dot_lo = tl.sum(_as_float(q_lo, _MAGIC + 32.0) * x_lo[None, :, :], axis=2)  # [BLOCK_N, 8]
+            dot_hi = tl.sum(_as_float(q_hi, _MAGIC + 32.0) * x_hi[None, :, :], axis=2)
+            s_lo = _q6k_scale_index(tl.arange(0, 8))[None, :]  # [1, 8]
+            sc = sb[:, None] + 192
+            sc_lo = tl.load(sc + s_lo, mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sc_hi = tl.load(sc + s_lo + 4, mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            d = tl.load(s_ptr + (w_row + s * BLOCK_BYTES + 208) // 2, mask=n_ok, other=0.0).to(tl.float32)
+            acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
+        else:
+            p = tl.arange(0, 4)
+            pos = tl.arange(0, 32)
+            q_lo, q_hi = _k45_values(sb3, p[None, :, None], pos[None, None, :], m3, QTYPE)
+            x_lo = tl.load(xs + 64 * p[:, None] + pos[None, :]).to(tl.float32)  # [4, 32]
+            x_hi = tl.load(xs + 64 * p[:, None] + 32 + pos[None, :]).to(tl.float32)
+            dot_lo = tl.sum(_as_float(q_lo, _MAGIC) * x_lo[None, :, :], axis=2)  # [BLOCK_N, 4]
+            dot_hi = tl.sum(_as_float(q_hi, _MAGIC) * x_hi[None, :, :], axis=2)
+            sc_lo, mn_lo = _k4_scale_min(sb[:, None] + 4, 2 * p[None, :], m2)
+            sc_hi, mn_hi = _k4_scale_min(sb[:, None] + 4, 2 * p[None, :] + 1, m2)
+            half = (w_row + s * BLOCK_BYTES) // 2
+            d = tl.load(s_ptr + half, mask=n_ok, other=0.0).to(tl.float32)
+            dmin = tl.load(s_ptr + half + 1, mask=n_ok, other=0.0).to(tl.float32)
+            mins = mn_lo * tl.sum(x_lo, axis=1)[None, :] + mn_hi * tl.sum(x_hi, axis=1)[None, :]
+            acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1) - dmin * tl.sum(mins, axis=1)
+    y = y_ptr + pid_k.to(tl.int64) * stride_ys + row * stride_ym + cols
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _kquant_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, sb_per_split, stride_xm, stride_ys,
+                          stride_ym, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """The tile kernel's K-quant twin: one [BLOCK_M, BLOCK_N] tile of y (or of split pid_k's partial sums)
+    over super-blocks [pid_k * sb_per_split, ...). Per super-block the weight tile is dequantized in
+    registers to x's dtype as two [128, BLOCK_N] halves (the low and the high nibbles), each dotted with
+    the 128 columns of x it multiplies."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < N
+    w_row = cols.to(tl.int64) * row_bytes
+    nsb = K // 256
+    sb_begin = pid_k * sb_per_split
+    sb_end = tl.minimum(sb_begin + sb_per_split, nsb)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wt = x_ptr.dtype.element_ty
+    m3 = n_ok[None, None, :]
+    for s in range(sb_begin, sb_end):
+        sb = q_ptr + w_row + s * BLOCK_BYTES  # [BLOCK_N]
+        sb3 = sb[None, None, :]
+        if QTYPE == 14:
+            g = tl.arange(0, 8)[:, None, None]
+            i = tl.arange(0, 16)[None, :, None]
+            q_lo, q_hi = _q6k_values(sb3, g, i, m3)  # [8, 16, BLOCK_N]
+            col = _q6k_column(g, i)  # [8, 16, 1]
+            sub = _q6k_scale_index(g)  # [8, 1, 1]
+            sc_lo = tl.load(sb3 + 192 + sub, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sc_hi = tl.load(sb3 + 196 + sub, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            d = tl.load(s_ptr + (w_row + s * BLOCK_BYTES + 208) // 2, mask=n_ok, other=0.0).to(tl.float32)
+            w_lo = (d[None, None, :] * sc_lo) * (q_lo - 32).to(tl.float32)
+            w_hi = (d[None, None, :] * sc_hi) * (q_hi - 32).to(tl.float32)
+            col = tl.reshape(col, (128,))
+            hi_col = col + 64
+        else:
+            p = tl.arange(0, 4)[:, None, None]
+            pos = tl.arange(0, 32)[None, :, None]
+            q_lo, q_hi = _k45_values(sb3, p, pos, m3, QTYPE)  # [4, 32, BLOCK_N]
+            sc_lo, mn_lo = _k4_scale_min(sb3 + 4, 2 * p, m3)  # [4, 1, BLOCK_N]
+            sc_hi, mn_hi = _k4_scale_min(sb3 + 4, 2 * p + 1, m3)
+            half = (w_row + s * BLOCK_BYTES) // 2
+            d = tl.load(s_ptr + half, mask=n_ok, other=0.0).to(tl.float32)[None, None, :]
+            dmin = tl.load(s_ptr + half + 1, mask=n_ok, other=0.0).to(tl.float32)[None, None, :]
+            w_lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * mn_lo
+            w_hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * mn_hi
+            col = tl.reshape(64 * p + pos, (128,))
+            hi_col = col + 32
+        w_lo = tl.reshape(w_lo, (128, BLOCK_N)).to(wt)
+        w_hi = tl.reshape(w_hi, (128, BLOCK_N)).to(wt)
+        xm = m_ok[:, None]
+        x_lo = tl.load(x_rows + s * 256 + col[None, :], mask=xm, other=0.0)  # [BLOCK_M, 128]
+        x_hi = tl.load(x_rows + s * 256 + hi_col[None, :], mask=xm, other=0.0)
+        if DOT_F32:
+            acc += tl.dot(x_lo.to(tl.float32), w_lo.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), w_hi.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            acc += tl.dot(x_lo, w_lo, input_precision="ieee")
+            acc += tl.dot(x_hi, w_hi, input_precision="ieee")
+        else:
+            acc += tl.dot(x_lo, w_lo)
+            acc += tl.dot(x_hi, w_hi)
+    y = y_ptr + pid_k.to(tl.int64) * stride_ys + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 @functools.cache
 def _num_sms(device_index: int | None) -> int:
     if torch.cuda.is_available():
@@ -213,7 +415,15 @@ def num_sms(device: torch.device) -> int:
 
 
 def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
-    """Tile sizes and K splits of one launch: host arithmetic on shapes only (graph-safe)."""
+    """Tile sizes and K splits of one launch: host arithmetic on shapes only (graph-safe). K-quant tiles
+    step one super-block (256 columns) at a time and split K in super-blocks (`sb_per_split`)."""
+    if qtype in K_QUANTS:
+        nsb = K // 256
+        block_m, block_n = (16, 32) if M <= DECODE_MAX_ROWS else (64, 64)
+        split = decode_split_k(triton.cdiv(N, block_n), nsb, num_sms) if M <= DECODE_MAX_ROWS else 1
+        per_split = triton.cdiv(nsb, split)
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "split": triton.cdiv(nsb, per_split),
+                "sb_per_split": per_split, "num_warps": 4 if M <= DECODE_MAX_ROWS else 8, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_ROWS:
         block_m, block_n, block_k = 16, 64, 128 if qtype != Q8_0 else 64
         block_k = min(block_k, max(32, triton.next_power_of_2(K)))
@@ -235,8 +445,15 @@ GEMV_MAX_ROWS = 1
 
 def gemv_config(N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
     """The GEMV kernel's tiles and K splits: host arithmetic on shapes only (graph-safe). BLOCKS quant
-    blocks of BLOCK_N rows per step: 4 KB of Q4 bytes (32 per thread) for 4 warps."""
-    block_n, blocks = 32, 8
+    blocks of BLOCK_N rows per step: 4 KB of Q4 bytes (32 per thread) for 4 warps; K-quants step one
+    super-block (the same 4 KB of Q4_K nibbles) and split K in super-blocks (`sb_per_split`)."""
+    block_n = 32
+    if qtype in K_QUANTS:
+        nsb = K // 256
+        per_split = triton.cdiv(nsb, decode_split_k(triton.cdiv(N, block_n), nsb, num_sms))
+        return {"BLOCK_N": block_n, "split": triton.cdiv(nsb, per_split), "sb_per_split": per_split,
+                "num_warps": 4, "num_stages": 3}  # fmt: skip
+    blocks = 8
     nb = K // 32
     split = decode_split_k(triton.cdiv(N, block_n), triton.cdiv(nb, blocks), num_sms)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
@@ -249,7 +466,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
     if qtype not in FUSED_TYPES:
         raise ValueError(f"no fused Triton kernel for GGUF type id {qtype}; dequantize() it instead")
     M, K = x.shape
-    if K != in_features or K % 32:
+    if K != in_features or K % (256 if qtype in K_QUANTS else 32):
         raise ValueError(f"activations of {K} columns for a weight of {in_features}")
     N = data.shape[0]
     x = x.contiguous()
@@ -272,10 +489,17 @@ def launch_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: t
     """The GEMV kernel with the tiles of `cfg` (gemv_config's keys) into y [M, N]; x and data contiguous."""
     (M, K), (N, row_bytes), split = x.shape, data.shape, cfg["split"]
     out = _split_sums(y, split)
-    _gguf_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split, M)](
-        x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"], x.stride(0),
-        out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
-        BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, M)
+    if qtype in K_QUANTS:
+        _kquant_gemv_kernel[grid](x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["sb_per_split"],
+                                  x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
+                                  BLOCK_BYTES=K_QUANTS[qtype], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                                  num_stages=cfg["num_stages"])  # fmt: skip
+    else:
+        _gguf_gemv_kernel[grid](
+            x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"], x.stride(0),
+            out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
+            BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     if split > 1:
         y.copy_(out.sum(0))  # the splits' fp32 partial sums, rounded once to x's dtype
     return y
@@ -287,11 +511,19 @@ def launch_tiles(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: 
     out = _split_sums(y, split)
     q = data.view(torch.int8) if qtype == Q8_0 else data
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
-    _gguf_matmul_kernel[grid](x, q, data.view(torch.float16), out, M, N, K, row_bytes, cfg["k_per_split"],
-                              x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
-                              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                              IEEE=x.dtype == torch.float32, DOT_F32=_INTERPRETED and x.dtype != torch.float32,
-                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    ieee, dot_f32 = x.dtype == torch.float32, _INTERPRETED and x.dtype != torch.float32
+    if qtype in K_QUANTS:
+        _kquant_matmul_kernel[grid](x, data, data.view(torch.float16), out, M, N, K, row_bytes, cfg["sb_per_split"],
+                                    x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
+                                    BLOCK_BYTES=K_QUANTS[qtype], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                                    IEEE=ieee, DOT_F32=dot_f32, num_warps=cfg["num_warps"],
+                                    num_stages=cfg["num_stages"])  # fmt: skip
+    else:
+        _gguf_matmul_kernel[grid](x, q, data.view(torch.float16), out, M, N, K, row_bytes, cfg["k_per_split"],
+                                  x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
+                                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                  IEEE=ieee, DOT_F32=dot_f32, num_warps=cfg["num_warps"],
+                                  num_stages=cfg["num_stages"])  # fmt: skip
     if split > 1:
         y.copy_(out.sum(0))
     return y
@@ -317,7 +549,7 @@ def dequantize(data: torch.Tensor, qtype: int, in_features: int, dtype: torch.dt
     """Rows [R, row_bytes] in ferry's kernel layout -> [R, in_features] in `dtype` (computed in fp32; the
     same values as the CPU kernels' gguf_dequantize). Columns in storage order (input_order not applied)."""
     R, K = data.shape[0], in_features
-    if qtype in FUSED_TYPES:
+    if qtype in BLOCK32_TYPES:
         nb = K // 32
         if qtype == Q8_0:
             q = data[:, :K].view(torch.int8).float().view(R, nb, 32)

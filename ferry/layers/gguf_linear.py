@@ -19,9 +19,8 @@ its `input_order` says which activation column each weight column takes, and the
 gathered once per distinct order per call.
 
 On CUDA the same bytes run through Triton (ferry/kernels/triton_gguf.py), in bf16/fp16/fp32
-activations: a fused dequantize-matmul for Q4_0/Q4_1/Q8_0 that reads each weight byte once at decode
-batch sizes, and for the K-quants a dequantize-to-the-activation-dtype of a slice of rows followed by
-torch's matmul (correct, not yet bandwidth-efficient). There every row takes that path: the CPU's
+activations: fused dequantize-matmuls for Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K that read each weight byte
+once at decode batch sizes (a GEMV kernel for one row). There every row takes those kernels: the CPU's
 int8-dot/exact routing (step_decode_rows) does not apply.
 """
 
@@ -76,9 +75,6 @@ def int8_dots_at_any_batch() -> Iterator[None]:
 # Rows dequantized at once on the GEMM path: bounds the fp32 scratch (a 49k-row output head
 # would otherwise need its whole fp32 copy).
 _DEQUANT_ROWS = 4096
-# Weights dequantized at once by the CUDA K-quant path (torch ops with fp32 and int32 intermediates:
-# ~0.25 GB of scratch at this size, counted by the KV-cache sizing's profile run).
-_DEQUANT_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -298,22 +294,12 @@ def gguf_matmul(x2: torch.Tensor, w: GGUFWeight, int8_rows: int) -> torch.Tensor
 
 def gguf_matmul_triton(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """x2 [M, K] (bf16/fp16/fp32, columns already in w's input order) @ w.T -> [M, N] in x2's dtype, off
-    the CPU: Q4_0/Q4_1/Q8_0 through the fused Triton kernel, K-quants dequantized to x2's dtype a slice
-    of rows at a time and multiplied by torch (no fused K-quant kernel yet). No host sync, no branch on
-    values: CUDA-graph capturable."""
+    the CPU, through the fused Triton kernels. No host sync, no branch on values: CUDA-graph capturable."""
     from ferry.kernels import triton_gguf
 
     if w.interleaved:
         raise ValueError(f"{w.type_name} is the CPU kernel's layout; the Triton kernels take ggml's rows")
-    if w.qtype in triton_gguf.FUSED_TYPES:
-        return triton_gguf.gguf_matmul(x2, w.data, w.qtype, w.in_features)
-    out = x2.new_empty(x2.shape[0], w.out_features)
-    chunk = max(1, _DEQUANT_ELEMENTS // w.in_features)  # bounds the fp32/int32 scratch of `dequantize`
-    for n0 in range(0, w.out_features, chunk):
-        part = w.data[n0 : n0 + chunk]
-        weight = triton_gguf.dequantize(part, w.qtype, w.in_features, x2.dtype)
-        out[:, n0 : n0 + part.shape[0]] = x2 @ weight.t()
-    return out
+    return triton_gguf.gguf_matmul(x2, w.data, w.qtype, w.in_features)
 
 
 def gguf_linear(

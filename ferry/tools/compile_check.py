@@ -183,8 +183,8 @@ def engine_kernels(
     """Compile every kernel launch the engine makes for `model` (a shipped config name or a
     directory with config.json) and report its resources on `arch`; `kv_cache_dtype` as the
     engine's flag (int8 / fp8: the quantized cache's kernel variants); `quantization="gguf"` adds
-    the GGUF dequantize-matmul (Q4_0, Q4_1, Q8_0) at a decode and a prefill shape, "int8" the W8A8
-    activation quantizer and int8 GEMM at the same shapes."""
+    the GGUF dequantize-matmuls (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) at batch 1, a decode and a
+    prefill shape, "int8" the W8A8 activation quantizer and int8 GEMM at the decode and prefill ones."""
     from ferry.kernels import triton_attention as attn
     from ferry.kernels import triton_fused as fused
     from ferry.kv_quant import KV_FORMAT_DTYPES, row_width
@@ -231,7 +231,7 @@ def engine_kernels(
         from ferry.kernels import triton_gguf as gguf
         from ferry.layers.gguf_linear import GGUF_QUANT_TYPES
 
-        for type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        for type_name in GGUF_QUANT_TYPES:
             tid, block, block_bytes = GGUF_QUANT_TYPES[type_name]
             # down_proj at batch 1 (the GEMV kernel) and at 4 rows (the tile kernel's decode tiles; K split
             # across programs in both); prefill: gate_up over the token budget

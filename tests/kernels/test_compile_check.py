@@ -50,7 +50,8 @@ def test_engine_kernels_compile_for_sm90():
         assert r["registers"] > 0
     assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
-                            "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_quantize_rows_kernel",
+                            "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_kquant_matmul_kernel",
+                            "_kquant_gemv_kernel", "_quantize_rows_kernel",
                             "_int8_matmul_kernel"}  # fmt: skip
     # The GGUF dequantize-matmul: each 32-block type at a decode and a prefill shape, on tensor cores,
     # without spills (checked above with every kernel's other limits).
@@ -61,6 +62,13 @@ def test_engine_kernels_compile_for_sm90():
     gemv = {r["case"]: r for r in by_name["_gguf_gemv_kernel"]}
     assert set(gemv) == {f"{t} gemv" for t in ("Q4_0", "Q4_1", "Q8_0")}
     assert all(r["tensor_cores"] == "-" and r["widest_load"] == 16 for r in gemv.values())
+    # The K-quants' twins of both. Q6_K's 210-byte super-blocks are only 2-byte aligned: its loads are
+    # 2 bytes wide (BENCHMARKS.md); Q4_K's 144 and Q5_K's 176 bytes keep 16-byte loads.
+    k_tiles = {r["case"]: r for r in by_name["_kquant_matmul_kernel"]}
+    assert set(k_tiles) == {f"{t} {c}" for t in ("Q4_K", "Q5_K", "Q6_K") for c in ("decode", "prefill")}
+    assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in k_tiles.values())
+    k_gemv = {r["case"]: r["widest_load"] for r in by_name["_kquant_gemv_kernel"]}
+    assert k_gemv == {"Q4_K gemv": 16, "Q5_K gemv": 16, "Q6_K gemv": 2}, k_gemv
     # The W8A8 GEMM: integer dots on tensor cores (mma.sync for 16-row decode tiles, wgmma for prefill).
     int8 = {r["case"]: r["tensor_cores"] for r in by_name["_int8_matmul_kernel"]}
     assert int8 == {"int8 decode": "mma", "int8 prefill": "wgmma"}, int8
