@@ -120,6 +120,18 @@ def _sound_compiler():
         os.environ["CXX"] = cxx
 
 
+def _isa_flags() -> tuple[str, list[str]]:
+    """The extension's name and ISA flags: this CPU's (-march=native: AVX-512/VNNI paths where the CPU
+    has them), or with FERRY_CPU_ISA=avx2 the AVX2 paths alone (-mno-avx512f), built under their own
+    name so both builds stay cached side by side (the tests compare them)."""
+    isa = os.environ.get("FERRY_CPU_ISA", "native")
+    if isa == "native":
+        return EXTENSION_NAME, ["-march=native"]
+    if isa == "avx2":
+        return f"{EXTENSION_NAME}_avx2", ["-march=native", "-mno-avx512f"]
+    raise ValueError(f"FERRY_CPU_ISA={isa!r}: expected 'native' or 'avx2'")
+
+
 def cpu_kernels_enabled() -> bool:
     """FERRY_CPU_KERNELS=0 selects the plain torch paths on the CPU (no C++ attention, no oneDNN packing)."""
     return os.environ.get("FERRY_CPU_KERNELS", "1") != "0"
@@ -141,16 +153,17 @@ def cpu_kernels():
 
             csrc = Path(__file__).parent / "csrc"
             sources = sorted(csrc.glob("*.cpp"))
+            name, isa = _isa_flags()
             _put_ninja_on_path()
             logger.info("loading the CPU kernels (compiled on first use, ~30 s)")
-            build_dir = _get_build_directory(EXTENSION_NAME, verbose=False)
+            build_dir = _get_build_directory(name, verbose=False)
             with _build_lock(build_dir), _sound_compiler():
                 _module = load(
-                    name=EXTENSION_NAME,
+                    name=name,
                     sources=[str(s) for s in sources],
                     # -fopenmp: at::parallel_for is OpenMP inline code; without it the kernel runs
                     # on one thread. The libgomp.so.1 torch already loaded is the one used.
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_cflags=["-O3", *isa, "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=build_dir,
                     verbose=False,

@@ -155,3 +155,46 @@ def test_interleaved_by_eight_rows(type_name, k):
         w.rows(torch.arange(n))
     with pytest.raises(ValueError, match="cannot move off the CPU"):
         w.to("meta")
+
+
+_ISA_SCRIPT = r"""
+import sys, numpy as np, torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from ferry.kernels.cpu import cpu_kernels
+from ferry.layers.gguf_linear import GGUFWeight
+
+torch.set_num_threads(2)
+out = {}
+for type_name in ("Q8_0", "Q4_0", "Q4_1"):
+    k = 576  # 18 blocks: two whole groups of 8 and a tail of 2
+    raw = quantize(np.random.default_rng(3).standard_normal((8 * 5 + 3, k)).astype(np.float32),
+                   GGMLQuantizationType[type_name])
+    w = GGUFWeight.from_numpy(raw, type_name, (8 * 5 + 3, k))
+    w = w.interleave() if type_name != "Q8_0" else w
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    for rows in range(1, 6):  # 1..4 activation rows per pass, and 4 + 1
+        out[f"{type_name} {rows}"] = cpu_kernels().gguf_linear(x[:rows], w.data, w.qtype, None)
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(
+    "avx512_vnni" not in __import__("ferry.kernels.cpu", fromlist=["cpu_flags"]).cpu_flags(),
+    reason="without AVX-512 VNNI the native build is the AVX2 build",
+)
+def test_avx512_vnni_and_avx2_builds_agree(tmp_path):
+    """This CPU runs the VNNI kernels (interleaved Q4 groups, Q8_0 rows); the AVX2 ones, built with
+    FERRY_CPU_ISA=avx2, take the same integer dots in another float order: the same outputs to fp32
+    rounding, for every count of activation rows a pass takes, whole groups of 8 blocks and a tail."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FERRY_CPU_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "avx2.pt")], env=env, check=True, timeout=900)
+    subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "native.pt")], check=True, timeout=900)
+    avx2, native = torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "native.pt")
+    assert set(native) == set(avx2) and len(native) == 15
+    for case, y in native.items():
+        torch.testing.assert_close(y, avx2[case], rtol=1e-5, atol=1e-5, msg=case)

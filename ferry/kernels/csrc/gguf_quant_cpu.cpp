@@ -44,6 +44,14 @@
 #include <immintrin.h>
 #define FERRY_AVX2 1
 #endif
+// AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4/5): vpdpbusd multiplies u8 x s8 and adds
+// groups of four straight into int32 lanes, 64 bytes at a time, where AVX2 needs vpmaddubsw
+// (int16 pairs), vpmaddwd (to int32) and an add for 32. The interleaved Q4 group kernel and the
+// Q8_0 row kernel (the tied head's type in Q4_K_M/Q4_1 files) take it; the rest stays AVX2.
+// FERRY_CPU_ISA=avx2 builds without it (ferry/kernels/cpu.py), which the tests compare against.
+#if defined(FERRY_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FERRY_AVX512_VNNI 1
+#endif
 
 namespace {
 
@@ -290,6 +298,38 @@ void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const flo
 #ifdef FERRY_AVX2
   __m256 acc[R], accm[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
+#ifdef FERRY_AVX512_VNNI
+  if constexpr (T == Q8_0) {
+    // Two blocks per 64-byte vector: lanes 0-7 hold block j's four-product sums, lanes 8-15 block
+    // j + 1's. vpdpbusd wants u8 x s8: |w| against y with w's sign (a masked negation; y is never
+    // -128, quantize_q8 rounds into +-127).
+    __m512 acc16[R];
+    for (int r = 0; r < R; ++r) acc16[r] = _mm512_setzero_ps();
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (; b + 8 <= nb; b += 8) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + 2 * b)));
+      __m512 sc[R];
+      for (int r = 0; r < R; ++r)
+        sc[r] = _mm512_castps256_ps512(_mm256_mul_ps(dw, _mm256_loadu_ps(dy[r] + b)));
+#pragma GCC unroll 4
+      for (int j = 0; j < 8; j += 2) {
+        const __m512i qw = _mm512_loadu_si512(w + (b + j) * 32);
+        const __m512i aw = _mm512_abs_epi8(qw);
+        const __mmask64 neg = _mm512_movepi8_mask(qw);
+        const __m512i lanes = _mm512_add_epi32(pair, _mm512_set1_epi32(j));
+        for (int r = 0; r < R; ++r) {
+          const __m512i yv = _mm512_loadu_si512(y[r] + (b + j) * 32);
+          const __m512i ys = _mm512_mask_sub_epi8(yv, neg, _mm512_setzero_si512(), yv);
+          const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, ys);
+          acc16[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lanes, sc[r]), _mm512_cvtepi32_ps(dots), acc16[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_add_ps(_mm512_castps512_ps256(acc16[r]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc16[r]), 1)));
+  }
+#endif
   for (; b + 8 <= nb; b += 8) {
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + 2 * b)));
     __m256 sc[R];
@@ -363,7 +403,51 @@ void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const flo
   for (int r = 0; r < R; ++r) out[r] = tail[r];
 }
 
-#ifdef FERRY_AVX2
+#ifdef FERRY_AVX512_VNNI
+// R activation rows (R <= 4) against one interleaved group of 8 weight rows (T = Q4_0 or Q4_1):
+// out[r * 8 + i] = dot of activation row r with weight row i. A block's 128 bytes are two 64-byte
+// vectors of chunk pairs (c, c + 1): lanes 0-7 hold chunk c's 8 rows, lanes 8-15 chunk c + 1's, so
+// the activation dwords they multiply are permuted into those halves (dwords c and c + 1 for the low
+// nibbles, 4 + c and 5 + c for the high ones). The int32 sums of both halves are scaled per block
+// (the same 8 rows' d in both) and folded once at the end.
+template <int T, int R>
+void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+                  const float* const* sy, float* out) {
+  const uint8_t* scales = group + nb * 128;
+  const uint8_t* mns = scales + nb * 16;
+  const __m512i mask = _mm512_set1_epi8(0xF);
+  const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i lo01 = half, hi01 = _mm512_add_epi32(half, _mm512_set1_epi32(4));
+  const __m512i lo23 = _mm512_add_epi32(half, _mm512_set1_epi32(2)), hi23 = _mm512_add_epi32(half, _mm512_set1_epi32(6));
+  __m512 acc[R];
+  __m256 accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = group + b * 128;
+    const __m512i v01 = _mm512_loadu_si512(q), v23 = _mm512_loadu_si512(q + 64);
+    const __m512i l01 = _mm512_and_si512(v01, mask), h01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), mask);
+    const __m512i l23 = _mm512_and_si512(v23, mask), h23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), mask);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16)));
+    const __m256 mw = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mns + b * 16)))
+                                : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+    const __m512 dw16 = _mm512_insertf32x8(_mm512_castps256_ps512(dw), dw, 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512i yv = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + b * 32)));
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l01, _mm512_permutexvar_epi32(lo01, yv));
+      s = _mm512_dpbusd_epi32(s, h01, _mm512_permutexvar_epi32(hi01, yv));
+      s = _mm512_dpbusd_epi32(s, l23, _mm512_permutexvar_epi32(lo23, yv));
+      s = _mm512_dpbusd_epi32(s, h23, _mm512_permutexvar_epi32(hi23, yv));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw16, _mm512_set1_ps(dy[r][b])), acc[r]);
+      accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 lo = _mm512_castps512_ps256(acc[r]);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+    _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(_mm256_add_ps(lo, hi), accm[r]));
+  }
+}
+#elif defined(FERRY_AVX2)
 // R activation rows (R <= 4) against one interleaved group of 8 weight rows (T = Q4_0 or Q4_1):
 // out[r * 8 + i] = dot of activation row r with weight row i.
 template <int T, int R>
