@@ -62,6 +62,22 @@ _DEFAULT_SMS = 132  # an H100 SXM: the split heuristic's SM count where no CUDA 
 
 
 @triton.jit
+def _dot_halves(acc, x_lo, w_lo, x_hi, w_hi, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + x_lo @ w_lo + x_hi @ w_hi (the low and the high nibbles' tiles): fp32 operands in IEEE
+    precision when DOT_F32 (the interpreter, see above), IEEE dots for fp32 x, tensor-core defaults else."""
+    if DOT_F32:
+        acc += tl.dot(x_lo.to(tl.float32), w_lo.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(x_hi.to(tl.float32), w_hi.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        acc += tl.dot(x_lo, w_lo, input_precision="ieee")
+        acc += tl.dot(x_hi, w_hi, input_precision="ieee")
+    else:
+        acc += tl.dot(x_lo, w_lo)
+        acc += tl.dot(x_hi, w_hi)
+    return acc
+
+
+@triton.jit
 def _weight_rows(pid_n, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program pid_n's BLOCK_N weight rows (output columns) in ferry's kernel layout: their indices, which
     exist, each row's byte and fp16 offsets, and the fp16 index of a row's first block scale."""
@@ -126,15 +142,7 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_sp
             xm = m_ok[:, None] & k_ok[None, :]
             x_lo = tl.load(x_ptr + rows64[:, None] * stride_xm + k_lo[None, :], mask=xm, other=0.0)
             x_hi = tl.load(x_ptr + rows64[:, None] * stride_xm + (k_lo + 16)[None, :], mask=xm, other=0.0)
-            if DOT_F32:
-                acc += tl.dot(x_lo.to(tl.float32), w_lo.to(tl.float32), input_precision="ieee")
-                acc += tl.dot(x_hi.to(tl.float32), w_hi.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                acc += tl.dot(x_lo, w_lo, input_precision="ieee")
-                acc += tl.dot(x_hi, w_hi, input_precision="ieee")
-            else:
-                acc += tl.dot(x_lo, w_lo)
-                acc += tl.dot(x_hi, w_hi)
+            acc = _dot_halves(acc, x_lo, w_lo, x_hi, w_hi, IEEE, DOT_F32)
     y = y_ptr + pid_k.to(tl.int64) * stride_ys + rows64[:, None] * stride_ym + cols[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -379,15 +387,7 @@ def _kquant_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, sb_per
         xm = m_ok[:, None]
         x_lo = tl.load(x_rows + s * 256 + col[None, :], mask=xm, other=0.0)  # [BLOCK_M, 128]
         x_hi = tl.load(x_rows + s * 256 + hi_col[None, :], mask=xm, other=0.0)
-        if DOT_F32:
-            acc += tl.dot(x_lo.to(tl.float32), w_lo.to(tl.float32), input_precision="ieee")
-            acc += tl.dot(x_hi.to(tl.float32), w_hi.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            acc += tl.dot(x_lo, w_lo, input_precision="ieee")
-            acc += tl.dot(x_hi, w_hi, input_precision="ieee")
-        else:
-            acc += tl.dot(x_lo, w_lo)
-            acc += tl.dot(x_hi, w_hi)
+        acc = _dot_halves(acc, x_lo, w_lo, x_hi, w_hi, IEEE, DOT_F32)
     y = y_ptr + pid_k.to(tl.int64) * stride_ys + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
