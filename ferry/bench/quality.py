@@ -22,7 +22,7 @@ import torch
 
 from ferry.config import EngineArgs
 from ferry.kv_quant import KV_FORMAT_DTYPES
-from ferry.layers.gguf_linear import int8_dots_at_any_batch
+from ferry.layers.gguf_linear import exact_prompt_rows, int8_dots_at_any_batch
 from ferry.worker.model_loading import load_model
 
 # Held out from the SmoothQuant calibration text (ferry/layers/smoothquant.py): prose, code, Q&A.
@@ -97,10 +97,12 @@ def main(args: argparse.Namespace) -> int:
     label = " + ".join(x for x in (candidate.quantization, kv_format and f"{kv_format} KV cache") if x)
     results = []
     if candidate.quantization == "gguf":
-        # Prefill dequantizes into an fp32 GEMM (exact); decode quantizes activations per 32 values.
-        results.append({"quantization": f"{label} (prefill path)", **compare(reference, candidate, ids, kv_dtype)})
+        # The exact path dequantizes into an fp32 GEMM (K-quant prompt rows take it); the int8 dots
+        # quantize activations per 32 values (decode rows, and every row of Q4_0/Q4_1/Q8_0).
+        with exact_prompt_rows():
+            results.append({"quantization": f"{label} (exact GEMM)", **compare(reference, candidate, ids, kv_dtype)})
         with int8_dots_at_any_batch():
-            results.append({"quantization": f"{label} (decode path)", **compare(reference, candidate, ids, kv_dtype)})
+            results.append({"quantization": f"{label} (int8 dots)", **compare(reference, candidate, ids, kv_dtype)})
     else:
         results.append({"quantization": label, **compare(reference, candidate, ids, kv_dtype)})
     for result in results:

@@ -4,11 +4,12 @@ A weight keeps ggml's bytes: [out_features, row_bytes] uint8, each row K / 32 (o
 K-quants) blocks with their fp16 scales inline, so the model holds the file's 4.5-6.6 bits per weight
 and nothing else. Decode is bound by reading weights; llama.cpp's answer, which the C++ kernel
 follows (ferry/kernels/csrc/gguf_quant_cpu.cpp), is to quantize each activation row per 32 values
-to int8 and take integer dot products against the nibbles. Prompt rows are compute-bound instead,
-and take the exact path: the weight is dequantized, a slice at a time, into an fp32 GEMM operand
-(~2x the int8-dot kernel's throughput at 512 rows on AVX2). Rows are routed by kind, not by count
-(step_decode_rows), so a prompt computes the same however it is chunked, cached or split between
-a prefill and a decode worker.
+to int8 and take integer dot products against the nibbles. Prompt rows are compute-bound instead;
+for Q4_0/Q4_1/Q8_0 the same kernel outruns an fp32 GEMM there too (INT8_PROMPT_TYPES), and every
+row takes it. The K-quants' prompt rows take the exact path: the weight is dequantized, a slice at
+a time, into an fp32 GEMM operand. Their rows are routed by kind, not by count (step_decode_rows),
+and the kernel computes a row the same whatever rows are beside it, so a prompt computes the same
+however it is chunked, cached or split between a prefill and a decode worker.
 
 A linear whose parts have different types (llama.cpp's Q4_K_M mixes Q4_K and Q6_K, and the fused
 q/k/v weight is three tensors) keeps one `GGUFWeight` per part and concatenates their outputs.
@@ -50,13 +51,22 @@ _TYPE_NAMES = {tid: name for name, (tid, _, _) in GGUF_QUANT_TYPES.items()}
 INTERLEAVED_TYPES = {2: 258, 3: 259}
 _TYPE_NAMES.update({258: "Q4_0x8", 259: "Q4_1x8"})
 
-# At this many rows and more, dequantize-then-GEMM beats the int8 dot kernel (measured on an AVX2 EPYC:
-# equal at 64 rows, 2.2x faster at 512 for a 1536 x 576 Q4_1 weight).
+# At this many rows and more, dequantize-then-GEMM beats the K-quants' int8-dot kernel (2-3x faster at
+# 512 rows on Zen 5; equal near 16-64 rows: `scripts/gguf_cpu_sweep.py`).
 GEMM_MIN_ROWS = 64
+
+# Types whose int8-dot kernel outruns dequantize + fp32 GEMM at every row count, prompt rows
+# included: Q4_0/Q4_1 interleaved by 8 rows and Q8_0 rows (at 512 rows 2-3.5x and 1.4x the GEMM's
+# rate on Zen 5, in the AVX-512 VNNI build and the AVX2 one alike: `scripts/gguf_cpu_sweep.py`).
+# Every row of theirs takes the int8 dots, as llama.cpp computes prompts. The K-quants' prompt rows
+# take the exact path.
+INT8_PROMPT_TYPES = frozenset({2, 3, 8, 258, 259})
 
 
 # Set by int8_dots_at_any_batch: every row of every matmul takes the int8 dots.
 _int8_everywhere = False
+# Set by exact_prompt_rows: prompt rows of every type take dequantize + fp32 GEMM.
+_exact_prompts = False
 
 
 @contextlib.contextmanager
@@ -70,6 +80,19 @@ def int8_dots_at_any_batch() -> Iterator[None]:
         yield
     finally:
         _int8_everywhere = saved
+
+
+@contextlib.contextmanager
+def exact_prompt_rows() -> Iterator[None]:
+    """Prompt rows (and, outside a step, matmuls of GEMM_MIN_ROWS rows or more) of every type take the
+    exact path: the weight dequantized into an fp32 GEMM operand. The reference the tests hold a block
+    conversion to (GPTQ/AWQ repacking, TP shards), where int8 activations would blur an exact match."""
+    global _exact_prompts
+    saved, _exact_prompts = _exact_prompts, True
+    try:
+        yield
+    finally:
+        _exact_prompts = saved
 
 
 # Rows dequantized at once on the GEMM path: bounds the fp32 scratch (a 49k-row output head
@@ -266,19 +289,21 @@ def step_decode_rows(num_decodes: int) -> Iterator[None]:
         _step_decode_rows = saved
 
 
-def _int8_dot_rows(rows: int) -> int:
+def _int8_dot_rows(rows: int, qtype: int) -> int:
     """How many leading rows of a matmul take the int8-dot kernel (the rest: dequantize + GEMM)."""
-    if _int8_everywhere:
+    if _int8_everywhere or (qtype in INT8_PROMPT_TYPES and not _exact_prompts):
         return rows
     if _step_decode_rows is not None:
         return min(_step_decode_rows, rows)
     return rows if rows < GEMM_MIN_ROWS else 0
 
 
-def gguf_matmul(x2: torch.Tensor, w: GGUFWeight, int8_rows: int) -> torch.Tensor:
-    """x2 [M, K] fp32 @ w.T -> [M, N]: the first `int8_rows` rows through int8 dots, the rest exact."""
+def gguf_matmul(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """x2 [M, K] fp32 @ w.T -> [M, N]: the leading rows _int8_dot_rows picks through int8 dots, the rest
+    exact."""
     kernels = _kernels()
     rows = x2.shape[0]
+    int8_rows = _int8_dot_rows(rows, w.qtype)
     if int8_rows >= rows:
         return kernels.gguf_linear(x2, w.data, w.qtype, None)
     out = x2.new_empty(rows, w.out_features)
@@ -305,8 +330,9 @@ def gguf_matmul_triton(x2: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
 def gguf_linear(
     x: torch.Tensor, parts: list[GGUFWeight], bias: torch.Tensor | None, triton: bool | None = None
 ) -> torch.Tensor:
-    """On the CPU, inside a model step its decode rows take the int8 dots (step_decode_rows); outside
-    one (the output head, direct calls) all rows do when there are fewer than GEMM_MIN_ROWS, else none.
+    """On the CPU, every row of a Q4_0/Q4_1/Q8_0 weight takes the int8 dots (INT8_PROMPT_TYPES). For the
+    K-quants, inside a model step its decode rows do (step_decode_rows); outside one (the output head,
+    direct calls) all rows do when there are fewer than GEMM_MIN_ROWS, else none.
     Off the CPU (weights on CUDA) every row takes the Triton kernels (gguf_matmul_triton); `triton`
     forces either path (the tests run the Triton one on CPU tensors, interpreted)."""
     lead = x.shape[:-1]
@@ -314,7 +340,6 @@ def gguf_linear(
     on_cpu = x2.device.type == "cpu" if triton is None else not triton
     if on_cpu and x2.dtype != torch.float32:
         raise ValueError(f"GGUF quantized weights take float32 activations on the CPU, got {x2.dtype}")
-    int8_rows = _int8_dot_rows(x2.shape[0]) if on_cpu else 0
     gathered: dict[int, torch.Tensor] = {}  # id(input_order) -> x2's columns in that order
 
     def inputs(w: GGUFWeight) -> torch.Tensor:
@@ -326,7 +351,7 @@ def gguf_linear(
         return gathered[key]
 
     if on_cpu:
-        ys = [gguf_matmul(inputs(w), w, int8_rows) for w in parts]
+        ys = [gguf_matmul(inputs(w), w) for w in parts]
     else:
         ys = [gguf_matmul_triton(inputs(w), w) for w in parts]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)

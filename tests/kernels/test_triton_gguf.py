@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight, gguf_available, gguf_linear
+from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight, exact_prompt_rows, gguf_available, gguf_linear
 
 tg = pytest.importorskip("ferry.kernels.triton_gguf")
 pytestmark = pytest.mark.skipif(not gguf_available(), reason="no C++ compiler for the CPU reference kernels")
@@ -191,7 +191,8 @@ def test_a_dummy_int4_model_runs_on_the_triton_path(tmp_path, monkeypatch):
     monkeypatch.setattr(GGUFWeight, "interleave", lambda self: self)
     model = load_model(EngineArgs(model=str(tmp_path), device="cpu", quantization="gguf", load_format="dummy")).model
     ids = [1, 5, 9, 33, 2]
-    exact = model._forward_prompt(ids)  # 5 prompt rows outside int8_dots_at_any_batch: the exact CPU path
+    with exact_prompt_rows():  # the exact CPU path, not the int8 dots Q4_0 prompt rows take by default
+        exact = model._forward_prompt(ids)
     calls = []
 
     def on_triton(x, parts, bias):

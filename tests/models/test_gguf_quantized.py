@@ -1,7 +1,8 @@
 """The bundled Q4_1 GGUF run as stored (the default, `--quantization auto` -> gguf) against the same
 file dequantized to fp32 (`--quantization none`, the HF-exact reference). Measured on ferry bench
-quality's DEFAULT_TEXT (231 tokens): the decode path (int8 activations per 32 values) KL 0.0026,
-top-1 agreement 0.965, perplexity 17.79 -> 17.90 (+0.6%); the prefill path dequantizes exactly."""
+quality's DEFAULT_TEXT (231 tokens): the int8 dots (int8 activations per 32 values; every row of this
+Q4_1/Q8_0 file) KL 0.0026, top-1 agreement 0.965, perplexity 17.79 -> 17.90 (+0.6%); the exact path
+(exact_prompt_rows) dequantizes into an fp32 GEMM."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from conftest import assert_no_blocks_referenced, run_to_completion
 from ferry.bench.quality import DEFAULT_TEXT, compare
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.layers.gguf_linear import gguf_available, int8_dots_at_any_batch
+from ferry.layers.gguf_linear import exact_prompt_rows, gguf_available
 from ferry.layers.linear import Linear
 from ferry.models.paths import default_model_path
 from ferry.models.weight_memory import held_weight_bytes
@@ -49,10 +50,11 @@ def test_weights_stay_quantized_and_are_the_only_copy(gguf_model):
 def test_next_token_distributions_stay_close_to_the_dequantized_model(smollm, gguf_model):
     reference, tokenizer = smollm[0], smollm[1]
     ids = tokenizer.encode(DEFAULT_TEXT)
-    exact = compare(reference, gguf_model.model, ids)  # a long prefill: dequantize + fp32 GEMM
+    with exact_prompt_rows():  # the reference path: dequantize + fp32 GEMM
+        exact = compare(reference, gguf_model.model, ids)
     assert exact["kl_mean"] < 1e-5 and exact["top1_agreement"] == 1.0, exact
-    with int8_dots_at_any_batch():  # what decode computes: int8 activations, integer dots
-        r = compare(reference, gguf_model.model, ids)
+    # What the engine computes for Q4_1 / Q8_0 prompts and decode alike: int8 activations, integer dots
+    r = compare(reference, gguf_model.model, ids)
     assert 1e-5 < r["kl_mean"] < 0.01, r
     assert r["top1_agreement"] >= 0.93, r
     assert r["ppl_candidate"] < 1.02 * r["ppl_reference"], r
@@ -74,18 +76,20 @@ def test_engine_generates_with_quantized_weights(gguf_model):
 def test_bundled_gguf_runs_quantized_under_tensor_parallelism(gguf_model):
     """SmolLM2's 9 heads / 3 kv heads over 3 CPU ranks (gloo), its blocks sharded as stored: q/k/v and
     gate/up by rows, o/down by whole 32-blocks of their input columns, the tied Q8_0 embedding / head
-    by vocab rows. A block's int8 dot is the same on either side of a split, so the greedy text is
-    TP=1's."""
+    by vocab rows. A block's int8 dot is the same on either side of a split; o/down's partial sums
+    are added in another order, a rounding-level difference that int8 activations can amplify a
+    few tokens on (as between llama.cpp builds), so the check is TP=1's first tokens and their
+    logprobs (a misplaced shard gives other text from the first token on)."""
     model, tokenizer, device, dtype, path = gguf_model
     prompts = ["The capital of France is Paris. The capital of Germany is", "def fibonacci(n):"]
 
-    def greedy(engine: LLMEngine) -> list[list[int]]:
+    def greedy(engine: LLMEngine) -> list:
         try:
             for i, p in enumerate(prompts):
-                engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=12))
+                engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=12, logprobs=1))
             done = run_to_completion(engine)
             assert_no_blocks_referenced(engine)
-            return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+            return [done[str(i)].outputs[0] for i in range(len(prompts))]
         finally:
             engine.shutdown()
 
@@ -94,12 +98,21 @@ def test_bundled_gguf_runs_quantized_under_tensor_parallelism(gguf_model):
     tp3 = LLMEngine(EngineArgs(model=path, device="cpu", num_kv_blocks=64, tensor_parallel_size=3))
     assert tp3.model.quantization == "gguf" and tp3.model.embed_tokens.gguf.out_features == 49152 // 3
     assert tp3.model.layers[0].mlp.down_proj.gguf[0].in_features == 1536 // 3
-    assert greedy(tp3) == ref
+    got = greedy(tp3)
+    assert got[0].text.startswith(" Berlin") and ref[0].text.startswith(" Berlin")
+    for a, b in zip(got, ref):
+        assert a.token_ids[0] == b.token_ids[0]
+        first = [next(iter(out.logprobs[0].values())).logprob for out in (a, b)]
+        assert abs(first[0] - first[1]) < 0.05, first
 
 
 def test_prompt_rows_compute_the_same_however_the_prompt_is_chunked(gguf_model):
-    """Prompt rows take the exact path and decode rows the int8 dots whatever the batch holds, so
-    a chunked prefill (or a PD decode worker recomputing a prompt's tail) matches a whole one."""
+    """A chunked prefill (or a PD decode worker recomputing a prompt's tail) against a whole one. On
+    the exact path (the K-quants' prompt rows; here forced) the first token's distribution is the
+    same to fp32 GEMM rounding. Q4_1/Q8_0 prompt rows take the int8 dots, which compute a row the
+    same whatever rows are beside it; the attention over a chunk and its cached prefix rounds apart
+    from a whole prompt's, and int8 activations amplify that (as in llama.cpp) to ~0.1 in a logprob
+    here: the same greedy text, the first logprob within 0.25."""
     model, tokenizer, device, dtype, path = gguf_model
     prompt = DEFAULT_TEXT[:400]
 
@@ -109,14 +122,21 @@ def test_prompt_rows_compute_the_same_however_the_prompt_is_chunked(gguf_model):
         engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=1))
         return run_to_completion(engine)["a"].outputs[0]
 
-    chunked, whole = greedy(max_num_batched_tokens=7, enable_prefix_caching=False), greedy(enable_prefix_caching=False)
-    assert chunked.token_ids == whole.token_ids
-    # The first token's distribution comes from the prompt rows alone: the same up to fp32 GEMM
-    # rounding (routed by row count, the 7-row chunks took the int8 dots: 0.06 apart here). Later
-    # tokens are not bounded this tightly: rounding-level differences in the K/V can flip an int8
-    # activation step in decode, as in llama.cpp.
-    first = [next(iter(out.logprobs[0].values())).logprob for out in (chunked, whole)]
-    assert abs(first[0] - first[1]) < 2e-5, first
+    def first_logprob(out) -> float:
+        return next(iter(out.logprobs[0].values())).logprob
+
+    def chunked_and_whole():
+        return greedy(max_num_batched_tokens=7, enable_prefix_caching=False), greedy(enable_prefix_caching=False)
+
+    with exact_prompt_rows():
+        chunked, whole = chunked_and_whole()
+    # Later tokens are not bounded this tightly: decode rows are int8 on both.
+    assert chunked.token_ids[0] == whole.token_ids[0]
+    assert abs(first_logprob(chunked) - first_logprob(whole)) < 2e-5
+    int8_chunked, int8_whole = chunked_and_whole()
+    assert int8_chunked.token_ids == int8_whole.token_ids
+    assert abs(first_logprob(int8_chunked) - first_logprob(int8_whole)) < 0.25
+    assert abs(first_logprob(int8_whole) - first_logprob(whole)) < 0.25
 
 
 def test_quantization_choices(tmp_path):

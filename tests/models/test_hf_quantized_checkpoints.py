@@ -5,7 +5,7 @@ The checkpoints are written here: a tiny random Llama whose projections are quan
 round-to-nearest and packed by packers written from each format's description (AutoGPTQ's v1/v2
 qweight/qzeros/scales/g_idx, AutoAWQ's GEMM layout, compressed-tensors' pack-quantized and
 int-quantized). The reference is the same model with the dequantized weights saved as a plain fp32
-checkpoint. Prompt rows take the exact dequantize + fp32 GEMM path, so logits match the reference
+checkpoint. On the exact path (dequantize + fp32 GEMM, which `exact_prompt_rows` forces) logits match the reference
 to rounding wherever the conversion to blocks is exact (everything but asymmetric 4-bit, whose
 fp16 min m = -d * zero is bounded instead); decode rows take int8 activations, bounded by KL.
 """
@@ -22,7 +22,7 @@ from conftest import run_to_completion
 from ferry.bench.quality import compare
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.layers.gguf_linear import gguf_available, gguf_linear, int8_dots_at_any_batch
+from ferry.layers.gguf_linear import exact_prompt_rows, gguf_available, gguf_linear
 from ferry.layers.linear import Linear
 from ferry.models.quantized_checkpoints import IntWeight, parse_quantization_config
 from ferry.sampling_params import SamplingParams
@@ -339,17 +339,18 @@ def test_runs_quantized_with_one_copy_and_matches_the_dequantized_reference(chec
     fp32_bytes = sum(w.numel() * 4 for w in dequantized.values())
     assert held <= 1.25 * packed and held < fp32_bytes / 3, (held, packed, fp32_bytes)
 
-    # (b) prompt rows (exact dequantize + fp32 GEMM) against the fp32 model of the dequantized weights
+    # (b) the exact path (dequantize + fp32 GEMM) against the fp32 model of the dequantized weights
     reference = load_model(EngineArgs(model=rdir, device="cpu", dtype="float32")).model
     assert reference.quantization is None
     ids = torch.randint(0, CONFIG["vocab_size"], (48,), generator=torch.Generator().manual_seed(3)).tolist()
-    r = compare(reference, model, ids)
+    with exact_prompt_rows():
+        r = compare(reference, model, ids)
     # asymmetric 4-bit is off by its fp16 mins: enough to flip a near tie now and then
     assert r["top1_agreement"] == 1.0 if exact else r["top1_agreement"] >= 0.95, r
     assert r["kl_mean"] < (1e-6 if exact else 1e-4), r  # fp32 GEMMs (oneDNN vs torch) round apart
-    # decode rows: int8 activations per 32 values, llama.cpp's trade
-    with int8_dots_at_any_batch():
-        r = compare(reference, model, ids)
+    # what the engine computes (these blocks are Q4_0/Q4_1/Q8_0: prompt and decode rows alike):
+    # int8 activations per 32 values, llama.cpp's trade
+    r = compare(reference, model, ids)
     assert r["kl_mean"] < 0.01 and r["top1_agreement"] >= 0.9, r
 
     # Greedy on the exact path (every step a whole prefill): token for token where the conversion is exact.
@@ -360,17 +361,19 @@ def test_runs_quantized_with_one_copy_and_matches_the_dequantized_reference(chec
         return seq[12:]
 
     if exact:
-        assert greedy_exact(model) == greedy_exact(reference)
+        with exact_prompt_rows():
+            assert greedy_exact(model) == greedy_exact(reference)
 
-    # Through the engine: the first token comes from prompt rows (exact); later ones from decode rows,
-    # whose int8 activations flip near ties of this random model (ppl ~500) within a few tokens.
+    # Through the engine (int8 activations, which flip near ties of this random model, ppl ~500,
+    # within a few tokens): its first token on the exact path.
     def greedy(loaded_model, path):
         args = EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=32)
         engine = LLMEngine(args, model=loaded_model, tokenizer=None, device=torch.device("cpu"), dtype=torch.float32)
         engine.add_request("a", ids[:12], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         return run_to_completion(engine)["a"].outputs[0].token_ids
 
-    got, want = greedy(model, qdir), greedy(reference, rdir)
+    with exact_prompt_rows():
+        got, want = greedy(model, qdir), greedy(reference, rdir)
     assert len(got) == 4 and (got[0] == want[0] or not exact)
 
 
@@ -419,8 +422,7 @@ def test_q8_decode_dots_take_the_whole_int8_range():
     assert blocks.type_name == "Q8_0" and torch.equal(blocks.dequantize(), weight.dequantize())
     x = torch.randint(-127, 128, (3, 64), generator=torch.Generator().manual_seed(1)).float()
     x[:, 0::32] = 127.0  # each block's activation scale is exactly 1
-    with int8_dots_at_any_batch():
-        got = gguf_linear(x, [blocks], None)
+    got = gguf_linear(x, [blocks], None)  # Q8_0: every row takes the int8 dots
     torch.testing.assert_close(got, x @ weight.dequantize().t(), rtol=1e-6, atol=1e-3)
 
 

@@ -27,10 +27,11 @@
 //   Q4_0 (w = d (q - 8)):  d dy sum(q y) - 8 d sy
 //   Q4_1 (w = d q + m):    d dy sum(q y) + m sy
 //   Q8_0 (w = d q):        d dy sum(q y)          (signed x signed: sign trick)
-// K-quants (Q4_K, Q5_K, Q6_K) are unpacked one row at a time into int8 values
-// with a scale per 16 and a min per 32, then take the same integer dots.
-// Matmuls with many rows (prefill) are compute-bound, not byte-bound: the
-// Python side dequantizes the weight (gguf_dequantize) and calls a BLAS GEMM.
+// K-quants (Q4_K, Q5_K, Q6_K) are decoded from their super-blocks in registers, a
+// 32-value sub-block per vector, and take the same integer dots (dot_row_kquant).
+// Prompt rows of Q4_0/Q4_1/Q8_0 take these kernels too (they outrun an fp32 GEMM
+// there); the K-quants' prompt rows are dequantized (gguf_dequantize) into a BLAS
+// GEMM on the Python side (ferry/layers/gguf_linear.py says why).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,8 +47,9 @@
 #endif
 // AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4/5): vpdpbusd multiplies u8 x s8 and adds
 // groups of four straight into int32 lanes, 64 bytes at a time, where AVX2 needs vpmaddubsw
-// (int16 pairs), vpmaddwd (to int32) and an add for 32. The interleaved Q4 group kernel and the
-// Q8_0 row kernel (the tied head's type in Q4_K_M/Q4_1 files) take it; the rest stays AVX2.
+// (int16 pairs), vpmaddwd (to int32) and an add for 32. The interleaved Q4 group kernel, the
+// Q8_0 row kernel (the tied head's type in Q4_K_M/Q4_1 files) and the K-quant row kernel take it;
+// plain Q4 rows (past a weight's last group of 8) stay AVX2.
 // FERRY_CPU_ISA=avx2 builds without it (ferry/kernels/cpu.py), which the tests compare against.
 #if defined(FERRY_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FERRY_AVX512_VNNI 1
@@ -377,7 +379,7 @@ void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const flo
       __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + b * 32));
       if (T == Q8_0) yv = _mm256_sign_epi8(yv, qw);
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dy[r][b]), dot_u8s8(aw, yv), acc[r]);
-      tail[r] += m * sy[r][b];
+      tail[r] = std::fma(m, sy[r][b], tail[r]);  // explicit: no row count may contract it otherwise
     }
   }
   for (int r = 0; r < R; ++r) tail[r] += hsum(acc[r]) + hsum(accm[r]);
@@ -396,7 +398,7 @@ void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const flo
     for (int r = 0; r < R; ++r) {
       int acc_i = 0;
       for (int l = 0; l < 32; ++l) acc_i += int(q[l]) * int(y[r][b * 32 + l]);
-      tail[r] += d * dy[r][b] * float(acc_i) + m * sy[r][b];
+      tail[r] += std::fma(d * dy[r][b], float(acc_i), m * sy[r][b]);
     }
   }
 #endif
@@ -524,7 +526,9 @@ void dot_group(int R, const uint8_t* group, int64_t nb, const int8_t* const* y, 
   }
 }
 
-// K-quant row (already unpacked to int8 q, scale per 16, min per 32) against R activation rows.
+#ifndef FERRY_AVX2
+// Portable: a K-quant row (already unpacked to int8 q, scale per 16, min per 32) against R
+// activation rows, with explicit fma so that no row count rounds a row differently.
 template <int R>
 void dot_row_unpacked(const int8_t* q, const float* sc16, const float* mn32, int64_t K, const int8_t* const* y,
                       const float* const* dy, const float* const* sy, float* out) {
@@ -537,13 +541,194 @@ void dot_row_unpacked(const int8_t* q, const float* sc16, const float* mn32, int
       int s = 0;
 #pragma omp simd reduction(+ : s)
       for (int l = 0; l < 16; ++l) s += int(qg[l]) * int(yg[l]);
-      acc[r] += sc16[g] * dy[r][g / 2] * float(s);
+      acc[r] = std::fma(sc16[g] * dy[r][g / 2], float(s), acc[r]);
     }
   }
   for (int64_t b = 0; b < K / 32; ++b)
-    for (int r = 0; r < R; ++r) acc[r] -= mn32[b] * sy[r][b];
+    for (int r = 0; r < R; ++r) acc[r] = std::fma(-mn32[b], sy[r][b], acc[r]);
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
+#endif
+
+#ifdef FERRY_AVX512_VNNI
+// The same with AVX-512 VNNI: two sub-blocks per 64-byte vector (lanes 0-7 sub-block 2p, 8-15
+// sub-block 2p + 1), vpdpbusd summing four u8 x s8 products into each int32 lane where AVX2 takes
+// maddubs and madd. Q6_K's lanes hold 16-value groups 4p .. 4p + 3 (four lanes each), scaled in
+// float by d * sc_g, and its -32 offset is a second vpdpbusd (32 against y) taken off in int32.
+template <int T, int R>
+void dot_row_kquant(const uint8_t* row, int64_t K, const int8_t* const* y, const float* const* dy,
+                    const float* const* sy, float* out) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+  const __m512i k32 = _mm512_set1_epi8(32), b4 = _mm512_set1_epi8(0x10);
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i quarters = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R];
+  __m256 accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const int64_t b0 = s * 8;
+    __m512i u[4];   // sub-blocks 2p, 2p + 1
+    __m512 lane_scale[4];  // Q6_K: d * sc of each lane's 16-value group
+    __m256 sc8;     // Q4_K / Q5_K: d * sc_j per sub-block; Q6_K: unused
+    auto pair = [](__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); };
+    if constexpr (T == Q4_K || T == Q5_K) {
+      const uint8_t* b = row + s * (T == Q4_K ? 144 : 176);
+      const float d = half_at(b), dmin = half_at(b + 2);
+      alignas(32) float scf[8], mnf[8];
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, mn;
+        scale_min_k4(j, b + 4, sc, mn);
+        scf[j] = d * sc, mnf[j] = dmin * mn;
+      }
+      sc8 = _mm256_load_ps(scf);
+      const __m256 mn8 = _mm256_load_ps(mnf);
+      for (int r = 0; r < R; ++r) accm[r] = _mm256_fmadd_ps(mn8, _mm256_loadu_ps(sy[r] + b0), accm[r]);
+      const uint8_t* qs = b + (T == Q5_K ? 48 : 16);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
+        u[p] = pair(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+      }
+      if constexpr (T == Q5_K) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+        for (int p = 0; p < 4; ++p) {
+          const __m512i bits = pair(_mm256_set1_epi8(char(1 << (2 * p))), _mm256_set1_epi8(char(1 << (2 * p + 1))));
+          u[p] = _mm512_mask_add_epi8(u[p], _mm512_test_epi8_mask(qh, bits), u[p], b4);
+        }
+      }
+    } else {  // Q6_K
+      const uint8_t* b = row + s * 210;
+      const __m512 d16 = _mm512_set1_ps(half_at(b + 208));
+      const __m512 sc16 = _mm512_mul_ps(d16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+      for (int p = 0; p < 4; ++p)
+        lane_scale[p] = _mm512_permutexvar_ps(_mm512_add_epi32(quarters, _mm512_set1_epi32(4 * p)), sc16);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + n * 64));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + n * 64 + 32));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + n * 32));
+        auto high = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), m2), 4); };
+        u[2 * n] = pair(_mm256_or_si256(_mm256_and_si256(l0, m4), high(0)),
+                        _mm256_or_si256(_mm256_and_si256(l1, m4), high(2)));
+        u[2 * n + 1] = pair(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dy8 = _mm256_loadu_ps(dy[r] + b0);
+      const __m512 scale = _mm512_castps256_ps512(T == Q6_K ? dy8 : _mm256_mul_ps(sc8, dy8));
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i yv = _mm512_loadu_si512(y[r] + (b0 + 2 * p) * 32);
+        __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p], yv);
+        __m512 lanes = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(2 * p)), scale);
+        if constexpr (T == Q6_K) {
+          dots = _mm512_sub_epi32(dots, _mm512_dpbusd_epi32(_mm512_setzero_si512(), k32, yv));
+          lanes = _mm512_mul_ps(lanes, lane_scale[p]);
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), lanes, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum(accm[r]);
+}
+#elif defined(FERRY_AVX2)
+// K-quant super-blocks straight from the file's bytes, R activation rows (R <= 4) at a time. Each
+// 32-value sub-block j's quants are decoded to unsigned bytes in one vector (Q4_K: a nibble half;
+// Q5_K: plus its bit of qh; Q6_K: 4 bits of ql and 2 of qh), dotted with the row's int8 block by
+// maddubs, and scaled in float per sub-block: Q4_K/Q5_K by d * sc_j (the 6-bit scale) times the
+// block's dy, their mins as one 8-lane FMA per super-block (dmin * mn_j against the 8 blocks' sy);
+// Q6_K's per-16 int8 scales multiply the int16 pair sums in the madd (lanes 0-7 hold values 0-15),
+// and its -32 offset is taken off in int16 (maddubs of 32 against y). Each row keeps its own
+// accumulators and op order, so its result does not depend on R.
+template <int T, int R>
+void dot_row_kquant(const uint8_t* row, int64_t K, const int8_t* const* y, const float* const* dy,
+                    const float* const* sy, float* out) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  const __m256i b4 = _mm256_set1_epi8(0x10), k32 = _mm256_set1_epi8(32);
+  __m256 acc[R], accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const int64_t b0 = s * 8;  // the super-block's first activation block
+    __m256 sc8;                // per sub-block float scale (Q6_K: d; its 16-value scales go in the madd)
+    __m256i u[8];              // the 8 sub-blocks' quants as unsigned bytes
+    __m256i sc16[8];           // Q6_K: int16 scales, lanes 0-7 the first 16 values, 8-15 the next
+    if constexpr (T == Q4_K || T == Q5_K) {
+      const uint8_t* b = row + s * (T == Q4_K ? 144 : 176);
+      const float d = half_at(b), dmin = half_at(b + 2);
+      alignas(32) float scf[8], mnf[8];
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, mn;
+        scale_min_k4(j, b + 4, sc, mn);
+        scf[j] = d * sc, mnf[j] = dmin * mn;
+      }
+      sc8 = _mm256_load_ps(scf);
+      const __m256 mn8 = _mm256_load_ps(mnf);
+      for (int r = 0; r < R; ++r) accm[r] = _mm256_fmadd_ps(mn8, _mm256_loadu_ps(sy[r] + b0), accm[r]);
+      const uint8_t* qs = b + (T == Q5_K ? 48 : 16);
+      __m256i qh;
+      if constexpr (T == Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
+        u[2 * p] = _mm256_and_si256(v, m4);
+        u[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      }
+      if constexpr (T == Q5_K) {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i bit = _mm256_set1_epi8(char(1 << j));
+          u[j] = _mm256_or_si256(u[j], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), b4));
+        }
+      }
+    } else {  // Q6_K
+      const uint8_t* b = row + s * 210;
+      sc8 = _mm256_set1_ps(half_at(b + 208));
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      for (int j = 0; j < 8; ++j)
+        sc16[j] = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * j]), _mm_set1_epi16(scales[2 * j + 1]));
+      for (int n = 0; n < 2; ++n) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + n * 64));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + n * 64 + 32));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + n * 32));
+        auto high = [&](int shift) {  // bits shift..shift+1 of qh as bits 4-5
+          return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift), m2), 4);
+        };
+        u[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+        u[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+        u[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
+        u[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_mul_ps(sc8, _mm256_loadu_ps(dy[r] + b0));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + (b0 + j) * 32));
+        __m256i dots;
+        if constexpr (T == Q6_K) {
+          const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(u[j], yv), _mm256_maddubs_epi16(k32, yv));
+          dots = _mm256_madd_epi16(pairs, sc16[j]);
+        } else {
+          dots = _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], yv), ones);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(j)), _mm256_cvtepi32_ps(dots), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum(accm[r]);
+}
+#endif
+
+#ifdef FERRY_AVX2
+template <int T>
+void dot_kquant(int R, const uint8_t* row, int64_t K, const int8_t* const* y, const float* const* dy,
+                const float* const* sy, float* out) {
+  switch (R) {
+    case 4: dot_row_kquant<T, 4>(row, K, y, dy, sy, out); break;
+    case 3: dot_row_kquant<T, 3>(row, K, y, dy, sy, out); break;
+    case 2: dot_row_kquant<T, 2>(row, K, y, dy, sy, out); break;
+    default: dot_row_kquant<T, 1>(row, K, y, dy, sy, out);
+  }
+}
+#endif
 
 void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight must be contiguous uint8 [N, row_bytes]");
@@ -577,8 +762,10 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
   const int64_t t = base_type(qtype);
   const bool kquant = layout_of(t).block == 256;
   const int64_t grouped = is_x8(qtype) ? N / kGroup * kGroup : 0;  // rows in whole interleaved groups
+#ifndef FERRY_AVX2
   std::vector<int8_t> q(kquant ? K : 0);
   std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
+#endif
   const uint8_t* end = w + std::min(N, (n1 + kGroup - 1) / kGroup * kGroup) * row_bytes;
   auto prefetch = [&](const uint8_t* at, int64_t bytes) {
 #ifdef FERRY_AVX2
@@ -613,18 +800,26 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
   for (; n < n1; ++n) {  // plain rows
     const uint8_t* row = w + n * row_bytes;
     prefetch(row, row_bytes);
+#ifndef FERRY_AVX2
     if (kquant) unpack_kquant_row(t, row, K, q.data(), sc16.data(), mn32.data());
+#endif
     for (int64_t m = 0; m < M; m += 4) {
       const int R = int(std::min<int64_t>(4, M - m));
       activations(m, R);
       float out[4];
       if (kquant) {
+#ifdef FERRY_AVX2
+        if (t == Q4_K) dot_kquant<Q4_K>(R, row, K, yr, dr, sr, out);
+        else if (t == Q5_K) dot_kquant<Q5_K>(R, row, K, yr, dr, sr, out);
+        else dot_kquant<Q6_K>(R, row, K, yr, dr, sr, out);
+#else
         switch (R) {
           case 4: dot_row_unpacked<4>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
           case 3: dot_row_unpacked<3>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
           case 2: dot_row_unpacked<2>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out); break;
           default: dot_row_unpacked<1>(q.data(), sc16.data(), mn32.data(), K, yr, dr, sr, out);
         }
+#endif
       } else {
         if (t == Q4_1) dot_q32<Q4_1>(R, row, nb, yr, dr, sr, out);
         else if (t == Q4_0) dot_q32<Q4_0>(R, row, nb, yr, dr, sr, out);

@@ -1,0 +1,88 @@
+"""GGUF matmuls on the CPU, by type and row count: ferry's int8-dot kernel (cpu_kernels().gguf_linear,
+activations quantized per 32 values; Q4_0/Q4_1 interleaved by 8 rows as the loader leaves them) against
+the exact path (gguf_dequantize, then torch's fp32 GEMM), in GFLOP/s (2 M N K per matmul) and us, best
+of --repeats. What `INT8_PROMPT_TYPES` and `GEMM_MIN_ROWS` in ferry/layers/gguf_linear.py rest on.
+Shapes: SmolLM2-135M's projections for the 32-value types; K-quant rows need K a multiple of 256, so
+they take a 3072 x 768 weight (and SmolLM2's gate_up shape is not one). Weights are hot in cache; a
+decode step reads them from memory (`ferry bench latency` measures that). From the repo root:
+    python3 scripts/gguf_cpu_sweep.py [--rows 1 16 64 512] [--threads 2]
+    FERRY_CPU_ISA=avx2 python3 scripts/gguf_cpu_sweep.py   # the AVX2 build of the same kernels"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from ferry.kernels.cpu import cpu_flags, cpu_kernels
+from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
+
+SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+K_QUANT_SHAPE = {"3072x768": (3072, 768)}
+
+
+def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> GGUFWeight:
+    """gguf-py quantizes the 32-value types; it cannot quantize K-quants, whose blocks are random bytes
+    with small positive fp16 super-scales (what the kernel reads is the same either way)."""
+    if not type_name.endswith("_K"):
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[type_name])
+        return GGUFWeight.from_numpy(raw, type_name, (n, k)).interleave()
+    _, _, block_bytes = GGUF_QUANT_TYPES[type_name]
+    blocks = n * k // 256
+    raw = rng.integers(0, 256, size=(blocks, block_bytes), dtype=np.uint8)
+    scale = np.full(blocks, 0.01, np.float16).view(np.uint8).reshape(blocks, 2)
+    if type_name == "Q6_K":
+        raw[:, 208:210] = scale
+    else:
+        raw[:, 0:2], raw[:, 2:4] = scale, scale
+    return GGUFWeight.from_numpy(raw.reshape(n, -1), type_name, (n, k))
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
+    parser.add_argument("--types", nargs="+", default=list(GGUF_QUANT_TYPES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
+    isa = "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2"
+    print(f"threads {args.threads}, CPU flags include {isa} (FERRY_CPU_ISA picks the build)")
+    print("| type | shape | rows | int8 dots us | GFLOP/s | dequantize + GEMM us | GFLOP/s | int8 / GEMM |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rng = np.random.default_rng(0)
+    for type_name in args.types:
+        shapes = K_QUANT_SHAPE if type_name.endswith("_K") else SMOLLM2
+        for shape_name, (n, k) in shapes.items():
+            w = random_weight(type_name, n, k, rng)
+            for rows in args.rows:
+                x = torch.randn(rows, k)
+                flops = 2 * rows * n * k
+                int8 = best_of(lambda: kernels.gguf_linear(x, w.data, w.qtype, None), args.repeats)  # noqa: B023
+                gemm = best_of(
+                    lambda: x @ kernels.gguf_dequantize(w.data, w.qtype, k).t(),  # noqa: B023
+                    args.repeats,
+                )
+                print(f"| {type_name} | {shape_name} | {rows} | {int8 * 1e6:.0f} | {flops / int8 / 1e9:.0f} "
+                      f"| {gemm * 1e6:.0f} | {flops / gemm / 1e9:.0f} | {gemm / int8:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
