@@ -51,15 +51,15 @@ _TYPE_NAMES = {tid: name for name, (tid, _, _) in GGUF_QUANT_TYPES.items()}
 INTERLEAVED_TYPES = {2: 258, 3: 259}
 _TYPE_NAMES.update({258: "Q4_0x8", 259: "Q4_1x8"})
 
-# At this many rows and more, dequantize-then-GEMM beats the K-quants' int8-dot kernel (2-3x faster at
-# 512 rows on Zen 5; equal near 16-64 rows: `scripts/gguf_cpu_sweep.py`).
+# K-quants: from about this many rows on, dequantize + fp32 GEMM catches up with their int8 dots (at
+# 64 rows the dots are 1.2-2.1x faster; at 512 rows 0.57-0.79x in the AVX2 build, 0.94-1.34x with
+# VNNI, on Zen 5: `scripts/gguf_cpu_sweep.py`, BENCHMARKS.md).
 GEMM_MIN_ROWS = 64
 
-# Types whose int8-dot kernel outruns dequantize + fp32 GEMM at every row count, prompt rows
-# included: Q4_0/Q4_1 interleaved by 8 rows and Q8_0 rows (at 512 rows 2-3.5x and 1.4x the GEMM's
-# rate on Zen 5, in the AVX-512 VNNI build and the AVX2 one alike: `scripts/gguf_cpu_sweep.py`).
-# Every row of theirs takes the int8 dots, as llama.cpp computes prompts. The K-quants' prompt rows
-# take the exact path.
+# Types whose int8-dot kernel is at least as fast as dequantize + fp32 GEMM at every row count, prompt
+# rows included (at 512 rows on Zen 5: Q4_0/Q4_1 interleaved by 8 rows 2.7-3.6x with VNNI and
+# 1.4-1.5x in the AVX2 build; Q8_0 rows 1.0-1.3x). Every row of theirs takes the int8 dots, as
+# llama.cpp computes prompts. The K-quants' prompt rows take the exact path.
 INT8_PROMPT_TYPES = frozenset({2, 3, 8, 258, 259})
 
 
