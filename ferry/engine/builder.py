@@ -20,6 +20,7 @@ from ferry.engine.core import EngineCore
 from ferry.engine.messages import EngineInfo
 from ferry.models.config import ModelConfig
 from ferry.utils.math import cdiv
+from ferry.utils.process import freeze_startup_heap
 from ferry.worker.memory import blocks_in_budget, gpu_kv_budget, host_kv_budget, kv_bytes_per_block
 from ferry.worker.model_loading import LoadedModel, load_model
 from ferry.worker.model_runner import ModelRunner
@@ -40,7 +41,9 @@ def build_engine_core(args: EngineArgs, loaded: LoadedModel | None = None) -> En
         atexit.register(tp_workers.shutdown)  # LLM users rarely shut down; tear the group down cleanly
         tp = tp_workers.tp
     try:
-        return _build(args, loaded or load_model(args, tp), tp, tp_workers)
+        core = _build(args, loaded or load_model(args, tp), tp, tp_workers)
+        freeze_startup_heap()
+        return core
     except BaseException:
         if tp_workers is not None:
             tp_workers.shutdown()
