@@ -124,14 +124,15 @@ def test_triton_prefill_reads_quantized_prefix_and_chunk(tk, dtype):
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is the CPU's")
 @pytest.mark.parametrize("dtype", QDTYPES)
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (3, 3)])
-def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads):
+@pytest.mark.parametrize("bs, d", [(4, 32), (16, 64)])  # 16-token blocks: 8 keys per vector step
+def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads, bs, d):
     kernels = cpu_kernels()
     if kernels is None:
         pytest.fail("the CPU kernels did not build (a compiler is part of the test set-up)")
-    nb, bs, d = 30, 4, 32
+    nb = 30
     k_cache = quantized_cache(nb, bs, kv_heads, d, dtype, seed=5)
     v_cache = quantized_cache(nb, bs, kv_heads, d, dtype, seed=6)
-    lens = [1, 5, 16, 9, 23]
+    lens = [1, 5, 16, 9, 23] + ([70, 13] if bs == 16 else [])
     table = tables(lens, bs, nb)
     q = torch.randn(len(lens), heads, d)
     got = kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lens), d**-0.5)
@@ -147,7 +148,8 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads):
     for i, n in enumerate(lens):
         ref = dense_attention(q_as_used[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
                               torch.tensor([n - 1]), d**-0.5)  # fmt: skip
-        torch.testing.assert_close(got[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+        # fp32 rounding: a 70-token row merges two partitions and sums 70 exponentials (~2e-5 seen)
+        torch.testing.assert_close(got[i : i + 1], ref, rtol=1e-4, atol=5e-5)
 
 
 COMPILE_SCRIPT = r"""

@@ -38,6 +38,12 @@ constexpr int64_t kPartitionTokens = 64;
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FERRY_ATTN_AVX2 1
+// AVX-512 (with VNNI for the int8 cache's K dots): PV and the int8 K dots 16 floats / 32 int16
+// wide, the same per-lane operation order as their AVX2 loops (the int32 dots exact). The build
+// as a whole still rounds apart from the AVX2 one: the compiler vectorizes expf 16 wide there.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FERRY_ATTN_AVX512 1
+#endif
 
 // out[t] = scale * dot(q, k_t) for n keys of D (a multiple of 8) floats, rows `ks` floats apart.
 // Eight keys at a time: eight independent FMA chains over D, then one transposing reduction
@@ -81,8 +87,27 @@ inline void block_values_chunk(const float* p, const float* vb, int64_t vs, int6
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
+#ifdef FERRY_ATTN_AVX512
+template <int NV>
+inline void block_values_chunk512(const float* p, const float* vb, int64_t vs, int64_t n, float* acc) {
+  __m512 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    const float* v = vb + t * vs;
+    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * i), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
+
 inline void block_values(const float* p, const float* vb, int64_t vs, int64_t n, int64_t D, float* acc) {
   int64_t d = 0;
+#ifdef FERRY_ATTN_AVX512
+  for (; d + 64 <= D; d += 64) block_values_chunk512<4>(p, vb + d, vs, n, acc + d);
+  if (d + 32 <= D) block_values_chunk512<2>(p, vb + d, vs, n, acc + d), d += 32;
+  if (d + 16 <= D) block_values_chunk512<1>(p, vb + d, vs, n, acc + d), d += 16;
+#endif
   for (; d + 64 <= D; d += 64) block_values_chunk<8>(p, vb + d, vs, n, acc + d);
   if (d + 32 <= D) block_values_chunk<4>(p, vb + d, vs, n, acc + d), d += 32;
   if (d + 16 <= D) block_values_chunk<2>(p, vb + d, vs, n, acc + d), d += 16;
@@ -139,7 +164,20 @@ inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float*
     __m256i a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_si256();
     const int16_t* k0 = kb + t * D;
-    for (int64_t d = 0; d < D; d += 16) {
+    int64_t d = 0;
+#ifdef FERRY_ATTN_AVX512
+    if (D % 32 == 0) {  // vpdpwssd: 32 int16 products summed in pairs into 16 int32 lanes
+      __m512i w[8];
+      for (int i = 0; i < 8; ++i) w[i] = _mm512_setzero_si512();
+      for (; d < D; d += 32) {
+        const __m512i qv = _mm512_loadu_si512(q + d);
+        for (int i = 0; i < 8; ++i) w[i] = _mm512_dpwssd_epi32(w[i], qv, _mm512_loadu_si512(k0 + i * D + d));
+      }
+      for (int i = 0; i < 8; ++i)
+        a[i] = _mm256_add_epi32(_mm512_castsi512_si256(w[i]), _mm512_extracti64x4_epi64(w[i], 1));
+    }
+#endif
+    for (; d < D; d += 16) {
       const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + d));
       for (int i = 0; i < 8; ++i)
         a[i] = _mm256_add_epi32(
