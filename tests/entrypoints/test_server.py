@@ -354,9 +354,12 @@ def test_fuzz_malformed_bodies_never_5xx(server):
 
 
 def test_queue_limit_then_sigterm_drain():
-    # The drain timeout only bounds a failure: on a busy machine the 240 tokens still streaming at
-    # SIGTERM can take minutes, and the drain must wait for them (as it would for a user).
-    s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "1", "--max-queue-len", "1",
+    # The running request must outlast the queue checks below, which take a second or more (a
+    # client read timeout of 1 s among them): at 240 tokens it finished within them once decode
+    # ran at ~5 ms a token, and the queued request was served. 2,000 tokens is ~10 s here. The
+    # drain timeout only bounds a failure: on a busy machine the tokens still streaming at SIGTERM
+    # can take minutes, and the drain must wait for them (as it would for a user).
+    s = ServerProcess("--max-model-len", "2048", "--max-num-seqs", "1", "--max-queue-len", "1",
                       "--drain-timeout", "900")  # fmt: skip
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -372,7 +375,7 @@ def test_queue_limit_then_sigterm_drain():
             except Exception as e:  # noqa: BLE001 - recorded for the assertion below
                 results[name] = e
 
-        running = threading.Thread(target=long_stream, args=("running", 240))
+        running = threading.Thread(target=long_stream, args=("running", 2000))
         running.start()
         _wait_metric(s, "ferry:num_requests_running", 1)
 
