@@ -550,6 +550,30 @@ void dot_row_unpacked(const int8_t* q, const float* sc16, const float* mn32, int
 }
 #endif
 
+#ifdef FERRY_AVX2
+// A Q4_K / Q5_K super-block at b: its 8 sub-block scales d * sc_j, returned, and its min term
+// (dmin * mn_j against the 8 activation blocks' sy) added to accm[r] for each of R rows. The
+// twelve bytes of 6-bit scales and mins unpack as three 32-bit words (scale_min_k4's bit layout,
+// four sub-blocks a word) instead of eight branchy calls: at batch 1 that per-super-block work,
+// not the dots, bounded the K-quant rows.
+template <int R>
+inline __m256 kquant_scales_and_mins(const uint8_t* b, const float* const* sy, int64_t b0, __m256* accm) {
+  uint32_t w[3];
+  std::memcpy(w, b + 4, 12);
+  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+  const uint32_t sc[2] = {w[0] & low6, (w[2] & low4) | (((w[0] >> 6) & top2) << 4)};
+  const uint32_t mn[2] = {w[1] & low6, ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4)};
+  auto widen = [](const uint32_t* v) {
+    int64_t bytes;
+    std::memcpy(&bytes, v, 8);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes)));
+  };
+  const __m256 mn8 = _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), widen(mn));
+  for (int r = 0; r < R; ++r) accm[r] = _mm256_fmadd_ps(mn8, _mm256_loadu_ps(sy[r] + b0), accm[r]);
+  return _mm256_mul_ps(_mm256_set1_ps(half_at(b)), widen(sc));
+}
+#endif
+
 #ifdef FERRY_AVX512_VNNI
 // The same with AVX-512 VNNI: two sub-blocks per 64-byte vector (lanes 0-7 sub-block 2p, 8-15
 // sub-block 2p + 1), vpdpbusd summing four u8 x s8 products into each int32 lane where AVX2 takes
@@ -573,16 +597,7 @@ void dot_row_kquant(const uint8_t* row, int64_t K, const int8_t* const* y, const
     auto pair = [](__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); };
     if constexpr (T == Q4_K || T == Q5_K) {
       const uint8_t* b = row + s * (T == Q4_K ? 144 : 176);
-      const float d = half_at(b), dmin = half_at(b + 2);
-      alignas(32) float scf[8], mnf[8];
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, mn;
-        scale_min_k4(j, b + 4, sc, mn);
-        scf[j] = d * sc, mnf[j] = dmin * mn;
-      }
-      sc8 = _mm256_load_ps(scf);
-      const __m256 mn8 = _mm256_load_ps(mnf);
-      for (int r = 0; r < R; ++r) accm[r] = _mm256_fmadd_ps(mn8, _mm256_loadu_ps(sy[r] + b0), accm[r]);
+      sc8 = kquant_scales_and_mins<R>(b, sy, b0, accm);
       const uint8_t* qs = b + (T == Q5_K ? 48 : 16);
       for (int p = 0; p < 4; ++p) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
@@ -654,16 +669,7 @@ void dot_row_kquant(const uint8_t* row, int64_t K, const int8_t* const* y, const
     __m256i sc16[8];           // Q6_K: int16 scales, lanes 0-7 the first 16 values, 8-15 the next
     if constexpr (T == Q4_K || T == Q5_K) {
       const uint8_t* b = row + s * (T == Q4_K ? 144 : 176);
-      const float d = half_at(b), dmin = half_at(b + 2);
-      alignas(32) float scf[8], mnf[8];
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, mn;
-        scale_min_k4(j, b + 4, sc, mn);
-        scf[j] = d * sc, mnf[j] = dmin * mn;
-      }
-      sc8 = _mm256_load_ps(scf);
-      const __m256 mn8 = _mm256_load_ps(mnf);
-      for (int r = 0; r < R; ++r) accm[r] = _mm256_fmadd_ps(mn8, _mm256_loadu_ps(sy[r] + b0), accm[r]);
+      sc8 = kquant_scales_and_mins<R>(b, sy, b0, accm);
       const uint8_t* qs = b + (T == Q5_K ? 48 : 16);
       __m256i qh;
       if constexpr (T == Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
