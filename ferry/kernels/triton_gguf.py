@@ -273,6 +273,16 @@ def _q6k_scale_index(g):
 
 
 @triton.jit
+def _super_block_range(pid_n, pid_k, N, K, row_bytes, sb_per_split, BLOCK_N: tl.constexpr):
+    """The K-quant kernels' prologue: program pid_n's BLOCK_N weight rows (indices, which exist, byte
+    offsets) and split pid_k's super-blocks [sb_begin, sb_end)."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    sb_begin = pid_k * sb_per_split
+    sb_end = tl.minimum(sb_begin + sb_per_split, K // 256)
+    return cols, cols < N, cols.to(tl.int64) * row_bytes, sb_begin, sb_end
+
+
+@triton.jit
 def _kquant_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, sb_per_split, stride_xm, stride_ys,
                         stride_ym, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The GEMV kernel's K-quant twin: y[row, cols] (or split pid_k's partial sums) for one row of x and
@@ -282,12 +292,7 @@ def _kquant_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, sb_per_spli
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
-    w_row = cols.to(tl.int64) * row_bytes
-    nsb = K // 256
-    sb_begin = pid_k * sb_per_split
-    sb_end = tl.minimum(sb_begin + sb_per_split, nsb)
+    cols, n_ok, w_row, sb_begin, sb_end = _super_block_range(pid_n, pid_k, N, K, row_bytes, sb_per_split, BLOCK_N)
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     m3 = n_ok[:, None, None]
@@ -344,12 +349,7 @@ def _kquant_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, sb_per
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rows < M
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < N
-    w_row = cols.to(tl.int64) * row_bytes
-    nsb = K // 256
-    sb_begin = pid_k * sb_per_split
-    sb_end = tl.minimum(sb_begin + sb_per_split, nsb)
+    cols, n_ok, w_row, sb_begin, sb_end = _super_block_range(pid_n, pid_k, N, K, row_bytes, sb_per_split, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wt = x_ptr.dtype.element_ty
     m3 = n_ok[None, None, :]
