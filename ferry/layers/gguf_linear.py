@@ -46,10 +46,10 @@ GGUF_QUANT_TYPES = {
     "Q6_K": (14, 256, 210),
 }
 _TYPE_NAMES = {tid: name for name, (tid, _, _) in GGUF_QUANT_TYPES.items()}
-# On the CPU, Q4_0/Q4_1 weights run interleaved by 8 rows (gguf_quant_cpu.cpp says why): ferry's own
-# type ids, 256 + ggml's, same bytes.
-INTERLEAVED_TYPES = {2: 258, 3: 259}
-_TYPE_NAMES.update({258: "Q4_0x8", 259: "Q4_1x8"})
+# On the CPU, Q4_0/Q4_1/Q8_0 weights run interleaved by 8 rows (gguf_quant_cpu.cpp says why): ferry's
+# own type ids, 256 + ggml's, same bytes (Q8_0's quants offset by 128).
+INTERLEAVED_TYPES = {2: 258, 3: 259, 8: 264}
+_TYPE_NAMES.update({258: "Q4_0x8", 259: "Q4_1x8", 264: "Q8_0x8"})
 
 # K-quants: from about this many rows on, dequantize + fp32 GEMM catches up with their int8 dots (at
 # 64 rows the dots are 1.2-2.1x faster; at 512 rows 0.57-0.79x in the AVX2 build, 0.94-1.34x with
@@ -60,7 +60,7 @@ GEMM_MIN_ROWS = 64
 # rows included (at 512 rows on Zen 5: Q4_0/Q4_1 interleaved by 8 rows 2.7-3.6x with VNNI and
 # 1.4-1.5x in the AVX2 build; Q8_0 rows 1.0-1.3x). Every row of theirs takes the int8 dots, as
 # llama.cpp computes prompts. The K-quants' prompt rows take the exact path.
-INT8_PROMPT_TYPES = frozenset({2, 3, 8, 258, 259})
+INT8_PROMPT_TYPES = frozenset({2, 3, 8, 258, 259, 264})
 
 
 # Set by int8_dots_at_any_batch: every row of every matmul takes the int8 dots.
@@ -138,7 +138,7 @@ class GGUFWeight:
         return self.qtype in INTERLEAVED_TYPES.values()
 
     def interleave(self) -> GGUFWeight:
-        """This weight as the CPU kernel runs it fastest: Q4_0/Q4_1 interleaved by 8 rows (same bytes;
+        """This weight as the CPU kernel runs it fastest: Q4_0/Q4_1/Q8_0 interleaved by 8 rows (same bytes;
         other types, and weights off the CPU, are returned as they are). Applied once the weight is
         final (after loading, concatenating and row selection: those work on plain rows)."""
         if self.qtype not in INTERLEAVED_TYPES or self.data.device.type != "cpu":

@@ -158,10 +158,10 @@ def test_column_shards_and_padded_rows_are_the_same_blocks(type_name):
     assert torch.count_nonzero(padded.dequantize()[5:]) == 0
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("k", [512, 576])  # 576: 18 blocks, not a multiple of the plain kernel's 8
 def test_interleaved_by_eight_rows(type_name, k):
-    """On the CPU, Q4_0/Q4_1 run interleaved by 8 rows (rows past the last group stay plain): the
+    """On the CPU, Q4_0/Q4_1/Q8_0 run interleaved by 8 rows (rows past the last group stay plain): the
     same bytes and values, dot products with one rounding order per row whatever the batch or the
     thread split, and no row selection or move off the CPU once interleaved."""
     n = 8 * 5 + 3
@@ -204,15 +204,15 @@ from ferry.layers.gguf_linear import GGUFWeight
 
 torch.set_num_threads(2)
 out = {}
-for type_name in ("Q8_0", "Q4_0", "Q4_1"):
+for type_name, interleave in (("Q8_0", False), ("Q8_0", True), ("Q4_0", True), ("Q4_1", True)):
     k = 576  # 18 blocks: two whole groups of 8 and a tail of 2
     raw = quantize(np.random.default_rng(3).standard_normal((8 * 5 + 3, k)).astype(np.float32),
                    GGMLQuantizationType[type_name])
     w = GGUFWeight.from_numpy(raw, type_name, (8 * 5 + 3, k))
-    w = w.interleave() if type_name != "Q8_0" else w
+    w = w.interleave() if interleave else w  # 43 rows: 5 groups of 8 and 3 plain rows
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
     for rows in range(1, 6):  # 1..4 activation rows per pass, and 4 + 1
-        out[f"{type_name} {rows}"] = cpu_kernels().gguf_linear(x[:rows], w.data, w.qtype, None)
+        out[f"{w.type_name} {rows}"] = cpu_kernels().gguf_linear(x[:rows], w.data, w.qtype, None)
 for type_name, block_bytes in (("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 210)):
     n, k = 9, 512  # random super-blocks (gguf-py cannot quantize K-quants), small positive fp16 scales
     raw = np.random.default_rng(5).integers(0, 256, size=(n * k // 256, block_bytes), dtype=np.uint8)
@@ -234,7 +234,7 @@ torch.save(out, sys.argv[1])
     reason="without AVX-512 VNNI the native build is the AVX2 build",
 )
 def test_avx512_vnni_and_avx2_builds_agree(tmp_path):
-    """This CPU runs the VNNI kernels (interleaved Q4 groups, Q8_0 rows, K-quant super-blocks); the
+    """This CPU runs the VNNI kernels (interleaved Q4/Q8_0 groups, Q8_0 rows, K-quant super-blocks); the
     AVX2 ones, built with FERRY_CPU_ISA=avx2, take the same integer dots in another float order: the
     same outputs to fp32 rounding, for every count of activation rows a pass takes, whole groups of
     8 blocks and a tail."""
@@ -246,6 +246,6 @@ def test_avx512_vnni_and_avx2_builds_agree(tmp_path):
     subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "avx2.pt")], env=env, check=True, timeout=900)
     subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "native.pt")], check=True, timeout=900)
     avx2, native = torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "native.pt")
-    assert set(native) == set(avx2) and len(native) == 30
+    assert set(native) == set(avx2) and len(native) == 35
     for case, y in native.items():
         torch.testing.assert_close(y, avx2[case], rtol=1e-5, atol=1e-5, msg=case)

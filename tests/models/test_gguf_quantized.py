@@ -39,7 +39,7 @@ def test_weights_stay_quantized_and_are_the_only_copy(gguf_model):
     assert linears and all(m.weight is None and m.gguf and m.packed is None for m in linears)
     # q, k, v in one, interleaved by 8 rows for the CPU kernel
     assert [p.type_name for p in model.layers[0].self_attn.qkv_proj.gguf] == ["Q4_1x8"]
-    assert model.embed_tokens.weight is None and model.embed_tokens.gguf.type_name == "Q8_0"
+    assert model.embed_tokens.weight is None and model.embed_tokens.gguf.type_name == "Q8_0x8"  # the head layout
     assert model._gguf_lm_head is model.embed_tokens.gguf  # tied: one copy
     held = held_weight_bytes(model)  # every weight tensor the model holds, each counted once
     file_tensors = sum(int(t.n_bytes) for t in gguf.GGUFReader(default_model_path()).tensors)

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T for a GGUF block-quantized weight, via int8 dots (CPU)");
   m.def("gguf_dequantize", &gguf_dequantize, "fp32 copy of a GGUF block-quantized weight (CPU)");
   m.def("gguf_get_rows", &gguf_get_rows, "fp32 rows of a GGUF block-quantized weight (CPU)");
-  m.def("gguf_interleave", &gguf_interleave, "a Q4_0/Q4_1 weight interleaved by 8 rows (type id + 256) for the CPU");
+  m.def("gguf_interleave", &gguf_interleave, "a Q4_0/Q4_1/Q8_0 weight interleaved by 8 rows (type id + 256) for the CPU");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; rms_norm(residual) * weight (CPU, fp32)");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [.., 2I] (CPU, fp32)");

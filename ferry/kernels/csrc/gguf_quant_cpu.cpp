@@ -9,16 +9,20 @@
 // instructions per block of the decode loop (it is instruction-bound: ~11
 // cycles per block with the scales inline, measured on an AVX2 EPYC).
 //
-// On the CPU, after loading, Q4_0/Q4_1 weights are interleaved by eight rows (type ids
-// Q4_0X8 / Q4_1X8 = 256 + the ggml id; gguf_interleave): per block, four 32-byte chunks, chunk c
-// holding bytes 4c..4c+3 of each of the 8 rows' quants (row r at 4r), then the 8 rows' fp16
-// scales, then (Q4_1) their mins; rows past the last whole group stay as above. One 32-bit lane
-// per row: maddubs against 4 broadcast activation bytes yields 8 rows' partial dots at once,
-// they add up in int16 over the block's 32 values (8 x 2 x 15 x 127 < 2^15), and the float
-// conversion and scale FMA run once per block for 8 rows instead of once per row. That took the
-// SmolLM2 layer shapes from ~1.7 to ~0.6-0.75 ns per row-block on one Zen 5 core (AVX2), making
-// the batch-1 matmuls bound by memory, not instructions. Same bytes, same results per row
+// On the CPU, after loading, Q4_0/Q4_1/Q8_0 weights are interleaved by eight rows (type ids
+// Q4_0X8 / Q4_1X8 / Q8_0X8 = 256 + the ggml id; gguf_interleave): per block, four (Q8_0: eight)
+// 32-byte chunks, chunk c holding bytes 4c..4c+3 of each of the 8 rows' quants (row r at 4r), then
+// the 8 rows' fp16 scales, then (Q4_1) their mins; rows past the last whole group stay as above.
+// One 32-bit lane per row: maddubs against 4 broadcast activation bytes yields 8 rows' partial
+// dots at once, they add up in int16 over the block's 32 values (8 x 2 x 15 x 127 < 2^15), and
+// the float conversion and scale FMA run once per block for 8 rows instead of once per row. That
+// took the SmolLM2 layer shapes from ~1.7 to ~0.6-0.75 ns per row-block on one Zen 5 core (AVX2),
+// making the batch-1 matmuls bound by memory, not instructions. Same bytes, same results per row
 // whatever range of rows a thread takes (a row is always computed with its whole group).
+// Q8_0's quants are stored offset by 128 (q ^ 0x80, unsigned) for vpdpbusd's unsigned operand, so
+// with VNNI its dot is Q4_0's with another offset: d dy sum(u y) - 128 d sy (the AVX2 kernel signs
+// them back: maddubs would saturate on u8 up to 255). SmolLM2's tied 49152 x 576 head, a third of
+// a 16-row decode step's matmul time as rows, runs 1.7x (16 rows) to 2x (64) faster so.
 //
 // Matmuls with few rows (decode) quantize the activations per 32-element block
 // to int8 (scale dy, and sy = dy * sum(q): llama.cpp's Q8_1) and take integer
@@ -47,9 +51,9 @@
 #endif
 // AVX-512 with VNNI (Ice Lake and later Xeons, Zen 4/5): vpdpbusd multiplies u8 x s8 and adds
 // groups of four straight into int32 lanes, 64 bytes at a time, where AVX2 needs vpmaddubsw
-// (int16 pairs), vpmaddwd (to int32) and an add for 32. The interleaved Q4 group kernel, the
-// Q8_0 row kernel (the tied head's type in Q4_K_M/Q4_1 files) and the K-quant row kernel take it;
-// plain Q4 rows (past a weight's last group of 8) stay AVX2.
+// (int16 pairs), vpmaddwd (to int32) and an add for 32. The interleaved Q4 and Q8_0 group kernels,
+// the plain Q8_0 row kernel and the K-quant row kernel take it; plain Q4 rows (past a weight's last
+// group of 8) stay AVX2.
 // FERRY_CPU_ISA=avx2 builds without it (ferry/kernels/cpu.py), which the tests compare against.
 #if defined(FERRY_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FERRY_AVX512_VNNI 1
@@ -59,12 +63,12 @@ namespace {
 
 // ggml's type ids (ggml.h: enum ggml_type).
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-// ferry's own: Q4_0 / Q4_1 interleaved by 8 rows (see the top of this file).
+// ferry's own: Q4_0 / Q4_1 / Q8_0 interleaved by 8 rows (see the top of this file).
 constexpr int64_t kInterleaved = 256;
-constexpr int64_t Q4_0X8 = kInterleaved + Q4_0, Q4_1X8 = kInterleaved + Q4_1;
+constexpr int64_t Q4_0X8 = kInterleaved + Q4_0, Q4_1X8 = kInterleaved + Q4_1, Q8_0X8 = kInterleaved + Q8_0;
 constexpr int64_t kGroup = 8;  // rows per interleaved group
 
-inline bool is_x8(int64_t t) { return t == Q4_0X8 || t == Q4_1X8; }
+inline bool is_x8(int64_t t) { return t == Q4_0X8 || t == Q4_1X8 || t == Q8_0X8; }
 inline int64_t base_type(int64_t t) { return is_x8(t) ? t - kInterleaved : t; }
 
 struct Layout {
@@ -76,7 +80,7 @@ Layout layout_of(int64_t t) {
   switch (t) {
     case Q4_0: case Q4_0X8: return {32, 18};
     case Q4_1: case Q4_1X8: return {32, 20};
-    case Q8_0: return {32, 34};
+    case Q8_0: case Q8_0X8: return {32, 34};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
@@ -207,28 +211,33 @@ void dequantize_row(int64_t t, const uint8_t* row, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k) out[k] = sc16[k / 16] * q[k] - mn32[k / 32];
 }
 
-// Eight plain rows (each: nb * 16 quant bytes, nb fp16 scales, [nb fp16 mins]) -> one interleaved group.
-void interleave_group(const uint8_t* rows, int64_t nb, bool mins, int64_t row_bytes, uint8_t* out) {
-  uint8_t* scales = out + nb * 128;
+// Eight plain rows of base type t (each: nb * qb quant bytes, nb fp16 scales, [nb fp16 mins]) -> one
+// interleaved group: per block qb / 4 chunks of 32 bytes, then the 8 rows' scales per block, then mins.
+void interleave_group(const uint8_t* rows, int64_t nb, int64_t t, int64_t row_bytes, uint8_t* out) {
+  const int64_t qb = quant_bytes(t), gb = kGroup * qb;  // a block's quant bytes: one row, the group
+  const uint8_t flip = t == Q8_0 ? 0x80 : 0;
+  uint8_t* scales = out + nb * gb;
   uint8_t* mns = scales + nb * 16;
   for (int r = 0; r < kGroup; ++r) {
     const uint8_t* row = rows + r * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      for (int c = 0; c < 4; ++c) std::memcpy(out + b * 128 + c * 32 + r * 4, row + b * 16 + c * 4, 4);
-      std::memcpy(scales + b * 16 + r * 2, row + nb * 16 + b * 2, 2);
-      if (mins) std::memcpy(mns + b * 16 + r * 2, row + nb * 18 + b * 2, 2);
+      for (int64_t i = 0; i < qb; ++i) out[b * gb + i / 4 * 32 + r * 4 + i % 4] = row[b * qb + i] ^ flip;
+      std::memcpy(scales + b * 16 + r * 2, row + nb * qb + b * 2, 2);
+      if (t == Q4_1) std::memcpy(mns + b * 16 + r * 2, row + nb * 18 + b * 2, 2);
     }
   }
 }
 
-// Row r of an interleaved group, gathered back into the plain row layout.
-void gather_row(const uint8_t* group, int64_t nb, bool mins, int r, uint8_t* row) {
-  const uint8_t* scales = group + nb * 128;
+// Row r of an interleaved group of base type t, gathered back into the plain row layout.
+void gather_row(const uint8_t* group, int64_t nb, int64_t t, int r, uint8_t* row) {
+  const int64_t qb = quant_bytes(t), gb = kGroup * qb;
+  const uint8_t flip = t == Q8_0 ? 0x80 : 0;
+  const uint8_t* scales = group + nb * gb;
   const uint8_t* mns = scales + nb * 16;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int c = 0; c < 4; ++c) std::memcpy(row + b * 16 + c * 4, group + b * 128 + c * 32 + r * 4, 4);
-    std::memcpy(row + nb * 16 + b * 2, scales + b * 16 + r * 2, 2);
-    if (mins) std::memcpy(row + nb * 18 + b * 2, mns + b * 16 + r * 2, 2);
+    for (int64_t i = 0; i < qb; ++i) row[b * qb + i] = group[b * gb + i / 4 * 32 + r * 4 + i % 4] ^ flip;
+    std::memcpy(row + nb * qb + b * 2, scales + b * 16 + r * 2, 2);
+    if (t == Q4_1) std::memcpy(row + nb * 18 + b * 2, mns + b * 16 + r * 2, 2);
   }
 }
 
@@ -237,7 +246,7 @@ void gather_row(const uint8_t* group, int64_t nb, bool mins, int r, uint8_t* row
 const uint8_t* plain_row(const uint8_t* w, int64_t N, int64_t t, int64_t row_bytes, int64_t K, int64_t n,
                          uint8_t* scratch) {
   if (!is_x8(t) || n >= N / kGroup * kGroup) return w + n * row_bytes;
-  gather_row(w + n / kGroup * kGroup * row_bytes, K / 32, t == Q4_1X8, int(n % kGroup), scratch);
+  gather_row(w + n / kGroup * kGroup * row_bytes, K / 32, base_type(t), int(n % kGroup), scratch);
   return scratch;
 }
 
@@ -449,6 +458,44 @@ void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
     _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(_mm256_add_ps(lo, hi), accm[r]));
   }
 }
+
+// R activation rows (R <= 4) against one interleaved Q8_0 group of 8 weight rows (quants offset by
+// 128): out[r * 8 + i] = dot of activation row r with weight row i. A block's 256 bytes are four
+// 64-byte vectors of chunk pairs (2v, 2v + 1), each against activation dwords 2v and 2v + 1; the
+// offset comes off as Q4_0's does, -128 d sy, beside the int32 sums.
+template <int R>
+void dot_group_q8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+                  const float* const* sy, float* out) {
+  const uint8_t* scales = group + nb * 256;
+  const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i p0 = half, p1 = _mm512_add_epi32(half, _mm512_set1_epi32(2));
+  const __m512i p2 = _mm512_add_epi32(half, _mm512_set1_epi32(4)), p3 = _mm512_add_epi32(half, _mm512_set1_epi32(6));
+  __m512 acc[R];
+  __m256 accm[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = group + b * 256;
+    const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
+    const __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16)));
+    const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(-128.f));
+    const __m512 dw16 = _mm512_insertf32x8(_mm512_castps256_ps512(dw), dw, 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512i yv = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + b * 32)));
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_permutexvar_epi32(p0, yv));
+      s = _mm512_dpbusd_epi32(s, v1, _mm512_permutexvar_epi32(p1, yv));
+      s = _mm512_dpbusd_epi32(s, v2, _mm512_permutexvar_epi32(p2, yv));
+      s = _mm512_dpbusd_epi32(s, v3, _mm512_permutexvar_epi32(p3, yv));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw16, _mm512_set1_ps(dy[r][b])), acc[r]);
+      accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 lo = _mm512_castps512_ps256(acc[r]);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
+    _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(_mm256_add_ps(lo, hi), accm[r]));
+  }
+}
 #elif defined(FERRY_AVX2)
 // R activation rows (R <= 4) against one interleaved group of 8 weight rows (T = Q4_0 or Q4_1):
 // out[r * 8 + i] = dot of activation row r with weight row i.
@@ -487,6 +534,38 @@ void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(acc[r], accm[r]));
 }
+
+// R activation rows (R <= 4) against one interleaved Q8_0 group of 8 weight rows. maddubs would
+// saturate on the offset quants (255 x 127 x 2 > 2^15), so the quants are signed again (^ 0x80) and
+// take the sign trick of the plain Q8_0 rows: |w| against y with w's sign, no offset term.
+template <int R>
+void dot_group_q8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+                  const float* const*, float* out) {
+  const uint8_t* scales = group + nb * 256;
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = group + b * 256;
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)), flip);
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r) {
+        int32_t yc;  // activations 4c..4c+3, in every lane
+        std::memcpy(&yc, y[r] + b * 32 + 4 * c, 4);
+        const __m256i ys = _mm256_sign_epi8(_mm256_set1_epi32(yc), w);
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, ys), ones));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16)));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(dy[r][b])), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kGroup, acc[r]);
+}
 #endif
 
 template <int T>
@@ -503,15 +582,22 @@ void dot_q32(int R, const uint8_t* w, int64_t nb, const int8_t* const* y, const 
 #ifndef FERRY_AVX2
 // Portable: each row of the group gathered back and taken by the plain kernel.
 template <int T, int R>
-void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
                   const float* const* sy, float* out) {
-  std::vector<uint8_t> row(nb * (T == Q4_1 ? 20 : 18));
+  std::vector<uint8_t> row(nb * layout_of(T).bytes);
   for (int i = 0; i < kGroup; ++i) {
-    gather_row(group, nb, T == Q4_1, i, row.data());
+    gather_row(group, nb, T, i, row.data());
     float o[4];
     dot_q32<T>(R, row.data(), nb, y, dy, sy, o);
     for (int r = 0; r < R; ++r) out[r * kGroup + i] = o[r];
   }
+}
+#else
+template <int T, int R>
+void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+                  const float* const* sy, float* out) {
+  if constexpr (T == Q8_0) dot_group_q8<R>(group, nb, y, dy, sy, out);
+  else dot_group_q4<T, R>(group, nb, y, dy, sy, out);
 }
 #endif
 
@@ -519,10 +605,10 @@ template <int T>
 void dot_group(int R, const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
                const float* const* sy, float* out) {
   switch (R) {
-    case 4: dot_group_q4<T, 4>(group, nb, y, dy, sy, out); break;
-    case 3: dot_group_q4<T, 3>(group, nb, y, dy, sy, out); break;
-    case 2: dot_group_q4<T, 2>(group, nb, y, dy, sy, out); break;
-    default: dot_group_q4<T, 1>(group, nb, y, dy, sy, out);
+    case 4: dot_group_x8<T, 4>(group, nb, y, dy, sy, out); break;
+    case 3: dot_group_x8<T, 3>(group, nb, y, dy, sy, out); break;
+    case 2: dot_group_x8<T, 2>(group, nb, y, dy, sy, out); break;
+    default: dot_group_x8<T, 1>(group, nb, y, dy, sy, out);
   }
 }
 
@@ -797,6 +883,7 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
       activations(m, R);
       float out[4 * kGroup];
       if (qtype == Q4_1X8) dot_group<Q4_1>(R, group, nb, yr, dr, sr, out);
+      else if (qtype == Q8_0X8) dot_group<Q8_0>(R, group, nb, yr, dr, sr, out);
       else dot_group<Q4_0>(R, group, nb, yr, dr, sr, out);
       for (int64_t i = std::max(n, g0); i < std::min(n1, g0 + kGroup); ++i)
         for (int r = 0; r < R; ++r) y[(m + r) * ldy + i] = out[r * kGroup + (i - g0)];
@@ -893,10 +980,10 @@ torch::Tensor gguf_get_rows(torch::Tensor w, torch::Tensor ids, int64_t qtype, i
   return out;
 }
 
-// A Q4_0 / Q4_1 weight [N, row_bytes] in the plain layout -> the same bytes interleaved by 8 rows
-// (type id + 256); rows past the last whole group are copied as they are.
+// A Q4_0 / Q4_1 / Q8_0 weight [N, row_bytes] in the plain layout -> the same bytes interleaved by 8
+// rows (type id + 256); rows past the last whole group are copied as they are.
 torch::Tensor gguf_interleave(torch::Tensor w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1, "only Q4_0 and Q4_1 weights are interleaved, not type ", qtype);
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "only Q4_0, Q4_1 and Q8_0 weights are interleaved, not type ", qtype);
   check_weight(w, qtype, K);
   const int64_t N = w.size(0), row_bytes = w.size(1), groups = N / kGroup;
   auto out = torch::empty_like(w);
@@ -904,7 +991,7 @@ torch::Tensor gguf_interleave(torch::Tensor w, int64_t qtype, int64_t K) {
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      interleave_group(wp + g * kGroup * row_bytes, K / 32, qtype == Q4_1, row_bytes, op + g * kGroup * row_bytes);
+      interleave_group(wp + g * kGroup * row_bytes, K / 32, qtype, row_bytes, op + g * kGroup * row_bytes);
   });
   std::memcpy(op + groups * kGroup * row_bytes, wp + groups * kGroup * row_bytes, (N - groups * kGroup) * row_bytes);
   return out;
