@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from ferry.kernels.cpu import cpu_kernels, embeds_its_own_libstdcxx
+from ferry.kernels.cpu import cpu_flags, cpu_kernels, embeds_its_own_libstdcxx
 from ferry.layers.attention import TorchAttentionBackend, build_metadata, paged_attention
 
 
@@ -133,9 +133,10 @@ def test_stale_build_lock_is_cleared(kernels):
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    from ferry.kernels.cpu import EXTENSION_NAME
+    from ferry.kernels.cpu import _isa_flags
 
-    lock = os.path.join(_get_build_directory(EXTENSION_NAME, verbose=False), "lock")
+    name, _ = _isa_flags()  # this process's build: the native one, or FERRY_CPU_ISA=avx2's
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
     open(lock, "w").close()  # what a builder killed mid-build leaves
     code = "from ferry.kernels.cpu import cpu_kernels; print(cpu_kernels() is not None)"
     # The timeout only bounds a failure (a wait for ever); a pass takes as long as one import.
@@ -155,3 +156,41 @@ def test_a_compiler_that_embeds_libstdcxx_is_recognised(tmp_path):
     wrapper.chmod(0o755)
     assert not embeds_its_own_libstdcxx(compiler)
     assert embeds_its_own_libstdcxx(str(wrapper))
+
+
+_ATTENTION_ISA_SCRIPT = r"""
+import sys, torch
+from ferry.kernels.cpu import cpu_kernels
+from ferry.kv_quant import quantize_rows
+out = {}
+for d in (64, 40):  # 40: a multiple of 8, not of 16 (AVX-512's loops skip it; int8 goes through fp32)
+    g = torch.Generator().manual_seed(d)
+    nb, bs, kvh, heads = 48, 16, 3, 9
+    lens = torch.tensor([1, 9, 16, 70, 130])
+    table = torch.randperm(nb, generator=g)[:45].view(5, 9)  # 9 blocks: 130 tokens
+    q = torch.randn(5, heads, d, generator=g)
+    k, v = torch.randn(nb, bs, kvh, d, generator=g), torch.randn(nb, bs, kvh, d, generator=g)
+    for name, (kc, vc) in {"float32": (k, v), "bfloat16": (k.bfloat16(), v.bfloat16()),
+                           "int8": (quantize_rows(k, torch.int8), quantize_rows(v, torch.int8))}.items():
+        out[f"{name} d={d}"] = cpu_kernels().paged_decode_attention(q, kc, vc, table, lens, d**-0.5)
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="without AVX-512 the native build is the AVX2 build")
+def test_decode_attention_avx512_and_avx2_builds_agree(tmp_path):
+    """This CPU runs the AVX-512 loops (16 values a step); an AVX2-only CPU runs the 8-wide ones,
+    which the FERRY_CPU_ISA=avx2 build takes here: the same attention to fp32 rounding, for fp32, bf16
+    and int8 caches, head sizes with and without a multiple of 16, one and several partitions."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FERRY_CPU_ISA": "avx2"}
+    script = _ATTENTION_ISA_SCRIPT
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt")], env=env, check=True, timeout=900)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "native.pt")], check=True, timeout=900)
+    avx2, native = torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "native.pt")
+    assert set(native) == set(avx2) and len(native) == 6
+    for case, y in native.items():
+        torch.testing.assert_close(y, avx2[case], rtol=2e-5, atol=2e-5, msg=case)

@@ -1,5 +1,5 @@
 // Paged decode attention on the CPU: one query token per sequence, K/V read
-// straight from the block-paged cache (no gathered copy), online over blocks.
+// straight from the block-paged cache (no gathered copy).
 //
 // q:            [B, H, D]           float32
 // k/v_cache:    [NB, BS, KVH, W]    float32 or bfloat16 (W = D), or int8 / float8_e4m3fn rows of
@@ -9,16 +9,17 @@
 // out:          [B, H, D]           float32
 //
 // Work is split over (sequence, 64-token partition, kv head); the G = H / KVH query
-// heads that share a kv head are processed together, so every K/V row is loaded once.
-// A sequence's partitions are merged by their softmax maxima (flash-decoding).
-// A bf16 cache halves the bytes read (decode attention is bound by them); each
-// block's rows of this head are widened to fp32 in an L1-resident scratch and
-// the fp32 loops run on that. An int8 / fp8 cache (about a quarter of fp32's bytes) is
-// dequantized the same way: value x the row's scale (fp8 through a 256-entry table). With AVX2 an
-// int8 cache skips most of that: K rows are widened to int16 and dotted with q rounded to int16
-// (per head, 2^-15 of its largest value: far below K's own int8 step) by vpmaddwd, 16 products
-// per instruction, and the row scales multiply the 8 sums of 8 keys at once; V rows are widened
-// without their scale, which multiplies the softmax weight instead (one product per key, not D).
+// heads that share a kv head are processed together, so every K/V row is loaded once
+// from memory. A task takes its partition whole: the scores of its rows for the G heads,
+// one softmax, then the values; a sequence's partitions are merged by their softmax
+// maxima (flash-decoding). A bf16 cache halves the bytes read, an int8 one about
+// quarters them; with AVX2 both are read in place and widened in registers (load8 /
+// load16: bf16 is the high half of an fp32). An int8 cache's K rows are widened to int16
+// and dotted with q rounded to int16 (per head, 2^-15 of its largest value: far below
+// K's own int8 step) by vpmaddwd / vpdpwssd, and the row scales multiply the 8 sums of 8
+// keys at once; V rows are taken without their scale, which multiplies the softmax
+// weight instead (one product per key, not D). fp8 rows (and every row without AVX2)
+// are dequantized into an L1-resident fp32 scratch first (fp8 through a 256-entry table).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -45,28 +46,72 @@ constexpr int64_t kPartitionTokens = 64;
 #define FERRY_ATTN_AVX512 1
 #endif
 
-// out[t] = scale * dot(q, k_t) for n keys of D (a multiple of 8) floats, rows `ks` floats apart.
+// Cache values as fp32 vectors, widened in registers: fp32 as is, bf16 (the high half of an fp32)
+// shifted into place, int8 converted (unscaled: the row's scale is applied per key, not per value).
+// The vector loops read the cache in its stored type, with no pass through a widened scratch copy.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#ifdef FERRY_ATTN_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// The eight sums of a[0..7] (each 8 lanes), in one vector: a transposing hadd tree.
+inline __m256 sum8x8(const __m256* a) {
+  const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// out[t] = scale * dot(q, k_t) for n keys of D (a multiple of 8) values, rows `ks` elements apart.
 // Eight keys at a time: eight independent FMA chains over D, then one transposing reduction
 // (hadd tree) that leaves the eight sums in one vector, instead of a horizontal sum per key.
-inline void block_scores(const float* q, const float* kb, int64_t ks, int64_t n, int64_t D, float scale, float* out) {
+template <typename T>
+inline void block_scores(const float* q, const T* kb, int64_t ks, int64_t n, int64_t D, float scale, float* out) {
   int64_t t = 0;
+#ifdef FERRY_ATTN_AVX512
+  if (D % 16 == 0) {
+    for (; t + 8 <= n; t += 8) {
+      __m512 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+      const T* k0 = kb + t * ks;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(qv, load16(k0 + i * ks + d), a[i]);
+      }
+      __m256 h[8];
+      for (int i = 0; i < 8; ++i)
+        h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+      _mm256_storeu_ps(out + t, _mm256_mul_ps(sum8x8(h), _mm256_set1_ps(scale)));
+    }
+  }
+#endif
   for (; t + 8 <= n; t += 8) {
     __m256 a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-    const float* k0 = kb + t * ks;
+    const T* k0 = kb + t * ks;
     for (int64_t d = 0; d < D; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i * ks + d), a[i]);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(k0 + i * ks + d), a[i]);
     }
-    const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
-                                     _mm256_permute2f128_ps(h0123, h4567, 0x31));
-    _mm256_storeu_ps(out + t, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(out + t, _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale)));
   }
   for (; t < n; ++t) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kb + t * ks + d), a);
+    for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kb + t * ks + d), a);
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
@@ -75,33 +120,35 @@ inline void block_scores(const float* q, const float* kb, int64_t ks, int64_t n,
 }
 
 // acc[0, 8 NV) += sum over n keys of p[t] * v_t[0, 8 NV): the accumulators stay in registers.
-template <int NV>
-inline void block_values_chunk(const float* p, const float* vb, int64_t vs, int64_t n, float* acc) {
+template <int NV, typename T>
+inline void block_values_chunk(const float* p, const T* vb, int64_t vs, int64_t n, float* acc) {
   __m256 a[NV];
   for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
   for (int64_t t = 0; t < n; ++t) {
     const __m256 pt = _mm256_broadcast_ss(p + t);
-    const float* v = vb + t * vs;
-    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), a[i]);
+    const T* v = vb + t * vs;
+    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pt, load8(v + 8 * i), a[i]);
   }
   for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
 #ifdef FERRY_ATTN_AVX512
-template <int NV>
-inline void block_values_chunk512(const float* p, const float* vb, int64_t vs, int64_t n, float* acc) {
+template <int NV, typename T>
+inline void block_values_chunk512(const float* p, const T* vb, int64_t vs, int64_t n, float* acc) {
   __m512 a[NV];
   for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
   for (int64_t t = 0; t < n; ++t) {
     const __m512 pt = _mm512_set1_ps(p[t]);
-    const float* v = vb + t * vs;
-    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * i), a[i]);
+    const T* v = vb + t * vs;
+    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(pt, load16(v + 16 * i), a[i]);
   }
   for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
 #endif
 
-inline void block_values(const float* p, const float* vb, int64_t vs, int64_t n, int64_t D, float* acc) {
+// acc[0, D) += sum over n keys of p[t] * v_t, D a multiple of 8, rows `vs` elements apart.
+template <typename T>
+inline void block_values(const float* p, const T* vb, int64_t vs, int64_t n, int64_t D, float* acc) {
   int64_t d = 0;
 #ifdef FERRY_ATTN_AVX512
   for (; d + 64 <= D; d += 64) block_values_chunk512<4>(p, vb + d, vs, n, acc + d);
@@ -139,17 +186,6 @@ inline void widen_rows_int16(const int8_t* src, int64_t n, int64_t D, int64_t st
     for (int64_t d = 0; d < D; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * D + d),
                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
-  }
-}
-
-// The same rows as unscaled fp32 (D a multiple of 8) into `dst`, their scales into `scales`.
-inline void widen_rows_f32(const int8_t* src, int64_t n, int64_t D, int64_t stride, float* dst, float* scales) {
-  for (int64_t t = 0; t < n; ++t) {
-    const int8_t* row = src + t * stride;
-    std::memcpy(&scales[t], row + D, sizeof(float));
-    for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(dst + t * D + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)))));
   }
 }
 
@@ -283,6 +319,59 @@ inline const float* rows_as_f32(const Fp8E4M3* src, int64_t n, int64_t D, int64_
   return scratch;
 }
 
+// out[t] = scale * dot(q, k_t) for n rows of D floats, `ks` apart.
+inline void row_scores(const float* q, const float* kb, int64_t ks, int64_t n, int64_t D, float scale, float* out) {
+#ifdef FERRY_ATTN_AVX2
+  if (D % 8 == 0) return block_scores(q, kb, ks, n, D, scale, out);
+#endif
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float* k0 = kb + t * ks;
+    const float* k1 = k0 + ks;
+    const float* k2 = k1 + ks;
+    const float* k3 = k2 + ks;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t d = 0; d < D; ++d) {
+      s0 += q[d] * k0[d];
+      s1 += q[d] * k1[d];
+      s2 += q[d] * k2[d];
+      s3 += q[d] * k3[d];
+    }
+    out[t] = s0 * scale, out[t + 1] = s1 * scale, out[t + 2] = s2 * scale, out[t + 3] = s3 * scale;
+  }
+  for (; t < n; ++t) {
+    const float* kt = kb + t * ks;
+    float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t d = 0; d < D; ++d) s0 += q[d] * kt[d];
+    out[t] = s0 * scale;
+  }
+}
+
+// acc[0, D) += sum over n rows of p[t] * v_t, rows `vs` floats apart.
+inline void row_values(const float* p, const float* vb, int64_t vs, int64_t n, int64_t D, float* acc) {
+#ifdef FERRY_ATTN_AVX2
+  if (D % 8 == 0) return block_values(p, vb, vs, n, D, acc);
+#endif
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float* v0 = vb + t * vs;
+    const float* v1 = v0 + vs;
+    const float* v2 = v1 + vs;
+    const float* v3 = v2 + vs;
+    const float p0 = p[t], p1 = p[t + 1], p2 = p[t + 2], p3 = p[t + 3];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+  }
+  for (; t < n; ++t) {
+    const float* vt = vb + t * vs;
+    const float pt = p[t];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += pt * vt[d];
+  }
+}
+
 template <typename CacheT>
 torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -332,14 +421,31 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
     for (int64_t r = 0; r < B * H; ++r) qscale_all[r] = quantize_q_int16(qp + r * D, D, q16_all.data() + r * D);
 #endif
 
+  // With AVX2, fp32 / bf16 / int8 rows are read in place and widened in registers (the vector loops'
+  // load8 / load16); other caches (fp8, or D not a multiple of 8) are widened into a scratch first.
+#ifdef FERRY_ATTN_AVX2
+  constexpr bool kInPlace = std::is_same_v<CacheT, float> || std::is_same_v<CacheT, uint16_t> || kInt8Dots;
+#else
+  constexpr bool kInPlace = false;
+#endif
+  const bool in_place = kInPlace && D % 8 == 0 && (int8_dots || !kInt8Dots);
+  const int64_t row_stride = KVH * W;  // elements from one token's row of a head to the next token's
+
+  // A task takes its whole partition at once (P blocks, up to PT rows): the scores of every row for
+  // the G heads, one softmax over them, then the values. Per 16-token block, an online softmax's
+  // max, exp, sum and accumulator rescale cost about what the block's dot products did.
+  const int64_t PT = P * BS;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * BS);
-    std::vector<float> kscratch(BS * D), vscratch(BS * D);
+    std::vector<float> scores(G * PT);  // head g's row t at g * PT + t
+    std::vector<float> kscratch(PT * D), vscratch(PT * D);
     // The int8 AVX2 path: K rows in int16, the rows' scales, the softmax weights times V's scales.
-    std::vector<int16_t> k16(int8_dots ? BS * D : 0);
-    std::vector<float> kscale(BS), vscale(BS), pv(int8_dots ? G * BS : 0);
+    std::vector<int16_t> k16(int8_dots ? PT * D : 0);
+    std::vector<float> kscale(PT), vscale(PT), pv(int8_dots ? PT : 0);
     std::vector<float> acc(G * D);
-    std::vector<float> m(G), l(G), corr(G);
+    std::vector<float> m(G), l(G);
+    std::vector<const CacheT*> vrows_of(P);  // each block's V rows in place,
+    std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
+    std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t part = (task - first[b]) / KVH, h = (task - first[b]) % KVH;
@@ -349,30 +455,28 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       const float* qb = qp + (b * H + h * G) * D;
       const int16_t* q16 = int8_dots ? q16_all.data() + (b * H + h * G) * D : nullptr;
       const float* qscale = int8_dots ? qscale_all.data() + b * H + h * G : nullptr;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), kNegBig);
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t blk = btp[b * MAXB + j];
-        const int64_t n = std::min(BS, L - j * BS);
-        int64_t ks = 0, vs = 0;  // row strides of kb / vb in floats
-        const float* kb = nullptr;
-        const float* vb = nullptr;
-#ifdef FERRY_ATTN_AVX2
-        if constexpr (kInt8Dots) {
-          if (int8_dots) {
-            const int8_t* krows = reinterpret_cast<const int8_t*>(kp + (blk * BS * KVH + h) * W);
-            const int8_t* vrows = reinterpret_cast<const int8_t*>(vp + (blk * BS * KVH + h) * W);
-            widen_rows_int16(krows, n, D, KVH * W, k16.data(), kscale.data());
-            widen_rows_f32(vrows, n, D, KVH * W, vscratch.data(), vscale.data());
-            vb = vscratch.data(), vs = D;
+      if (h == 0) {
+        // The next partition's blocks (this sequence's, or the next sequence's first), into L2 while
+        // this one is computed: this thread takes it after this partition's KVH tasks. Only a
+        // block ahead (below) left the first touch of each block waiting on memory.
+        int64_t nb_ = b, nj0 = j1, nj1 = std::min((L + BS - 1) / BS, j1 + P);
+        if (nj0 >= nj1 && b + 1 < B) nb_ = b + 1, nj0 = 0, nj1 = std::min((lp[b + 1] + BS - 1) / BS, P);
+        for (int64_t j = nj0; j < nj1; ++j) {
+          const int64_t nblk = btp[nb_ * MAXB + j];
+          const char* nk = reinterpret_cast<const char*>(kp + nblk * BS * KVH * W);
+          const char* nv = reinterpret_cast<const char*>(vp + nblk * BS * KVH * W);
+          for (int64_t off = 0; off < BS * KVH * W * kElem; off += 64) {
+            __builtin_prefetch(nk + off, 0, 2);
+            __builtin_prefetch(nv + off, 0, 2);
           }
         }
-#endif
-        if (!int8_dots) {
-          kb = rows_as_f32(kp + (blk * BS * KVH + h) * W, n, D, KVH * W, kscratch.data(), ks);
-          vb = rows_as_f32(vp + (blk * BS * KVH + h) * W, n, D, KVH * W, vscratch.data(), vs);
-        }
+      }
+      // Scores of each block's rows for all G heads; V rows located (or widened) for the last phase.
+      int64_t rows = 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t i = j - j0, blk = btp[b * MAXB + j];
+        const int64_t n = std::min(BS, L - j * BS);
+        n_of[i] = n;
         if (h == 0 && j + 1 < j1) {
           // The next block lives elsewhere in the pool: start its loads now so they overlap this
           // block's arithmetic. The first kv head's task takes the whole block (every head's rows,
@@ -386,98 +490,65 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
             __builtin_prefetch(nv + off);
           }
         }
-        // Scores of this block for all G heads, exponentiated in one vectorizable
-        // loop, then an online-softmax update of the accumulators. With AVX2 and
-        // D a multiple of 8, block_scores / block_values (2-3x the compiler's
-        // vectorization of the loops below, which remain the portable path).
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qb + g * D;
+        const CacheT* krows = kp + (blk * BS * KVH + h) * W;
+        const CacheT* vrows = vp + (blk * BS * KVH + h) * W;
+        vrows_of[i] = vrows;
 #ifdef FERRY_ATTN_AVX2
-          if (int8_dots) {
-            block_scores_int16(q16 + g * D, k16.data(), kscale.data(), n, D, fscale * qscale[g],
-                               scores.data() + g * BS);
-            continue;
-          }
-          if (D % 8 == 0) {
-            block_scores(qg, kb, ks, n, D, fscale, scores.data() + g * BS);
-            continue;
-          }
-#endif
-          int64_t t = 0;
-          for (; t + 4 <= n; t += 4) {
-            const float* k0 = kb + t * ks;
-            const float* k1 = k0 + ks;
-            const float* k2 = k1 + ks;
-            const float* k3 = k2 + ks;
-            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-            for (int64_t d = 0; d < D; ++d) {
-              s0 += qg[d] * k0[d];
-              s1 += qg[d] * k1[d];
-              s2 += qg[d] * k2[d];
-              s3 += qg[d] * k3[d];
+        if constexpr (kInPlace) {
+          if (in_place) {
+            if constexpr (kInt8Dots) {
+              widen_rows_int16(krows, n, D, row_stride, k16.data() + rows * D, kscale.data() + rows);
+              for (int64_t t = 0; t < n; ++t) std::memcpy(&vscale[rows + t], vrows + t * row_stride + D, sizeof(float));
+              for (int64_t g = 0; g < G; ++g)
+                block_scores_int16(q16 + g * D, k16.data() + rows * D, kscale.data() + rows, n, D,
+                                   fscale * qscale[g], scores.data() + g * PT + rows);
+            } else {
+              for (int64_t g = 0; g < G; ++g)
+                block_scores(qb + g * D, krows, row_stride, n, D, fscale, scores.data() + g * PT + rows);
             }
-            scores[g * BS + t] = s0 * fscale;
-            scores[g * BS + t + 1] = s1 * fscale;
-            scores[g * BS + t + 2] = s2 * fscale;
-            scores[g * BS + t + 3] = s3 * fscale;
-          }
-          for (; t < n; ++t) {
-            const float* kt = kb + t * ks;
-            float s0 = 0.f;
-#pragma omp simd reduction(+ : s0)
-            for (int64_t d = 0; d < D; ++d) s0 += qg[d] * kt[d];
-            scores[g * BS + t] = s0 * fscale;
+            rows += n;
+            continue;
           }
         }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * BS;
-          float bmax = kNegBig;
-          for (int64_t t = 0; t < n; ++t) bmax = std::max(bmax, sg[t]);
-          const float new_m = std::max(m[g], bmax);
-          corr[g] = std::exp(m[g] - new_m);
-          m[g] = new_m;
+#endif
+        int64_t ks = 0;
+        const float* kb = rows_as_f32(krows, n, D, row_stride, kscratch.data() + rows * D, ks);
+        vb_of[i] = rows_as_f32(vrows, n, D, row_stride, vscratch.data() + rows * D, vs_of[i]);
+        for (int64_t g = 0; g < G; ++g) row_scores(qb + g * D, kb, ks, n, D, fscale, scores.data() + g * PT + rows);
+        rows += n;
+      }
+      // One softmax over the partition per head: its max and sum are kept for the merge.
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * PT;
+        float mx = kNegBig;
+        for (int64_t t = 0; t < rows; ++t) mx = std::max(mx, sg[t]);
 #pragma omp simd
-          for (int64_t t = 0; t < n; ++t) sg[t] = std::exp(sg[t] - new_m);
-          float lsum = 0.f;
-          for (int64_t t = 0; t < n; ++t) lsum += sg[t];
-          l[g] = l[g] * corr[g] + lsum;
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] *= corr[g];
-        }
+        for (int64_t t = 0; t < rows; ++t) sg[t] = std::exp(sg[t] - mx);
+        float sum = 0.f;
+        for (int64_t t = 0; t < rows; ++t) sum += sg[t];
+        m[g] = mx, l[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      rows = 0;
+      for (int64_t i = 0; i < j1 - j0; ++i) {
+        const int64_t n = n_of[i];
         for (int64_t g = 0; g < G; ++g) {
-          const float* pg = scores.data() + g * BS;
-          float* ag = acc.data() + g * D;
+          const float* pg = scores.data() + g * PT + rows;
 #ifdef FERRY_ATTN_AVX2
-          if (int8_dots) {  // V's row scales ride on the weights: sum_t (p_t s_t) v_t
-            float* pvg = pv.data() + g * BS;
-            for (int64_t t = 0; t < n; ++t) pvg[t] = pg[t] * vscale[t];
-            block_values(pvg, vb, vs, n, D, ag);
-            continue;
-          }
-          if (D % 8 == 0) {
-            block_values(pg, vb, vs, n, D, ag);
-            continue;
+          if constexpr (kInPlace) {
+            if (in_place) {
+              if (kInt8Dots) {  // V's row scales ride on the weights: sum_t (p_t s_t) v_t
+                for (int64_t t = 0; t < n; ++t) pv[t] = pg[t] * vscale[rows + t];
+                pg = pv.data();
+              }
+              block_values(pg, vrows_of[i], row_stride, n, D, acc.data() + g * D);
+              continue;
+            }
           }
 #endif
-          int64_t t = 0;
-          for (; t + 4 <= n; t += 4) {
-            const float* v0 = vb + t * vs;
-            const float* v1 = v0 + vs;
-            const float* v2 = v1 + vs;
-            const float* v3 = v2 + vs;
-            const float p0 = pg[t], p1 = pg[t + 1], p2 = pg[t + 2], p3 = pg[t + 3];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-          }
-          for (; t < n; ++t) {
-            const float* vt = vb + t * vs;
-            const float p = pg[t];
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
-          }
+          row_values(pg, vb_of[i], vs_of[i], n, D, acc.data() + g * D);
         }
+        rows += n;
       }
       if (nparts > 1) {
         std::copy(m.begin(), m.end(), part_m.begin() + task * G);
