@@ -5,7 +5,7 @@ of --repeats. What `INT8_PROMPT_TYPES` and `GEMM_MIN_ROWS` in ferry/layers/gguf_
 Shapes: SmolLM2-135M's projections for the 32-value types; K-quant rows need K a multiple of 256, so
 they take a 3072 x 768 weight (and SmolLM2's gate_up shape is not one). Weights are hot in cache; a
 decode step reads them from memory (`ferry bench latency` measures that). From the repo root:
-    python3 scripts/gguf_cpu_sweep.py [--rows 1 16 64 512] [--threads 2]
+    python3 scripts/gguf_cpu_sweep.py [--rows 1 16 64 512] [--threads 2] [--shapes head] [--plain-rows]
     FERRY_CPU_ISA=avx2 python3 scripts/gguf_cpu_sweep.py   # the AVX2 build of the same kernels"""
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ from gguf.quants import quantize
 from ferry.kernels.cpu import cpu_flags, cpu_kernels
 from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
 
-SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SMOLLM2 = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 K_QUANT_SHAPE = {"3072x768": (3072, 768)}
 
 
-def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> GGUFWeight:
+def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator, plain: bool = False) -> GGUFWeight:
     """gguf-py quantizes the 32-value types; it cannot quantize K-quants, whose blocks are random bytes
-    with small positive fp16 super-scales (what the kernel reads is the same either way)."""
+    with small positive fp16 super-scales (what the kernel reads is the same either way). `plain`: the
+    32-value types' rows as the file stores them, not interleaved by 8 as the loader leaves them."""
     if not type_name.endswith("_K"):
         raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[type_name])
-        return GGUFWeight.from_numpy(raw, type_name, (n, k)).interleave()
+        w = GGUFWeight.from_numpy(raw, type_name, (n, k))
+        return w if plain else w.interleave()
     _, _, block_bytes = GGUF_QUANT_TYPES[type_name]
     blocks = n * k // 256
     raw = rng.integers(0, 256, size=(blocks, block_bytes), dtype=np.uint8)
@@ -58,6 +60,14 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=list(GGUF_QUANT_TYPES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["qkv", "o", "gate_up", "down"],
+        choices=list(SMOLLM2),
+        help="SmolLM2 shapes for the 32-value types (head: the tied 49152 x 576 output head)",
+    )
+    parser.add_argument("--plain-rows", action="store_true", help="Q4_0/Q4_1/Q8_0 rows not interleaved by 8")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
@@ -69,9 +79,9 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rng = np.random.default_rng(0)
     for type_name in args.types:
-        shapes = K_QUANT_SHAPE if type_name.endswith("_K") else SMOLLM2
+        shapes = K_QUANT_SHAPE if type_name.endswith("_K") else {s: SMOLLM2[s] for s in args.shapes}
         for shape_name, (n, k) in shapes.items():
-            w = random_weight(type_name, n, k, rng)
+            w = random_weight(type_name, n, k, rng, args.plain_rows)
             for rows in args.rows:
                 x = torch.randn(rows, k)
                 flops = 2 * rows * n * k

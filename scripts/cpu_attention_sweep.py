@@ -1,0 +1,70 @@
+"""ferry's CPU paged decode attention (cpu_kernels().paged_decode_attention) by cache dtype, batch and
+context: ms per layer and the K/V bytes it reads per second, best of --repeats. SmolLM2-135M's heads
+(9 query heads, 3 kv heads, head size 64), 16-token blocks placed at random in the pool as a busy
+engine leaves them. --layers distinct caches are attended in turn, so that with more K/V than the
+last-level cache each layer's rows come from memory as in a decode step (--layers 1: hot in cache).
+From the repo root:
+    python3 scripts/cpu_attention_sweep.py [--batch 16 64] [--context 512 1024] [--layers 8]
+    FERRY_CPU_ISA=avx2 python3 scripts/cpu_attention_sweep.py   # the AVX2 build of the same kernel"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from ferry.kernels.cpu import cpu_kernels
+from ferry.kv_quant import quantize_rows
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def cache(blocks: int, dtype: str, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    if dtype in ("int8", "fp8"):
+        return quantize_rows(x, torch.int8 if dtype == "int8" else torch.float8_e4m3fn)
+    return x.to(getattr(torch, dtype))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--context", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = cpu_kernels()
+    if kernels is None:
+        raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
+    print(f"threads {args.threads}, {args.layers} layers' caches, blocks of {BLOCK} in random order")
+    print("| cache | batch | context | ms per layer | x 30 layers | K/V GB/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    gen = torch.Generator().manual_seed(0)
+    for batch in args.batch:
+        for context in args.context:
+            per_seq = -(-context // BLOCK)
+            blocks = batch * per_seq
+            table = torch.randperm(blocks, generator=gen).view(batch, per_seq)
+            lens = torch.full((batch,), context, dtype=torch.int64)
+            q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+            for dtype in args.dtypes:
+                layers = [(cache(blocks, dtype, gen), cache(blocks, dtype, gen)) for _ in range(args.layers)]
+                best = float("inf")
+                for _ in range(args.repeats + 1):
+                    start = time.perf_counter()
+                    for k, v in layers:
+                        kernels.paged_decode_attention(q, k, v, table, lens, HEAD_DIM**-0.5)
+                    best = min(best, (time.perf_counter() - start) / args.layers)
+                k, v = layers[0]
+                read = (k.numel() * k.element_size() + v.numel() * v.element_size()) * context / (per_seq * BLOCK)
+                gbs = read / best / 1e9
+                print(f"| {dtype} | {batch} | {context} | {best * 1e3:.3f} | {best * 30e3:.1f} | {gbs:.1f} |")
+                del layers
+
+
+if __name__ == "__main__":
+    main()
