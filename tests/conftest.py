@@ -117,3 +117,15 @@ def dense_attention(q, k, v, q_pos, scale):
     visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
+
+
+def outputs_of_both_cpu_builds(script: str, tmp_path) -> tuple[dict, dict]:
+    """Run `script` (it saves a dict of tensors to sys.argv[1]) in a process with the AVX2-only build
+    of the CPU kernels (FERRY_CPU_ISA=avx2) and in one with the native build: (avx2, native)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FERRY_CPU_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt")], env=env, check=True, timeout=900)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "native.pt")], check=True, timeout=900)
+    return torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "native.pt")

@@ -7,6 +7,7 @@ import torch
 
 from ferry.kernels.cpu import cpu_flags, cpu_kernels, embeds_its_own_libstdcxx
 from ferry.layers.attention import TorchAttentionBackend, build_metadata, paged_attention
+from tests.conftest import outputs_of_both_cpu_builds
 
 
 @pytest.fixture(scope="module")
@@ -182,15 +183,7 @@ def test_decode_attention_avx512_and_avx2_builds_agree(tmp_path):
     """This CPU runs the AVX-512 loops (16 values a step); an AVX2-only CPU runs the 8-wide ones,
     which the FERRY_CPU_ISA=avx2 build takes here: the same attention to fp32 rounding, for fp32, bf16
     and int8 caches, head sizes with and without a multiple of 16, one and several partitions."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "FERRY_CPU_ISA": "avx2"}
-    script = _ATTENTION_ISA_SCRIPT
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt")], env=env, check=True, timeout=900)
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "native.pt")], check=True, timeout=900)
-    avx2, native = torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "native.pt")
+    avx2, native = outputs_of_both_cpu_builds(_ATTENTION_ISA_SCRIPT, tmp_path)
     assert set(native) == set(avx2) and len(native) == 6
     for case, y in native.items():
         torch.testing.assert_close(y, avx2[case], rtol=2e-5, atol=2e-5, msg=case)

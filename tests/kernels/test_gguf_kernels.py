@@ -18,6 +18,7 @@ from ferry.layers.gguf_linear import (
     gguf_embedding,
     gguf_linear,
 )
+from tests.conftest import outputs_of_both_cpu_builds
 
 pytestmark = pytest.mark.skipif(
     not __import__("ferry.layers.gguf_linear", fromlist=["gguf_available"]).gguf_available(),
@@ -238,14 +239,7 @@ def test_avx512_vnni_and_avx2_builds_agree(tmp_path):
     AVX2 ones, built with FERRY_CPU_ISA=avx2, take the same integer dots in another float order: the
     same outputs to fp32 rounding, for every count of activation rows a pass takes, whole groups of
     8 blocks and a tail."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "FERRY_CPU_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "avx2.pt")], env=env, check=True, timeout=900)
-    subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "native.pt")], check=True, timeout=900)
-    avx2, native = torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "native.pt")
+    avx2, native = outputs_of_both_cpu_builds(_ISA_SCRIPT, tmp_path)
     assert set(native) == set(avx2) and len(native) == 35
     for case, y in native.items():
         torch.testing.assert_close(y, avx2[case], rtol=1e-5, atol=1e-5, msg=case)

@@ -415,77 +415,48 @@ void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const flo
 }
 
 #ifdef FERRY_AVX512_VNNI
-// R activation rows (R <= 4) against one interleaved group of 8 weight rows (T = Q4_0 or Q4_1):
-// out[r * 8 + i] = dot of activation row r with weight row i. A block's 128 bytes are two 64-byte
-// vectors of chunk pairs (c, c + 1): lanes 0-7 hold chunk c's 8 rows, lanes 8-15 chunk c + 1's, so
-// the activation dwords they multiply are permuted into those halves (dwords c and c + 1 for the low
-// nibbles, 4 + c and 5 + c for the high ones). The int32 sums of both halves are scaled per block
-// (the same 8 rows' d in both) and folded once at the end.
+// R activation rows (R <= 4) against one interleaved group of 8 weight rows (T = Q4_0, Q4_1 or
+// Q8_0): out[r * 8 + i] = dot of activation row r with weight row i. A block's quants make four
+// 64-byte vectors of chunk pairs (c, c + 1): lanes 0-7 hold chunk c's 8 rows, lanes 8-15 chunk
+// c + 1's, so the activation dwords they multiply are permuted into those halves. Q4: two loaded
+// vectors, each as its low nibbles (dwords c, c + 1) and high ones (4 + c, 5 + c); Q8_0: four
+// loaded vectors (dwords 2v, 2v + 1), offset by 128. The int32 sums of both halves are scaled per
+// block (the same 8 rows' d in both) and folded once at the end; the offsets (-8 d for Q4_0, -128 d
+// for Q8_0) and Q4_1's mins come in against sy.
 template <int T, int R>
-void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-                  const float* const* sy, float* out) {
-  const uint8_t* scales = group + nb * 128;
+void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
+                    const float* const* sy, float* out) {
+  constexpr int64_t kBlock = kGroup * (T == Q8_0 ? 32 : 16);  // a block's quant bytes, 8 rows
+  const uint8_t* scales = group + nb * kBlock;
   const uint8_t* mns = scales + nb * 16;
   const __m512i mask = _mm512_set1_epi8(0xF);
   const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i lo01 = half, hi01 = _mm512_add_epi32(half, _mm512_set1_epi32(4));
-  const __m512i lo23 = _mm512_add_epi32(half, _mm512_set1_epi32(2)), hi23 = _mm512_add_epi32(half, _mm512_set1_epi32(6));
+  __m512i perm[4];  // the activation dwords of quant vector i
+  for (int i = 0; i < 4; ++i)
+    perm[i] = _mm512_add_epi32(half, _mm512_set1_epi32(T == Q8_0 ? 2 * i : (i % 2) * 4 + (i / 2) * 2));
   __m512 acc[R];
   __m256 accm[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q = group + b * 128;
-    const __m512i v01 = _mm512_loadu_si512(q), v23 = _mm512_loadu_si512(q + 64);
-    const __m512i l01 = _mm512_and_si512(v01, mask), h01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), mask);
-    const __m512i l23 = _mm512_and_si512(v23, mask), h23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), mask);
+    const uint8_t* q = group + b * kBlock;
+    __m512i v[4];
+    if constexpr (T == Q8_0) {
+      for (int i = 0; i < 4; ++i) v[i] = _mm512_loadu_si512(q + 64 * i);
+    } else {
+      for (int i = 0; i < 2; ++i) {
+        const __m512i packed = _mm512_loadu_si512(q + 64 * i);
+        v[2 * i] = _mm512_and_si512(packed, mask);
+        v[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), mask);
+      }
+    }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16)));
     const __m256 mw = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mns + b * 16)))
-                                : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+                                : _mm256_mul_ps(dw, _mm256_set1_ps(T == Q8_0 ? -128.f : -8.f));
     const __m512 dw16 = _mm512_insertf32x8(_mm512_castps256_ps512(dw), dw, 1);
     for (int r = 0; r < R; ++r) {
       const __m512i yv = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + b * 32)));
-      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l01, _mm512_permutexvar_epi32(lo01, yv));
-      s = _mm512_dpbusd_epi32(s, h01, _mm512_permutexvar_epi32(hi01, yv));
-      s = _mm512_dpbusd_epi32(s, l23, _mm512_permutexvar_epi32(lo23, yv));
-      s = _mm512_dpbusd_epi32(s, h23, _mm512_permutexvar_epi32(hi23, yv));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw16, _mm512_set1_ps(dy[r][b])), acc[r]);
-      accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m256 lo = _mm512_castps512_ps256(acc[r]);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
-    _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(_mm256_add_ps(lo, hi), accm[r]));
-  }
-}
-
-// R activation rows (R <= 4) against one interleaved Q8_0 group of 8 weight rows (quants offset by
-// 128): out[r * 8 + i] = dot of activation row r with weight row i. A block's 256 bytes are four
-// 64-byte vectors of chunk pairs (2v, 2v + 1), each against activation dwords 2v and 2v + 1; the
-// offset comes off as Q4_0's does, -128 d sy, beside the int32 sums.
-template <int R>
-void dot_group_q8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-                  const float* const* sy, float* out) {
-  const uint8_t* scales = group + nb * 256;
-  const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i p0 = half, p1 = _mm512_add_epi32(half, _mm512_set1_epi32(2));
-  const __m512i p2 = _mm512_add_epi32(half, _mm512_set1_epi32(4)), p3 = _mm512_add_epi32(half, _mm512_set1_epi32(6));
-  __m512 acc[R];
-  __m256 accm[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q = group + b * 256;
-    const __m512i v0 = _mm512_loadu_si512(q), v1 = _mm512_loadu_si512(q + 64);
-    const __m512i v2 = _mm512_loadu_si512(q + 128), v3 = _mm512_loadu_si512(q + 192);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16)));
-    const __m256 mw = _mm256_mul_ps(dw, _mm256_set1_ps(-128.f));
-    const __m512 dw16 = _mm512_insertf32x8(_mm512_castps256_ps512(dw), dw, 1);
-    for (int r = 0; r < R; ++r) {
-      const __m512i yv = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + b * 32)));
-      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v0, _mm512_permutexvar_epi32(p0, yv));
-      s = _mm512_dpbusd_epi32(s, v1, _mm512_permutexvar_epi32(p1, yv));
-      s = _mm512_dpbusd_epi32(s, v2, _mm512_permutexvar_epi32(p2, yv));
-      s = _mm512_dpbusd_epi32(s, v3, _mm512_permutexvar_epi32(p3, yv));
+      __m512i s = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) s = _mm512_dpbusd_epi32(s, v[i], _mm512_permutexvar_epi32(perm[i], yv));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw16, _mm512_set1_ps(dy[r][b])), acc[r]);
       accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
     }
@@ -596,8 +567,12 @@ void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
 template <int T, int R>
 void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
                   const float* const* sy, float* out) {
+#ifdef FERRY_AVX512_VNNI
+  dot_group_vnni<T, R>(group, nb, y, dy, sy, out);
+#else
   if constexpr (T == Q8_0) dot_group_q8<R>(group, nb, y, dy, sy, out);
   else dot_group_q4<T, R>(group, nb, y, dy, sy, out);
+#endif
 }
 #endif
 
