@@ -3,13 +3,17 @@ context: ms per layer and the K/V bytes it reads per second, best of --repeats. 
 (9 query heads, 3 kv heads, head size 64), 16-token blocks placed at random in the pool as a busy
 engine leaves them. --layers distinct caches are attended in turn, so that with more K/V than the
 last-level cache each layer's rows come from memory as in a decode step (--layers 1: hot in cache).
+--order sequential places each sequence's blocks one after another (a fresh pool); --order reuse has
+every sequence read the same 16 blocks, so rows come from L1/L2 and the time is the kernel's arithmetic.
 From the repo root:
     python3 scripts/cpu_attention_sweep.py [--batch 16 64] [--context 512 1024] [--layers 8]
+    python3 scripts/cpu_attention_sweep.py --batch 64 --context 1024 --order random sequential reuse
     FERRY_CPU_ISA=avx2 python3 scripts/cpu_attention_sweep.py   # the AVX2 build of the same kernel"""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -27,6 +31,17 @@ def cache(blocks: int, dtype: str, gen: torch.Generator) -> torch.Tensor:
     return x.to(getattr(torch, dtype))
 
 
+def block_table(order: str, batch: int, per_seq: int, gen: torch.Generator) -> torch.Tensor:
+    blocks = batch * per_seq
+    if order == "random":
+        ids = torch.randperm(blocks, generator=gen)
+    elif order == "sequential":
+        ids = torch.arange(blocks)
+    else:  # reuse: 16 blocks in all, read by every sequence
+        ids = torch.arange(blocks) % 16
+    return ids.view(batch, per_seq)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
@@ -35,23 +50,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--order", nargs="+", default=["random"], choices=["random", "sequential", "reuse"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
     if kernels is None:
         raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
     print(f"threads {args.threads}, {args.layers} layers' caches, blocks of {BLOCK} in random order")
-    print("| cache | batch | context | ms per layer | x 30 layers | K/V GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| blocks | cache | batch | context | ms per layer | x 30 layers | K/V GB/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch:
         for context in args.context:
             per_seq = -(-context // BLOCK)
             blocks = batch * per_seq
-            table = torch.randperm(blocks, generator=gen).view(batch, per_seq)
             lens = torch.full((batch,), context, dtype=torch.int64)
             q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
-            for dtype in args.dtypes:
+            for order, dtype in itertools.product(args.order, args.dtypes):
+                table = block_table(order, batch, per_seq, gen)
                 layers = [(cache(blocks, dtype, gen), cache(blocks, dtype, gen)) for _ in range(args.layers)]
                 best = float("inf")
                 for _ in range(args.repeats + 1):
@@ -62,7 +78,7 @@ def main() -> None:
                 k, v = layers[0]
                 read = (k.numel() * k.element_size() + v.numel() * v.element_size()) * context / (per_seq * BLOCK)
                 gbs = read / best / 1e9
-                print(f"| {dtype} | {batch} | {context} | {best * 1e3:.3f} | {best * 30e3:.1f} | {gbs:.1f} |")
+                print(f"| {order} | {dtype} | {batch} | {context} | {best * 1e3:.3f} | {best * 30e3:.1f} | {gbs:.1f} |")
                 del layers
 
 

@@ -19,14 +19,17 @@ def kernels():
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1)])
-def test_decode_kernel_matches_reference(kernels, heads, kv_heads, cache_dtype):
-    """A bf16 cache is widened exactly, so it matches the fp32 math on the same (rounded) values."""
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1), (4, 2), (10, 2), (8, 1)])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_decode_kernel_matches_reference(kernels, heads, kv_heads, cache_dtype, bs):
+    """A bf16 cache is widened exactly, so it matches the fp32 math on the same (rounded) values.
+    With AVX-512 the G query heads of a kv head go through in passes of up to three (G = 1, 2, 4 as
+    2 + 2, 5 as 3 + 2, 6, 8 as 3 + 3 + 2), 8 keys at a time (16-token blocks) or one by one."""
     torch.manual_seed(0)
-    nb, bs, d = 40, 4, 32
+    nb, d = 40, 32
     k_cache = torch.randn(nb, bs, kv_heads, d).to(cache_dtype)
     v_cache = torch.randn(nb, bs, kv_heads, d).to(cache_dtype)
-    lens = torch.tensor([1, 5, 16, 9])
+    lens = torch.tensor([1, 5, 16, 9 if bs == 4 else 45])
     perm = torch.randperm(nb)
     table = torch.zeros(4, 4, dtype=torch.long)
     used = 0

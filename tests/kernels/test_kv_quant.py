@@ -123,7 +123,7 @@ def test_triton_prefill_reads_quantized_prefix_and_chunk(tk, dtype):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is the CPU's")
 @pytest.mark.parametrize("dtype", QDTYPES)
-@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (3, 3)])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (3, 3), (10, 2)])
 @pytest.mark.parametrize("bs, d", [(4, 32), (16, 64)])  # 16-token blocks: 8 keys per vector step
 def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads, bs, d):
     kernels = cpu_kernels()
@@ -134,7 +134,7 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads, bs, d)
     v_cache = quantized_cache(nb, bs, kv_heads, d, dtype, seed=6)
     lens = [1, 5, 16, 9, 23] + ([70, 13] if bs == 16 else [])
     table = tables(lens, bs, nb)
-    q = torch.randn(len(lens), heads, d)
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(7))  # not the global RNG
     got = kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lens), d**-0.5)
     q_as_used = q
     if dtype == torch.int8 and "avx2" in cpu_flags():
@@ -144,7 +144,9 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads, bs, d)
         q_as_used = torch.round(q / step) * step
         unrounded = [dense_attention(q[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
                                      torch.tensor([n - 1]), d**-0.5) for i, n in enumerate(lens)]  # fmt: skip
-        torch.testing.assert_close(got, torch.cat(unrounded), rtol=0, atol=5e-4)  # and q's rounding is small
+        # and q's rounding is small: its step (|q|max / 32767, ~1e-4) over 64 keys of up to |12| moves a
+        # logit by ~1e-4, the output (values up to |12|) by up to ~1e-3; 100 random q gave 2e-4..9e-4.
+        torch.testing.assert_close(got, torch.cat(unrounded), rtol=0, atol=2e-3)
     for i, n in enumerate(lens):
         ref = dense_attention(q_as_used[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
                               torch.tensor([n - 1]), d**-0.5)  # fmt: skip

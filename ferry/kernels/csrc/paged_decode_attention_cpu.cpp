@@ -12,7 +12,9 @@
 // heads that share a kv head are processed together, so every K/V row is loaded once
 // from memory. A task takes its partition whole: the scores of its rows for the G heads,
 // one softmax, then the values; a sequence's partitions are merged by their softmax
-// maxima (flash-decoding). A bf16 cache halves the bytes read, an int8 one about
+// maxima (flash-decoding). With AVX-512 each row is loaded and widened once per pass of up
+// to three heads (heads_scores / heads_values), not once per head; threads take chunks of
+// partitions from a shared counter, so one that waits on memory longer takes fewer. A bf16 cache halves the bytes read, an int8 one about
 // quarters them; with AVX2 both are read in place and widened in registers (load8 /
 // load16: bf16 is the high half of an fp32). An int8 cache's K rows are widened to int16
 // and dotted with q rounded to int16 (per head, 2^-15 of its largest value: far below
@@ -24,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,6 +38,8 @@
 constexpr float kNegBig = -1e30f;
 // Tokens per partition of a long sequence (see paged_decode_attention_impl).
 constexpr int64_t kPartitionTokens = 64;
+// Chunks of tasks per thread (see the task loop): enough to even out, few enough to share a counter.
+constexpr int64_t kChunksPerThread = 16;
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -231,6 +236,133 @@ inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float*
     out[t] = static_cast<float>(acc) * scale * kscale[t];
   }
 }
+
+#ifdef FERRY_ATTN_AVX512
+// The G query heads of a kv head read the same K/V rows. The loops below take GH (<= 3) of them per
+// pass over a block, so each row is loaded and widened once for GH heads, not once per head: the
+// widening (2 instructions per 16 bf16 or int8 values) cost as much as the FMAs it fed. 8 keys x 3
+// heads of accumulators, the q vectors and a key fill AVX-512's 32 registers; more heads would spill.
+constexpr int kMaxHeadsPerPass = 3;
+
+// The eight sums of acc[0..7] (16 lanes each), in one vector.
+inline __m256 sum8x16(const __m512* acc) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+  return sum8x8(h);
+}
+
+// out[g * os + t] = scale * dot(q_g, k_t) for GH heads (q_g at q + g * D) and n keys of D (a multiple
+// of 16) fp32 / bf16 values, rows `ks` elements apart: block_scores for GH heads in one pass.
+template <int GH, typename T>
+inline void heads_scores(const float* q, const T* kb, int64_t ks, int64_t n, int64_t D, float scale, float* out,
+                         int64_t os) {
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    __m512 a[GH][8];
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 8; ++i) a[g][i] = _mm512_setzero_ps();
+    const T* k0 = kb + t * ks;
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 qv[GH];
+      for (int g = 0; g < GH; ++g) qv[g] = _mm512_loadu_ps(q + g * D + d);
+      for (int i = 0; i < 8; ++i) {
+        const __m512 kv = load16(k0 + i * ks + d);
+        for (int g = 0; g < GH; ++g) a[g][i] = _mm512_fmadd_ps(qv[g], kv, a[g][i]);
+      }
+    }
+    for (int g = 0; g < GH; ++g) _mm256_storeu_ps(out + g * os + t, _mm256_mul_ps(sum8x16(a[g]), _mm256_set1_ps(scale)));
+  }
+  if (t < n)
+    for (int g = 0; g < GH; ++g) block_scores(q + g * D, kb + t * ks, ks, n - t, D, scale, out + g * os + t);
+}
+
+// The int8 cache's scores for GH heads: out[g * os + t] = qscale[g] * kscale_t * dot(q16_g, k_t) over
+// n int8 rows of D (a multiple of 32) values, `ks` bytes apart, each followed by its fp32 scale (read
+// into kscale[t]). Each key is widened to int16 once, in a register, for vpdpwssd against every head's
+// q; the int32 sums are exact, so this is block_scores_int16 to the last bit.
+template <int GH>
+inline void heads_scores_int8(const int16_t* q, const int8_t* kb, int64_t ks, int64_t n, int64_t D,
+                              const float* qscale, float* kscale, float* out, int64_t os) {
+  for (int64_t t = 0; t < n; ++t) std::memcpy(&kscale[t], kb + t * ks + D, sizeof(float));
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    __m512i w[GH][8];
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 8; ++i) w[g][i] = _mm512_setzero_si512();
+    const int8_t* k0 = kb + t * ks;
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512i qv[GH];
+      for (int g = 0; g < GH; ++g) qv[g] = _mm512_loadu_si512(q + g * D + d);
+      for (int i = 0; i < 8; ++i) {
+        const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i * ks + d)));
+        for (int g = 0; g < GH; ++g) w[g][i] = _mm512_dpwssd_epi32(w[g][i], qv[g], kv);
+      }
+    }
+    for (int g = 0; g < GH; ++g) {
+      __m256i a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_add_epi32(_mm512_castsi512_si256(w[g][i]), _mm512_extracti64x4_epi64(w[g][i], 1));
+      const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+      const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+      const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                                           _mm256_permute2x128_si256(h0123, h4567, 0x31));
+      _mm256_storeu_ps(out + g * os + t, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(qscale[g])),
+                                                       _mm256_loadu_ps(kscale + t)));
+    }
+  }
+  for (; t < n; ++t)
+    for (int g = 0; g < GH; ++g) {
+      int32_t acc = 0;
+      for (int64_t d = 0; d < D; ++d) acc += static_cast<int32_t>(q[g * D + d]) * kb[t * ks + d];
+      out[g * os + t] = static_cast<float>(acc) * qscale[g] * kscale[t];
+    }
+}
+
+// acc_g[c, c + 16 NV) += sum over n keys of p[g * ps + t] * v_t[c, c + 16 NV) for GH heads (acc_g
+// at acc + g * D): each key's values are loaded and widened once for the GH heads.
+template <int GH, int NV, typename T>
+inline void heads_values_chunk(const float* p, int64_t ps, const T* vb, int64_t vs, int64_t n, int64_t D,
+                               float* acc) {
+  __m512 a[GH][NV];
+  for (int g = 0; g < GH; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = vb + t * vs;
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < GH; ++g) {
+      const __m512 pt = _mm512_set1_ps(p[g * ps + t]);
+      for (int c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pt, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < GH; ++g)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// block_values for GH heads in one pass, D a multiple of 16.
+template <int GH, typename T>
+inline void heads_values(const float* p, int64_t ps, const T* vb, int64_t vs, int64_t n, int64_t D, float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) heads_values_chunk<GH, 4>(p, ps, vb + d, vs, n, D, acc + d);
+  if (d + 32 <= D) heads_values_chunk<GH, 2>(p, ps, vb + d, vs, n, D, acc + d), d += 32;
+  if (d + 16 <= D) heads_values_chunk<GH, 1>(p, ps, vb + d, vs, n, D, acc + d);
+}
+
+// Heads g0 .. g0 + gh of a kv head's G, in passes of at most kMaxHeadsPerPass (4 as 2 + 2, so no pass
+// is a lone head): calls f(first head, the pass's head count as a std::integral_constant).
+template <typename F>
+inline void for_head_passes(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G;) {
+    const int64_t left = G - g0;
+    const int64_t gh = left == 4 ? 2 : std::min<int64_t>(left, kMaxHeadsPerPass);
+    if (gh == 3) f(g0, std::integral_constant<int, 3>{});
+    else if (gh == 2) f(g0, std::integral_constant<int, 2>{});
+    else f(g0, std::integral_constant<int, 1>{});
+    g0 += gh;
+  }
+}
+#endif
 #endif
 
 // n rows of D values, `stride` elements apart, as fp32. A float cache is used in
@@ -430,23 +562,35 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
 #endif
   const bool in_place = kInPlace && D % 8 == 0 && (int8_dots || !kInt8Dots);
   const int64_t row_stride = KVH * W;  // elements from one token's row of a head to the next token's
+  // With AVX-512, in-place rows are taken by up to three heads per pass (heads_scores / heads_values).
+#ifdef FERRY_ATTN_AVX512
+  const bool grouped = in_place && D % (int8_dots ? 32 : 16) == 0;
+#endif
 
   // A task takes its whole partition at once (P blocks, up to PT rows): the scores of every row for
   // the G heads, one softmax over them, then the values. Per 16-token block, an online softmax's
   // max, exp, sum and accumulator rescale cost about what the block's dot products did.
   const int64_t PT = P * BS;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  // Threads take chunks of tasks from a shared counter rather than fixed halves: a task's time
+  // depends on where its blocks are (cache or memory), and a static split left one thread waiting
+  // on the other at the end. A chunk is whole partitions (all KVH heads), so the first head's task
+  // loads the blocks the others read; results do not depend on which thread takes a task.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks / KVH));
+  const int64_t chunk = std::max<int64_t>(1, tasks / KVH / (workers * kChunksPerThread)) * KVH;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(G * PT);  // head g's row t at g * PT + t
     std::vector<float> kscratch(PT * D), vscratch(PT * D);
     // The int8 AVX2 path: K rows in int16, the rows' scales, the softmax weights times V's scales.
     std::vector<int16_t> k16(int8_dots ? PT * D : 0);
-    std::vector<float> kscale(PT), vscale(PT), pv(int8_dots ? PT : 0);
+    std::vector<float> kscale(PT), vscale(PT), pv(int8_dots ? G * PT : 0), qs(int8_dots ? G : 0);
     std::vector<float> acc(G * D);
     std::vector<float> m(G), l(G);
     std::vector<const CacheT*> vrows_of(P);  // each block's V rows in place,
     std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
     std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t begin; (begin = next_task.fetch_add(chunk)) < tasks;)
+    for (int64_t task = begin; task < std::min(begin + chunk, tasks); ++task) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t part = (task - first[b]) / KVH, h = (task - first[b]) % KVH;
       const int64_t L = lp[b];
@@ -455,6 +599,7 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       const float* qb = qp + (b * H + h * G) * D;
       const int16_t* q16 = int8_dots ? q16_all.data() + (b * H + h * G) * D : nullptr;
       const float* qscale = int8_dots ? qscale_all.data() + b * H + h * G : nullptr;
+      for (int64_t g = 0; g < (int8_dots ? G : 0); ++g) qs[g] = fscale * qscale[g];
       if (h == 0) {
         // The next partition's blocks (this sequence's, or the next sequence's first), into L2 while
         // this one is computed: this thread takes it after this partition's KVH tasks. Only a
@@ -496,6 +641,24 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
 #ifdef FERRY_ATTN_AVX2
         if constexpr (kInPlace) {
           if (in_place) {
+#ifdef FERRY_ATTN_AVX512
+            if (grouped) {
+              if constexpr (kInt8Dots) {
+                for_head_passes(G, [&](int64_t g0, auto gh) {
+                  heads_scores_int8<decltype(gh)::value>(q16 + g0 * D, krows, row_stride, n, D, qs.data() + g0,
+                                                         kscale.data() + rows, scores.data() + g0 * PT + rows, PT);
+                });
+                for (int64_t t = 0; t < n; ++t) std::memcpy(&vscale[rows + t], vrows + t * row_stride + D, sizeof(float));
+              } else {
+                for_head_passes(G, [&](int64_t g0, auto gh) {
+                  heads_scores<decltype(gh)::value>(qb + g0 * D, krows, row_stride, n, D, fscale,
+                                                    scores.data() + g0 * PT + rows, PT);
+                });
+              }
+              rows += n;
+              continue;
+            }
+#endif
             if constexpr (kInt8Dots) {
               widen_rows_int16(krows, n, D, row_stride, k16.data() + rows * D, kscale.data() + rows);
               for (int64_t t = 0; t < n; ++t) std::memcpy(&vscale[rows + t], vrows + t * row_stride + D, sizeof(float));
@@ -530,7 +693,28 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       rows = 0;
+#ifdef FERRY_ATTN_AVX512
+      if constexpr (kInPlace) {
+        if (grouped) {
+          for (int64_t i = 0; i < j1 - j0; ++i) {
+          const int64_t n = n_of[i];
+          const float* p = scores.data() + rows;
+          if constexpr (kInt8Dots) {  // V's row scales ride on the weights, as below
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t t = 0; t < n; ++t) pv[g * PT + t] = scores[g * PT + rows + t] * vscale[rows + t];
+            p = pv.data();
+          }
+          for_head_passes(G, [&](int64_t g0, auto gh) {
+            heads_values<decltype(gh)::value>(p + g0 * PT, PT, vrows_of[i], row_stride, n, D, acc.data() + g0 * D);
+          });
+          rows += n;
+          }
+        }
+      }
+      for (int64_t i = 0; i < (grouped ? 0 : j1 - j0); ++i) {
+#else
       for (int64_t i = 0; i < j1 - j0; ++i) {
+#endif
         const int64_t n = n_of[i];
         for (int64_t g = 0; g < G; ++g) {
           const float* pg = scores.data() + g * PT + rows;
