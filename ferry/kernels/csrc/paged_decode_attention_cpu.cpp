@@ -80,6 +80,31 @@ inline __m256 sum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
+// sum8x8 for int32 lanes (exact).
+inline __m256i sum8x8_epi32(const __m256i* a) {
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+#ifdef FERRY_ATTN_AVX512
+// The eight sums of acc[0..7] (16 lanes each, halves folded first), in one vector.
+inline __m256 sum8x16(const __m512* acc) {
+  __m256 h[8];
+  for (int i = 0; i < 8; ++i)
+    h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+  return sum8x8(h);
+}
+
+inline __m256i sum8x16_epi32(const __m512i* acc) {
+  __m256i h[8];
+  for (int i = 0; i < 8; ++i) h[i] = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
+  return sum8x8_epi32(h);
+}
+#endif
+
 // out[t] = scale * dot(q, k_t) for n keys of D (a multiple of 8) values, rows `ks` elements apart.
 // Eight keys at a time: eight independent FMA chains over D, then one transposing reduction
 // (hadd tree) that leaves the eight sums in one vector, instead of a horizontal sum per key.
@@ -96,11 +121,7 @@ inline void block_scores(const float* q, const T* kb, int64_t ks, int64_t n, int
         const __m512 qv = _mm512_loadu_ps(q + d);
         for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(qv, load16(k0 + i * ks + d), a[i]);
       }
-      __m256 h[8];
-      for (int i = 0; i < 8; ++i)
-        h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
-      _mm256_storeu_ps(out + t, _mm256_mul_ps(sum8x8(h), _mm256_set1_ps(scale)));
+      _mm256_storeu_ps(out + t, _mm256_mul_ps(sum8x16(a), _mm256_set1_ps(scale)));
     }
   }
 #endif
@@ -196,7 +217,8 @@ inline void widen_rows_int16(const int8_t* src, int64_t n, int64_t D, int64_t st
 
 // out[t] = scale * qscale * kscale[t] * dot(q16, k16_t) over n int16 rows of D (a multiple of 16):
 // block_scores with integer products (vpmaddwd: 16 int16 x int16 -> 8 int32 pair sums), exact in
-// int32 (|q16| < 2^15, |k| <= 127: a lane sums D / 16 pairs of at most 2^23.1 each).
+// int32 (|q16| < 2^15, |k| <= 127: a lane sums D / 16 pairs of at most 2^23.1 each). The AVX-512
+// build takes heads_scores_int8 (vpdpwssd) instead wherever D is a multiple of 32.
 inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float* kscale, int64_t n, int64_t D,
                                float scale, float* out) {
   int64_t t = 0;
@@ -205,30 +227,14 @@ inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float*
     __m256i a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_si256();
     const int16_t* k0 = kb + t * D;
-    int64_t d = 0;
-#ifdef FERRY_ATTN_AVX512
-    if (D % 32 == 0) {  // vpdpwssd: 32 int16 products summed in pairs into 16 int32 lanes
-      __m512i w[8];
-      for (int i = 0; i < 8; ++i) w[i] = _mm512_setzero_si512();
-      for (; d < D; d += 32) {
-        const __m512i qv = _mm512_loadu_si512(q + d);
-        for (int i = 0; i < 8; ++i) w[i] = _mm512_dpwssd_epi32(w[i], qv, _mm512_loadu_si512(k0 + i * D + d));
-      }
-      for (int i = 0; i < 8; ++i)
-        a[i] = _mm256_add_epi32(_mm512_castsi512_si256(w[i]), _mm512_extracti64x4_epi64(w[i], 1));
-    }
-#endif
-    for (; d < D; d += 16) {
+    for (int64_t d = 0; d < D; d += 16) {
       const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + d));
       for (int i = 0; i < 8; ++i)
         a[i] = _mm256_add_epi32(
             a[i], _mm256_madd_epi16(qv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i * D + d))));
     }
-    const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-    const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
-    const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
-                                         _mm256_permute2x128_si256(h0123, h4567, 0x31));
-    _mm256_storeu_ps(out + t, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), sv), _mm256_loadu_ps(kscale + t)));
+    _mm256_storeu_ps(out + t,
+                     _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8x8_epi32(a)), sv), _mm256_loadu_ps(kscale + t)));
   }
   for (; t < n; ++t) {
     int32_t acc = 0;
@@ -243,15 +249,6 @@ inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float*
 // widening (2 instructions per 16 bf16 or int8 values) cost as much as the FMAs it fed. 8 keys x 3
 // heads of accumulators, the q vectors and a key fill AVX-512's 32 registers; more heads would spill.
 constexpr int kMaxHeadsPerPass = 3;
-
-// The eight sums of acc[0..7] (16 lanes each), in one vector.
-inline __m256 sum8x16(const __m512* acc) {
-  __m256 h[8];
-  for (int i = 0; i < 8; ++i)
-    h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
-  return sum8x8(h);
-}
 
 // out[g * os + t] = scale * dot(q_g, k_t) for GH heads (q_g at q + g * D) and n keys of D (a multiple
 // of 16) fp32 / bf16 values, rows `ks` elements apart: block_scores for GH heads in one pass.
@@ -300,16 +297,10 @@ inline void heads_scores_int8(const int16_t* q, const int8_t* kb, int64_t ks, in
         for (int g = 0; g < GH; ++g) w[g][i] = _mm512_dpwssd_epi32(w[g][i], qv[g], kv);
       }
     }
-    for (int g = 0; g < GH; ++g) {
-      __m256i a[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_add_epi32(_mm512_castsi512_si256(w[g][i]), _mm512_extracti64x4_epi64(w[g][i], 1));
-      const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-      const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
-      const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
-                                           _mm256_permute2x128_si256(h0123, h4567, 0x31));
-      _mm256_storeu_ps(out + g * os + t, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(qscale[g])),
-                                                       _mm256_loadu_ps(kscale + t)));
-    }
+    for (int g = 0; g < GH; ++g)
+      _mm256_storeu_ps(out + g * os + t,
+                       _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8x16_epi32(w[g])), _mm256_set1_ps(qscale[g])),
+                                     _mm256_loadu_ps(kscale + t)));
   }
   for (; t < n; ++t)
     for (int g = 0; g < GH; ++g) {
@@ -664,7 +655,7 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
               for (int64_t t = 0; t < n; ++t) std::memcpy(&vscale[rows + t], vrows + t * row_stride + D, sizeof(float));
               for (int64_t g = 0; g < G; ++g)
                 block_scores_int16(q16 + g * D, k16.data() + rows * D, kscale.data() + rows, n, D,
-                                   fscale * qscale[g], scores.data() + g * PT + rows);
+                                   qs[g], scores.data() + g * PT + rows);
             } else {
               for (int64_t g = 0; g < G; ++g)
                 block_scores(qb + g * D, krows, row_stride, n, D, fscale, scores.data() + g * PT + rows);
