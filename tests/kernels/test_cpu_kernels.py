@@ -177,6 +177,11 @@ for d in (64, 40):  # 40: a multiple of 8, not of 16 (AVX-512's loops skip it; i
     for name, (kc, vc) in {"float32": (k, v), "bfloat16": (k.bfloat16(), v.bfloat16()),
                            "int8": (quantize_rows(k, torch.int8), quantize_rows(v, torch.int8))}.items():
         out[f"{name} d={d}"] = cpu_kernels().paged_decode_attention(q, kc, vc, table, lens, d**-0.5)
+    # how far AVX-512's int16 softmax weights may move an int8 cache's output (test_kv_quant derives it)
+    rows = [vc[table[b].repeat_interleave(bs)[:n], torch.arange(n) % bs] for b, n in enumerate(lens.tolist())]
+    out[f"int8 d={d} rounding"] = torch.stack([
+        (r[..., d:].contiguous().view(torch.float32).amax() / 65534 * r[..., :d].float().abs().sum(0))
+        .repeat_interleave(heads // kvh, dim=0) for r in rows])
 torch.save(out, sys.argv[1])
 """
 
@@ -187,6 +192,11 @@ def test_decode_attention_avx512_and_avx2_builds_agree(tmp_path):
     which the FERRY_CPU_ISA=avx2 build takes here: the same attention to fp32 rounding, for fp32, bf16
     and int8 caches, head sizes with and without a multiple of 16, one and several partitions."""
     avx2, native = outputs_of_both_cpu_builds(_ATTENTION_ISA_SCRIPT, tmp_path)
-    assert set(native) == set(avx2) and len(native) == 6
+    assert set(native) == set(avx2) and len(native) == 8
     for case, y in native.items():
-        torch.testing.assert_close(y, avx2[case], rtol=2e-5, atol=2e-5, msg=case)
+        if case.endswith("rounding"):
+            continue
+        # AVX-512 sums an int8 cache's values with the softmax weights rounded to int16 where
+        # head_dim is a multiple of 64; the AVX2 loops keep them in fp32.
+        rounding = native["int8 d=64 rounding"] if case == "int8 d=64" else 0.0
+        assert ((y - avx2[case]).abs() <= 2e-5 + 2e-5 * avx2[case].abs() + rounding).all(), case

@@ -6,6 +6,7 @@
 // paged_decode_attention_cpu.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+std::string paged_decode_attention_isa();
 // quantize_per_token_cpu.cpp
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_u8(torch::Tensor x);
 // gguf_quant_cpu.cpp
@@ -23,6 +24,7 @@ void bind_decode_step(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32 q, fp32, bf16, int8 or fp8 cache)");
+  m.def("paged_decode_attention_isa", &paged_decode_attention_isa, "the build's paged_decode_attention path: avx512, avx2 or portable");
   m.def("quantize_per_token_u8", &quantize_per_token_u8, "per-row int8 quantization as uint8 + 128 (CPU)");
   m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T for a GGUF block-quantized weight, via int8 dots (CPU)");
   m.def("gguf_dequantize", &gguf_dequantize, "fp32 copy of a GGUF block-quantized weight (CPU)");

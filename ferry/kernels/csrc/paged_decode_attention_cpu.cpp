@@ -14,13 +14,17 @@
 // one softmax, then the values; a sequence's partitions are merged by their softmax
 // maxima (flash-decoding). With AVX-512 each row is loaded and widened once per pass of up
 // to three heads (heads_scores / heads_values), not once per head; threads take chunks of
-// partitions from a shared counter, so one that waits on memory longer takes fewer. A bf16 cache halves the bytes read, an int8 one about
+// partitions from a shared counter, so one that waits on memory longer takes fewer. The next
+// partition's lines are prefetched a share per block (PrefetchQueue): the core's miss buffers
+// bound how many are in flight. A bf16 cache halves the bytes read, an int8 one about
 // quarters them; with AVX2 both are read in place and widened in registers (load8 /
 // load16: bf16 is the high half of an fp32). An int8 cache's K rows are widened to int16
 // and dotted with q rounded to int16 (per head, 2^-15 of its largest value: far below
 // K's own int8 step) by vpmaddwd / vpdpwssd, and the row scales multiply the 8 sums of 8
 // keys at once; V rows are taken without their scale, which multiplies the softmax
-// weight instead (one product per key, not D). fp8 rows (and every row without AVX2)
+// weight instead (one product per key, not D). With AVX-512 (head_dim a multiple of 64)
+// those weights are rounded to int16 per partition and the values summed in int32, two
+// keys per vpdpwssd (heads_values_int8). fp8 rows (and every row without AVX2)
 // are dequantized into an L1-resident fp32 scratch first (fp8 through a 256-entry table).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,7 +35,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // Built with -ffast-math (so expf vectorizes): no infinities, a large finite floor instead.
@@ -41,13 +47,23 @@ constexpr int64_t kPartitionTokens = 64;
 // Chunks of tasks per thread (see the task loop): enough to even out, few enough to share a counter.
 constexpr int64_t kChunksPerThread = 16;
 
+// The fp32 scales that follow n quantized rows of D values, `stride` bytes apart (a float store per
+// row: a memcpy into the destination let the compiler assume it could alias anything, and reload).
+inline void read_row_scales(const int8_t* rows, int64_t stride, int64_t n, int64_t D, float* __restrict out) {
+  for (int64_t t = 0; t < n; ++t) {
+    float s;
+    std::memcpy(&s, rows + t * stride + D, sizeof(float));
+    out[t] = s;
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FERRY_ATTN_AVX2 1
 // AVX-512 (with VNNI for the int8 cache's K dots): PV and the int8 K dots 16 floats / 32 int16
 // wide, the same per-lane operation order as their AVX2 loops (the int32 dots exact). The build
 // as a whole still rounds apart from the AVX2 one: the compiler vectorizes expf 16 wide there.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define FERRY_ATTN_AVX512 1
 #endif
 
@@ -98,10 +114,22 @@ inline __m256 sum8x16(const __m512* acc) {
   return sum8x8(h);
 }
 
-inline __m256i sum8x16_epi32(const __m512i* acc) {
-  __m256i h[8];
-  for (int i = 0; i < 8; ++i) h[i] = _mm256_add_epi32(_mm512_castsi512_si256(acc[i]), _mm512_extracti64x4_epi64(acc[i], 1));
-  return sum8x8_epi32(h);
+// The eight sums of acc[0..7] (int32, exact) by a transposing tree in 512-bit registers: pairs of
+// accumulators interleaved and added by dwords, then qwords (lane_sums4_epi32: per 128-bit lane,
+// the lane's sums of four accumulators), then 128-bit lanes (sum8_of_lane_sums): 24 instructions,
+// where folding each to 256 bits first and a hadd tree (three uops a hadd) took about 37.
+inline __m512i lane_sums4_epi32(const __m512i* a) {
+  const __m512i s0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+  const __m512i s1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s0, s1), _mm512_unpackhi_epi64(s0, s1));
+}
+
+// The sums of a0..a3 and a4..a7 from their lane_sums4_epi32 (t0, t1), in order in 256 bits.
+inline __m256i sum8_of_lane_sums(__m512i t0, __m512i t1) {
+  // [a0..3 over lanes 0+1, a0..3 over lanes 2+3, a4..7 over 0+1, a4..7 over 2+3]
+  const __m512i u = _mm512_add_epi32(_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xdd));
+  const __m512i r = _mm512_add_epi32(_mm512_shuffle_i32x4(u, u, 0x08), _mm512_shuffle_i32x4(u, u, 0x0d));
+  return _mm512_castsi512_si256(r);
 }
 #endif
 
@@ -282,24 +310,31 @@ inline void heads_scores(const float* q, const T* kb, int64_t ks, int64_t n, int
 template <int GH>
 inline void heads_scores_int8(const int16_t* q, const int8_t* kb, int64_t ks, int64_t n, int64_t D,
                               const float* qscale, float* kscale, float* out, int64_t os) {
-  for (int64_t t = 0; t < n; ++t) std::memcpy(&kscale[t], kb + t * ks + D, sizeof(float));
+  read_row_scales(kb, ks, n, D, kscale);
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
-    __m512i w[GH][8];
-    for (int g = 0; g < GH; ++g)
-      for (int i = 0; i < 8; ++i) w[g][i] = _mm512_setzero_si512();
-    const int8_t* k0 = kb + t * ks;
-    for (int64_t d = 0; d < D; d += 32) {
-      __m512i qv[GH];
-      for (int g = 0; g < GH; ++g) qv[g] = _mm512_loadu_si512(q + g * D + d);
-      for (int i = 0; i < 8; ++i) {
-        const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i * ks + d)));
-        for (int g = 0; g < GH; ++g) w[g][i] = _mm512_dpwssd_epi32(w[g][i], qv[g], kv);
+    // Four keys at a time (GH x 4 accumulators, the q vectors and a key stay in registers; eight
+    // keys' accumulators spilled), each four reduced at once to per-lane sums.
+    __m512i half[2][GH];
+    for (int hk = 0; hk < 2; ++hk) {
+      __m512i w[GH][4];
+      for (int g = 0; g < GH; ++g)
+        for (int i = 0; i < 4; ++i) w[g][i] = _mm512_setzero_si512();
+      const int8_t* k0 = kb + (t + 4 * hk) * ks;
+      for (int64_t d = 0; d < D; d += 32) {
+        __m512i qv[GH];
+        for (int g = 0; g < GH; ++g) qv[g] = _mm512_loadu_si512(q + g * D + d);
+        for (int i = 0; i < 4; ++i) {
+          const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i * ks + d)));
+          for (int g = 0; g < GH; ++g) w[g][i] = _mm512_dpwssd_epi32(w[g][i], qv[g], kv);
+        }
       }
+      for (int g = 0; g < GH; ++g) half[hk][g] = lane_sums4_epi32(w[g]);
     }
     for (int g = 0; g < GH; ++g)
       _mm256_storeu_ps(out + g * os + t,
-                       _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8x16_epi32(w[g])), _mm256_set1_ps(qscale[g])),
+                       _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8_of_lane_sums(half[0][g], half[1][g])),
+                                                   _mm256_set1_ps(qscale[g])),
                                      _mm256_loadu_ps(kscale + t)));
   }
   for (; t < n; ++t)
@@ -338,6 +373,74 @@ inline void heads_values(const float* p, int64_t ps, const T* vb, int64_t vs, in
   for (; d + 64 <= D; d += 64) heads_values_chunk<GH, 4>(p, ps, vb + d, vs, n, D, acc + d);
   if (d + 32 <= D) heads_values_chunk<GH, 2>(p, ps, vb + d, vs, n, D, acc + d), d += 32;
   if (d + 16 <= D) heads_values_chunk<GH, 1>(p, ps, vb + d, vs, n, D, acc + d);
+}
+
+// The int8 cache's values for GH heads in integers: acc_g += sum over n keys of u[g * us + t] * v_t, with
+// u the softmax weights times V's row scales rounded to int16 (see int16_weights) and acc_g (at acc +
+// g * D) int32 in the lane order values_from_int32 undoes. Two keys' rows are interleaved byte by byte and widened to int16
+// pairs, so one vpdpwssd adds both keys' products for 16 values: per key and head a quarter of the
+// instructions of widening to fp32 and an FMA per 16 values. D a multiple of 64; the sums stay exact
+// in int32 over up to 256 keys (|u| <= 2^15 - 1, |v| <= 127).
+template <int GH>
+inline void heads_values_int8(const int16_t* u, int64_t us, const int8_t* vb, int64_t vs, int64_t n, int64_t D,
+                              int32_t* acc) {
+  for (int64_t c = 0; c < D; c += 64) {
+    __m512i a[GH][4];
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_si512(acc + g * D + c + 16 * i);
+    for (int64_t t = 0; t < n; t += 2) {
+      const bool pair = t + 1 < n;  // a lone last key is paired with zeros, not the next row
+      const __m512i r0 = _mm512_loadu_si512(vb + t * vs + c);
+      const __m512i r1 = pair ? _mm512_loadu_si512(vb + (t + 1) * vs + c) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi8(r0, r1), hi = _mm512_unpackhi_epi8(r0, r1);
+      const __m512i v[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
+                            _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
+                            _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
+                            _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+      for (int g = 0; g < GH; ++g) {
+        int32_t w2;  // u_t in the low half, u_t+1 in the high half, as the interleaved rows
+        if (pair) std::memcpy(&w2, u + g * us + t, sizeof(w2));
+        else w2 = static_cast<uint16_t>(u[g * us + t]);
+        const __m512i w = _mm512_set1_epi32(w2);
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_dpwssd_epi32(a[g][i], v[i], w);
+      }
+    }
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_si512(acc + g * D + c + 16 * i, a[g][i]);
+  }
+}
+
+// u[t] = round(p[t] * scale[t] / step) for n keys, with step = max_t(p[t] * scale[t]) / 32767 (returned):
+// the softmax weights times V's row scales as int16 for heads_values_int8. Each weight moves by at
+// most step / 2, 2^-16 of the partition's largest: ~250x below the int8 values' own rounding.
+inline float int16_weights(const float* p, const float* scale, int64_t n, int16_t* u) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + t), _mm512_maskz_loadu_ps(k, scale + t)));
+  }
+  const float wmax = _mm512_reduce_max_ps(mx);
+  const __m512 inv = _mm512_set1_ps(wmax > 0.f ? 32767.f / wmax : 0.f);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + t), _mm512_maskz_loadu_ps(k, scale + t)), inv);
+    _mm256_mask_storeu_epi16(u + t, k, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(w)));  // round to nearest
+  }
+  return wmax / 32767.f;
+}
+
+// out[0, D) = step * acc, acc in heads_values_int8's lane order: unpacklo_epi8 takes values 0..7 of
+// each 16 (per 128-bit lane), unpackhi 8..15, and each widening two 128-bit lanes, so the eight lanes
+// of each half of accumulator i hold a run of eight values, at 8 (i / 2) + 32 (i % 2) + 16 half.
+inline void values_from_int32(const int32_t* acc, int64_t D, float step, float* out) {
+  const __m512 s = _mm512_set1_ps(step);
+  for (int64_t c = 0; c < D; c += 64)
+    for (int i = 0; i < 4; ++i) {
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c + 16 * i)), s);
+      float* o = out + c + 8 * (i >> 1) + 32 * (i & 1);
+      _mm256_storeu_ps(o, _mm512_castps512_ps256(f));
+      _mm256_storeu_ps(o + 16, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+    }
 }
 
 // Heads g0 .. g0 + gh of a kv head's G, in passes of at most kMaxHeadsPerPass (4 as 2 + 2, so no pass
@@ -495,6 +598,25 @@ inline void row_values(const float* p, const float* vb, int64_t vs, int64_t n, i
   }
 }
 
+// Cache lines to prefetch, issued a share at a time between blocks of arithmetic. A burst of a
+// partition's few hundred lines at once stalled the loads behind it until the core's miss buffers
+// drained, so memory waits added to the arithmetic instead of overlapping it.
+struct PrefetchQueue {
+  std::vector<std::pair<const char*, int64_t>> runs;  // first byte, length
+  size_t run = 0;
+  int64_t off = 0, lines = 0, share = 0;
+  void clear() { runs.clear(), run = 0, off = 0, lines = 0; }
+  void add(const char* p, int64_t bytes) { runs.emplace_back(p, bytes), lines += (bytes + 63) / 64; }
+  void issue(int64_t n) {
+    while (n > 0 && run < runs.size()) {
+      const char* base = runs[run].first;
+      const int64_t len = runs[run].second;
+      for (; off < len && n > 0; off += 64, --n) __builtin_prefetch(base + off, 0, 2);
+      if (off >= len) ++run, off = 0;
+    }
+  }
+};
+
 template <typename CacheT>
 torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -562,6 +684,13 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
   // the G heads, one softmax over them, then the values. Per 16-token block, an online softmax's
   // max, exp, sum and accumulator rescale cost about what the block's dot products did.
   const int64_t PT = P * BS;
+  // With AVX-512 an int8 cache's values are summed in int16 x int8 products (heads_values_int8),
+  // exact in int32 for partitions of up to 256 keys.
+#ifdef FERRY_ATTN_AVX512
+  const bool int_values = grouped && kInt8Dots && D % 64 == 0 && PT <= 256;
+#else
+  constexpr bool int_values = false;
+#endif
   // Threads take chunks of tasks from a shared counter rather than fixed halves: a task's time
   // depends on where its blocks are (cache or memory), and a static split left one thread waiting
   // on the other at the end. A chunk is whole partitions (all KVH heads), so the first head's task
@@ -576,10 +705,15 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
     std::vector<int16_t> k16(int8_dots ? PT * D : 0);
     std::vector<float> kscale(PT), vscale(PT), pv(int8_dots ? G * PT : 0), qs(int8_dots ? G : 0);
     std::vector<float> acc(G * D);
+    // The AVX-512 int8 values in integers (heads_values_int8): weights, sums, and each head's step.
+    std::vector<int16_t> u16(int_values ? G * PT : 0);
+    std::vector<int32_t> acc32(int_values ? G * D : 0);
+    std::vector<float> ustep(int_values ? G : 0);
     std::vector<float> m(G), l(G);
     std::vector<const CacheT*> vrows_of(P);  // each block's V rows in place,
     std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
     std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
+    PrefetchQueue ahead;  // the next partition's lines
     for (int64_t begin; (begin = next_task.fetch_add(chunk)) < tasks;)
     for (int64_t task = begin; task < std::min(begin + chunk, tasks); ++task) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
@@ -593,19 +727,17 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       for (int64_t g = 0; g < (int8_dots ? G : 0); ++g) qs[g] = fscale * qscale[g];
       if (h == 0) {
         // The next partition's blocks (this sequence's, or the next sequence's first), into L2 while
-        // this one is computed: this thread takes it after this partition's KVH tasks. Only a
-        // block ahead (below) left the first touch of each block waiting on memory.
+        // this one is computed: this thread takes it after this partition's KVH tasks. Queued here and
+        // issued a share per block of this partition's KVH tasks (below).
+        ahead.clear();
         int64_t nb_ = b, nj0 = j1, nj1 = std::min((L + BS - 1) / BS, j1 + P);
         if (nj0 >= nj1 && b + 1 < B) nb_ = b + 1, nj0 = 0, nj1 = std::min((lp[b + 1] + BS - 1) / BS, P);
         for (int64_t j = nj0; j < nj1; ++j) {
           const int64_t nblk = btp[nb_ * MAXB + j];
-          const char* nk = reinterpret_cast<const char*>(kp + nblk * BS * KVH * W);
-          const char* nv = reinterpret_cast<const char*>(vp + nblk * BS * KVH * W);
-          for (int64_t off = 0; off < BS * KVH * W * kElem; off += 64) {
-            __builtin_prefetch(nk + off, 0, 2);
-            __builtin_prefetch(nv + off, 0, 2);
-          }
+          ahead.add(reinterpret_cast<const char*>(kp + nblk * BS * KVH * W), BS * KVH * W * kElem);
+          ahead.add(reinterpret_cast<const char*>(vp + nblk * BS * KVH * W), BS * KVH * W * kElem);
         }
+        ahead.share = (ahead.lines + KVH * (j1 - j0) - 1) / (KVH * (j1 - j0));
       }
       // Scores of each block's rows for all G heads; V rows located (or widened) for the last phase.
       int64_t rows = 0;
@@ -613,19 +745,7 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         const int64_t i = j - j0, blk = btp[b * MAXB + j];
         const int64_t n = std::min(BS, L - j * BS);
         n_of[i] = n;
-        if (h == 0 && j + 1 < j1) {
-          // The next block lives elsewhere in the pool: start its loads now so they overlap this
-          // block's arithmetic. The first kv head's task takes the whole block (every head's rows,
-          // one contiguous run of 64-byte lines); the other heads' tasks, which follow it on this
-          // thread, find their rows cached.
-          const int64_t nblk = btp[b * MAXB + j + 1];
-          const char* nk = reinterpret_cast<const char*>(kp + nblk * BS * KVH * W);
-          const char* nv = reinterpret_cast<const char*>(vp + nblk * BS * KVH * W);
-          for (int64_t off = 0; off < BS * KVH * W * kElem; off += 64) {
-            __builtin_prefetch(nk + off);
-            __builtin_prefetch(nv + off);
-          }
-        }
+        ahead.issue(ahead.share);
         const CacheT* krows = kp + (blk * BS * KVH + h) * W;
         const CacheT* vrows = vp + (blk * BS * KVH + h) * W;
         vrows_of[i] = vrows;
@@ -639,7 +759,7 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
                   heads_scores_int8<decltype(gh)::value>(q16 + g0 * D, krows, row_stride, n, D, qs.data() + g0,
                                                          kscale.data() + rows, scores.data() + g0 * PT + rows, PT);
                 });
-                for (int64_t t = 0; t < n; ++t) std::memcpy(&vscale[rows + t], vrows + t * row_stride + D, sizeof(float));
+                read_row_scales(vrows, row_stride, n, D, vscale.data() + rows);
               } else {
                 for_head_passes(G, [&](int64_t g0, auto gh) {
                   heads_scores<decltype(gh)::value>(qb + g0 * D, krows, row_stride, n, D, fscale,
@@ -652,7 +772,7 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
 #endif
             if constexpr (kInt8Dots) {
               widen_rows_int16(krows, n, D, row_stride, k16.data() + rows * D, kscale.data() + rows);
-              for (int64_t t = 0; t < n; ++t) std::memcpy(&vscale[rows + t], vrows + t * row_stride + D, sizeof(float));
+              read_row_scales(vrows, row_stride, n, D, vscale.data() + rows);
               for (int64_t g = 0; g < G; ++g)
                 block_scores_int16(q16 + g * D, k16.data() + rows * D, kscale.data() + rows, n, D,
                                    qs[g], scores.data() + g * PT + rows);
@@ -675,18 +795,39 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * PT;
         float mx = kNegBig;
-        for (int64_t t = 0; t < rows; ++t) mx = std::max(mx, sg[t]);
+#pragma omp simd reduction(max : mx)
+        for (int64_t t = 0; t < rows; ++t) mx = sg[t] > mx ? sg[t] : mx;  // (std::max was left a call)
 #pragma omp simd
         for (int64_t t = 0; t < rows; ++t) sg[t] = std::exp(sg[t] - mx);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < rows; ++t) sum += sg[t];
         m[g] = mx, l[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef FERRY_ATTN_AVX512
+      if constexpr (kInt8Dots) {
+        if (int_values) {
+          for (int64_t g = 0; g < G; ++g)
+            ustep[g] = int16_weights(scores.data() + g * PT, vscale.data(), rows, u16.data() + g * PT);
+          std::fill(acc32.begin(), acc32.end(), 0);
+          rows = 0;
+          for (int64_t i = 0; i < j1 - j0; ++i) {
+            for_head_passes(G, [&](int64_t g0, auto gh) {
+              heads_values_int8<decltype(gh)::value>(u16.data() + g0 * PT + rows, PT, vrows_of[i], row_stride, n_of[i],
+                                                     D, acc32.data() + g0 * D);
+            });
+            rows += n_of[i];
+          }
+          for (int64_t g = 0; g < G; ++g)
+            values_from_int32(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
+        }
+      }
+#endif
       rows = 0;
 #ifdef FERRY_ATTN_AVX512
       if constexpr (kInPlace) {
-        if (grouped) {
+        if (grouped && !int_values) {
           for (int64_t i = 0; i < j1 - j0; ++i) {
           const int64_t n = n_of[i];
           const float* p = scores.data() + rows;
@@ -784,4 +925,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
   TORCH_CHECK(dt == at::ScalarType::Float8_e4m3fn, "the cache must be float32, bfloat16, int8 or float8_e4m3fn");
   return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+}
+
+// The vector path this build takes, for tests whose bounds depend on it: "avx512" (grouped heads; an
+// int8 cache's values summed with int16 weights), "avx2" or "portable".
+std::string paged_decode_attention_isa() {
+#if defined(FERRY_ATTN_AVX512)
+  return "avx512";
+#elif defined(FERRY_ATTN_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
 }
