@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -126,6 +127,20 @@ def outputs_of_both_cpu_builds(script: str, tmp_path) -> tuple[dict, dict]:
     import sys
 
     env = {**os.environ, "FERRY_CPU_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt")], env=env, check=True, timeout=900)
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "native.pt")], check=True, timeout=900)
+    root = Path(__file__).resolve().parent.parent  # so that the script can import tests.conftest
+    run = dict(check=True, timeout=900, cwd=root)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt")], env=env, **run)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "native.pt")], **run)
     return torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "native.pt")
+
+
+def int8_values_rounding(rows, head_dim, group):
+    """How far the AVX-512 CPU decode kernel's int16 softmax weights may move an int8 cache's output,
+    for one sequence's V rows [n, KVH, head_dim + 4] and `group` query heads per kv head: [KVH * group,
+    head_dim]. Each partition's weights times V's row scales, w_t, are rounded in steps of max(w) / 32767;
+    a weight moves by at most half a step, and w <= the largest V scale (softmax weights are <= 1, the
+    denominator >= 1), so an output moves by at most max(scale) / 65534 x sum_t |v_int[t, d]|."""
+    from ferry import kv_quant
+
+    bound = kv_quant.scales_of(rows).amax() / 65534 * rows[..., :head_dim].float().abs().sum(0)
+    return bound.repeat_interleave(group, dim=0)

@@ -166,6 +166,7 @@ _ATTENTION_ISA_SCRIPT = r"""
 import sys, torch
 from ferry.kernels.cpu import cpu_kernels
 from ferry.kv_quant import quantize_rows
+from tests.conftest import int8_values_rounding
 out = {}
 for d in (64, 40):  # 40: a multiple of 8, not of 16 (AVX-512's loops skip it; int8 goes through fp32)
     g = torch.Generator().manual_seed(d)
@@ -177,11 +178,8 @@ for d in (64, 40):  # 40: a multiple of 8, not of 16 (AVX-512's loops skip it; i
     for name, (kc, vc) in {"float32": (k, v), "bfloat16": (k.bfloat16(), v.bfloat16()),
                            "int8": (quantize_rows(k, torch.int8), quantize_rows(v, torch.int8))}.items():
         out[f"{name} d={d}"] = cpu_kernels().paged_decode_attention(q, kc, vc, table, lens, d**-0.5)
-    # how far AVX-512's int16 softmax weights may move an int8 cache's output (test_kv_quant derives it)
     rows = [vc[table[b].repeat_interleave(bs)[:n], torch.arange(n) % bs] for b, n in enumerate(lens.tolist())]
-    out[f"int8 d={d} rounding"] = torch.stack([
-        (r[..., d:].contiguous().view(torch.float32).amax() / 65534 * r[..., :d].float().abs().sum(0))
-        .repeat_interleave(heads // kvh, dim=0) for r in rows])
+    out[f"int8 d={d} rounding"] = torch.stack([int8_values_rounding(r, d, heads // kvh) for r in rows])
 torch.save(out, sys.argv[1])
 """
 

@@ -9,7 +9,7 @@ import torch
 
 from ferry import kv_quant
 from ferry.kernels.cpu import cpu_flags, cpu_kernels
-from tests.conftest import dense_attention
+from tests.conftest import dense_attention, int8_values_rounding
 
 QDTYPES = [torch.int8, torch.float8_e4m3fn]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,10 +147,8 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads, bs, d)
         # and q's rounding is small: its step (|q|max / 32767, ~1e-4) over 64 keys of up to |12| moves a
         # logit by ~1e-4, the output (values up to |12|) by up to ~1e-3; 100 random q gave 2e-4..9e-4.
         torch.testing.assert_close(got, torch.cat(unrounded), rtol=0, atol=2e-3)
-    # The AVX-512 build sums an int8 cache's values (head_dim a multiple of 64) in integers: each
-    # partition's softmax weights times V's row scales, w_t, rounded to int16 in steps of max(w) / 32767.
-    # A weight moves by at most half a step, and w <= the largest V scale (softmax weights are <= 1,
-    # the denominator >= 1), so an output moves by at most max(scale) / 65534 x sum_t |v_int[t, d]|.
+    # The AVX-512 build sums an int8 cache's values (head_dim a multiple of 64) in integers, with the
+    # softmax weights rounded to int16 (int8_values_rounding bounds what that moves).
     int_values = dtype == torch.int8 and d % 64 == 0 and kernels.paged_decode_attention_isa() == "avx512"
     for i, n in enumerate(lens):
         ref = dense_attention(q_as_used[i : i + 1], gathered(k_cache, table[i], n), gathered(v_cache, table[i], n),
@@ -160,8 +158,7 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads, bs, d)
         if int_values:
             pos = torch.arange(n)
             rows = v_cache[table[i][pos // bs], pos % bs]  # [n, KVH, D + 4]
-            rounding = kv_quant.scales_of(rows).amax() / 65534 * rows[..., :d].float().abs().sum(0)  # [KVH, D]
-            tolerance = tolerance + rounding.repeat_interleave(heads // kv_heads, dim=0)
+            tolerance = tolerance + int8_values_rounding(rows, d, heads // kv_heads)
         assert ((got[i : i + 1] - ref).abs() <= tolerance).all(), (n, (got[i : i + 1] - ref).abs().max())
 
 

@@ -811,13 +811,11 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
           for (int64_t g = 0; g < G; ++g)
             ustep[g] = int16_weights(scores.data() + g * PT, vscale.data(), rows, u16.data() + g * PT);
           std::fill(acc32.begin(), acc32.end(), 0);
-          rows = 0;
-          for (int64_t i = 0; i < j1 - j0; ++i) {
+          for (int64_t i = 0, r = 0; i < j1 - j0; r += n_of[i++]) {
             for_head_passes(G, [&](int64_t g0, auto gh) {
-              heads_values_int8<decltype(gh)::value>(u16.data() + g0 * PT + rows, PT, vrows_of[i], row_stride, n_of[i],
-                                                     D, acc32.data() + g0 * D);
+              heads_values_int8<decltype(gh)::value>(u16.data() + g0 * PT + r, PT, vrows_of[i], row_stride, n_of[i], D,
+                                                     acc32.data() + g0 * D);
             });
-            rows += n_of[i];
           }
           for (int64_t g = 0; g < G; ++g)
             values_from_int32(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
