@@ -14,7 +14,8 @@
 // one softmax, then the values; a sequence's partitions are merged by their softmax
 // maxima (flash-decoding). With AVX-512 each row is loaded and widened once per pass of up
 // to three heads (heads_scores / heads_values), not once per head; threads take chunks of
-// partitions from a shared counter, so one that waits on memory longer takes fewer. The next
+// partitions (or, in a large batch, whole sequences, merged while their partitions are still in
+// cache) from a shared counter, so one that waits on memory longer takes fewer. The next
 // partition's lines are prefetched a share per block (PrefetchQueue): the core's miss buffers
 // bound how many are in flight. A bf16 cache halves the bytes read, an int8 one about
 // quarters them; with AVX2 both are read in place and widened in registers (load8 /
@@ -22,7 +23,8 @@
 // and dotted with q rounded to int16 (per head, 2^-15 of its largest value: far below
 // K's own int8 step) by vpmaddwd / vpdpwssd, and the row scales multiply the 8 sums of 8
 // keys at once; V rows are taken without their scale, which multiplies the softmax
-// weight instead (one product per key, not D). With AVX-512 (head_dim a multiple of 64)
+// weight instead (one product per key, not D); with AVX-512 the softmax's exponentials are inline
+// polynomials (exp_nonpositive). With AVX-512 (head_dim a multiple of 64)
 // those weights are rounded to int16 per partition and the values summed in int32, two
 // keys per vpdpwssd (heads_values_int8). fp8 rows (and every row without AVX2)
 // are dequantized into an L1-resident fp32 scratch first (fp8 through a 256-entry table).
@@ -44,7 +46,7 @@
 constexpr float kNegBig = -1e30f;
 // Tokens per partition of a long sequence (see paged_decode_attention_impl).
 constexpr int64_t kPartitionTokens = 64;
-// Chunks of tasks per thread (see the task loop): enough to even out, few enough to share a counter.
+// Claims of work per thread (see the task loop): enough to even out, few enough to share a counter.
 constexpr int64_t kChunksPerThread = 16;
 
 // The fp32 scales that follow n quantized rows of D values, `stride` bytes apart (a float store per
@@ -376,7 +378,7 @@ inline void heads_values(const float* p, int64_t ps, const T* vb, int64_t vs, in
 }
 
 // The int8 cache's values for GH heads in integers: acc_g += sum over n keys of u[g * us + t] * v_t, with
-// u the softmax weights times V's row scales rounded to int16 (see int16_weights) and acc_g (at acc +
+// u the softmax weights times V's row scales rounded to int16 (see softmax_partition) and acc_g (at acc +
 // g * D) int32 in the lane order values_from_int32 undoes. Two keys' rows are interleaved byte by byte and widened to int16
 // pairs, so one vpdpwssd adds both keys' products for 16 values: per key and head a quarter of the
 // instructions of widening to fp32 and an FMA per 16 values. D a multiple of 64; the sums stay exact
@@ -410,23 +412,58 @@ inline void heads_values_int8(const int16_t* u, int64_t us, const int8_t* vb, in
   }
 }
 
-// u[t] = round(p[t] * scale[t] / step) for n keys, with step = max_t(p[t] * scale[t]) / 32767 (returned):
-// the softmax weights times V's row scales as int16 for heads_values_int8. Each weight moves by at
-// most step / 2, 2^-16 of the partition's largest: ~250x below the int8 values' own rounding.
-inline float int16_weights(const float* p, const float* scale, int64_t n, int16_t* u) {
-  __m512 mx = _mm512_setzero_ps();
+// e^x for x <= 0 (a softmax's s - max), inline: 2^n e^r with n = round(x log2 e) and |r| <= ln 2 / 2,
+// e^r by its degree-6 Taylor polynomial (relative error < 2e-7). -ffast-math turned std::exp into
+// calls to libmvec's 16-wide expf, around which every live vector register was spilled.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // e^-87 ~ 1.6e-38, still normal; a row's sum is >= 1
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2 in two parts: n ln2_hi is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 e = _mm512_set1_ps(1.f / 720);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(e, n);
+}
+
+// The lanes of the 16 values at t of n.
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// One head's softmax over a partition's n scores s, unnormalized (the merge rescales partitions):
+// its max into mx, the sum of e_t = exp(s_t - mx) into sum, e_t over s. With `scale` (an int8 cache's
+// V row scales, for heads_values_int8) the weights w_t = e_t scale_t are also rounded to int16 into
+// u, in steps of max_t(w_t) / 32767 (returned): a weight moves by at most half a step, 2^-16 of the
+// partition's largest, ~250x below the int8 values' own rounding. One pass for the max, one for the
+// exponentials, their sum and the weights' max, one to round: the exponentials stay in L1.
+inline float softmax_partition(float* s, int64_t n, const float* scale, int16_t* u, float& mx, float& sum) {
+  __m512 vmax = _mm512_set1_ps(kNegBig);
+  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(tail_mask(n - t), s + t));
+  mx = _mm512_reduce_max_ps(vmax);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
-    mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + t), _mm512_maskz_loadu_ps(k, scale + t)));
+    const __mmask16 k = tail_mask(n - t);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+    vsum = _mm512_add_ps(vsum, e);
+    _mm512_mask_storeu_ps(s + t, k, e);
+    if (scale) wmax = _mm512_max_ps(wmax, _mm512_mul_ps(e, _mm512_maskz_loadu_ps(k, scale + t)));
   }
-  const float wmax = _mm512_reduce_max_ps(mx);
-  const __m512 inv = _mm512_set1_ps(wmax > 0.f ? 32767.f / wmax : 0.f);
+  sum = _mm512_reduce_add_ps(vsum);
+  if (!scale) return 0.f;
+  const float w = _mm512_reduce_max_ps(wmax);
+  const __m512 inv = _mm512_set1_ps(w > 0.f ? 32767.f / w : 0.f);
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - t)) - 1);
-    const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + t), _mm512_maskz_loadu_ps(k, scale + t)), inv);
-    _mm256_mask_storeu_epi16(u + t, k, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(w)));  // round to nearest
+    const __mmask16 k = tail_mask(n - t);
+    const __m512 q = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), _mm512_maskz_loadu_ps(k, scale + t)), inv);
+    _mm256_mask_storeu_epi16(u + t, k, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(q)));  // round to nearest
   }
-  return wmax / 32767.f;
+  return w / 32767.f;
 }
 
 // out[0, D) = step * acc, acc in heads_values_int8's lane order: unpacklo_epi8 takes values 0..7 of
@@ -617,6 +654,31 @@ struct PrefetchQueue {
   }
 };
 
+// A split sequence's output for kv head h's G query heads, from its nparts partitions' softmax maxima m
+// and sums l (G each) and unnormalized values acc (G x D each), partition p's at index p * KVH + h:
+// each rescaled to their common max (flash-decoding). Both ways of sharing out the work call this, in
+// partition order, so a sequence's result does not depend on the batch around it.
+inline void merge_partitions(const float* m, const float* l, const float* acc, int64_t nparts, int64_t KVH, int64_t h,
+                             int64_t G, int64_t D, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float mx = kNegBig;
+    for (int64_t p = 0; p < nparts; ++p) mx = std::max(mx, m[(p * KVH + h) * G + g]);
+    float lsum = 0.f;
+    float* og = out + g * D;
+    std::fill(og, og + D, 0.f);
+    for (int64_t p = 0; p < nparts; ++p) {
+      const int64_t t = p * KVH + h;
+      const float w = std::exp(m[t * G + g] - mx);
+      lsum += l[t * G + g] * w;
+      const float* a = acc + (t * G + g) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += a[d] * w;
+    }
+    const float inv = 1.f / lsum;
+    for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+  }
+}
+
 template <typename CacheT>
 torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -648,8 +710,8 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
   }
   const int64_t tasks = first[B];
   const bool split = tasks > B * KVH;
-  // Unnormalized partial results of split tasks: running max, sum of exps, weighted values.
-  std::vector<float> part_m(split ? tasks * G : 0), part_l(split ? tasks * G : 0), part_acc(split ? tasks * G * D : 0);
+  int64_t most_tasks = 0;  // of one sequence
+  for (int64_t b = 0; b < B; ++b) most_tasks = std::max(most_tasks, first[b + 1] - first[b]);
 
   // The int8 AVX2 path (see the top of the file): every query head's q in int16 with its scale,
   // once here rather than in each of a sequence's partition tasks.
@@ -691,31 +753,55 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
 #else
   constexpr bool int_values = false;
 #endif
-  // Threads take chunks of tasks from a shared counter rather than fixed halves: a task's time
-  // depends on where its blocks are (cache or memory), and a static split left one thread waiting
-  // on the other at the end. A chunk is whole partitions (all KVH heads), so the first head's task
-  // loads the blocks the others read; results do not depend on which thread takes a task.
+  // Threads take work from a shared counter rather than fixed halves: a task's time depends on where
+  // its blocks are (cache or memory), and a static split left one thread waiting on the other at the
+  // end. Where no one sequence is more than a 1 / kChunksPerThread share of a thread's work, a claim
+  // is a whole sequence, whose partitions the thread merges as soon as it has them, while they are
+  // in its L1/L2 (at batch 64 x 1k tokens the partial results are 2.4 MB a layer; written out and
+  // merged in a second pass they cost ~15% of the kernel). Otherwise (few or very uneven sequences)
+  // a claim is a chunk of whole partitions (all KVH heads, so the first head's task loads the blocks
+  // the others read), merged after all are done. Results do not depend on which thread takes a task.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks / KVH));
+  const bool by_sequence = split && most_tasks * workers * kChunksPerThread <= tasks;
   const int64_t chunk = std::max<int64_t>(1, tasks / KVH / (workers * kChunksPerThread)) * KVH;
-  std::atomic<int64_t> next_task{0};
+  // Unnormalized partial results of the split sequences' tasks when merged after all are done:
+  // softmax max, sum of exps, weighted values.
+  const bool merge_after = split && !by_sequence;
+  std::vector<float> part_m(merge_after ? tasks * G : 0), part_l(merge_after ? tasks * G : 0);
+  std::vector<float> part_acc(merge_after ? tasks * G * D : 0);
+  std::atomic<int64_t> next_claim{0};  // a sequence (by_sequence) or a task
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(G * PT);  // head g's row t at g * PT + t
     std::vector<float> kscratch(PT * D), vscratch(PT * D);
     // The int8 AVX2 path: K rows in int16, the rows' scales, the softmax weights times V's scales.
     std::vector<int16_t> k16(int8_dots ? PT * D : 0);
-    std::vector<float> kscale(PT), vscale(PT), pv(int8_dots ? G * PT : 0), qs(int8_dots ? G : 0);
+    std::vector<float> kscale(PT), vscale(PT), pv(int8_dots && !int_values ? G * PT : 0), qs(int8_dots ? G : 0);
     std::vector<float> acc(G * D);
     // The AVX-512 int8 values in integers (heads_values_int8): weights, sums, and each head's step.
     std::vector<int16_t> u16(int_values ? G * PT : 0);
     std::vector<int32_t> acc32(int_values ? G * D : 0);
-    std::vector<float> ustep(int_values ? G : 0);
+    std::vector<float> ustep(G);
     std::vector<float> m(G), l(G);
     std::vector<const CacheT*> vrows_of(P);  // each block's V rows in place,
     std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
     std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
     PrefetchQueue ahead;  // the next partition's lines
-    for (int64_t begin; (begin = next_task.fetch_add(chunk)) < tasks;)
-    for (int64_t task = begin; task < std::min(begin + chunk, tasks); ++task) {
+    std::vector<float> seq_m, seq_l, seq_acc;  // by_sequence: the claimed sequence's partial results
+    // The next claim's tasks [t0, t1), or false when none are left.
+    auto claim = [&](int64_t& t0, int64_t& t1) {
+      if (by_sequence) {
+        const int64_t b = next_claim.fetch_add(1);
+        if (b >= B) return false;
+        t0 = first[b], t1 = first[b + 1];
+      } else {
+        t0 = next_claim.fetch_add(chunk);
+        if (t0 >= tasks) return false;
+        t1 = std::min(t0 + chunk, tasks);
+      }
+      return true;
+    };
+    for (int64_t t0, t1; claim(t0, t1);)
+    for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
       const int64_t part = (task - first[b]) / KVH, h = (task - first[b]) % KVH;
       const int64_t L = lp[b];
@@ -726,12 +812,15 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       const float* qscale = int8_dots ? qscale_all.data() + b * H + h * G : nullptr;
       for (int64_t g = 0; g < (int8_dots ? G : 0); ++g) qs[g] = fscale * qscale[g];
       if (h == 0) {
-        // The next partition's blocks (this sequence's, or the next sequence's first), into L2 while
-        // this one is computed: this thread takes it after this partition's KVH tasks. Queued here and
-        // issued a share per block of this partition's KVH tasks (below).
+        // The next partition's blocks (this sequence's, or the first of the sequence this thread most
+        // likely takes next), into L2 while this one is computed. Queued here and issued a share per
+        // block of this partition's KVH tasks (below).
         ahead.clear();
         int64_t nb_ = b, nj0 = j1, nj1 = std::min((L + BS - 1) / BS, j1 + P);
-        if (nj0 >= nj1 && b + 1 < B) nb_ = b + 1, nj0 = 0, nj1 = std::min((lp[b + 1] + BS - 1) / BS, P);
+        if (nj0 >= nj1) {
+          const int64_t next = by_sequence ? next_claim.load(std::memory_order_relaxed) : b + 1;
+          if (next < B) nb_ = next, nj0 = 0, nj1 = std::min((lp[next] + BS - 1) / BS, P);
+        }
         for (int64_t j = nj0; j < nj1; ++j) {
           const int64_t nblk = btp[nb_ * MAXB + j];
           ahead.add(reinterpret_cast<const char*>(kp + nblk * BS * KVH * W), BS * KVH * W * kElem);
@@ -792,6 +881,11 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         rows += n;
       }
       // One softmax over the partition per head: its max and sum are kept for the merge.
+#ifdef FERRY_ATTN_AVX512
+      for (int64_t g = 0; g < G; ++g)
+        ustep[g] = softmax_partition(scores.data() + g * PT, rows, int_values ? vscale.data() : nullptr,
+                                     int_values ? u16.data() + g * PT : nullptr, m[g], l[g]);
+#else
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * PT;
         float mx = kNegBig;
@@ -804,12 +898,11 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         for (int64_t t = 0; t < rows; ++t) sum += sg[t];
         m[g] = mx, l[g] = sum;
       }
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
 #ifdef FERRY_ATTN_AVX512
       if constexpr (kInt8Dots) {
         if (int_values) {
-          for (int64_t g = 0; g < G; ++g)
-            ustep[g] = int16_weights(scores.data() + g * PT, vscale.data(), rows, u16.data() + g * PT);
           std::fill(acc32.begin(), acc32.end(), 0);
           for (int64_t i = 0, r = 0; i < j1 - j0; r += n_of[i++]) {
             for_head_passes(G, [&](int64_t g0, auto gh) {
@@ -864,43 +957,38 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         }
         rows += n;
       }
+      float* ob = op + (b * H + h * G) * D;
       if (nparts > 1) {
-        std::copy(m.begin(), m.end(), part_m.begin() + task * G);
-        std::copy(l.begin(), l.end(), part_l.begin() + task * G);
-        std::copy(acc.begin(), acc.end(), part_acc.begin() + task * G * D);
+        if (!by_sequence) {
+          std::copy(m.begin(), m.end(), part_m.begin() + task * G);
+          std::copy(l.begin(), l.end(), part_l.begin() + task * G);
+          std::copy(acc.begin(), acc.end(), part_acc.begin() + task * G * D);
+          continue;
+        }
+        const int64_t local = task - first[b];  // this sequence's partials, indexed as part_* are
+        if (local == 0) seq_m.resize(nparts * KVH * G), seq_l.resize(nparts * KVH * G), seq_acc.resize(nparts * KVH * G * D);
+        std::copy(m.begin(), m.end(), seq_m.begin() + local * G);
+        std::copy(l.begin(), l.end(), seq_l.begin() + local * G);
+        std::copy(acc.begin(), acc.end(), seq_acc.begin() + local * G * D);
+        if (task + 1 == first[b + 1])  // the sequence's last task: merge every kv head's partitions
+          for (int64_t hh = 0; hh < KVH; ++hh)
+            merge_partitions(seq_m.data(), seq_l.data(), seq_acc.data(), nparts, KVH, hh, G, D, op + (b * H + hh * G) * D);
         continue;
       }
-      float* ob = op + (b * H + h * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
         for (int64_t d = 0; d < D; ++d) ob[g * D + d] = acc[g * D + d] * inv;
       }
     }
   });
-  if (split) {  // merge each split sequence's partitions, rescaled to their common max
+  if (merge_after) {  // merge each split sequence's partitions
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / KVH, h = bh % KVH;
         const int64_t nparts = (first[b + 1] - first[b]) / KVH;
-        if (nparts == 1) continue;
-        float* ob = op + (b * H + h * G) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          float mx = kNegBig;
-          for (int64_t p = 0; p < nparts; ++p) mx = std::max(mx, part_m[(first[b] + p * KVH + h) * G + g]);
-          float lsum = 0.f;
-          float* og = ob + g * D;
-          std::fill(og, og + D, 0.f);
-          for (int64_t p = 0; p < nparts; ++p) {
-            const int64_t t = first[b] + p * KVH + h;
-            const float w = std::exp(part_m[t * G + g] - mx);
-            lsum += part_l[t * G + g] * w;
-            const float* a = part_acc.data() + (t * G + g) * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) og[d] += a[d] * w;
-          }
-          const float inv = 1.f / lsum;
-          for (int64_t d = 0; d < D; ++d) og[d] *= inv;
-        }
+        if (nparts > 1)
+          merge_partitions(part_m.data() + first[b] * G, part_l.data() + first[b] * G,
+                           part_acc.data() + first[b] * G * D, nparts, KVH, h, G, D, op + (b * H + h * G) * D);
       }
     });
   }
