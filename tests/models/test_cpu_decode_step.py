@@ -97,10 +97,11 @@ def test_cpu_decode_step_matches_the_python_forward(overrides):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8", "fp8"])
-def test_cpu_decode_step_with_a_narrow_cache(kv_cache_dtype):
+@pytest.mark.parametrize("shape", [{}, {"head_dim": 40, "num_key_value_heads": 1}], ids=["gqa", "mqa-d40"])
+def test_cpu_decode_step_with_a_narrow_cache(kv_cache_dtype, shape):
     """bf16 rounding, int8 / fp8 quantization of K/V (values and scales) written by the C++ step
-    are the Python path's, byte for byte."""
-    model = tiny_gguf_model()
+    are the Python path's, byte for byte (rows of 40 values: the vector stores' partial last step)."""
+    model = tiny_gguf_model(**shape)
     step = CPUDecodeStep.build(model)
     ref_tokens, ref_logprobs, ref_kv, _ = generate(model, PROMPTS, None, kv_cache_dtype=kv_cache_dtype)
     tokens, logprobs, kv, taken = generate(model, PROMPTS, step, kv_cache_dtype=kv_cache_dtype)

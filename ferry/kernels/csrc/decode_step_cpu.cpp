@@ -21,6 +21,11 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FERRY_STEP_AVX512 1
+#endif
+
 namespace ferry_cpu {
 // fused_ops_cpu.cpp
 void add_rms_norm_rows(const float* x, float* residual, const float* w, float* out, int64_t M, int64_t K, float eps);
@@ -114,12 +119,60 @@ struct Layer {
   QuantLinear qkv, o, gate_up, down;
 };
 
+// A step's new K/V rows go into the cache here, one (token, head) row at a time: at batch 64 the
+// scalar loops (an fp32 division per int8 value, and a std::max call: GCC does not inline across
+// the no-fast-math region below) took ~8 ms of a ~60 ms SmolLM2 step, while the other thread
+// waited. With AVX-512 the int8 and bf16 rows are written 16 values at a time, byte for byte as
+// torch writes them (tests/models/test_cpu_decode_step.py compares the caches).
+#ifdef FERRY_STEP_AVX512
+inline __mmask16 lanes_left(int64_t n) { return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1); }
+
+// bf16 by round-to-nearest-even on the bits (c10::BFloat16's own formula), NaN as 0x7fc0.
+inline void store_bf16_row(c10::BFloat16* dst, const float* src, int64_t n) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), nan = _mm512_set1_epi32(0x7fc0);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = lanes_left(n - i);
+    const __m512 x = _mm512_maskz_loadu_ps(k, src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
+    _mm512_mask_cvtepi32_storeu_epi16(dst + i, k, r);
+  }
+}
+
+// An int8 row as ferry/kv_quant.py's quantize_rows writes it (see store_quantized_row): the division
+// and the addition take explicit rounding modes, so -ffast-math cannot turn x / scale into
+// x * (1 / scale) or fold the half-away-from-zero rounding; every step is the IEEE operation torch does.
+inline void store_int8_row(uint8_t* dst, const float* x, int64_t D) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_left(D - i), x + i)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float scale = _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(amax > 1e-30f ? amax : 1e-30f), _mm_set_ss(127.f), kNearest));
+  const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u)), half = _mm512_castps_si512(_mm512_set1_ps(0.5f));
+  for (int64_t i = 0; i < D; i += 16) {
+    const __mmask16 k = lanes_left(D - i);
+    const __m512 y = _mm512_div_round_ps(_mm512_maskz_loadu_ps(k, x + i), vs, kNearest);
+    const __m512 h = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(y), sign), half));
+    const __m512 r = _mm512_roundscale_ps(_mm512_add_round_ps(y, h, kNearest), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    _mm512_mask_cvtsepi32_storeu_epi8(dst + i, k, _mm512_cvttps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r))));
+  }
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+#endif
+
 template <typename CacheT>
 inline void store_row(CacheT* dst, const float* src, int64_t n) {
   if constexpr (std::is_same_v<CacheT, float>) {
     std::memcpy(dst, src, n * sizeof(float));
   } else {
+#ifdef FERRY_STEP_AVX512
+    store_bf16_row(dst, src, n);
+#else
     for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even, as torch's .to()
+#endif
   }
 }
 
@@ -127,22 +180,28 @@ inline void store_row(CacheT* dst, const float* src, int64_t n) {
 // scale = max(absmax, 1e-30) / qmax, values x / scale (int8: rounded half away from zero and
 // clamped to +-127; fp8 e4m3fn: clamped to +-448, rounded to nearest even), then the fp32 scale.
 // Compiled without -ffast-math: x / scale must round as torch's division does (no reciprocal),
-// so both paths write bit-identical caches.
+// so both paths write bit-identical caches. (Comparisons, not std::max / std::min: those are
+// calls here, as GCC does not inline fast-math code into this region.)
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
 template <typename Q>
 void store_quantized_row(uint8_t* dst, const float* x, int64_t D) {
+#ifdef FERRY_STEP_AVX512
+  if constexpr (std::is_same_v<Q, int8_t>) return store_int8_row(dst, x, D);
+#endif
   float amax = 0.f;
-  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int64_t i = 0; i < D; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
   constexpr float qmax = std::is_same_v<Q, int8_t> ? 127.f : 448.f;
-  const float scale = std::max(amax, 1e-30f) / qmax;
+  const float scale = (amax > 1e-30f ? amax : 1e-30f) / qmax;
   for (int64_t i = 0; i < D; ++i) {
     const float y = x[i] / scale;
     if constexpr (std::is_same_v<Q, int8_t>) {
-      const float r = std::min(127.f, std::max(-127.f, std::trunc(y + std::copysign(0.5f, y))));
+      const float t = std::trunc(y + std::copysign(0.5f, y));
+      const float r = t > 127.f ? 127.f : (t < -127.f ? -127.f : t);
       dst[i] = static_cast<uint8_t>(static_cast<int8_t>(r));
     } else {
-      const c10::Float8_e4m3fn f(std::min(448.f, std::max(-448.f, y)));
+      const float c = y > 448.f ? 448.f : (y < -448.f ? -448.f : y);
+      const c10::Float8_e4m3fn f(c);
       std::memcpy(dst + i, &f, 1);
     }
   }
