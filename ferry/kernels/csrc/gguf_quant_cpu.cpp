@@ -253,6 +253,24 @@ const uint8_t* plain_row(const uint8_t* w, int64_t N, int64_t t, int64_t row_byt
 // Activations [M, K] -> int8 [M, K], dy [M, K/32], sy [M, K/32] (sy = dy * sum of the block's q).
 void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dy, float* sy) {
   const int64_t nb = K / 32;
+#ifdef FERRY_AVX512_VNNI
+  // A block's 32 values in two registers (the loops below, as the compiler vectorized them, took
+  // ~1.7 cycles a value: ~3 ms of a batch-64 SmolLM2 step). The same operations, so the same bytes:
+  // cvtps rounds to nearest even, as nearbyint does in the default rounding mode.
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * 32;
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float d = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+    dy[i] = d;
+    sy[i] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+  }
+  return;
+#endif
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * 32;
