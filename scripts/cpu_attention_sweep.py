@@ -8,13 +8,20 @@ every sequence read the same 16 blocks, so rows come from L1/L2 and the time is 
 From the repo root:
     python3 scripts/cpu_attention_sweep.py [--batch 16 64] [--context 512 1024] [--layers 8]
     python3 scripts/cpu_attention_sweep.py --batch 64 --context 1024 --order random sequential reuse
-    FERRY_CPU_ISA=avx2 python3 scripts/cpu_attention_sweep.py   # the AVX2 build of the same kernel"""
+    FERRY_CPU_ISA=avx2 python3 scripts/cpu_attention_sweep.py   # the AVX2 build of the same kernel
+    python3 scripts/cpu_attention_sweep.py --against e142220 --rounds 3   # that commit's kernel beside this one
+--against REV builds REV's paged_decode_attention_cpu.cpp as a second extension and times the two kernels
+alternately on the same caches (--rounds times each), so an old/new comparison shares the process and
+the minute: this VM's speed drifts by 10-40% between runs."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,6 +49,32 @@ def block_table(order: str, batch: int, per_seq: int, gen: torch.Generator) -> t
     return ids.view(batch, per_seq)
 
 
+KERNEL = "ferry/kernels/csrc/paged_decode_attention_cpu.cpp"
+BINDING = """#include <torch/extension.h>
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_attention", &paged_decode_attention); }
+"""
+
+
+def kernel_at(rev: str):
+    """The paged decode attention of commit `rev`, built alone with this build's flags."""
+    from torch.utils.cpp_extension import load
+
+    from ferry.kernels.cpu import _isa_flags
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=root, check=True, capture_output=True).stdout
+    work = Path(tempfile.mkdtemp(prefix="ferry-attn-"))
+    (work / "attention.cpp").write_bytes(source)
+    (work / "binding.cpp").write_text(BINDING)
+    name = "ferry_attention_" + subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True,
+                                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+    flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
+    sources = [str(work / "attention.cpp"), str(work / "binding.cpp")]
+    return load(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
@@ -51,14 +84,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--order", nargs="+", default=["random"], choices=["random", "sequential", "reuse"])
+    parser.add_argument("--against", metavar="REV", help="also time this commit's kernel, alternately")
+    parser.add_argument("--rounds", type=int, default=1, help="times each kernel is timed (alternately)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
     if kernels is None:
         raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
+    builds = {"this tree": kernels}
+    if args.against:
+        builds[args.against] = kernel_at(args.against)
     print(f"threads {args.threads}, {args.layers} layers' caches, blocks of {BLOCK} in random order")
-    print("| blocks | cache | batch | context | ms per layer | x 30 layers | K/V GB/s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| blocks | cache | batch | context | kernel | ms per layer | x 30 layers | K/V GB/s |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch:
         for context in args.context:
@@ -69,16 +107,18 @@ def main() -> None:
             for order, dtype in itertools.product(args.order, args.dtypes):
                 table = block_table(order, batch, per_seq, gen)
                 layers = [(cache(blocks, dtype, gen), cache(blocks, dtype, gen)) for _ in range(args.layers)]
-                best = float("inf")
-                for _ in range(args.repeats + 1):
-                    start = time.perf_counter()
-                    for k, v in layers:
-                        kernels.paged_decode_attention(q, k, v, table, lens, HEAD_DIM**-0.5)
-                    best = min(best, (time.perf_counter() - start) / args.layers)
                 k, v = layers[0]
                 read = (k.numel() * k.element_size() + v.numel() * v.element_size()) * context / (per_seq * BLOCK)
-                gbs = read / best / 1e9
-                print(f"| {order} | {dtype} | {batch} | {context} | {best * 1e3:.3f} | {best * 30e3:.1f} | {gbs:.1f} |")
+                for _, (name, build) in itertools.product(range(args.rounds), builds.items()):
+                    best = float("inf")
+                    for _ in range(args.repeats + 1):
+                        start = time.perf_counter()
+                        for k, v in layers:
+                            build.paged_decode_attention(q, k, v, table, lens, HEAD_DIM**-0.5)
+                        best = min(best, (time.perf_counter() - start) / args.layers)
+                    gbs = read / best / 1e9
+                    print(f"| {order} | {dtype} | {batch} | {context} | {name} | {best * 1e3:.3f} | {best * 30e3:.1f} "
+                          f"| {gbs:.1f} |", flush=True)  # fmt: skip
                 del layers
 
 
