@@ -18,6 +18,17 @@ def kernels():
     return k
 
 
+def dense(q, k_cache, v_cache, table_row, n):
+    """Attention of one sequence's q [H, D] to its n tokens' K/V, gathered from the paged caches."""
+    bs, g, d = k_cache.shape[1], q.shape[0] // k_cache.shape[2], q.shape[-1]
+    slots = torch.arange(n)
+    blocks = table_row[slots // bs]
+    kk = k_cache[blocks, slots % bs].float().repeat_interleave(g, dim=1).transpose(0, 1)  # [H, n, D]
+    vv = v_cache[blocks, slots % bs].float().repeat_interleave(g, dim=1).transpose(0, 1)
+    p = torch.softmax((q.unsqueeze(1) @ kk.transpose(1, 2)) * d**-0.5, dim=-1)
+    return (p @ vv).squeeze(1)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4), (6, 1), (4, 2), (10, 2), (8, 1)])
 @pytest.mark.parametrize("bs", [4, 16])
@@ -39,17 +50,8 @@ def test_decode_kernel_matches_reference(kernels, heads, kv_heads, cache_dtype, 
         used += nblk
     q = torch.randn(4, heads, d)
     got = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d**-0.5)
-    # Reference: attend to each sequence's gathered K/V.
     for i, n in enumerate(lens.tolist()):
-        slots = torch.arange(n)
-        blocks = table[i, slots // bs]
-        k = k_cache[blocks, slots % bs].float()  # [n, kvh, d]
-        v = v_cache[blocks, slots % bs].float()
-        g = heads // kv_heads
-        kk = k.repeat_interleave(g, dim=1).transpose(0, 1)  # [h, n, d]
-        vv = v.repeat_interleave(g, dim=1).transpose(0, 1)
-        p = torch.softmax((q[i].unsqueeze(1) @ kk.transpose(1, 2)) * d**-0.5, dim=-1)
-        torch.testing.assert_close(got[i], (p @ vv).squeeze(1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i], dense(q[i], k_cache, v_cache, table[i], n), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_kernel_splits_long_sequences(kernels):
@@ -68,12 +70,7 @@ def test_decode_kernel_splits_long_sequences(kernels):
     q = torch.randn(len(lens), heads, d) * 3  # peaked softmaxes: the partitions' maxima differ
     got = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d**-0.5)
     for i, n in enumerate(lens.tolist()):
-        slots = torch.arange(n)
-        blocks = table[i, slots // bs]
-        kk = k_cache[blocks, slots % bs].repeat_interleave(heads // kvh, dim=1).transpose(0, 1)
-        vv = v_cache[blocks, slots % bs].repeat_interleave(heads // kvh, dim=1).transpose(0, 1)
-        p = torch.softmax((q[i].unsqueeze(1) @ kk.transpose(1, 2)) * d**-0.5, dim=-1)
-        torch.testing.assert_close(got[i], (p @ vv).squeeze(1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i], dense(q[i], k_cache, v_cache, table[i], n), rtol=1e-5, atol=1e-5)
         one = slice(i, i + 1)
         alone = kernels.paged_decode_attention(q[one], k_cache, v_cache, table[one], lens[one], d**-0.5)
         assert torch.equal(alone[0], got[i])
@@ -106,12 +103,7 @@ def test_large_batch_merges_each_sequence_in_its_thread(kernels, cache_dtype):
         alone = kernels.paged_decode_attention(q[one], k_cache, v_cache, table[one], lens[one], d**-0.5)
         assert torch.equal(alone[0], got[i]), f"sequence {i} of {n} tokens"
         if cache_dtype == torch.float32:
-            slots = torch.arange(n)
-            blocks = table[i, slots // bs]
-            kk = k[blocks, slots % bs].repeat_interleave(heads // kvh, dim=1).transpose(0, 1)
-            vv = v[blocks, slots % bs].repeat_interleave(heads // kvh, dim=1).transpose(0, 1)
-            p = torch.softmax((q[i].unsqueeze(1) @ kk.transpose(1, 2)) * d**-0.5, dim=-1)
-            torch.testing.assert_close(got[i], (p @ vv).squeeze(1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[i], dense(q[i], k, v, table[i], n), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
