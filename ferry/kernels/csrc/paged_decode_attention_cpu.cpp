@@ -964,24 +964,24 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       }
       float* ob = op + (b * H + h * G) * D;
       if (nparts > 1) {
-        if (!by_sequence) {
-          std::copy(m.begin(), m.end(), part_m.begin() + task * G);
-          std::copy(l.begin(), l.end(), part_l.begin() + task * G);
-          std::copy(acc.begin(), acc.end(), part_acc.begin() + task * G * D);
+        // The partial results go to the claimed sequence's own buffers (by_sequence) or the shared
+        // ones, indexed from the sequence's first task either way, as merge_partitions reads them.
+        if (by_sequence && task == first[b])
+          seq_m.resize(nparts * KVH * G), seq_l.resize(nparts * KVH * G), seq_acc.resize(nparts * KVH * G * D);
+        const int64_t base = by_sequence ? 0 : first[b], local = task - first[b];
+        float* pm = (by_sequence ? seq_m : part_m).data() + base * G;
+        float* pl = (by_sequence ? seq_l : part_l).data() + base * G;
+        float* pa = (by_sequence ? seq_acc : part_acc).data() + base * G * D;
+        std::copy(m.begin(), m.end(), pm + local * G);
+        std::copy(l.begin(), l.end(), pl + local * G);
+        std::copy(acc.begin(), acc.end(), pa + local * G * D);
+        if (by_sequence) {
+          if (task + 1 == first[b + 1])  // the sequence's last task: merge every kv head's partitions
+            for (int64_t hh = 0; hh < KVH; ++hh) merge_partitions(pm, pl, pa, nparts, KVH, hh, G, D, op + (b * H + hh * G) * D);
+        } else if (parts_left[b * KVH + h].fetch_sub(1, std::memory_order_acq_rel) == 1) {
           // The last of (b, h)'s partitions to finish merges them; acq_rel makes the others' writes visible.
-          if (parts_left[b * KVH + h].fetch_sub(1, std::memory_order_acq_rel) == 1)
-            merge_partitions(part_m.data() + first[b] * G, part_l.data() + first[b] * G,
-                             part_acc.data() + first[b] * G * D, nparts, KVH, h, G, D, ob);
-          continue;
+          merge_partitions(pm, pl, pa, nparts, KVH, h, G, D, ob);
         }
-        const int64_t local = task - first[b];  // this sequence's partials, indexed as part_* are
-        if (local == 0) seq_m.resize(nparts * KVH * G), seq_l.resize(nparts * KVH * G), seq_acc.resize(nparts * KVH * G * D);
-        std::copy(m.begin(), m.end(), seq_m.begin() + local * G);
-        std::copy(l.begin(), l.end(), seq_l.begin() + local * G);
-        std::copy(acc.begin(), acc.end(), seq_acc.begin() + local * G * D);
-        if (task + 1 == first[b + 1])  // the sequence's last task: merge every kv head's partitions
-          for (int64_t hh = 0; hh < KVH; ++hh)
-            merge_partitions(seq_m.data(), seq_l.data(), seq_acc.data(), nparts, KVH, hh, G, D, op + (b * H + hh * G) * D);
         continue;
       }
       for (int64_t g = 0; g < G; ++g) {
