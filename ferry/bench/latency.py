@@ -11,7 +11,10 @@ every context token, so
 
 with the peak from `--peak-bandwidth` (bytes/s), the datasheet value of a known GPU, or on a
 CPU its measured read bandwidth (ferry/bench/hardware.py); 1/fraction is the step's distance
-from its bytes floor. Prefill tok/s counts the steps that prefilled the B prompts.
+from its bytes floor. A CPU's read rate moves with what else shares the host's memory (a 2-vCPU
+VM read 45-85 GB/s over one day), so it is measured right before and right after each batch
+size's timed steps and the floor takes the faster of the two: the comparison is paired in time
+and errs against the step. Prefill tok/s counts the steps that prefilled the B prompts.
 """
 
 from __future__ import annotations
@@ -162,13 +165,14 @@ def main(args: argparse.Namespace) -> int:
     name = device_name(device)
     peak = args.peak_bandwidth or known_peak_bandwidth(name)
     peak_src = "--peak-bandwidth" if args.peak_bandwidth else ("datasheet" if peak else None)
-    if peak is None and device.type == "cpu":  # the bytes floor of a CPU step: its measured read rate
-        peak, peak_src = measure_cpu_read_bandwidth(), "measured: tensor.sum over 256 MB"
+    probe = peak is None and device.type == "cpu"  # the bytes floor of a CPU step: its measured read rate
+    if probe:
+        peak_src = "measured: tensor.sum over 256 MB, before and after each batch size"
     kv_tok = kv_bytes_per_token(cfg, engine.kv_cache_dtype)
     print(
         f"model {eargs.model or 'default'} ({cfg.architecture}, {cfg.num_hidden_layers} layers), {dtype} on {name}; "
         f"prompt {args.input_len}, output {args.output_len} tokens; peak bandwidth "
-        + (f"{peak:.3g} B/s ({peak_src})" if peak else "n/a (pass --peak-bandwidth)")
+        + (f"{peak:.3g} B/s ({peak_src})" if peak else peak_src if probe else "n/a (pass --peak-bandwidth)")
     )
     held = held_weight_bytes(engine.model)
     rss = process_rss_bytes()
@@ -198,8 +202,13 @@ def main(args: argparse.Namespace) -> int:
     for batch in sizes:
         if args.warmup_steps > 0:  # allocator growth, kernel selection, graph capture for this batch size
             run_batch(engine, _requests(rng, batch, args.input_len, cfg.vocab_size), args.warmup_steps + 1, "warm")
+        prompts = _requests(rng, batch, args.input_len, cfg.vocab_size)
+        before = measure_cpu_read_bandwidth() if probe else None
         stats0 = engine.get_stats()
-        steps = run_batch(engine, _requests(rng, batch, args.input_len, cfg.vocab_size), args.output_len, f"b{batch}")
+        steps = run_batch(engine, prompts, args.output_len, f"b{batch}")
+        if probe:
+            bandwidth_around = (before, measure_cpu_read_bandwidth())
+            peak = max(bandwidth_around)
         preempted = engine.get_stats().num_preemptions - stats0.num_preemptions
         decode = [(r, dt) for r, dt in steps if r.num_prefill_tokens == 0 and r.num_decodes == batch]
         if not decode:
@@ -227,15 +236,24 @@ def main(args: argparse.Namespace) -> int:
             "kv_bytes_per_step": kv_bytes,
             "bandwidth_bytes_per_s": achieved,
             "bandwidth_fraction": fraction,
+            "peak_bandwidth": peak,
             "preemptions": preempted,
         }
+        if probe:
+            row["measured_bandwidth_before_after"] = bandwidth_around
         result["batches"].append(row)
         print(
             f"B={batch:4d}: TPOT {row['tpot_ms']:8.3f} ms (p50 {row['tpot_p50_ms']:.3f}) over {len(decode)} steps, "
             f"{row['output_tok_per_s']:10.1f} tok/s; reads {_fmt_bytes(w_bytes)} weights + {_fmt_bytes(kv_bytes)} KV "
             f"per step = {_fmt_bytes(achieved)}/s"
             + (
-                f" = {fraction * 100:.1f}% of peak ({1 / fraction:.2f}x the bytes floor)"
+                f" = {fraction * 100:.1f}% of peak ({1 / fraction:.2f}x the bytes floor"
+                + (
+                    f" at {peak / 1e9:.1f} GB/s; read {bandwidth_around[0] / 1e9:.1f} / {bandwidth_around[1] / 1e9:.1f}"
+                    " GB/s before / after)"
+                    if probe
+                    else ")"
+                )
                 if fraction
                 else ", fraction of peak n/a"
             )
