@@ -5,7 +5,9 @@ publishing (`ferry serve --enable-kv-events`) and KV transfer between prefill an
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 _GiB = 1 << 30
 
@@ -56,8 +58,12 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     enforce_eager: bool = False  # no CUDA graphs
     tensor_parallel_size: int = 1
+    # vLLM's --speculative-config: JSON text (or, from Python, a dict), e.g.
+    # '{"method": "ngram", "num_speculative_tokens": 4}'; see SpeculativeConfig.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -111,6 +117,8 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             if isinstance(value, bool):
                 flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            elif isinstance(value, dict):
+                flags += [flag, json.dumps(value)]
             else:
                 flags += [flag, str(value)]
         return flags
@@ -121,6 +129,69 @@ class EngineArgs:
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
+
+# method: how draft tokens are proposed (ferry/worker/spec_decode/). ngram: prompt lookup.
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys): each step, `num_speculative_tokens`
+    draft tokens per decoding request are verified by one forward pass of the model; the longest
+    prefix it agrees with is kept, plus one token of its own.
+
+    ngram: the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) are looked up
+    in the prompt and output so far, and what followed their latest earlier occurrence is proposed.
+    As in vLLM, both default to 5, and one given alone sets the other.
+    `disable_by_batch_size`: no drafts in a step that runs more requests than this (speculation
+    pays at low batch, where a step's cost hardly grows with its rows)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            choices = ", ".join(SPECULATIVE_METHODS)
+            raise ValueError(f"speculative method must be one of {choices}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if type(k) is not int or not 1 <= k <= 64:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 64], got {k!r}")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (type(lo) is int and type(hi) is int and 1 <= lo <= hi <= 64):
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got {lo!r} and {hi!r}")
+        b = self.disable_by_batch_size
+        if b is not None and (type(b) is not int or b < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From `--speculative-config` JSON or a dict; None when unset. Unknown keys are errors
+        (a misspelt key must not silently turn speculation off)."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
 
 
 @dataclass

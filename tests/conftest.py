@@ -31,6 +31,26 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def smollm_gguf():
+    """The bundled SmolLM2 as users run it: its Q4_1/Q8_0 blocks as stored, decode steps in the C++
+    step (models/cpu_decode_step.py)."""
+    return load_model(EngineArgs(device="cpu"))
+
+
+def engine_over(loaded, **kwargs) -> LLMEngine:
+    """An LLMEngine over an already loaded model (fp32 on the CPU) with any engine args."""
+    model, tokenizer, device, dtype, path = loaded
+    kwargs.setdefault("num_kv_blocks", 256)
+    return LLMEngine(
+        EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+    )
+
+
+@pytest.fixture(scope="session")
 def make_engine(smollm):
     """Build an LLMEngine over the shared SmolLM2 weights with any engine args."""
     model, tokenizer, device, dtype, path = smollm

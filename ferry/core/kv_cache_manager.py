@@ -77,6 +77,25 @@ class KVCacheManager:
         if blocks:
             self.pool.free(list(reversed(blocks)))
 
+    def cache_verified_blocks(self, request: Request, first_position: int) -> None:
+        """Publish the blocks that a speculative step filled with drafts the model then kept:
+        `allocate_slots` could not (their hashes need the tokens, which were drafts then).
+        `first_position`: the step's first token; the request's tokens are appended."""
+        if not self.enable_prefix_caching:
+            return
+        blocks, hashes, bs = self.req_blocks.get(request.request_id, []), request.block_hashes, self.block_size
+        for i in range(first_position // bs, min(request.num_computed_tokens // bs, len(hashes), len(blocks))):
+            self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks the first `num_tokens` tokens occupy (a speculative step's
+        rejected tail gives back the blocks it alone needed)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            self.req_blocks[request.request_id] = blocks[:keep]
+            self.pool.free(list(reversed(blocks[keep:])))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 

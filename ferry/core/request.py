@@ -60,6 +60,9 @@ class Request:
         self.block_size = block_size
         self.cache_extras = cache_extras
         self.block_hashes: list[BlockHash] = []
+        # Draft tokens to verify in the next step (speculative decoding); never part of the
+        # sequence (nor of its block hashes) until the model accepts them.
+        self.spec_token_ids: list[int] = []
         self._update_block_hashes()
         # Per-request RNG so a seeded request samples the same tokens in any batch.
         self.generator: torch.Generator | None = None

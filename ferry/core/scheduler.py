@@ -1,8 +1,9 @@
 """Iteration-level scheduler: one token budget per step shared by decode and chunked prefill.
 
 Each step: running requests first (in priority order), each asking for the
-tokens it has not computed yet (1 for decode, the rest of its prompt for a
-partial prefill); when blocks run out, the lowest-priority, latest-arriving
+tokens it has not computed yet (1 for decode, plus its draft tokens when
+speculating, the rest of its prompt for a partial prefill); when blocks run out
+it first gives up its drafts, then the lowest-priority, latest-arriving
 running request is preempted (blocks freed, requeued, recomputed later).
 Then waiting requests, by priority and, with prefix caching, longest cached
 prefix first (FCFS among equals), chunked to fit what is left of the budget.
@@ -25,6 +26,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Every scheduled request's KV block ids, in order: all the model runner needs of the cache.
     block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Draft tokens scheduled for verification, by request id (their count is in `scheduled`).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -90,8 +93,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
+            num_new += len(drafts)
             scheduled = True
             while not self.kv.allocate_slots(request, num_new):
+                if drafts:  # verifying drafts is optional; decoding is not
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 # Out of blocks: the victim is the lowest-priority, latest request.
                 # Running is sorted, so it is the last one and was not scheduled yet.
                 victim = self.running.pop()
@@ -102,6 +111,8 @@ class Scheduler:
                     break
             if not scheduled:
                 break
+            if drafts:
+                out.spec_token_ids[request.request_id] = drafts
             out.scheduled.append((request, num_new))
             budget -= num_new
             i += 1
@@ -138,7 +149,16 @@ class Scheduler:
             out.block_ids[request.request_id] = self.kv.block_ids(request.request_id)
         return out
 
+    def rollback(self, request: Request, num_rejected: int) -> None:
+        """Forget the K/V of a step's last `num_rejected` tokens (drafts the model did not keep):
+        they count as not computed, and blocks holding nothing else go back to the pool. Those
+        blocks were never published to the prefix cache: their hashes need accepted tokens."""
+        if num_rejected:
+            request.num_computed_tokens -= num_rejected
+            self.kv.trim(request, request.num_computed_tokens)
+
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

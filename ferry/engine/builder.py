@@ -24,6 +24,7 @@ from ferry.utils.process import freeze_startup_heap
 from ferry.worker.memory import blocks_in_budget, gpu_kv_budget, host_kv_budget, kv_bytes_per_block
 from ferry.worker.model_loading import LoadedModel, load_model
 from ferry.worker.model_runner import ModelRunner
+from ferry.worker.spec_decode import DraftProposer
 from ferry.worker.tp_worker import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,9 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, tp_workers
         num_kv_blocks=num_blocks,
     )
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * block_bytes / 2**30)
+    proposer = DraftProposer(args.speculative, max_len) if args.speculative is not None else None
     return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
-                      tp_workers=tp_workers)  # fmt: skip
+                      tp_workers=tp_workers, proposer=proposer)  # fmt: skip
 
 
 def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None) -> int:

@@ -2,7 +2,9 @@
 
 It knows tokens only: it appends sampled tokens, applies the token-level
 stop conditions (EOS, stop_token_ids, max_tokens, max_model_len) and frees
-finished requests' blocks. Text-level work (detokenization, stop strings,
+finished requests' blocks. With speculative decoding a step may keep several
+tokens of a request (checked one by one: nothing after a stop is kept), rolls
+back the rejected drafts' slots, and asks for the next step's drafts. Text-level work (detokenization, stop strings,
 n > 1 aggregation) is the OutputProcessor's, which may run in another
 process and aborts a request here when one of its stop strings matches.
 """
@@ -18,6 +20,7 @@ from ferry.core.scheduler import Scheduler
 from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
 from ferry.sampling_params import resolve_stop_token_ids
 from ferry.worker.model_runner import ModelRunner
+from ferry.worker.spec_decode import DraftProposer
 from ferry.worker.step_plan import StepRecord
 from ferry.worker.tp_worker import TensorParallelWorkers
 
@@ -32,10 +35,12 @@ class EngineCore:
         info: EngineInfo | None = None,
         tokenizer: Any = None,
         tp_workers: TensorParallelWorkers | None = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
         """Usually made by `engine/builder.py: build_engine_core`. `info` is what the API side
         needs to know of this engine; `tokenizer` is the one loaded with the model (None without
-        one); `tp_workers` are the other tensor-parallel ranks, stopped by `shutdown`."""
+        one); `tp_workers` are the other tensor-parallel ranks, stopped by `shutdown`;
+        `proposer` drafts tokens for speculative decoding (None: off)."""
         self.scheduler = scheduler
         self.runner = runner
         self.kv: KVCacheManager = scheduler.kv
@@ -43,6 +48,10 @@ class EngineCore:
         self.info = info
         self.tokenizer = tokenizer
         self.tp_workers = tp_workers
+        self.proposer = proposer
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_accepted_per_pos = [0] * (proposer.config.num_speculative_tokens if proposer else 0)
         # When a list, every step appends its StepRecord (the `--profile` breakdown).
         self.step_records: list[StepRecord] | None = None
         # Outputs due without a model step: tokens a prefill worker sampled (disaggregation).
@@ -115,14 +124,25 @@ class EngineCore:
         requests, sampled = self.runner.execute(sched, record)
         t2 = time.perf_counter()
         for i, request in enumerate(requests):
-            token = sampled.token_ids[i]
-            request.append_token(token)
-            lp = sampled.logprobs[i]
-            finish = self._check_stop(request, token)
+            tokens, lps = sampled.token_ids[i], sampled.logprobs[i]
+            drafts = sched.spec_token_ids.get(request.request_id)
+            if drafts:
+                self._count_verified(len(drafts), len(tokens) - 1)
+                self.scheduler.rollback(request, len(drafts) - (len(tokens) - 1))
+            first_position = request.num_tokens - 1
+            finish = None
+            for n, token in enumerate(tokens, 1):
+                request.append_token(token)
+                finish = self._check_stop(request, token)
+                if finish is not None:  # nothing after a stop, max_tokens or max_model_len
+                    tokens, lps = tokens[:n], (lps[:n] if lps is not None else None)
+                    break
+            if drafts and finish is None:
+                self.kv.cache_verified_blocks(request, first_position)
             out = EngineCoreOutput(
                 request.request_id,
-                [token],
-                [lp] if lp is not None else None,
+                tokens,
+                lps,
                 finish_reason=finish,
                 stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -131,10 +151,18 @@ class EngineCore:
                 else None,
             )
             outputs.append(out)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         record.update = time.perf_counter() - t2
         if self.step_records is not None:
             self.step_records.append(record)
         return outputs
+
+    def _count_verified(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     def _check_stop(self, request: Request, token: int) -> str | None:
         params = request.sampling_params
@@ -165,4 +193,8 @@ class EngineCore:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_evictions=pool.num_evictions,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
+            spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )

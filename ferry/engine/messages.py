@@ -52,6 +52,17 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int  # tokens found
     num_preemptions: int
     num_evictions: int
+    # Speculative decoding (vLLM's spec_decode_* counters): requests that verified drafts, the
+    # drafts verified and kept, and kept drafts by their position (0 = the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens a verifying request gains per step: the kept drafts plus the model's own."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
 
 class EngineInfo(msgspec.Struct):

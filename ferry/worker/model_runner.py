@@ -25,7 +25,7 @@ from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator
 from ferry.worker.cuda_graphs import CUDAGraphRunner
 from ferry.worker.model_loading import LoadedModel, resolve_kv_cache_dtype
-from ferry.worker.sampler import Sampler, SamplerOutput
+from ferry.worker.sampler import Sampler, VerifiedOutput
 from ferry.worker.step_plan import StepPlan, StepRecord, build_step_plan
 
 logger = logging.getLogger(__name__)
@@ -147,11 +147,11 @@ class ModelRunner:
         rows = torch.from_numpy(plan.logits_rows).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden.index_select(0, rows))
 
-    def execute(self, sched: SchedulerOutput, record: StepRecord) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step (rank 0): plan -> forward (every rank) -> sample; returns the requests that
-        got a new token and the sampled tokens."""
+    def execute(self, sched: SchedulerOutput, record: StepRecord) -> tuple[list[Request], VerifiedOutput | None]:
+        """Run one step (rank 0): plan -> forward (every rank) -> sample (and verify drafts);
+        returns the requests that got new tokens and, per request, the tokens it keeps."""
         t0 = time.perf_counter()
-        plan, sampling = build_step_plan(sched, self.block_size)
+        plan, sampling, drafts = build_step_plan(sched, self.block_size)
         if self.tp.size > 1:
             if self.check_peers is not None:
                 self.check_peers()
@@ -163,7 +163,12 @@ class ModelRunner:
         if self.profile:
             _sync(self.device)
         t2 = time.perf_counter()
-        out = self.sampler(logits, sampling) if logits is not None else None
+        out = None
+        if logits is not None and sched.spec_token_ids:
+            out = self.sampler.verify(logits, sampling, drafts)
+        elif logits is not None:
+            one = self.sampler(logits, sampling)
+            out = VerifiedOutput([[t] for t in one.token_ids], [None if lp is None else [lp] for lp in one.logprobs])
         t3 = time.perf_counter()
         record.num_decodes = plan.num_decodes
         record.num_prefill_tokens = sum(p.length for p in plan.prefills)

@@ -7,6 +7,14 @@ samples from `p`; seeded requests draw `q` from their own generator, so their
 tokens do not depend on what else is in the batch. Logprobs are of the raw
 model distribution. On a GPU all of it runs on the device; the sampled ids are
 the step's one device -> host read (logprobs, when asked, add theirs).
+
+`verify` takes a request's draft tokens (speculative decoding) with one logits row per
+position: row j is the distribution after the first j drafts, processed as if they had been
+sampled (penalties and min_tokens count them). A greedy request keeps drafts while they equal
+its argmax; a sampling one keeps each with probability p(draft) and, at the first it rejects,
+draws from p without the draft, renormalized (spec_decode/rejection.py): the tokens come out
+distributed exactly as without drafts. Either way one token of the model's own follows the kept
+drafts (the correction, or the bonus after all of them).
 """
 
 from __future__ import annotations
@@ -16,13 +24,37 @@ from dataclasses import dataclass
 import torch
 
 from ferry.core.request import Request
+from ferry.worker.spec_decode.rejection import accept_or_resample
+
+Logprob = tuple[float, int, list[int], list[float]]  # (sampled logprob, its rank, top ids, top logprobs)
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     # Per row: (sampled logprob, sampled rank, top token ids, top logprobs) or None.
-    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+    logprobs: list[Logprob | None]
+
+
+@dataclass
+class VerifiedOutput:
+    """Per request: the tokens it keeps this step (accepted drafts, then the model's own token)
+    and their logprobs (None where not asked for)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[Logprob] | None]
+
+
+@dataclass
+class _Row:
+    """One logits row: its request and the drafts that precede it (counted as output)."""
+
+    request: Request
+    prior: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.prior)
 
 
 def apply_penalties(
@@ -81,64 +113,131 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token for each row; row i belongs to requests[i]."""
-        logits = logits.float()
-        device = logits.device
-        B, V = logits.shape
-        params = [r.sampling_params for r in requests]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
-
-        logits = self._apply_logit_bias_and_min_tokens(logits, requests)
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            logits = self._penalize(logits, requests)
-
-        # Decided on the host: a device-side `.all()` would be a second device -> host read.
-        if all(p.greedy for p in params):
-            sampled = logits.argmax(dim=-1)
-        else:
-            temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-            scaled = logits / temp.unsqueeze(1)
-            top_k = top_p = min_p = None
-            if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k for p in params], device=device)
-            if any(p.top_p < 1.0 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-            if any(p.min_p > 0.0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
-            scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
-            probs = scaled.softmax(dim=-1)
-            q = self._exponential_noise(B, V, requests, device)
-            drawn = (probs / q).argmax(dim=-1)
-            greedy = torch.tensor([p.greedy for p in params], device=device)
-            sampled = torch.where(greedy, logits.argmax(dim=-1), drawn)
-
+        rows = [_Row(r, []) for r in requests]
+        logits, raw_logprobs, params = self._process(logits, rows)
+        sampled = self._draw(logits, rows, params)[0]
         token_ids = sampled.tolist()
-        logprob_rows: list = [None] * B
+        logprob_rows: list = [None] * len(rows)
         if raw_logprobs is not None:
-            rows = [i for i in range(B) if want_logprobs[i]]
-            k = max(params[i].logprobs for i in rows)
-            sub = raw_logprobs[rows]
-            chosen = sub.gather(1, sampled[rows].unsqueeze(1))
-            ranks = (sub > chosen).sum(dim=-1) + 1
-            top_vals, top_idx = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
-            chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-            top_vals_l, top_idx_l = top_vals.tolist(), top_idx.tolist()
-            for j, i in enumerate(rows):
-                n = params[i].logprobs
-                logprob_rows[i] = (chosen_l[j], ranks_l[j], top_idx_l[j][:n], top_vals_l[j][:n])
+            want = [i for i, p in enumerate(params) if p.logprobs is not None]
+            for i, lp in zip(want, self._logprobs(raw_logprobs, want, [token_ids[i] for i in want], params)):
+                logprob_rows[i] = lp
         return SamplerOutput(token_ids, logprob_rows)
 
-    def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> VerifiedOutput:
+        """Verify each request's drafts: its 1 + len(drafts[i]) consecutive logits rows decide
+        which it keeps, and the token that follows them."""
+        rows = [_Row(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+        draft_of_row = [d[j] if j < len(d) else -1 for d in drafts for j in range(len(d) + 1)]
+        logits, raw_logprobs, params = self._process(logits, rows)
+        sampled, probs, noise = self._draw(logits, rows, params)
+        accepted = resampled = None
+        if probs is not None:  # some rows sample: rejection sampling against the drafts
+            uniform = self._uniform_noise(rows, logits.device)
+            accepted, resampled = accept_or_resample(probs, torch.tensor(draft_of_row, device=logits.device),
+                                                     uniform, noise)  # fmt: skip
+            accepted, resampled = accepted.tolist(), resampled.tolist()
+        sampled = sampled.tolist()
+        token_ids: list[list[int]] = []
+        emitted_rows: list[int] = []
+        row = 0
+        for d in drafts:
+            kept: list[int] = []
+            for j in range(len(d) + 1):
+                i = row + j
+                emitted_rows.append(i)
+                if j == len(d):  # every draft kept: the bonus token
+                    kept.append(sampled[i])
+                elif params[i].greedy:
+                    kept.append(sampled[i])  # the argmax: the draft itself when it agrees
+                    if sampled[i] != d[j]:
+                        break
+                elif accepted[i]:
+                    kept.append(d[j])
+                else:
+                    kept.append(resampled[i])
+                    break
+            token_ids.append(kept)
+            row += len(d) + 1
+        logprobs: list[list[Logprob] | None] = [None] * len(drafts)
+        if raw_logprobs is not None:
+            flat = [t for kept in token_ids for t in kept]
+            want = [k for k, i in enumerate(emitted_rows) if params[i].logprobs is not None]
+            lps = self._logprobs(raw_logprobs, [emitted_rows[k] for k in want], [flat[k] for k in want], params)
+            by_row = dict(zip((emitted_rows[k] for k in want), lps))
+            row = 0
+            for n, (d, kept) in enumerate(zip(drafts, token_ids)):
+                if requests[n].sampling_params.logprobs is not None:
+                    logprobs[n] = [by_row[row + j] for j in range(len(kept))]
+                row += len(d) + 1
+        return VerifiedOutput(token_ids, logprobs)
+
+    def _process(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+        """Logit bias, min_tokens and penalties applied; the raw logprobs when any row asks."""
+        logits = logits.float()
+        params = [r.request.sampling_params for r in rows]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+        logits = self._apply_logit_bias_and_min_tokens(logits, rows)
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+            logits = self._penalize(logits, rows)
+        return logits, raw_logprobs, params
+
+    def _draw(
+        self, logits: torch.Tensor, rows: list[_Row], params: list
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Each row's token (argmax for greedy rows, a draw for the others), and, when any row
+        samples, the rows' final probabilities and the Exp(1) noise of their draws."""
+        # Decided on the host: a device-side `.all()` would be a second device -> host read.
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1), None, None
+        device = logits.device
+        B, V = logits.shape
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        scaled = logits / temp.unsqueeze(1)
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
+        scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+        probs = scaled.softmax(dim=-1)
+        q = self._exponential_noise(B, V, [r.request for r in rows], device)
+        drawn = (probs / q).argmax(dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(greedy, logits.argmax(dim=-1), drawn), probs, q
+
+    @staticmethod
+    def _logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: list[int], params: list) -> list[Logprob]:
+        """(logprob, rank, top ids, top logprobs) of `tokens[j]` in row `rows[j]` of the raw model
+        distribution, with each row's request's number of top logprobs."""
+        if not rows:
+            return []
+        k = max(params[i].logprobs for i in rows)
+        sub = raw_logprobs[rows]
+        chosen = sub.gather(1, torch.tensor(tokens, device=sub.device).unsqueeze(1))
+        ranks = (sub > chosen).sum(dim=-1) + 1
+        top_vals, top_idx = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
+        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+        top_vals_l, top_idx_l = top_vals.tolist(), top_idx.tolist()
+        out = []
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            out.append((chosen_l[j], ranks_l[j], top_idx_l[j][:n], top_vals_l[j][:n]))
+        return out
+
+    def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, sample_rows: list[_Row]) -> torch.Tensor:
         rows, cols, vals = [], [], []
         ban_rows, ban_cols = [], []
-        for i, r in enumerate(requests):
-            p = r.sampling_params
+        for i, row in enumerate(sample_rows):
+            p = row.request.sampling_params
             if p.logit_bias:
                 for tok, bias in p.logit_bias.items():
                     rows.append(i)
                     cols.append(int(tok))
                     vals.append(float(bias))
-            if r.num_output_tokens < p.min_tokens:
+            if row.num_output_tokens < p.min_tokens:
                 for tok in p.all_stop_token_ids:
                     ban_rows.append(i)
                     ban_cols.append(tok)
@@ -150,18 +249,20 @@ class Sampler:
             logits[ban_rows, ban_cols] = float("-inf")
         return logits
 
-    def _penalize(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _penalize(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         B, V = logits.shape
         device = logits.device
         prompt_mask = torch.zeros(B, V, dtype=torch.bool, device=device)
         output_counts = torch.zeros(B, V, dtype=logits.dtype, device=device)
-        for i, r in enumerate(requests):
+        for i, row in enumerate(rows):
+            r = row.request
             if r.prompt_token_ids:
                 prompt_mask[i, torch.tensor(r.prompt_token_ids, device=device)] = True
-            if r.output_token_ids:
-                toks = torch.tensor(r.output_token_ids, device=device)
+            output = r.output_token_ids + row.prior
+            if output:
+                toks = torch.tensor(output, device=device)
                 output_counts[i].index_add_(0, toks, torch.ones(len(toks), dtype=logits.dtype, device=device))
-        params = [r.sampling_params for r in requests]
+        params = [row.request.sampling_params for row in rows]
         rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)
         pres = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
         freq = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
@@ -182,3 +283,12 @@ class Sampler:
                 # numbers whatever the batch, device or step interleaving.
                 q[i] = torch.rand(V, generator=r.generator).to(device)
         return q.log_().neg_()
+
+    @staticmethod
+    def _uniform_noise(rows: list[_Row], device: torch.device) -> torch.Tensor:
+        """U[0, 1) per row for accepting drafts; a seeded request's from its own generator."""
+        u = torch.rand(len(rows))
+        for i, row in enumerate(rows):
+            if row.request.generator is not None:
+                u[i] = torch.rand(1, generator=row.request.generator)[0]
+        return u.to(device)

@@ -4,6 +4,12 @@ the record of where the step's time went (`StepRecord`).
 Decode rows come first, then prefill chunks, in one flat token list with positions and a slot
 (block id x block size + offset) per token; all numpy, so rank 0 can broadcast the plan to the
 other tensor-parallel ranks and the runner copies it to the device once.
+
+A request verifying k draft tokens (speculative decoding) is k + 1 decode rows over its own
+blocks: its last token, then the drafts, at consecutive positions, each row attending to the
+cache up to its own position. Every layer writes all rows' K/V before it attends, so each row
+sees the ones before it, and every decode kernel (the CPU C++ step, Triton, CUDA graphs) serves
+verification as it serves decode.
 """
 
 from __future__ import annotations
@@ -54,39 +60,51 @@ class StepRecord:
         return self.schedule + self.prepare + self.forward + self.sample + self.update
 
 
-def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Request]]:
-    """The step's flat batch, and the requests that sample a token at its end (in logits-row order).
+def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, list[Request], list[list[int]]]:
+    """The step's flat batch, the requests that sample at its end (in logits-row order), and
+    each one's draft tokens to verify (one logits row per draft and one after them).
 
-    A request whose one new token is not its first computed one is a decode row; everything
-    else (a prompt chunk, a recomputation after preemption) is a prefill chunk."""
+    A request whose one new token is not its first computed one is a decode row, and so is
+    each token of a request verifying drafts; everything else (a prompt chunk, a recomputation
+    after preemption) is a prefill chunk."""
     bs = block_size
+    spec = sched.spec_token_ids
     decodes, prefills = [], []
     for request, n in sched.scheduled:
-        (decodes if n == 1 and request.num_computed_tokens > 1 else prefills).append((request, n))
+        is_decode = (n == 1 and request.num_computed_tokens > 1) or request.request_id in spec
+        (decodes if is_decode else prefills).append((request, n))
     ids: list[int] = []
     pos_parts: list[np.ndarray] = []
     slot_parts: list[np.ndarray] = []
     logits_rows: list[int] = []
     sampling: list[Request] = []
+    drafts: list[list[int]] = []
 
-    nd = len(decodes)
+    nd = sum(n for _, n in decodes)  # rows: a verifying request has one per token
     decode_blocks: list[np.ndarray] = []
     seq_lens = np.empty(nd, dtype=np.int64)
     if nd:
         dec_pos = np.empty(nd, dtype=np.int64)
         dec_slot = np.empty(nd, dtype=np.int64)
-        for i, (r, _) in enumerate(decodes):
+        i = 0
+        for r, n in decodes:
             blocks = sched.block_ids[r.request_id]
-            decode_blocks.append(np.asarray(blocks, dtype=np.int64))
-            ctx = r.num_computed_tokens  # includes the token computed now
-            p = ctx - 1
-            seq_lens[i] = ctx
-            dec_pos[i] = p
-            dec_slot[i] = blocks[p // bs] * bs + p % bs
-            ids.append(r.all_token_ids[p])
-            if ctx == r.num_tokens:
-                logits_rows.append(i)
+            table = np.asarray(blocks, dtype=np.int64)
+            draft = spec.get(r.request_id, [])
+            first = r.num_computed_tokens - n  # position of the row's (first) token
+            for j in range(n):
+                p = first + j
+                decode_blocks.append(table)
+                seq_lens[i] = p + 1  # includes the token computed now
+                dec_pos[i] = p
+                dec_slot[i] = blocks[p // bs] * bs + p % bs
+                ids.append(r.all_token_ids[p] if j == 0 else draft[j - 1])
+                if draft or p + 1 == r.num_tokens:
+                    logits_rows.append(i)
+                i += 1
+            if draft or first + 1 == r.num_tokens:
                 sampling.append(r)
+                drafts.append(draft)
         pos_parts.append(dec_pos)
         slot_parts.append(dec_slot)
 
@@ -104,6 +122,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         if end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
             logits_rows.append(start + n - 1)
             sampling.append(r)
+            drafts.append([])
         start += n
 
     plan = StepPlan(
@@ -115,7 +134,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         prefills=chunks,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
     )
-    return plan, sampling
+    return plan, sampling, drafts
 
 
 def profiling_plan(num_tokens: int, chunk: int, num_seqs: int, block_size: int, vocab_size: int) -> StepPlan:

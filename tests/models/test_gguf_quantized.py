@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(not gguf_available(), reason="no C++ compiler fo
 
 
 @pytest.fixture(scope="module")
-def gguf_model():
-    return load_model(EngineArgs(device="cpu"))  # no flag: a quantized GGUF runs as stored
+def gguf_model(smollm_gguf):
+    return smollm_gguf  # no flag: a quantized GGUF runs as stored
 
 
 def test_weights_stay_quantized_and_are_the_only_copy(gguf_model):

@@ -48,6 +48,13 @@ class ServerMetrics(MetricsSink):
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        # Speculative decoding, as vLLM names them (spec_decode_num_accepted_tokens_per_pos by position).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Requests' steps that verified draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens the model kept.")
+        self._spec_per_pos = Counter("ferry:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens kept, by position in the draft (0: the first).",
+                                     ["model_name", "position"], registry=r)  # fmt: skip
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._success = Counter(
@@ -93,9 +100,18 @@ class ServerMetrics(MetricsSink):
             (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
             (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits if last else 0),
             (self.preemptions, stats.num_preemptions, last.num_preemptions if last else 0),
+            (self.spec_drafts, stats.spec_num_drafts, last.spec_num_drafts if last else 0),
+            (self.spec_draft_tokens, stats.spec_num_draft_tokens, last.spec_num_draft_tokens if last else 0),
+            (self.spec_accepted, stats.spec_num_accepted_tokens, last.spec_num_accepted_tokens if last else 0),
         ):
             if now > before:
                 counter.inc(now - before)
+        before_pos = last.spec_accepted_per_pos if last else []
+        for pos, now in enumerate(stats.spec_accepted_per_pos):
+            seen = before_pos[pos] if pos < len(before_pos) else 0
+            child = self._spec_per_pos.labels(self.model_name, str(pos))  # every position, from zero
+            if now > seen:
+                child.inc(now - seen)
         self._last = stats
 
     def on_prompt(self, num_tokens: int) -> None:

@@ -1,0 +1,43 @@
+"""Speculative decoding's worker side: proposers of draft tokens and the rejection sampler.
+
+After each step `DraftProposer.propose` gives every decoding request up to
+`num_speculative_tokens` drafts (`Request.spec_token_ids`); the scheduler gives it 1 + k tokens
+of budget and KV slots, the step plan lays them out as k + 1 decode rows over the request's
+blocks (each attends to the rows before it, written into the cache in the same layer), the
+sampler keeps the longest agreeing prefix plus one token of the model's own, and the scheduler
+rolls the rejected drafts' slots back (core/scheduler.py: `rollback`).
+"""
+
+from __future__ import annotations
+
+from ferry.config import SpeculativeConfig
+from ferry.core.request import Request
+from ferry.worker.spec_decode.ngram import NgramProposer
+
+
+class DraftProposer:
+    """Drafts for the requests of the next step, within what each may still produce."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` of every running request (empty where it gets none): only
+        requests about to decode get drafts, never more than leave room for the token the model
+        adds after them within max_tokens and max_model_len, and none at all in a batch larger
+        than `disable_by_batch_size`."""
+        cap = self.config.disable_by_batch_size
+        off = cap is not None and len(running) > cap
+        for request in running:
+            request.spec_token_ids = []
+            if off or request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            room = min(
+                self.config.num_speculative_tokens,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if room > 0:
+                request.spec_token_ids = self.ngram.propose(request, room)

@@ -1,0 +1,137 @@
+"""Speculative decoding through whole engine steps on the real SmolLM2: greedy output is token-exact
+with speculation off, for the fp32 model (Python forward) and the GGUF one (the C++ decode step
+verifies the drafts), alone, batched with other requests, under preemption, with a warm prefix
+cache, with drafts that are always wrong and always right; never a token past a stop or
+max_tokens; every block freed."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_no_blocks_referenced, engine_over, run_to_completion
+
+from ferry.sampling_params import SamplingParams
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+
+# An editing task: the answer copies most of the prompt, so n-gram lookup finds drafts.
+PASSAGE = (
+    "def free(self, blocks):\n"
+    "    for block in blocks:\n"
+    "        block.ref_cnt -= 1\n"
+    "        if block.ref_cnt == 0:\n"
+    "            self._free[block.block_id] = block\n"
+)
+
+
+@pytest.fixture(scope="module", params=["fp32", "gguf"])
+def loaded(request, smollm, smollm_gguf):
+    return smollm if request.param == "fp32" else smollm_gguf
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm):
+    tok = smollm.tokenizer
+    chat = [{"role": "user", "content": "Rename the method free to release. Output only the code.\n\n" + PASSAGE}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    edit = tok.encode(text, add_special_tokens=False)
+    return {
+        "edit": edit,
+        "story": tok.encode("Once upon a time, in a small village by the sea,"),
+        "list": tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"),
+    }
+
+
+def generate(engine, prompts: dict[str, list[int]], max_tokens: int = 48, **params) -> dict[str, list[int]]:
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    for name, ids in prompts.items():
+        engine.add_request(name, {"prompt_token_ids": ids}, p)
+    done = run_to_completion(engine)
+    return {name: done[name].outputs[0].token_ids for name in prompts}
+
+
+@pytest.fixture(scope="module")
+def reference(loaded, prompts):
+    """Each prompt's greedy tokens alone, speculation off."""
+    engine = engine_over(loaded)
+    return {name: generate(engine, {name: ids})[name] for name, ids in prompts.items()}
+
+
+def test_ngram_greedy_is_token_exact_alone_and_batched(loaded, prompts, reference):
+    engine = engine_over(loaded, speculative_config=NGRAM)
+    assert generate(engine, {"edit": prompts["edit"]}) == {"edit": reference["edit"]}
+    alone = engine.get_stats()
+    assert alone.spec_num_drafts > 0 and alone.spec_num_accepted_tokens > 0  # it did speculate
+    assert alone.spec_num_draft_tokens >= alone.spec_num_accepted_tokens == sum(alone.spec_accepted_per_pos)
+    assert generate(engine, prompts) == reference  # batched: drafts beside plain decodes
+    assert_no_blocks_referenced(engine)
+
+
+def test_drafts_always_wrong_or_always_right(loaded, prompts, reference):
+    """Drafts from a proposer that is always wrong (a token the model never picks next) are all
+    rejected; from one that knows the answer, all kept: the output is the same either way."""
+    ids = prompts["edit"]
+    want = reference["edit"]
+
+    def wrong(request, room):
+        return [want[0] if request.num_output_tokens else 0] * room  # never the next token
+
+    def right(request, room):
+        return want[request.num_output_tokens : request.num_output_tokens + room]
+
+    for proposer, accepted_all in ((wrong, False), (right, True)):
+        engine = engine_over(loaded, speculative_config=NGRAM)
+        engine.core.proposer.ngram.propose = proposer
+        assert generate(engine, {"edit": ids}) == {"edit": want}
+        stats = engine.get_stats()
+        assert stats.spec_num_draft_tokens > 0
+        if accepted_all:
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        else:
+            assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens // 4
+        assert_no_blocks_referenced(engine)
+
+
+def test_token_exact_under_preemption(loaded, prompts, reference):
+    # 12 blocks of 16 tokens cannot hold the three sequences at once: some are preempted.
+    engine = engine_over(loaded, speculative_config=NGRAM, num_kv_blocks=12)
+    assert generate(engine, prompts) == reference
+    assert engine.get_stats().num_preemptions > 0 and engine.get_stats().spec_num_accepted_tokens > 0
+    assert_no_blocks_referenced(engine)
+
+
+def test_warm_prefix_cache_and_kept_drafts_are_cached(loaded, prompts, reference):
+    """Blocks filled by kept drafts enter the prefix cache like any other: the prompt plus its
+    answer, sent again, finds all its full blocks cached."""
+    engine = engine_over(loaded, speculative_config=NGRAM)
+    ids = prompts["edit"]
+    assert generate(engine, {"edit": ids}) == {"edit": reference["edit"]}
+    assert generate(engine, {"edit": ids}) == {"edit": reference["edit"]}  # warm prefix
+    full = ids + reference["edit"]
+    hits_before = engine.get_stats().prefix_cache_hits
+    generate(engine, {"again": full}, max_tokens=1)
+    assert engine.get_stats().prefix_cache_hits - hits_before == (len(full) - 1) // 16 * 16
+    assert_no_blocks_referenced(engine)
+
+
+def test_never_past_max_tokens_or_a_stop_token(loaded, prompts, reference):
+    want = reference["edit"]
+    engine = engine_over(loaded, speculative_config=NGRAM)
+    for n in (1, 2, 7):
+        assert generate(engine, {"edit": prompts["edit"]}, max_tokens=n)["edit"] == want[:n]
+    stop = want[9]  # a token the answer reaches after a few steps
+    got = generate(engine, {"edit": prompts["edit"]}, stop_token_ids=[stop])["edit"]
+    assert got == want[: want.index(stop) + 1]
+    assert_no_blocks_referenced(engine)
+
+
+def test_bad_speculative_config_is_a_clear_error(smollm):
+    for bad, words in (
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"method": "eagle9", "num_speculative_tokens": 2}', "method"),
+        ('{"num_speculative_tokens": 2, "prompt_lookup_mn": 2}', "unknown"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup"),
+        ("not json", "JSON"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            engine_over(smollm, speculative_config=bad)

@@ -1,0 +1,146 @@
+"""Speculative decoding's parts on their own: n-gram lookup, the drafting limits, the rejection
+sampler's distribution (a chi-squared test), the sampler's verification of greedy drafts, and the
+scheduler's rollback of rejected drafts' blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.config import SpeculativeConfig
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.request import Request
+from ferry.core.scheduler import Scheduler
+from ferry.sampling_params import SamplingParams
+from ferry.worker.sampler import Sampler
+from ferry.worker.spec_decode import DraftProposer
+from ferry.worker.spec_decode.ngram import MAX_CANDIDATES, NgramProposer
+
+
+def req(tokens, params=None, max_tokens=100, rid="r"):
+    return Request(rid, list(tokens), params or SamplingParams(temperature=0.0), block_size=4, max_tokens=max_tokens)
+
+
+def test_ngram_takes_the_longest_match_then_the_latest():
+    p = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=4)
+    # Suffix [7, 8, 9]: [8, 9] occurs at 1 and 5; only the later one is preceded by 7 too.
+    r = req([8, 9, 1, 2, 7, 8, 9, 3, 4, 5, 0, 7, 8, 9])
+    assert p.propose(r, 3) == [3, 4, 5]
+    # Both occurrences match equally (2 tokens): the latest wins.
+    r = req([5, 6, 1, 9, 5, 6, 2, 9, 5, 6])
+    assert p.propose(r, 2) == [2, 9]
+    assert p.propose(r, 0) == []
+    assert p.propose(req([1, 2, 3, 4, 5]), 4) == []  # no earlier occurrence
+    # Drafts stop where the context does.
+    assert p.propose(req([1, 2, 3, 1, 2]), 5) == [3, 1, 2]
+
+
+def test_ngram_index_follows_new_tokens():
+    p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
+    r = req([4, 5, 6])
+    assert p.propose(r, 2) == []
+    r.append_token(4)  # now [4, 5, 6, 4]: 4 was followed by 5, 6
+    assert p.propose(r, 2) == [5, 6]
+    r.append_token(9)
+    assert p.propose(r, 2) == []
+
+
+def test_ngram_work_per_lookup_is_bounded_on_repetitive_input():
+    """A context of one repeated token has as many candidates as tokens; a lookup tries a bounded
+    number of the latest ones (and still proposes the repetition)."""
+    p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=8)
+    r = req([3] * 5000)
+    assert p.propose(r, 4) == [3, 3, 3, 3]
+    index = p._indexes[r]
+    assert len(index.follows[(3,)]) == 4999 > MAX_CANDIDATES
+
+
+def test_drafts_leave_room_for_the_models_token():
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    dp = DraftProposer(cfg, max_model_len=20)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
+    a, b, c = req(tokens, max_tokens=3, rid="a"), req(tokens, rid="b"), req(tokens + [2] * 7, rid="c")
+    for r in (a, b, c):
+        r.num_computed_tokens = r.num_tokens - 1  # decoding
+    prefill = req(tokens, rid="p")  # not yet computed: no drafts
+    dp.propose([a, b, c, prefill])
+    assert a.spec_token_ids == [2, 3]  # max_tokens 3: two drafts and the model's token
+    assert b.spec_token_ids == [2, 3, 4, 5]
+    assert len(c.spec_token_ids) == 2  # 17 tokens of max_model_len 20
+    assert prefill.spec_token_ids == []
+    dp.config.disable_by_batch_size = 3
+    dp.propose([a, b, c, prefill])
+    assert not any(r.spec_token_ids for r in (a, b, c))
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    """Temperature 1, drafts fixed: the first kept token is distributed as the model's first row,
+    and the second, when the first draft was kept, as its second row (chi-squared, 4 degrees of
+    freedom: 18.5 is the 0.1% critical value; a sampler that kept every draft, or redrew from p
+    itself on rejection, lands in the thousands)."""
+    torch.manual_seed(0)
+    sampler = Sampler(5)
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, 0.3], [0.0] * 5])
+    p0, p1 = rows[0].softmax(-1), rows[1].softmax(-1)
+    n = 20000
+    reqs = [req([1, 2, 3], SamplingParams(temperature=1.0)) for _ in range(n)]
+    drafts = [[1, 3]] * n  # p0(1) ~ 0.23, p1(3) ~ 0.24
+    out = sampler.verify(rows.repeat(n, 1), reqs, drafts)
+    first = torch.tensor([t[0] for t in out.token_ids])
+    assert chi2(torch.bincount(first, minlength=5).float(), p0) < 18.5
+    second = torch.tensor([t[1] for t in out.token_ids if t[0] == 1])
+    assert chi2(torch.bincount(second, minlength=5).float(), p1) < 18.5
+    assert all(len(t) == 3 for t in out.token_ids if t[:2] == [1, 3])  # both kept: a bonus token
+
+
+def test_greedy_verification_with_penalties_counts_the_drafts():
+    """Row j is processed as if the first j drafts had been sampled: a frequency penalty sees
+    them, and min_tokens counts them."""
+    sampler = Sampler(4)
+    row = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.5)
+    # Draft 0 is the argmax of row 0; once it counts as output, row 1's argmax is 1.
+    out = sampler.verify(row.repeat(3, 1), [req([2], p)], [[0, 0]])
+    assert out.token_ids == [[0, 1]]
+    p = SamplingParams(temperature=0.0, min_tokens=2, logprobs=1)
+    p.all_stop_token_ids = {0}
+    out = sampler.verify(row.repeat(3, 1), [req([2], p)], [[1, 1]])
+    assert out.token_ids == [[1, 1, 0]]  # 0 banned in rows 0 and 1; row 2 follows two outputs
+    assert [lp[0] for lp in out.logprobs[0]] == [
+        torch.log_softmax(row[0], -1)[t].item() for t in (1, 1, 0)
+    ]  # raw model logprobs of each kept token
+
+
+def test_rollback_returns_the_blocks_only_rejected_drafts_needed():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    r = req([1, 2, 3, 4, 5, 6, 7])  # 7 tokens: 2 blocks
+    sched.add_request(r)
+    sched.schedule()
+    r.append_token(8)
+    r.spec_token_ids = [9, 10, 11, 12, 13]  # positions 7..12: 4 blocks in all
+    out = sched.schedule()
+    assert out.scheduled == [(r, 6)] and out.spec_token_ids == {"r": [9, 10, 11, 12, 13]}
+    assert len(kv.req_blocks["r"]) == 4 and r.num_computed_tokens == 13
+    sched.rollback(r, 4)  # one draft kept: 9 tokens' K/V, 3 blocks
+    assert r.num_computed_tokens == 9 and len(kv.req_blocks["r"]) == 3
+    assert kv.pool.num_free_blocks == 5
+    sched.finish_request(r, r.status.FINISHED_ABORTED)
+    assert kv.pool.num_free_blocks == 8 and kv.pool.num_referenced() == 0
+
+
+def test_a_full_cache_takes_the_drafts_away_before_preempting():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    r = req([1, 2, 3, 4, 5, 6])
+    sched.add_request(r)
+    sched.schedule()
+    r.append_token(7)
+    r.spec_token_ids = [1, 2, 3, 4]  # would need a third block
+    out = sched.schedule()
+    assert out.scheduled == [(r, 1)] and not out.spec_token_ids and not out.preempted
