@@ -101,6 +101,8 @@ BENCHMARKS = (
     ("pd", "ferry.bench.pd", False,
      "colocated vs prefill/decode-disaggregated serving under long-prompt arrivals"),
     ("quality", "ferry.bench.quality", True, "a quantized model's next-token distributions against fp32"),
+    ("spec", "ferry.bench.spec", True,
+     "single-stream decode with and without speculative decoding, on editing and chat prompts"),
 )  # fmt: skip
 
 # The packages of the `bench` extra (pyproject.toml), which a core install lacks.

@@ -144,3 +144,25 @@ def test_a_full_cache_takes_the_drafts_away_before_preempting():
     r.spec_token_ids = [1, 2, 3, 4]  # would need a third block
     out = sched.schedule()
     assert out.scheduled == [(r, 1)] and not out.spec_token_ids and not out.preempted
+
+
+def test_server_counts_spec_decode_as_vllm_names_them():
+    """/metrics turns the core's running totals into counters (increments only), by position too."""
+    from ferry.engine.messages import EngineStats
+    from ferry.entrypoints.openai.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    base = dict(num_running=1, num_waiting=0, kv_cache_usage=0.1, num_kv_blocks=8, prefix_cache_queries=0,
+                prefix_cache_hits=0, num_preemptions=0, num_evictions=0)  # fmt: skip
+    m.on_stats(EngineStats(**base, spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
+                           spec_accepted_per_pos=[2, 2, 1, 0]))  # fmt: skip
+    stats = EngineStats(**base, spec_num_drafts=3, spec_num_draft_tokens=12, spec_num_accepted_tokens=7,
+                        spec_accepted_per_pos=[3, 2, 1, 1])  # fmt: skip
+    m.on_stats(stats)
+    assert stats.spec_mean_acceptance_length == 1 + 7 / 3
+    text = m.render().decode()
+    assert 'ferry:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'ferry:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'ferry:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    per_pos = 'ferry:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"} %.1f'
+    assert all(per_pos % (i, n) in text for i, n in enumerate([3, 2, 1, 1]))
