@@ -53,17 +53,9 @@ def engine_over(loaded, **kwargs) -> LLMEngine:
 @pytest.fixture(scope="session")
 def make_engine(smollm):
     """Build an LLMEngine over the shared SmolLM2 weights with any engine args."""
-    model, tokenizer, device, dtype, path = smollm
 
     def make(**kwargs) -> LLMEngine:
-        kwargs.setdefault("num_kv_blocks", 256)
-        return LLMEngine(
-            EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
-            model=model,
-            tokenizer=tokenizer,
-            device=device,
-            dtype=dtype,
-        )
+        return engine_over(smollm, **kwargs)
 
     return make
 

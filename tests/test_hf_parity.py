@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_no_blocks_referenced, run_to_completion
+from conftest import assert_no_blocks_referenced, engine_over, run_to_completion
 
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
@@ -164,15 +164,8 @@ def tiny_model(request, tmp_path_factory):
 
 
 def _tiny_engine(loaded, **kwargs) -> LLMEngine:
-    model, tokenizer, device, dtype, path = loaded
     kwargs.setdefault("num_kv_blocks", 64)
-    return LLMEngine(
-        EngineArgs(model=path, device="cpu", dtype="float32", **kwargs),
-        model=model,
-        tokenizer=tokenizer,
-        device=device,
-        dtype=dtype,
-    )
+    return engine_over(loaded, **kwargs)
 
 
 def test_tiny_models_match_hf(tiny_model):

@@ -34,10 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
-def _run_one(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) -> tuple[list[int], float, float]:
-    """(tokens, seconds to the first token, seconds from the first token to the last)."""
+def _run_one(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) -> tuple[list[int], float]:
+    """(tokens, seconds from the first token to the last)."""
     engine.add_request(tag, {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    start = time.perf_counter()
     first = None
     tokens: list[int] = []
     while engine.has_unfinished_requests():
@@ -47,7 +46,7 @@ def _run_one(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) ->
             if out.finished:
                 tokens = out.outputs[0].token_ids
     end = time.perf_counter()
-    return tokens, (first or end) - start, end - (first or end)
+    return tokens, end - (first or end)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
             drafts0, accepted0 = spec.get_stats().spec_num_drafts, spec.get_stats().spec_num_accepted_tokens
             for r in range(args.rounds):
                 for mode, engine in (("off", plain), ("on", spec)):
-                    toks, _, decode_s = _run_one(engine, ids, args.max_tokens, f"{name}{i}-{mode}{r}")
+                    toks, decode_s = _run_one(engine, ids, args.max_tokens, f"{name}{i}-{mode}{r}")
                     if out_tokens is None:
                         out_tokens = toks
                     elif toks != out_tokens:

@@ -64,12 +64,17 @@ class KVCacheManager:
         self.req_blocks[request.request_id] = blocks
         # Blocks that will be full once this step's tokens are written get published
         # now, so that a request scheduled later in this same step can share them.
-        if self.enable_prefix_caching:
-            num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
-            hashes = request.block_hashes
-            for i in range(num_computed // self.block_size, num_full):
-                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
+        bs = self.block_size
+        self._publish(request, blocks, num_computed // bs, (num_computed + num_new_tokens) // bs)
         return True
+
+    def _publish(self, request: Request, blocks: list[KVCacheBlock], first: int, end: int) -> None:
+        """Put the request's blocks first..end-1 (as far as its tokens have hashes) in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = request.block_hashes
+        for i in range(first, min(end, len(hashes), len(blocks))):
+            self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix is evicted last."""
@@ -81,11 +86,8 @@ class KVCacheManager:
         """Publish the blocks that a speculative step filled with drafts the model then kept:
         `allocate_slots` could not (their hashes need the tokens, which were drafts then).
         `first_position`: the step's first token; the request's tokens are appended."""
-        if not self.enable_prefix_caching:
-            return
-        blocks, hashes, bs = self.req_blocks.get(request.request_id, []), request.block_hashes, self.block_size
-        for i in range(first_position // bs, min(request.num_computed_tokens // bs, len(hashes), len(blocks))):
-            self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
+        bs, blocks = self.block_size, self.req_blocks.get(request.request_id, [])
+        self._publish(request, blocks, first_position // bs, request.num_computed_tokens // bs)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks the first `num_tokens` tokens occupy (a speculative step's

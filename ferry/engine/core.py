@@ -4,9 +4,10 @@ It knows tokens only: it appends sampled tokens, applies the token-level
 stop conditions (EOS, stop_token_ids, max_tokens, max_model_len) and frees
 finished requests' blocks. With speculative decoding a step may keep several
 tokens of a request (checked one by one: nothing after a stop is kept), rolls
-back the rejected drafts' slots, and asks for the next step's drafts. Text-level work (detokenization, stop strings,
-n > 1 aggregation) is the OutputProcessor's, which may run in another
-process and aborts a request here when one of its stop strings matches.
+back the rejected drafts' slots, and asks for the next step's drafts.
+Text-level work (detokenization, stop strings, n > 1 aggregation) is the
+OutputProcessor's, which may run in another process and aborts a request
+here when one of its stop strings matches.
 """
 
 from __future__ import annotations

@@ -139,13 +139,12 @@ class Sampler:
             accepted, resampled = accepted.tolist(), resampled.tolist()
         sampled = sampled.tolist()
         token_ids: list[list[int]] = []
-        emitted_rows: list[int] = []
+        first_rows: list[int] = []  # a request's kept token j came from its row first + j
         row = 0
         for d in drafts:
             kept: list[int] = []
             for j in range(len(d) + 1):
                 i = row + j
-                emitted_rows.append(i)
                 if j == len(d):  # every draft kept: the bonus token
                     kept.append(sampled[i])
                 elif params[i].greedy:
@@ -158,18 +157,15 @@ class Sampler:
                     kept.append(resampled[i])
                     break
             token_ids.append(kept)
+            first_rows.append(row)
             row += len(d) + 1
         logprobs: list[list[Logprob] | None] = [None] * len(drafts)
         if raw_logprobs is not None:
-            flat = [t for kept in token_ids for t in kept]
-            want = [k for k, i in enumerate(emitted_rows) if params[i].logprobs is not None]
-            lps = self._logprobs(raw_logprobs, [emitted_rows[k] for k in want], [flat[k] for k in want], params)
-            by_row = dict(zip((emitted_rows[k] for k in want), lps))
-            row = 0
-            for n, (d, kept) in enumerate(zip(drafts, token_ids)):
-                if requests[n].sampling_params.logprobs is not None:
-                    logprobs[n] = [by_row[row + j] for j in range(len(kept))]
-                row += len(d) + 1
+            want = [n for n, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+            lp_rows = [first_rows[n] + j for n in want for j in range(len(token_ids[n]))]
+            lps = iter(self._logprobs(raw_logprobs, lp_rows, [t for n in want for t in token_ids[n]], params))
+            for n in want:
+                logprobs[n] = [next(lps) for _ in token_ids[n]]
         return VerifiedOutput(token_ids, logprobs)
 
     def _process(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor | None, list]:
