@@ -144,13 +144,18 @@ class SpeculativeConfig:
     in the prompt and output so far, and what followed their latest earlier occurrence is proposed.
     As in vLLM, both default to 5, and one given alone sets the other.
     `disable_by_batch_size`: no drafts in a step that runs more requests than this (speculation
-    pays at low batch, where a step's cost hardly grows with its rows)."""
+    pays at low batch, where a step's cost hardly grows with its rows).
+    `draft_length` (ferry's own): "adaptive" (the default) verifies, of the up to
+    `num_speculative_tokens` drafts a request has, as many as are expected to raise the step's
+    tokens per second, from the request's measured acceptance and the engine's measured cost of a
+    row (ferry/worker/spec_decode/draft_length.py); "fixed" verifies them all, as vLLM does."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
+    draft_length: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -171,6 +176,8 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (type(b) is not int or b < 1):
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
+        if self.draft_length not in ("adaptive", "fixed"):
+            raise ValueError(f"draft_length must be 'adaptive' or 'fixed', got {self.draft_length!r}")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -23,7 +23,7 @@ from ferry.engine.llm_engine import LLMEngine
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
 
-DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per prompt at most")
     p.add_argument("--rounds", type=int, default=2, help="times each prompt runs each way (alternating)")
     p.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def copied_share(prompt: list[int], output: list[int], n: int = 4) -> float:
+    """Share of the output's tokens that lie in some n-gram of it also found in the prompt: how
+    much of the answer copies the prompt (what prompt lookup can draft)."""
+    grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    covered = [False] * len(output)
+    for i in range(len(output) - n + 1):
+        if tuple(output[i : i + n]) in grams:
+            covered[i : i + n] = [True] * n
+    return sum(covered) / len(output) if output else 0.0
 
 
 def _run_one(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) -> tuple[list[int], float]:
@@ -86,11 +97,12 @@ def main(args: argparse.Namespace) -> int:
             off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
             row = {"prompt": i, "prompt_tokens": len(ids), "output_tokens": len(out_tokens),
                    "off_tok_per_s": off, "on_tok_per_s": on, "speedup": on / off,
-                   "acceptance_length": accept_len, "runs": runs}  # fmt: skip
+                   "acceptance_length": accept_len, "copied_share": copied_share(ids, out_tokens),
+                   "runs": runs}  # fmt: skip
             rows.append(row)
             print(
                 f"{name} #{i}: {len(ids)} prompt, {len(out_tokens)} output tokens; decode {off:.1f} -> {on:.1f} "
-                f"tok/s = {on / off:.2f}x; acceptance length {accept_len:.2f}"
+                f"tok/s = {on / off:.2f}x; acceptance length {accept_len:.2f}; copies {row['copied_share']:.0%}"
             )
         speedups = [r["speedup"] for r in rows]
         total_off = sum(r["output_tokens"] for r in rows) / sum(r["output_tokens"] / r["off_tok_per_s"] for r in rows)

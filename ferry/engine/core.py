@@ -129,6 +129,7 @@ class EngineCore:
             drafts = sched.spec_token_ids.get(request.request_id)
             if drafts:
                 self._count_verified(len(drafts), len(tokens) - 1)
+                self.proposer.observe_verification(request, len(drafts), len(tokens) - 1)
                 self.scheduler.rollback(request, len(drafts) - (len(tokens) - 1))
             first_position = request.num_tokens - 1
             finish = None
@@ -153,6 +154,10 @@ class EngineCore:
             )
             outputs.append(out)
         if self.proposer is not None:
+            if record.num_prefill_tokens == 0:  # prompt rows cost differently (GEMMs): not in the fit
+                # Plan, forward and sampling together: on a GPU the forward is only queued until
+                # sampling reads its logits.
+                self.proposer.observe_step(record.num_decodes, record.prepare + record.forward + record.sample)
             self.proposer.propose(self.scheduler.running)
         record.update = time.perf_counter() - t2
         if self.step_records is not None:

@@ -11,7 +11,12 @@ from conftest import assert_no_blocks_referenced, engine_over, run_to_completion
 
 from ferry.sampling_params import SamplingParams
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+# "fixed": every draft the proposer finds is verified, so these tests exercise verification
+# whatever the adaptive policy would choose on this machine (its own tests are below).
+NGRAM = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
+    '"draft_length": "fixed"}'
+)
 
 # An editing task: the answer copies most of the prompt, so n-gram lookup finds drafts.
 PASSAGE = (
@@ -124,12 +129,44 @@ def test_never_past_max_tokens_or_a_stop_token(loaded, prompts, reference):
     assert_no_blocks_referenced(engine)
 
 
+def test_adaptive_draft_length_stops_verifying_drafts_that_fail(smollm_gguf, prompts):
+    """The default policy on the real engine: always-wrong drafts are soon no longer verified (the
+    request's acceptance estimate falls below what a row costs), drafts that are always right are
+    all verified, and the output is the model's own either way."""
+    loaded = smollm_gguf
+    want = generate(engine_over(loaded), {"edit": prompts["edit"]}, max_tokens=40)["edit"]
+    adaptive = NGRAM.replace('"fixed"', '"adaptive"')
+
+    def wrong(request, room):
+        return [want[0] if request.num_output_tokens else 0] * room
+
+    def right(request, room):
+        return want[request.num_output_tokens : request.num_output_tokens + room]
+
+    engine = engine_over(loaded, speculative_config=adaptive)
+    engine.core.proposer.ngram.propose = wrong
+    assert generate(engine, {"edit": prompts["edit"]}, max_tokens=40) == {"edit": want}
+    stats = engine.get_stats()
+    # 39 steps could verify 4 drafts each (156): a few are tried, then drafts are mostly left out.
+    assert 0 < stats.spec_num_draft_tokens < 39
+    assert_no_blocks_referenced(engine)
+
+    engine = engine_over(loaded, speculative_config=adaptive)
+    engine.core.proposer.ngram.propose = right
+    assert generate(engine, {"edit": prompts["edit"]}, max_tokens=40) == {"edit": want}
+    stats = engine.get_stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert stats.spec_num_drafts <= 40 // 5 + 1  # every step verified its full 4 drafts
+    assert_no_blocks_referenced(engine)
+
+
 def test_bad_speculative_config_is_a_clear_error(smollm):
     for bad, words in (
         ('{"method": "ngram"}', "num_speculative_tokens"),
         ('{"method": "eagle9", "num_speculative_tokens": 2}', "method"),
         ('{"num_speculative_tokens": 2, "prompt_lookup_mn": 2}', "unknown"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"num_speculative_tokens": 2, "draft_length": "auto"}', "draft_length"),
         ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup"),
         ("not json", "JSON"),
     ):

@@ -13,6 +13,7 @@ from ferry.core.scheduler import Scheduler
 from ferry.sampling_params import SamplingParams
 from ferry.worker.sampler import Sampler
 from ferry.worker.spec_decode import DraftProposer
+from ferry.worker.spec_decode.draft_length import AcceptanceTracker, StepCostModel, allocate
 from ferry.worker.spec_decode.ngram import MAX_CANDIDATES, NgramProposer
 
 
@@ -55,7 +56,7 @@ def test_ngram_work_per_lookup_is_bounded_on_repetitive_input():
 
 
 def test_drafts_leave_room_for_the_models_token():
-    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2)
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2, draft_length="fixed")
     dp = DraftProposer(cfg, max_model_len=20)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
     a, b, c = req(tokens, max_tokens=3, rid="a"), req(tokens, rid="b"), req(tokens + [2] * 7, rid="c")
@@ -70,6 +71,99 @@ def test_drafts_leave_room_for_the_models_token():
     dp.config.disable_by_batch_size = 3
     dp.propose([a, b, c, prefill])
     assert not any(r.spec_token_ids for r in (a, b, c))
+
+
+def _throughput(worth, counts, num_rows, a, b):
+    expected = len(worth) + sum(sum(w[:n]) for w, n in zip(worth, counts))
+    return expected / (a + b * (num_rows + sum(counts)))
+
+
+def _linear_cost(a, b, max_rows=80):
+    cost = StepCostModel()
+    for rows in range(1, max_rows + 1):
+        cost.observe(rows, a + b * rows)
+    return cost
+
+
+def _geometric(alpha, n):
+    return [alpha ** (j + 1) for j in range(n)]
+
+
+def test_draft_allocation_maximises_expected_tokens_per_second():
+    """The greedy allocation reaches the best throughput any allocation has (brute force over
+    every combination), for one request and for several sharing a step, with any non-increasing
+    worth per draft (acceptance that is not independent from one position to the next)."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for trial in range(300):
+        n = 1 if trial < 100 else rng.randint(2, 3)
+        worth = []
+        for _ in range(n):
+            chances = [rng.choice([0.0, 0.05, 0.3, 0.6, 0.9, 0.99, rng.random()]) for _ in range(rng.randint(0, 5))]
+            worth.append(list(itertools.accumulate(chances, lambda p, c: p * c)))
+        a, b = rng.uniform(0.5, 2.0), rng.choice([0.01, 0.1, 0.3, 1.0]) * rng.uniform(0.5, 2.0)
+        rows = n + rng.randint(0, 40)  # other requests' rows in the step
+        got = allocate(worth, rows, _linear_cost(a, b))
+        assert all(0 <= c <= len(w) for c, w in zip(got, worth))
+        best = max(
+            _throughput(worth, combo, rows, a, b) for combo in itertools.product(*(range(len(w) + 1) for w in worth))
+        )
+        assert _throughput(worth, got, rows, a, b) >= best * (1 - 1e-12), (worth, a, b, rows, got)
+
+
+def test_speculation_turns_itself_off_in_a_large_batch_or_with_poor_acceptance():
+    cost = _linear_cost(1.0, 0.1)  # a row costs a tenth of the step's fixed part
+    assert allocate([_geometric(0.8, 4)], 1, cost) == [4]  # batch 1: drafts pay
+    assert allocate([_geometric(0.6, 4)], 1, cost) == [3]  # the 4th: 0.6^4 = 0.13 tokens for 7% more time
+    assert allocate([_geometric(0.8, 4)] * 64, 64, cost) == [0] * 64  # 64 rows: the step is row-bound
+    assert allocate([_geometric(0.05, 4)], 1, cost) == [0]  # drafts that are almost never kept
+    assert allocate([_geometric(0.6, 4)], 1, _linear_cost(1.0, 0.0)) == [4]  # rows free: all with a chance
+    assert allocate([_geometric(0.6, 4), _geometric(0.1, 2)], 2, None) == [4, 2]  # no estimate: all
+
+
+def test_step_cost_model_follows_the_engines_steps():
+    model = StepCostModel()
+    assert model.seconds(1) is None
+    assert allocate([_geometric(0.1, 3)], 1, model) == [3]  # nothing measured yet: every draft
+    for _ in range(40):
+        model.observe(1, 0.010)
+        model.observe(5, 0.020)
+    assert abs(model.seconds(1) - 0.010) < 1e-12 and abs(model.seconds(3) - 0.012) < 1e-12
+    # Unmeasured counts look cheap, a tenth of a 1-row step per row past the count below, until
+    # measured: between two measured counts, the lower of that and the line between them.
+    assert abs(model.seconds(9) - (0.020 + 4 * 0.1 * 0.010)) < 1e-12
+    model.observe(4, 0.0105)
+    assert abs(model.seconds(3) - (0.010 + 0.0005 * 2 / 3)) < 1e-12  # the line 1-4 is lower now
+    for _ in range(40):
+        model.observe(5, 0.030)  # the machine slowed down: the running mean follows
+    assert abs(model.seconds(5) - 0.030) < 1e-5
+    model.observe(0, 1.0)
+    model.observe(2, 0.0)
+    assert abs(model.seconds(2) - (0.010 + 0.0005 / 3)) < 1e-12  # neither counted (no rows, no time)
+
+
+def test_acceptance_is_counted_per_request_and_position_and_recovers_while_idle():
+    tracker = AcceptanceTracker(4)
+    copying, writing, new = req([1, 2, 3], rid="copy"), req([1, 2, 3], rid="write"), req([1], rid="new")
+    assert tracker.chances(copying, 4) == [0.5] * 4  # the prior
+    for _ in range(10):
+        tracker.observe(copying, 4, 4)
+        tracker.observe(writing, 4, 0)
+    assert all(c > 0.8 for c in tracker.chances(copying, 4))
+    assert tracker.chances(writing, 1)[0] < 0.3
+    assert tracker.chances(writing, 2)[1] > 0.5  # position 2 only seen (pooled) after kept 1s
+    assert tracker.worth(copying, 4) == sorted(tracker.worth(copying, 4), reverse=True)
+    # A request with no evidence of its own takes the pooled chances: half its runs were kept whole.
+    assert 0.45 < tracker.chances(new, 1)[0] < 0.55 and tracker.chances(new, 4)[3] > 0.8
+    for _ in range(40):
+        tracker.idle(writing)
+    assert abs(tracker.chances(writing, 1)[0] - tracker.chances(new, 1)[0]) < 0.02  # back to the prior
+    # A run kept whole then one cut at position 2: positions 1-2 tried, 3-4 not.
+    fresh = AcceptanceTracker(4)
+    fresh.observe(new, 4, 1)
+    assert fresh.chances(new, 4)[2:] == [0.5, 0.5] and fresh.chances(new, 2)[1] < 0.5 < fresh.chances(new, 1)[0]
 
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:

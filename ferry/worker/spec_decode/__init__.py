@@ -12,16 +12,21 @@ from __future__ import annotations
 
 from ferry.config import SpeculativeConfig
 from ferry.core.request import Request
+from ferry.worker.spec_decode.draft_length import AcceptanceTracker, StepCostModel, allocate
 from ferry.worker.spec_decode.ngram import NgramProposer
 
 
 class DraftProposer:
-    """Drafts for the requests of the next step, within what each may still produce."""
+    """Drafts for the requests of the next step, within what each may still produce, as many as
+    pay for themselves (draft_length.py) unless `draft_length` is "fixed"."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.adaptive = config.draft_length == "adaptive"
+        self.acceptance = AcceptanceTracker(config.num_speculative_tokens)
+        self.step_cost = StepCostModel()
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of every running request (empty where it gets none): only
@@ -30,6 +35,8 @@ class DraftProposer:
         than `disable_by_batch_size`."""
         cap = self.config.disable_by_batch_size
         off = cap is not None and len(running) > cap
+        decoding: list[Request] = []
+        candidates: list[list[int]] = []
         for request in running:
             request.spec_token_ids = []
             if off or request.num_computed_tokens != request.num_tokens - 1:
@@ -39,5 +46,23 @@ class DraftProposer:
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
             )
-            if room > 0:
-                request.spec_token_ids = self.ngram.propose(request, room)
+            decoding.append(request)
+            candidates.append(self.ngram.propose(request, room) if room > 0 else [])
+        if not self.adaptive:
+            for request, drafts in zip(decoding, candidates):
+                request.spec_token_ids = drafts
+            return
+        worth = [self.acceptance.worth(r, len(c)) for r, c in zip(decoding, candidates)]
+        counts = allocate(worth, len(decoding), self.step_cost)
+        for request, drafts, n in zip(decoding, candidates, counts):
+            request.spec_token_ids = drafts[:n]
+            if drafts and not n:
+                self.acceptance.idle(request)
+
+    def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The step verified `num_drafts` drafts of the request and kept the first `num_accepted`."""
+        self.acceptance.observe(request, num_drafts, num_accepted)
+
+    def observe_step(self, num_rows: int, forward_seconds: float) -> None:
+        """A decode-only step ran `num_rows` rows through the model in `forward_seconds`."""
+        self.step_cost.observe(num_rows, forward_seconds)
