@@ -13,6 +13,7 @@
 // Q4_0X8 / Q4_1X8 / Q8_0X8 = 256 + the ggml id; gguf_interleave): per block, four (Q8_0: eight)
 // 32-byte chunks, chunk c holding bytes 4c..4c+3 of each of the 8 rows' quants (row r at 4r), then
 // the 8 rows' fp16 scales, then (Q4_1) their mins; rows past the last whole group stay as above.
+// (The AVX-512 VNNI build places the quants as chunk pairs instead: group_quant_offset.)
 // One 32-bit lane per row: maddubs against 4 broadcast activation bytes yields 8 rows' partial
 // dots at once, they add up in int16 over the block's 32 values (8 x 2 x 15 x 127 < 2^15), and
 // the float conversion and scale FMA run once per block for 8 rows instead of once per row. That
@@ -211,8 +212,24 @@ void dequantize_row(int64_t t, const uint8_t* row, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k) out[k] = sc16[k / 16] * q[k] - mn32[k / 32];
 }
 
+// Where byte i (0 .. qb) of row r's quants of a block sits among the group's quants of that block.
+// Chunk c = i / 4 is four bytes of a row. AVX2: chunk-major, 32 bytes a chunk (row r at 4r), so a
+// 256-bit load is 8 rows' chunk c, one 32-bit lane a row. AVX-512 VNNI: chunk pairs, 64 bytes a
+// pair, row r's chunks c and c + 1 side by side at 8r, so the activation bytes a 512-bit vector
+// multiplies are one 8-byte broadcast (lanes 2r and 2r + 1: row r) rather than two dwords placed
+// by a permute per row and block (dot_group_vnni says why that matters). Private to the build:
+// weights are interleaved by the build that runs them (gguf_interleave) and never stored so.
+inline int64_t group_quant_offset(int64_t i, int r) {
+#ifdef FERRY_AVX512_VNNI
+  return i / 8 * 64 + r * 8 + i % 8;
+#else
+  return i / 4 * 32 + r * 4 + i % 4;
+#endif
+}
+
 // Eight plain rows of base type t (each: nb * qb quant bytes, nb fp16 scales, [nb fp16 mins]) -> one
-// interleaved group: per block qb / 4 chunks of 32 bytes, then the 8 rows' scales per block, then mins.
+// interleaved group: per block the 8 rows' quants (group_quant_offset), then the 8 rows' scales per
+// block, then mins.
 void interleave_group(const uint8_t* rows, int64_t nb, int64_t t, int64_t row_bytes, uint8_t* out) {
   const int64_t qb = quant_bytes(t), gb = kGroup * qb;  // a block's quant bytes: one row, the group
   const uint8_t flip = t == Q8_0 ? 0x80 : 0;
@@ -221,7 +238,7 @@ void interleave_group(const uint8_t* rows, int64_t nb, int64_t t, int64_t row_by
   for (int r = 0; r < kGroup; ++r) {
     const uint8_t* row = rows + r * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
-      for (int64_t i = 0; i < qb; ++i) out[b * gb + i / 4 * 32 + r * 4 + i % 4] = row[b * qb + i] ^ flip;
+      for (int64_t i = 0; i < qb; ++i) out[b * gb + group_quant_offset(i, r)] = row[b * qb + i] ^ flip;
       std::memcpy(scales + b * 16 + r * 2, row + nb * qb + b * 2, 2);
       if (t == Q4_1) std::memcpy(mns + b * 16 + r * 2, row + nb * 18 + b * 2, 2);
     }
@@ -235,7 +252,7 @@ void gather_row(const uint8_t* group, int64_t nb, int64_t t, int r, uint8_t* row
   const uint8_t* scales = group + nb * gb;
   const uint8_t* mns = scales + nb * 16;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t i = 0; i < qb; ++i) row[b * qb + i] = group[b * gb + i / 4 * 32 + r * 4 + i % 4] ^ flip;
+    for (int64_t i = 0; i < qb; ++i) row[b * qb + i] = group[b * gb + group_quant_offset(i, r)] ^ flip;
     std::memcpy(row + nb * qb + b * 2, scales + b * 16 + r * 2, 2);
     if (t == Q4_1) std::memcpy(row + nb * 18 + b * 2, mns + b * 16 + r * 2, 2);
   }
@@ -433,14 +450,23 @@ void dot_row_q32(const uint8_t* w, int64_t nb, const int8_t* const* y, const flo
 }
 
 #ifdef FERRY_AVX512_VNNI
-// R activation rows (R <= 4) against one interleaved group of 8 weight rows (T = Q4_0, Q4_1 or
-// Q8_0): out[r * 8 + i] = dot of activation row r with weight row i. A block's quants make four
-// 64-byte vectors of chunk pairs (c, c + 1): lanes 0-7 hold chunk c's 8 rows, lanes 8-15 chunk
-// c + 1's, so the activation dwords they multiply are permuted into those halves. Q4: two loaded
-// vectors, each as its low nibbles (dwords c, c + 1) and high ones (4 + c, 5 + c); Q8_0: four
-// loaded vectors (dwords 2v, 2v + 1), offset by 128. The int32 sums of both halves are scaled per
-// block (the same 8 rows' d in both) and folded once at the end; the offsets (-8 d for Q4_0, -128 d
-// for Q8_0) and Q4_1's mins come in against sy.
+// Round-to-nearest float ops the compiler may not reassociate (-ffast-math lets it regroup plain
+// vector + and *): a row's result must be the same bits whichever R it is computed in, or a verify
+// step's rows would differ from the same tokens decoded one at a time.
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// R activation rows (R <= 8) against one interleaved group of 8 weight rows (T = Q4_0, Q4_1 or Q8_0):
+// out[r * 8 + i] = dot of activation row r with weight row i. A block's quants make four 64-byte
+// vectors of chunk pairs (group_quant_offset): lanes 2i, 2i + 1 hold row i's chunks c, c + 1, so
+// each vector multiplies one 8-byte group of the activations broadcast to every lane (a load, no
+// shuffle). Q4: two loaded vectors, each as its low nibbles (activation bytes 8j..8j+7 for pair j)
+// and high ones (16 + 8j..); Q8_0: four loaded vectors (bytes 8j..), offset by 128. Per row and
+// block that leaves 4 broadcasts, 4 vpdpbusd and the scaling; the quants are unpacked and the
+// scales converted once for all R rows. The lanes' int32 sums are scaled per block (row i's d in
+// lanes 2i and 2i + 1), and the two lanes of a row added once at the end; the offsets (-8 d for
+// Q4_0, -128 d for Q8_0) and Q4_1's mins come in against sy. Up to 8 rows a pass (the registers
+// hold 8 accumulators, 8 min sums and a block's quants): a verify step's k + 1 rows of one
+// request share the pass; each row's arithmetic is the same whatever R.
 template <int T, int R>
 void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
                     const float* const* sy, float* out) {
@@ -448,12 +474,13 @@ void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, co
   const uint8_t* scales = group + nb * kBlock;
   const uint8_t* mns = scales + nb * 16;
   const __m512i mask = _mm512_set1_epi8(0xF);
-  const __m512i half = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512i perm[4];  // the activation dwords of quant vector i
-  for (int i = 0; i < 4; ++i)
-    perm[i] = _mm512_add_epi32(half, _mm512_set1_epi32(T == Q8_0 ? 2 * i : (i % 2) * 4 + (i / 2) * 2));
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  // The activation qword (8 bytes) each quant vector multiplies: Q4 low nibbles of pair j: j, high
+  // nibbles: 2 + j (vectors in the order lo 0, hi 0, lo 1, hi 1); Q8_0: vector j, qword j.
+  constexpr int kQword[4] = {0, T == Q8_0 ? 1 : 2, T == Q8_0 ? 2 : 1, 3};
   __m512 acc[R];
   __m256 accm[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = group + b * kBlock;
@@ -469,20 +496,31 @@ void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, co
     }
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * 16)));
     const __m256 mw = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mns + b * 16)))
-                                : _mm256_mul_ps(dw, _mm256_set1_ps(T == Q8_0 ? -128.f : -8.f));
-    const __m512 dw16 = _mm512_insertf32x8(_mm512_castps256_ps512(dw), dw, 1);
+                                : _mm256_mul_ps(dw, _mm256_set1_ps(T == Q8_0 ? -128.f : -8.f));  // exact
+    const __m512 dw16 = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(dw));
+    // Unrolled so the accumulators stay in registers (rolled, GCC kept them on the stack at R = 8).
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512i yv = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y[r] + b * 32)));
+      const int8_t* yb = y[r] + b * 32;
       __m512i s = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i) s = _mm512_dpbusd_epi32(s, v[i], _mm512_permutexvar_epi32(perm[i], yv));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw16, _mm512_set1_ps(dy[r][b])), acc[r]);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        int64_t yq;
+        std::memcpy(&yq, yb + 8 * kQword[i], 8);
+        s = _mm512_dpbusd_epi32(s, v[i], _mm512_set1_epi64(yq));
+      }
+      const __m512 scale = _mm512_mul_round_ps(dw16, _mm512_set1_ps(dy[r][b]), kRound);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
     }
   }
+  const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1);
   for (int r = 0; r < R; ++r) {
-    const __m256 lo = _mm512_castps512_ps256(acc[r]);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1));
-    _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(_mm256_add_ps(lo, hi), accm[r]));
+    const __m512 rows = _mm512_add_round_ps(_mm512_permutexvar_ps(even, acc[r]), _mm512_permutexvar_ps(odd, acc[r]),
+                                            kRound);
+    const __m512 total = _mm512_add_round_ps(rows, _mm512_castps256_ps512(accm[r]), kRound);
+    _mm256_storeu_ps(out + r * kGroup, _mm512_castps512_ps256(total));
   }
 }
 #elif defined(FERRY_AVX2)
@@ -594,10 +632,24 @@ void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
 }
 #endif
 
+// Activation rows a group kernel takes in one pass: with VNNI up to 8 (see dot_group_vnni), else 4.
+#ifdef FERRY_AVX512_VNNI
+constexpr int kGroupRows = 8;
+#else
+constexpr int kGroupRows = 4;
+#endif
+
+// R (<= kGroupRows) activation rows against one interleaved group of 8 weight rows.
 template <int T>
 void dot_group(int R, const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
                const float* const* sy, float* out) {
   switch (R) {
+#ifdef FERRY_AVX512_VNNI
+    case 8: dot_group_x8<T, 8>(group, nb, y, dy, sy, out); break;
+    case 7: dot_group_x8<T, 7>(group, nb, y, dy, sy, out); break;
+    case 6: dot_group_x8<T, 6>(group, nb, y, dy, sy, out); break;
+    case 5: dot_group_x8<T, 5>(group, nb, y, dy, sy, out); break;
+#endif
     case 4: dot_group_x8<T, 4>(group, nb, y, dy, sy, out); break;
     case 3: dot_group_x8<T, 3>(group, nb, y, dy, sy, out); break;
     case 2: dot_group_x8<T, 2>(group, nb, y, dy, sy, out); break;
@@ -861,8 +913,8 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
       _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 #endif
   };
-  const int8_t* yr[4];
-  const float *dr[4], *sr[4];
+  const int8_t* yr[kGroupRows];
+  const float *dr[kGroupRows], *sr[kGroupRows];
   auto activations = [&](int64_t m, int R) {
     for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;
   };
@@ -871,10 +923,10 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
     const int64_t g0 = n / kGroup * kGroup;
     const uint8_t* group = w + g0 * row_bytes;
     prefetch(group, kGroup * row_bytes);
-    for (int64_t m = 0; m < M; m += 4) {
-      const int R = int(std::min<int64_t>(4, M - m));
+    for (int64_t m = 0; m < M; m += kGroupRows) {
+      const int R = int(std::min<int64_t>(kGroupRows, M - m));
       activations(m, R);
-      float out[4 * kGroup];
+      float out[kGroupRows * kGroup];
       if (qtype == Q4_1X8) dot_group<Q4_1>(R, group, nb, yr, dr, sr, out);
       else if (qtype == Q8_0X8) dot_group<Q8_0>(R, group, nb, yr, dr, sr, out);
       else dot_group<Q4_0>(R, group, nb, yr, dr, sr, out);
