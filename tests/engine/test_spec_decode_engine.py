@@ -143,7 +143,14 @@ def test_adaptive_draft_length_stops_verifying_drafts_that_fail(smollm_gguf, pro
     def right(request, room):
         return want[request.num_output_tokens : request.num_output_tokens + room]
 
-    engine = engine_over(loaded, speculative_config=adaptive)
+    def deterministic(engine):
+        """Steps priced as on 2 CPU cores (a row a quarter of a 1-row step) rather than by the
+        clock, so the test does not depend on how busy the machine is."""
+        proposer = engine.core.proposer
+        proposer.observe_step = lambda rows, seconds: proposer.step_cost.observe(rows, 0.002 + 0.0005 * rows)
+        return engine
+
+    engine = deterministic(engine_over(loaded, speculative_config=adaptive))
     engine.core.proposer.ngram.propose = wrong
     assert generate(engine, {"edit": prompts["edit"]}, max_tokens=40) == {"edit": want}
     stats = engine.get_stats()
@@ -151,7 +158,7 @@ def test_adaptive_draft_length_stops_verifying_drafts_that_fail(smollm_gguf, pro
     assert 0 < stats.spec_num_draft_tokens < 39
     assert_no_blocks_referenced(engine)
 
-    engine = engine_over(loaded, speculative_config=adaptive)
+    engine = deterministic(engine_over(loaded, speculative_config=adaptive))
     engine.core.proposer.ngram.propose = right
     assert generate(engine, {"edit": prompts["edit"]}, max_tokens=40) == {"edit": want}
     stats = engine.get_stats()

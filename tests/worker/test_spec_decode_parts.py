@@ -157,7 +157,7 @@ def test_acceptance_is_counted_per_request_and_position_and_recovers_while_idle(
     assert tracker.worth(copying, 4) == sorted(tracker.worth(copying, 4), reverse=True)
     # A request with no evidence of its own takes the pooled chances: half its runs were kept whole.
     assert 0.45 < tracker.chances(new, 1)[0] < 0.55 and tracker.chances(new, 4)[3] > 0.8
-    for _ in range(40):
+    for _ in range(80):
         tracker.idle(writing)
     assert abs(tracker.chances(writing, 1)[0] - tracker.chances(new, 1)[0]) < 0.02  # back to the prior
     # A run kept whole then one cut at position 2: positions 1-2 tried, 3-4 not.

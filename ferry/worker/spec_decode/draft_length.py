@@ -45,10 +45,10 @@ STEP_WEIGHT = 0.2
 
 # Acceptance: a request's evidence at a position decays by this per verification that reaches it,
 # and by IDLE_DECAY per step without drafts; the pooled evidence by POOLED_DECAY.
-EVIDENCE_DECAY = 0.8
+EVIDENCE_DECAY = 0.9
 IDLE_DECAY = 0.9
 POOLED_DECAY = 0.99
-PRIOR_WEIGHT = 2.0  # trials' worth of the pooled chance in a request's estimate
+PRIOR_WEIGHT = 1.0  # trials' worth of the pooled chance in a request's estimate
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # the pooled chance is 1/2 before any evidence
 
 
