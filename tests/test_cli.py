@@ -1,5 +1,6 @@
 """`ferry generate` as a user runs it: a real process printing a streamed completion."""
 
+import json
 import os
 import subprocess
 import sys
@@ -70,3 +71,21 @@ def test_bench_without_the_bench_extra_is_a_one_line_error():
     assert proc.stderr.splitlines()[-1] == (
         "ferry: error: `ferry bench serve` needs aiohttp, which is not installed: pip install 'ferry[bench]'"
     )
+
+
+def test_bench_spec_runs_and_checks_outputs_match(tmp_path):
+    """`ferry bench spec` end to end on the bundled model (two short editing prompts' worth of
+    tokens each way): the outputs with and without speculation are compared (it exits non-zero
+    if they differ) and the JSON has the figures BENCHMARKS.md quotes."""
+    out = tmp_path / "spec.json"
+    proc = _ferry(
+        "bench", "spec", "--workloads", "edit", "--max-tokens", "12", "--rounds", "1",
+        "--num-kv-blocks", "64", "--json", str(out), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = result["workloads"]["edit"]["prompts"]
+    assert len(rows) == 5 and all(r["output_tokens"] >= 2 for r in rows)
+    assert all(0.0 <= r["copied_share"] <= 1.0 for r in rows)
+    assert max(r["copied_share"] for r in rows) > 0.5  # the editing answers copy their prompts
+    assert all(r["acceptance_length"] >= 1.0 and r["on_tok_per_s"] > 0 for r in rows)

@@ -70,13 +70,15 @@ async def _first_model(session: aiohttp.ClientSession, url: str) -> str:
         return (await r.json())["data"][0]["id"]
 
 
-async def send_request(session, url: str, model: str, prompt: list[int], max_tokens: int) -> RequestResult:
+async def send_request(
+    session, url: str, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool = True
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -121,8 +123,16 @@ async def send_request(session, url: str, model: str, prompt: list[int], max_tok
     return res
 
 
-async def run_load(url: str, model: str | None, requests, rate: float, max_concurrency: int | None,
-                   timeout: float, seed: int) -> tuple[list[RequestResult], float, str]:  # fmt: skip
+async def run_load(
+    url: str,
+    model: str | None,
+    requests,
+    rate: float,
+    max_concurrency: int | None,
+    timeout: float,
+    seed: int,
+    ignore_eos: bool = True,
+) -> tuple[list[RequestResult], float, str]:
     # A fresh connection per request: servers close keep-alive connections on their own terms
     # (llama-server after 5 requests), and a reused connection the server just closed would fail.
     conn = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -133,9 +143,9 @@ async def run_load(url: str, model: str | None, requests, rate: float, max_concu
 
         async def one(prompt, n):
             if sem is None:
-                return await send_request(session, url, model, prompt, n)
+                return await send_request(session, url, model, prompt, n, ignore_eos)
             async with sem:
-                return await send_request(session, url, model, prompt, n)
+                return await send_request(session, url, model, prompt, n, ignore_eos)
 
         tasks = []
         t0 = time.perf_counter()
@@ -220,8 +230,12 @@ def format_summary(label: str, s: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_once(url, model, requests, rate, max_concurrency, timeout, seed, slos) -> dict:
-    results, seconds, model = asyncio.run(run_load(url, model, requests, rate, max_concurrency, timeout, seed))
+def bench_once(url, model, requests, rate, max_concurrency, timeout, seed, slos, ignore_eos: bool = True) -> dict:
+    """One pass of `requests` ((prompt token ids, max_tokens) pairs, greedy; EOS ignored unless
+    `ignore_eos` is False) against the server at `url`: the `summarize` dict."""
+    results, seconds, model = asyncio.run(
+        run_load(url, model, requests, rate, max_concurrency, timeout, seed, ignore_eos)
+    )
     summary = summarize(results, seconds, slos)
     summary.update(model=model, request_rate=rate, max_concurrency=max_concurrency)
     return summary

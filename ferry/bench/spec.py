@@ -32,6 +32,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per prompt at most")
     p.add_argument("--rounds", type=int, default=2, help="times each prompt runs each way (alternating)")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: ferry serve without and with speculation, on editing requests at --concurrency "
+        "and on the throughput workload (spec_serve.py)",
+    )
+    p.add_argument("--concurrency", type=int, default=16, help="--serve: editing requests in flight")
+    p.add_argument("--serve-edit-requests", type=int, default=48, help="--serve: editing requests per pass")
 
 
 def copied_share(prompt: list[int], output: list[int], n: int = 4) -> float:
@@ -69,6 +77,15 @@ def main(args: argparse.Namespace) -> int:
     plain_args = dataclasses.replace(eargs, speculative_config=None)
     spec_args = dataclasses.replace(eargs, speculative_config=spec_config)
     loaded = load_model(plain_args)
+    if args.serve:
+        from ferry.bench import spec_serve
+
+        print(f"model {args.model or 'default'}; speculative_config {spec_config}; ferry serve")
+        result = spec_serve.run(args, eargs, spec_config, loaded.tokenizer, loaded.model.config.vocab_size)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"speculative_config": spec_config, **result}, f, indent=2)
+        return 0
     share = dict(model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device, dtype=loaded.dtype)
     plain, spec = LLMEngine(plain_args, **share), LLMEngine(spec_args, **share)
     tok = loaded.tokenizer

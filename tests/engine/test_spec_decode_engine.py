@@ -147,7 +147,7 @@ def test_adaptive_draft_length_stops_verifying_drafts_that_fail(smollm_gguf, pro
         """Steps priced as on 2 CPU cores (a row a quarter of a 1-row step) rather than by the
         clock, so the test does not depend on how busy the machine is."""
         proposer = engine.core.proposer
-        proposer.observe_step = lambda rows, seconds: proposer.step_cost.observe(rows, 0.002 + 0.0005 * rows)
+        proposer.observe_step = lambda rows, seconds: proposer.policy.observe_step(rows, 0.002 + 0.0005 * rows)
         return engine
 
     engine = deterministic(engine_over(loaded, speculative_config=adaptive))
@@ -156,6 +156,11 @@ def test_adaptive_draft_length_stops_verifying_drafts_that_fail(smollm_gguf, pro
     stats = engine.get_stats()
     # 39 steps could verify 4 drafts each (156): a few are tried, then drafts are mostly left out.
     assert 0 < stats.spec_num_draft_tokens < 39
+    # The next request starts from evidence pooled over those failures, yet drafts are tried again
+    # (the pooled evidence fades while nobody drafts), and kept once they are right.
+    engine.core.proposer.ngram.propose = right
+    assert generate(engine, {"edit": prompts["edit"]}, max_tokens=40) == {"edit": want}
+    assert engine.get_stats().spec_num_accepted_tokens - stats.spec_num_accepted_tokens >= 20
     assert_no_blocks_referenced(engine)
 
     engine = deterministic(engine_over(loaded, speculative_config=adaptive))

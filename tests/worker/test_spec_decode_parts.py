@@ -13,7 +13,13 @@ from ferry.core.scheduler import Scheduler
 from ferry.sampling_params import SamplingParams
 from ferry.worker.sampler import Sampler
 from ferry.worker.spec_decode import DraftProposer
-from ferry.worker.spec_decode.draft_length import AcceptanceTracker, StepCostModel, allocate
+from ferry.worker.spec_decode.draft_length import (
+    EXPLORE_EVERY,
+    AcceptanceTracker,
+    AdaptiveDraftLength,
+    StepCostModel,
+    allocate,
+)
 from ferry.worker.spec_decode.ngram import MAX_CANDIDATES, NgramProposer
 
 
@@ -80,8 +86,9 @@ def _throughput(worth, counts, num_rows, a, b):
 
 def _linear_cost(a, b, max_rows=80):
     cost = StepCostModel()
-    for rows in range(1, max_rows + 1):
-        cost.observe(rows, a + b * rows)
+    for _ in range(2):  # a row count's first step is not taken as its cost
+        for rows in range(1, max_rows + 1):
+            cost.observe(rows, a + b * rows)
     return cost
 
 
@@ -123,25 +130,27 @@ def test_speculation_turns_itself_off_in_a_large_batch_or_with_poor_acceptance()
     assert allocate([_geometric(0.6, 4), _geometric(0.1, 2)], 2, None) == [4, 2]  # no estimate: all
 
 
-def test_step_cost_model_follows_the_engines_steps():
+def test_step_cost_model_fits_the_engines_steps():
     model = StepCostModel()
     assert model.seconds(1) is None
     assert allocate([_geometric(0.1, 3)], 1, model) == [3]  # nothing measured yet: every draft
-    for _ in range(40):
+    model.observe(1, 0.5)  # a cold first step of its row count: not counted
+    assert model.seconds(1) is None
+    for _ in range(3):
         model.observe(1, 0.010)
-        model.observe(5, 0.020)
-    assert abs(model.seconds(1) - 0.010) < 1e-12 and abs(model.seconds(3) - 0.012) < 1e-12
-    # Unmeasured counts look cheap, a tenth of a 1-row step per row past the count below, until
-    # measured: between two measured counts, the lower of that and the line between them.
-    assert abs(model.seconds(9) - (0.020 + 4 * 0.1 * 0.010)) < 1e-12
-    model.observe(4, 0.0105)
-    assert abs(model.seconds(3) - (0.010 + 0.0005 * 2 / 3)) < 1e-12  # the line 1-4 is lower now
-    for _ in range(40):
-        model.observe(5, 0.030)  # the machine slowed down: the running mean follows
-    assert abs(model.seconds(5) - 0.030) < 1e-5
+    a, b = model.coefficients()  # one row count only: no slope, the prior's split of 10 ms
+    assert abs(a + b - 0.010) < 1e-12 and abs(b - 0.1 * a) < 1e-12
+    for rows in [1, 5, 3, 9, 1, 5, 2] * 60:  # the old steps' weight decays away
+        model.observe(rows, 0.002 + 0.0005 * rows)
+    a, b = model.coefficients()
+    assert abs(a - 0.002) < 1e-4 and abs(b - 0.0005) < 1e-5
+    assert abs(model.seconds(4) - (a + 4 * b)) < 1e-15
+    for rows in [1, 9] * 200:  # noise that tilts the line downwards: never a negative row cost
+        model.observe(rows, 0.010 if rows == 1 else 0.009)
+    assert model.coefficients()[1] == 0.0
     model.observe(0, 1.0)
-    model.observe(2, 0.0)
-    assert abs(model.seconds(2) - (0.010 + 0.0005 / 3)) < 1e-12  # neither counted (no rows, no time)
+    model.observe(3, 0.0)
+    assert model.coefficients()[1] == 0.0  # neither counted (no rows, no time)
 
 
 def test_acceptance_is_counted_per_request_and_position_and_recovers_while_idle():
@@ -160,10 +169,32 @@ def test_acceptance_is_counted_per_request_and_position_and_recovers_while_idle(
     for _ in range(80):
         tracker.idle(writing)
     assert abs(tracker.chances(writing, 1)[0] - tracker.chances(new, 1)[0]) < 0.02  # back to the prior
+    # Pooled evidence that nobody drafts against any more fades too, back to 1 in 2.
+    for _ in range(30):
+        tracker.observe(writing, 4, 0)
+    low = tracker.chances(new, 1)[0]
+    for _ in range(80):
+        tracker.idle(None)
+    assert low < 0.3 and abs(tracker.chances(new, 1)[0] - 0.5) < 0.01
     # A run kept whole then one cut at position 2: positions 1-2 tried, 3-4 not.
     fresh = AcceptanceTracker(4)
     fresh.observe(new, 4, 1)
     assert fresh.chances(new, 4)[2:] == [0.5, 0.5] and fresh.chances(new, 2)[1] < 0.5 < fresh.chances(new, 1)[0]
+
+
+def test_the_policy_verifies_every_draft_now_and_then_to_measure_the_tail():
+    """A request the allocation gives some drafts gets all it has every EXPLORE_EVERY-th time, so
+    the chances of its later positions and the cost of longer steps get measured."""
+    policy = AdaptiveDraftLength(8)
+    for _ in range(2):
+        for rows in range(1, 10):
+            policy.observe_step(rows, 0.002 + 0.0008 * rows)  # rows dear: not every draft pays
+    r = req([1, 2, 3], rid="r")
+    got = [policy.choose([r], [[7] * 8])[0] for _ in range(2 * EXPLORE_EVERY)]
+    assert 0 < got[0] < 8
+    assert [i for i, n in enumerate(got) if n == 8] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    nothing = req([1, 2, 3], rid="n")  # no candidates: nothing to explore
+    assert policy.choose([nothing], [[]]) == [0]
 
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ferry.config import SpeculativeConfig
 from ferry.core.request import Request
-from ferry.worker.spec_decode.draft_length import AcceptanceTracker, StepCostModel, allocate
+from ferry.worker.spec_decode.draft_length import AdaptiveDraftLength
 from ferry.worker.spec_decode.ngram import NgramProposer
 
 
@@ -24,9 +24,8 @@ class DraftProposer:
         self.config = config
         self.max_model_len = max_model_len
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.adaptive = config.draft_length == "adaptive"
-        self.acceptance = AcceptanceTracker(config.num_speculative_tokens)
-        self.step_cost = StepCostModel()
+        # None: every draft found is verified ("fixed", as vLLM does).
+        self.policy = AdaptiveDraftLength(config.num_speculative_tokens) if config.draft_length == "adaptive" else None
 
     def propose(self, running: list[Request]) -> None:
         """Set `spec_token_ids` of every running request (empty where it gets none): only
@@ -48,21 +47,16 @@ class DraftProposer:
             )
             decoding.append(request)
             candidates.append(self.ngram.propose(request, room) if room > 0 else [])
-        if not self.adaptive:
-            for request, drafts in zip(decoding, candidates):
-                request.spec_token_ids = drafts
-            return
-        worth = [self.acceptance.worth(r, len(c)) for r, c in zip(decoding, candidates)]
-        counts = allocate(worth, len(decoding), self.step_cost)
+        counts = self.policy.choose(decoding, candidates) if self.policy else [len(c) for c in candidates]
         for request, drafts, n in zip(decoding, candidates, counts):
             request.spec_token_ids = drafts[:n]
-            if drafts and not n:
-                self.acceptance.idle(request)
 
     def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The step verified `num_drafts` drafts of the request and kept the first `num_accepted`."""
-        self.acceptance.observe(request, num_drafts, num_accepted)
+        if self.policy:
+            self.policy.observe_verification(request, num_drafts, num_accepted)
 
-    def observe_step(self, num_rows: int, forward_seconds: float) -> None:
-        """A decode-only step ran `num_rows` rows through the model in `forward_seconds`."""
-        self.step_cost.observe(num_rows, forward_seconds)
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A decode-only step ran `num_rows` rows through the model in `seconds`."""
+        if self.policy:
+            self.policy.observe_step(num_rows, seconds)

@@ -23,25 +23,24 @@ draft 1's (a single per-request rate, tried first, priced the 8th draft of a cop
 request gets no drafts its evidence fades back toward the pooled prior, so it is tried again now
 and then (a request never tried again could not notice that it started copying).
 
-A step's cost by its rows comes from the engine's own steps (`StepCostModel`: a running mean per
-row count), so the policy follows the machine and the batch it is at; `b` is then the measured
-cost of the step's next row.
+A step's cost by its rows comes from the engine's own steps (`StepCostModel`: a line fitted
+through recent steps), so the policy follows the machine and the batch it is at.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import weakref
 
 from ferry.core.request import Request
 
-# Past the row counts measured: a further row's cost as a share of one row's at the smallest count
-# measured. Optimistic on purpose (on 2 CPU cores it is ~0.3 at a 1-row step), so that untried
-# draft lengths get tried and measured rather than assumed too dear.
+# Before a slope can be fitted: a row's cost as a share of the step's fixed part. Optimistic on
+# purpose (on 2 CPU cores it is ~0.25), so that longer drafts get tried and measured.
 PRIOR_ROW_COST = 0.1
-# A new step's weight in its row count's running mean.
-STEP_WEIGHT = 0.2
+# A step's weight in the fit decays by this per later step (~50 steps of memory).
+STEP_DECAY = 0.98
+# Steps whose rows spread less than this (weighted standard deviation) fit no slope.
+MIN_ROW_SPREAD = 0.5
 
 # Acceptance: a request's evidence at a position decays by this per verification that reaches it,
 # and by IDLE_DECAY per step without drafts; the pooled evidence by POOLED_DECAY.
@@ -50,52 +49,56 @@ IDLE_DECAY = 0.9
 POOLED_DECAY = 0.99
 PRIOR_WEIGHT = 1.0  # trials' worth of the pooled chance in a request's estimate
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # the pooled chance is 1/2 before any evidence
+# Every this many verifications of a request, all its drafts (see AdaptiveDraftLength).
+EXPLORE_EVERY = 8
 
 
 class StepCostModel:
-    """Seconds a step takes by the rows it runs, from the engine's own steps: a running mean per
-    row count measured; an unmeasured count is assumed cheap (`seconds`), so that the policy tries
-    longer drafts and measures them. (A line fitted through all steps was tried first: one early
-    17-row step set a slope that kept every later step at 3 rows, never measured otherwise. The
-    cost is not a line anyway: the CPU step grows slowly to 4 rows, the int8-dot kernels'
-    pass width, then faster; a GPU's is flat until its compute saturates.)"""
+    """Seconds a step takes by its rows, a + b * rows: a weighted least-squares line through the
+    engine's recent steps (each step's weight decays by STEP_DECAY per later step, so the line
+    follows the machine and the batch it is at). A row count's first step is left out: the first
+    step of a shape is slow (buffers allocated, code and weights cold), and one cold 17-row step
+    in the fit kept every later step at 3 rows. Until the steps span enough row counts to fit a
+    slope, a row is taken to cost PRIOR_ROW_COST of the fixed part: optimistic, so that longer
+    drafts get tried, which spreads the row counts. (A mean per row count, tried too, was at
+    the mercy of a few noisy steps per count: one slow 5-row step priced it above 6 rows.)"""
 
     def __init__(self) -> None:
-        self._mean: dict[int, float] = {}
-        self._rows: list[int] = []  # the counts seen, sorted
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._seen: set[int] = set()
 
     def observe(self, rows: int, seconds: float) -> None:
         """One step: its rows (tokens through the model) and its seconds."""
         if rows < 1 or not seconds > 0:
             return
-        if rows in self._mean:
-            self._mean[rows] += STEP_WEIGHT * (seconds - self._mean[rows])
-        else:
-            self._mean[rows] = seconds
-            bisect.insort(self._rows, rows)
+        if rows not in self._seen:
+            self._seen.add(rows)
+            return
+        d = STEP_DECAY
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + rows
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + rows * rows
+        self._xy = d * self._xy + rows * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b), or None before any step counted. b is never negative (a step does not cost
+        less for more rows; noise can tilt a fit that way), nor a."""
+        if self._w == 0:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var >= MIN_ROW_SPREAD**2:
+            b = max(0.0, (self._xy / self._w - mx * my) / var)
+            if my - b * mx > 0:
+                return my - b * mx, b
+        a = my / (1.0 + PRIOR_ROW_COST * mx)  # no usable slope: the prior's split at the rows seen
+        return a, PRIOR_ROW_COST * a
 
     def seconds(self, rows: int) -> float | None:
-        """A step of `rows` rows, or None before any step. A count not measured yet is taken at
-        the lower of: linear between the counts measured around it, and the optimistic prior past
-        the one below it. So it looks cheap until measured, and is tried and measured (a single
-        slow measurement far above, such as a cold first step, cannot keep the counts between
-        unmeasured and unused)."""
-        seen = self._rows
-        if not seen:
-            return None
-        if rows in self._mean:
-            return self._mean[rows]
-        slope = PRIOR_ROW_COST * self._mean[seen[0]] / seen[0]
-        i = bisect.bisect_left(seen, rows)
-        if i == 0:
-            return max(self._mean[seen[0]] - slope * (seen[0] - rows), 0.0)
-        lo = seen[i - 1]
-        guess = self._mean[lo] + slope * (rows - lo)
-        if i < len(seen):
-            hi = seen[i]
-            t_lo, t_hi = self._mean[lo], self._mean[hi]
-            guess = min(guess, t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo))
-        return guess
+        """A step of `rows` rows, or None before any step counted."""
+        ab = self.coefficients()
+        return None if ab is None else ab[0] + ab[1] * rows
 
 
 class AcceptanceTracker:
@@ -143,11 +146,14 @@ class AcceptanceTracker:
                 counts[0][j] = decay * counts[0][j] + (j < num_accepted)
                 counts[1][j] = decay * counts[1][j] + 1.0
 
-    def idle(self, request: Request) -> None:
-        """A step in which the request had drafts to offer but got none: its evidence fades."""
-        mine = self._counts.get(request)
-        if mine is not None:
-            for counts in mine:
+    def idle(self, request: Request | None) -> None:
+        """A step in which the request had drafts to offer but got none: its evidence fades. With
+        None: a step in which no request got any, though some had drafts: the pooled evidence
+        fades (else, once it fell low enough that nobody drafts, nothing could ever raise it:
+        every request starts from it, and none would be tried again)."""
+        evidence = self._counts.get(request) if request is not None else self._pooled
+        if evidence is not None:
+            for counts in evidence:
                 for j in range(self.k):
                     counts[j] *= IDLE_DECAY
 
@@ -159,8 +165,7 @@ def allocate(worth: list[list[float]], num_rows: int, cost: StepCostModel | None
     requests' own tokens); `cost`: the steps measured so far (None or empty: every draft).
     With worth non-increasing per request and a step's cost linear in its rows, adding the most
     valuable draft while it raises the throughput reaches the best allocation there is (the tests
-    check it against brute force); with a measured cost that is not linear, each draft is weighed
-    against the next row's measured cost."""
+    check it against brute force)."""
     counts = [0] * len(worth)
     seconds = cost.seconds(num_rows) if cost is not None else None
     if seconds is None:
@@ -181,3 +186,39 @@ def allocate(worth: list[list[float]], num_rows: int, cost: StepCostModel | None
         if counts[i] < len(worth[i]):
             heapq.heappush(heap, (-worth[i][counts[i]], i))
     return counts
+
+
+class AdaptiveDraftLength:
+    """The policy the proposer applies each step: its evidence (acceptance per request and
+    position, step cost per row count) and `choose`, which cuts each request's drafts to the
+    allocation. Every `EXPLORE_EVERY`-th time a request verifies drafts it verifies all it has:
+    the positions past its usual allocation and the longer steps' cost are then measured rather
+    than left at what the prior or a stale step said (without it a copying request stayed at 5 of
+    8 drafts, its positions 6-8 priced from the pooled prior, never tried)."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.acceptance = AcceptanceTracker(num_speculative_tokens)
+        self.step_cost = StepCostModel()
+        self._verifications: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+
+    def choose(self, requests: list[Request], candidates: list[list[int]]) -> list[int]:
+        """How many of each request's candidate drafts to verify in the next step."""
+        worth = [self.acceptance.worth(r, len(c)) for r, c in zip(requests, candidates)]
+        counts = allocate(worth, len(requests), self.step_cost)
+        for i, (request, drafts) in enumerate(zip(requests, candidates)):
+            if counts[i]:
+                seen = self._verifications.get(request, 0) + 1
+                self._verifications[request] = seen
+                if seen % EXPLORE_EVERY == 0:
+                    counts[i] = len(drafts)
+            elif drafts:
+                self.acceptance.idle(request)
+        if not any(counts) and any(candidates):
+            self.acceptance.idle(None)
+        return counts
+
+    def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        self.acceptance.observe(request, num_drafts, num_accepted)
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        self.step_cost.observe(num_rows, seconds)
