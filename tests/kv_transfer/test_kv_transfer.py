@@ -124,3 +124,24 @@ def test_int8_in_transit_bounds_the_error_and_keeps_greedy_output(make_engine, c
     decode = make_engine()
     assert decode.import_kv(q) == 4
     assert generate(decode, PROMPT) == colocated
+
+
+def test_a_speculating_decode_worker_continues_a_transferred_prefill(make_engine):
+    """PD with speculation on the decode worker: it imports the prefill worker's blocks, takes the
+    token the prefill side sampled, then verifies n-gram drafts; the output is the colocated one
+    and no block is left referenced."""
+    from ferry.engine.messages import EngineCoreRequest
+
+    prompt = list(range(1000, 1035)) * 2  # 70 tokens that repeat: drafts to find
+    want = generate(make_engine(), prompt)
+    prefill = make_engine()
+    assert generate(prefill, prompt, SamplingParams(temperature=0, max_tokens=1)) == want[:1]
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "draft_length": "fixed"}'
+    decode = make_engine(speculative_config=spec)
+    assert decode.import_kv(prefill.export_kv(prompt)) == 4
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    request = EngineCoreRequest("r", prompt, params, 12, prefilled_token_ids=want[:1])
+    assert core_tokens(decode, request) == want
+    stats = decode.get_stats()
+    assert stats.prefix_cache_hits == 64 and stats.spec_num_accepted_tokens > 0  # drafts were kept
+    assert_no_blocks_referenced(decode)
