@@ -232,3 +232,37 @@ def test_sampling_with_speculation_keeps_the_models_distribution(smollm_gguf):
     stat = sum((o - e) ** 2 / e for o, e in cats if e > 0)
     df = len(cats) - 1
     assert df >= 2 and stat < _chi2_critical(df), (stat, df, cats)
+
+
+def test_stop_strings_and_streamed_deltas_are_as_without_speculation(smollm_gguf, prompts):
+    """A stop string met inside a step that kept several drafts ends the text and the tokens where
+    it would without speculation (nothing after it reported); streamed deltas, which may carry
+    several tokens, add up to the final text."""
+    from ferry.sampling_params import RequestOutputKind
+
+    plain = engine_over(smollm_gguf)
+    ids = prompts["edit"]
+    text = smollm_gguf.tokenizer.decode(generate(plain, {"edit": ids}, max_tokens=96)["edit"])
+    stop = "block_id"  # in the code the answer copies from the prompt, where drafts are kept
+    assert text.count(stop) == 1
+
+    def run(engine, kind):
+        params = SamplingParams(temperature=0.0, max_tokens=96, stop=[stop], output_kind=kind)
+        engine.add_request("s", {"prompt_token_ids": ids}, params)
+        pieces, last = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                pieces.append(out.outputs[0].text)
+                last = out
+        return last.outputs[0], pieces
+
+    want, _ = run(plain, RequestOutputKind.FINAL_ONLY)
+    assert want.finish_reason == "stop" and stop not in want.text
+    engine = engine_over(smollm_gguf, speculative_config=NGRAM)
+    got, _ = run(engine, RequestOutputKind.FINAL_ONLY)
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+    streamed, pieces = run(engine, RequestOutputKind.DELTA)
+    assert "".join(pieces) == want.text and streamed.finish_reason == "stop"
+    stats = engine.get_stats()
+    assert stats.spec_num_accepted_tokens > stats.spec_num_drafts  # steps kept several drafts
+    assert_no_blocks_referenced(engine)
