@@ -9,8 +9,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from ferry.core.block_hash import BlockHash, hash_block_tokens
 from ferry.sampling_params import SamplingParams
 
@@ -64,11 +62,6 @@ class Request:
         # sequence (nor of its block hashes) until the model accepts them.
         self.spec_token_ids: list[int] = []
         self._update_block_hashes()
-        # Per-request RNG so a seeded request samples the same tokens in any batch.
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -3,18 +3,23 @@
 Order (as vLLM): logit bias, min_tokens (stop tokens masked), repetition /
 presence / frequency penalties, then greedy argmax or temperature, top-k,
 top-p, min-p and a draw. The draw is `argmax(p / q)` with `q ~ Exp(1)`, which
-samples from `p`; seeded requests draw `q` from their own generator, so their
-tokens do not depend on what else is in the batch. Logprobs are of the raw
-model distribution. On a GPU all of it runs on the device; the sampled ids are
-the step's one device -> host read (logprobs, when asked, add theirs).
+samples from `p`. A seeded request's `q` for its k-th output token comes from a
+generator seeded by (seed, k) alone: its tokens do not depend on the batch, on
+preemption, on which worker samples which token (prefill/decode disaggregation),
+nor on speculation. Logprobs are of the raw model distribution. On a GPU all of
+it runs on the device; the sampled ids are the step's one device -> host read
+(logprobs, when asked, add theirs).
 
 `verify` takes a request's draft tokens (speculative decoding) with one logits row per
 position: row j is the distribution after the first j drafts, processed as if they had been
-sampled (penalties and min_tokens count them). A greedy request keeps drafts while they equal
-its argmax; a sampling one keeps each with probability p(draft) and, at the first it rejects,
-draws from p without the draft, renormalized (spec_decode/rejection.py): the tokens come out
-distributed exactly as without drafts. Either way one token of the model's own follows the kept
-drafts (the correction, or the bonus after all of them).
+sampled (penalties and min_tokens count them). Each row draws its token exactly as it would
+without drafts, and drafts are kept while they equal those draws; at the first that differs,
+the row's own draw is the next token, and after all of them the last row's draw follows as a
+bonus. For a greedy row the draw is the argmax. For a sampling row this is rejection sampling
+against a one-hot draft, coupled by the shared noise: the draft is kept with probability p(draft)
+(the chance it wins the race) and otherwise the winner is distributed as p without the draft,
+renormalized, as Leviathan et al.'s residual; so tokens are distributed as without drafts, and
+a seeded request's are the very same tokens with speculation on or off.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from ferry.core.request import Request
-from ferry.worker.spec_decode.rejection import accept_or_resample
 
 Logprob = tuple[float, int, list[int], list[float]]  # (sampled logprob, its rank, top ids, top logprobs)
 
@@ -107,6 +111,16 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
+def _token_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of a seeded request's noise for its output token `index` (splitmix64's
+    constants mix the two, so nearby seeds and indices give unrelated streams)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    mixed ^= mixed >> 31
+    g = torch.Generator()
+    g.manual_seed(mixed)
+    return g
+
+
 class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -115,8 +129,7 @@ class Sampler:
         """Sample one token for each row; row i belongs to requests[i]."""
         rows = [_Row(r, []) for r in requests]
         logits, raw_logprobs, params = self._process(logits, rows)
-        sampled = self._draw(logits, rows, params)[0]
-        token_ids = sampled.tolist()
+        token_ids = self._draw(logits, rows, params).tolist()
         logprob_rows: list = [None] * len(rows)
         if raw_logprobs is not None:
             want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -128,33 +141,16 @@ class Sampler:
         """Verify each request's drafts: its 1 + len(drafts[i]) consecutive logits rows decide
         which it keeps, and the token that follows them."""
         rows = [_Row(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
-        draft_of_row = [d[j] if j < len(d) else -1 for d in drafts for j in range(len(d) + 1)]
         logits, raw_logprobs, params = self._process(logits, rows)
-        sampled, probs, noise = self._draw(logits, rows, params)
-        accepted = resampled = None
-        if probs is not None:  # some rows sample: rejection sampling against the drafts
-            uniform = self._uniform_noise(rows, logits.device)
-            accepted, resampled = accept_or_resample(probs, torch.tensor(draft_of_row, device=logits.device),
-                                                     uniform, noise)  # fmt: skip
-            accepted, resampled = accepted.tolist(), resampled.tolist()
-        sampled = sampled.tolist()
+        sampled = self._draw(logits, rows, params).tolist()
         token_ids: list[list[int]] = []
         first_rows: list[int] = []  # a request's kept token j came from its row first + j
         row = 0
         for d in drafts:
             kept: list[int] = []
             for j in range(len(d) + 1):
-                i = row + j
-                if j == len(d):  # every draft kept: the bonus token
-                    kept.append(sampled[i])
-                elif params[i].greedy:
-                    kept.append(sampled[i])  # the argmax: the draft itself when it agrees
-                    if sampled[i] != d[j]:
-                        break
-                elif accepted[i]:
-                    kept.append(d[j])
-                else:
-                    kept.append(resampled[i])
+                kept.append(sampled[row + j])  # the draft itself where it agrees
+                if j == len(d) or sampled[row + j] != d[j]:
                     break
             token_ids.append(kept)
             first_rows.append(row)
@@ -178,14 +174,11 @@ class Sampler:
             logits = self._penalize(logits, rows)
         return logits, raw_logprobs, params
 
-    def _draw(
-        self, logits: torch.Tensor, rows: list[_Row], params: list
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Each row's token (argmax for greedy rows, a draw for the others), and, when any row
-        samples, the rows' final probabilities and the Exp(1) noise of their draws."""
+    def _draw(self, logits: torch.Tensor, rows: list[_Row], params: list) -> torch.Tensor:
+        """Each row's token: the argmax for greedy rows, a draw from p for the others."""
         # Decided on the host: a device-side `.all()` would be a second device -> host read.
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1), None, None
+            return logits.argmax(dim=-1)
         device = logits.device
         B, V = logits.shape
         temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
@@ -199,10 +192,10 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32)
         scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
         probs = scaled.softmax(dim=-1)
-        q = self._exponential_noise(B, V, [r.request for r in rows], device)
+        q = self._exponential_noise(B, V, rows, device)
         drawn = (probs / q).argmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=device)
-        return torch.where(greedy, logits.argmax(dim=-1), drawn), probs, q
+        return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
     @staticmethod
     def _logprobs(raw_logprobs: torch.Tensor, rows: list[int], tokens: list[int], params: list) -> list[Logprob]:
@@ -265,7 +258,7 @@ class Sampler:
         return apply_penalties(logits, prompt_mask, output_counts, rep, pres, freq)
 
     @staticmethod
-    def _exponential_noise(B: int, V: int, requests: list[Request], device: torch.device) -> torch.Tensor:
+    def _exponential_noise(B: int, V: int, rows: list[_Row], device: torch.device) -> torch.Tensor:
         """Exp(1) noise for the exponential race: argmax(p / q) draws from p.
 
         -log(U) from torch.rand, not Tensor.exponential_: on the CPU exponential_ costs
@@ -273,18 +266,10 @@ class Sampler:
         element) gives q = inf and only removes that one token from the race; the
         -log(1 - U) form would instead give q = 0 and force an arbitrary token."""
         q = torch.rand(B, V, device=device)
-        for i, r in enumerate(requests):
-            if r.generator is not None:
-                # Drawn on the CPU from the request's own generator: the same
-                # numbers whatever the batch, device or step interleaving.
-                q[i] = torch.rand(V, generator=r.generator).to(device)
-        return q.log_().neg_()
-
-    @staticmethod
-    def _uniform_noise(rows: list[_Row], device: torch.device) -> torch.Tensor:
-        """U[0, 1) per row for accepting drafts; a seeded request's from its own generator."""
-        u = torch.rand(len(rows))
         for i, row in enumerate(rows):
-            if row.request.generator is not None:
-                u[i] = torch.rand(1, generator=row.request.generator)[0]
-        return u.to(device)
+            seed = row.request.sampling_params.seed
+            if seed is not None:
+                # Drawn on the CPU from a generator keyed by (seed, output index): the same
+                # numbers whatever the batch, device, step interleaving or drafts.
+                q[i] = torch.rand(V, generator=_token_generator(seed, row.num_output_tokens)).to(device)
+        return q.log_().neg_()

@@ -200,8 +200,8 @@ def test_sampling_with_speculation_keeps_the_models_distribution(smollm_gguf):
     three times in four: over 1000 seeded requests with speculation, the token after the most
     common first token follows the model's own distribution there (its top 20 probabilities,
     taken without speculation, the rest pooled) by a chi-squared test at 0.1%, with that draft
-    both kept and rejected. Deterministic: fixed seeds. (Accepting a draft with probability
-    sqrt(p) instead of p fails it.)"""
+    both kept and rejected. Deterministic: fixed seeds. (Keeping a sampled row's draft whenever
+    it is the row's most likely token fails it.)"""
     from collections import Counter
 
     n = 1000
@@ -265,4 +265,25 @@ def test_stop_strings_and_streamed_deltas_are_as_without_speculation(smollm_gguf
     assert "".join(pieces) == want.text and streamed.finish_reason == "stop"
     stats = engine.get_stats()
     assert stats.spec_num_accepted_tokens > stats.spec_num_drafts  # steps kept several drafts
+    assert_no_blocks_referenced(engine)
+
+
+@pytest.mark.parametrize("draft_length", ["fixed", "adaptive"])
+def test_seeded_sampling_is_token_exact_with_speculation_off(smollm_gguf, prompts, draft_length):
+    """A seeded request's k-th token is drawn with noise keyed by (seed, k) and a draft is kept
+    only when it equals that draw, so with speculation (verifying every draft, or as many as the
+    policy picks) it samples the very tokens it samples without."""
+
+    def run(engine) -> dict[str, list[int]]:
+        for name in ("edit", "list"):
+            for seed in range(4):
+                params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True)
+                engine.add_request(f"{name}{seed}", {"prompt_token_ids": prompts[name]}, params)
+        return {rid: out.outputs[0].token_ids for rid, out in run_to_completion(engine).items()}
+
+    want = run(engine_over(smollm_gguf))
+    spec = NGRAM.replace('"fixed"', f'"{draft_length}"')
+    engine = engine_over(smollm_gguf, speculative_config=spec)
+    assert run(engine) == want
+    assert engine.get_stats().spec_num_accepted_tokens > 0
     assert_no_blocks_referenced(engine)

@@ -1,4 +1,5 @@
-"""Speculative decoding's worker side: proposers of draft tokens and the rejection sampler.
+"""Speculative decoding's worker side: proposers of draft tokens and how many to verify
+(draft_length.py; the sampler verifies them, worker/sampler.py: `Sampler.verify`).
 
 After each step `DraftProposer.propose` gives every decoding request up to
 `num_speculative_tokens` drafts (`Request.spec_token_ids`); the scheduler gives it 1 + k tokens
