@@ -56,6 +56,10 @@ tests)
   # int8 W8A8 (SmoothQuant-calibrated, Triton int8 GEMM): 1 byte a weight read per decode step.
   step latency-int8 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization int8 \
     --batch-sizes 1 16 64 --json $OUT/latency-int8.json"
+  # speculative decoding (issue 16): a step verifying 4 drafts per request against a plain decode
+  # step, batch 1..64; also shows whether verify steps (decode-only plans) take the CUDA graphs
+  step spec-verify-cost 200 bash -c "ferry bench spec --verify-cost --model llama-3.1-8b --load-format dummy \
+    --batch-sizes 1 4 16 64 --drafts 4 --json $OUT/spec-verify-cost.json"
   ;;
 bench)
   step throughput-qwen3 280 bash -c "ferry bench throughput --model qwen3-0.6b --load-format dummy --num-prompts 256 \

@@ -89,3 +89,15 @@ def test_bench_spec_runs_and_checks_outputs_match(tmp_path):
     assert all(0.0 <= r["copied_share"] <= 1.0 for r in rows)
     assert max(r["copied_share"] for r in rows) > 0.5  # the editing answers copy their prompts
     assert all(r["acceptance_length"] >= 1.0 and r["on_tok_per_s"] > 0 for r in rows)
+
+
+def test_bench_spec_verify_cost_times_both_step_kinds(tmp_path):
+    out = tmp_path / "verify.json"
+    proc = _ferry(
+        "bench", "spec", "--verify-cost", "--batch-sizes", "1", "2", "--drafts", "3", "--input-len", "16",
+        "--output-len", "6", "--rounds", "1", "--num-kv-blocks", "64", "--json", str(out), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    batches = json.loads(out.read_text())["batches"]
+    assert [b["batch_size"] for b in batches] == [1, 2]
+    assert all(b["steps"]["plain"] > 0 and b["steps"]["verify"] > 0 and b["ratio"] > 0 for b in batches)

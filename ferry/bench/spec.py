@@ -40,6 +40,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--concurrency", type=int, default=16, help="--serve: editing requests in flight")
     p.add_argument("--serve-edit-requests", type=int, default=48, help="--serve: editing requests per pass")
+    p.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="instead: a verify step's time against a plain decode step's, by batch (spec_verify_cost.py)",
+    )
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="--verify-cost: batches")
+    p.add_argument("--drafts", type=int, default=4, help="--verify-cost: drafts per request and step")
+    p.add_argument("--input-len", type=int, default=128, help="--verify-cost: prompt tokens")
+    p.add_argument("--output-len", type=int, default=32, help="--verify-cost: output tokens")
 
 
 def copied_share(prompt: list[int], output: list[int], n: int = 4) -> float:
@@ -77,6 +86,14 @@ def main(args: argparse.Namespace) -> int:
     plain_args = dataclasses.replace(eargs, speculative_config=None)
     spec_args = dataclasses.replace(eargs, speculative_config=spec_config)
     loaded = load_model(plain_args)
+    if args.verify_cost:
+        from ferry.bench import spec_verify_cost
+
+        result = spec_verify_cost.run(args, eargs, loaded)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     if args.serve:
         from ferry.bench import spec_serve
 
