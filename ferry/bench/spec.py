@@ -90,19 +90,22 @@ def main(args: argparse.Namespace) -> int:
         from ferry.bench import spec_verify_cost
 
         result = spec_verify_cost.run(args, eargs, loaded)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        return 0
-    if args.serve:
+    elif args.serve:
         from ferry.bench import spec_serve
 
         print(f"model {args.model or 'default'}; speculative_config {spec_config}; ferry serve")
         result = spec_serve.run(args, eargs, spec_config, loaded.tokenizer, loaded.model.config.vocab_size)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"speculative_config": spec_config, **result}, f, indent=2)
-        return 0
+        result = {"speculative_config": spec_config, **result}
+    else:
+        result = _single_stream(args, loaded, plain_args, spec_args, spec_config)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _single_stream(args, loaded, plain_args: EngineArgs, spec_args: EngineArgs, spec_config: str) -> dict:
+    """Each shipped prompt alone, without and with speculation (the module's docstring)."""
     share = dict(model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device, dtype=loaded.dtype)
     plain, spec = LLMEngine(plain_args, **share), LLMEngine(spec_args, **share)
     tok = loaded.tokenizer
@@ -147,7 +150,4 @@ def main(args: argparse.Namespace) -> int:
         )
         result["workloads"][name] = {"prompts": rows, "off_tok_per_s": total_off, "on_tok_per_s": total_on,
                                      "speedup": total_on / total_off}  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return result

@@ -16,6 +16,7 @@ compared.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -41,8 +42,6 @@ def edit_requests(tokenizer, n: int, max_tokens: int) -> list[tuple[list[int], i
 
 def run(args, eargs: EngineArgs, spec_config: str, tokenizer, vocab_size: int) -> dict:
     """Both workloads against a server without and one with speculation; prints and returns the figures."""
-    import dataclasses
-
     slos = parse_slos(["ttft:2000", "tpot:200"])
     edits = edit_requests(tokenizer, args.serve_edit_requests, args.max_tokens)
     batch = synthetic_requests(64, [32, 512], [32, 256], vocab_size, 0)

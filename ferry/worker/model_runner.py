@@ -163,12 +163,8 @@ class ModelRunner:
         if self.profile:
             _sync(self.device)
         t2 = time.perf_counter()
-        out = None
-        if logits is not None and sched.spec_token_ids:
-            out = self.sampler.verify(logits, sampling, drafts)
-        elif logits is not None:
-            one = self.sampler(logits, sampling)
-            out = VerifiedOutput([[t] for t in one.token_ids], [None if lp is None else [lp] for lp in one.logprobs])
+        # A request without drafts is verified with none: its one row's draw is its token.
+        out = self.sampler.verify(logits, sampling, drafts) if logits is not None else None
         t3 = time.perf_counter()
         record.num_decodes = plan.num_decodes
         record.num_prefill_tokens = sum(p.length for p in plan.prefills)

@@ -167,22 +167,22 @@ def allocate(worth: list[list[float]], num_rows: int, cost: StepCostModel | None
     valuable draft while it raises the throughput reaches the best allocation there is (the tests
     check it against brute force)."""
     counts = [0] * len(worth)
-    seconds = cost.seconds(num_rows) if cost is not None else None
-    if seconds is None:
+    line = cost.coefficients() if cost is not None else None
+    if line is None:
         return [len(w) for w in worth]
-    rows = num_rows
+    a, b = line
+    seconds = a + b * num_rows
     expected = float(len(worth))  # each request gains its own token at least
     heap = [(-w[0], i) for i, w in enumerate(worth) if w and w[0] > 0]
     heapq.heapify(heap)
     while heap:
         gain = -heap[0][0]
-        more = cost.seconds(rows + 1)
-        if gain * seconds <= (more - seconds) * expected:
+        if gain * seconds <= b * expected:
             break  # the best remaining draft would lower the step's tokens per second
         _, i = heapq.heappop(heap)
         counts[i] += 1
         expected += gain
-        seconds, rows = more, rows + 1
+        seconds += b
         if counts[i] < len(worth[i]):
             heapq.heappush(heap, (-worth[i][counts[i]], i))
     return counts
