@@ -130,8 +130,9 @@ class EngineArgs:
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
 
-# method: how draft tokens are proposed (ferry/worker/spec_decode/). ngram: prompt lookup.
-SPECULATIVE_METHODS = ("ngram",)
+# method: how draft tokens are proposed (ferry/worker/spec_decode/). ngram: prompt lookup;
+# draft_model: a smaller model with the same tokenizer; early_exit: the target's own first layers.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "early_exit")
 
 
 @dataclass
@@ -148,16 +149,25 @@ class SpeculativeConfig:
     `draft_length` (ferry's own): "adaptive" (the default) verifies, of the up to
     `num_speculative_tokens` drafts a request has, as many as are expected to raise the step's
     tokens per second, from the request's measured acceptance and the engine's measured cost of a
-    row (ferry/worker/spec_decode/draft_length.py); "fixed" verifies them all, as vLLM does."""
+    row (ferry/worker/spec_decode/draft_length.py); "fixed" verifies them all, as vLLM does.
 
-    method: str = "ngram"
+    draft_model: `model` (any checkpoint ferry loads, with the target's tokenizer) drafts
+    autoregressively with its own paged KV cache. early_exit (LayerSkip's self-speculation): the
+    target's first `draft_layers` layers, its final norm and LM head draft. Without `method`, a
+    `model` means draft_model and no model means ngram, as in vLLM."""
+
+    method: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
     draft_length: str = "adaptive"
+    model: str | None = None  # draft_model: the draft's checkpoint (a path, or an architecture with dummy weights)
+    draft_layers: int | None = None  # early_exit: how many of the target's layers draft
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in SPECULATIVE_METHODS:
             choices = ", ".join(SPECULATIVE_METHODS)
             raise ValueError(f"speculative method must be one of {choices}, got {self.method!r}")
@@ -178,6 +188,16 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
         if self.draft_length not in ("adaptive", "fixed"):
             raise ValueError(f"draft_length must be 'adaptive' or 'fixed', got {self.draft_length!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative method draft_model needs a `model` (the draft's checkpoint), and only it takes one"
+            )
+        layers = self.draft_layers
+        if self.method == "early_exit":
+            if type(layers) is not int or layers < 1:
+                raise ValueError(f"early_exit needs draft_layers, a positive integer, got {layers!r}")
+        elif layers is not None:
+            raise ValueError("draft_layers is for the early_exit method")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:

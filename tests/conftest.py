@@ -37,8 +37,9 @@ def smollm_gguf():
     return load_model(EngineArgs(device="cpu"))
 
 
-def engine_over(loaded, **kwargs) -> LLMEngine:
-    """An LLMEngine over an already loaded model (fp32 on the CPU) with any engine args."""
+def engine_over(loaded, draft_model=None, **kwargs) -> LLMEngine:
+    """An LLMEngine over an already loaded model (fp32 on the CPU) with any engine args, and an
+    already loaded draft model for speculative method draft_model."""
     model, tokenizer, device, dtype, path = loaded
     kwargs.setdefault("num_kv_blocks", 256)
     return LLMEngine(
@@ -47,6 +48,7 @@ def engine_over(loaded, **kwargs) -> LLMEngine:
         tokenizer=tokenizer,
         device=device,
         dtype=dtype,
+        draft_model=draft_model,
     )
 
 

@@ -61,6 +61,9 @@ class Request:
         # Draft tokens to verify in the next step (speculative decoding); never part of the
         # sequence (nor of its block hashes) until the model accepts them.
         self.spec_token_ids: list[int] = []
+        # The key of an unseeded request's sampling noise, set when a draft model drafts for it:
+        # the draft then samples with the noise its verification will use (worker/sampler.py).
+        self.noise_seed: int | None = None
         self._update_block_hashes()
 
     @property
@@ -72,6 +75,14 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens (a draft model's copy of a request dropping the
+        drafts the target did not keep), and the hashes of the blocks they still fill."""
+        del self.all_token_ids[num_tokens:]
+        del self.output_token_ids[max(num_tokens - len(self.prompt_token_ids), 0) :]
+        del self.block_hashes[num_tokens // self.block_size :]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
 
     @property
     def num_output_tokens(self) -> int:

@@ -19,20 +19,25 @@ from ferry.distributed.parallel_state import SINGLE, TensorParallel
 from ferry.engine.core import EngineCore
 from ferry.engine.messages import EngineInfo
 from ferry.models.config import ModelConfig
+from ferry.models.cpu_decode_step import CPUDecodeStep
 from ferry.utils.math import cdiv
 from ferry.utils.process import freeze_startup_heap
 from ferry.worker.memory import blocks_in_budget, gpu_kv_budget, host_kv_budget, kv_bytes_per_block
 from ferry.worker.model_loading import LoadedModel, load_model
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.spec_decode import DraftProposer
+from ferry.worker.spec_decode.draft_model import DraftModelProposer, check_same_vocabulary
 from ferry.worker.tp_worker import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
 
-def build_engine_core(args: EngineArgs, loaded: LoadedModel | None = None) -> EngineCore:
-    """Load the model (unless `loaded` is given: tests share one), start the other tensor-parallel
-    ranks, size and allocate the KV cache, and return the core, ready to step."""
+def build_engine_core(
+    args: EngineArgs, loaded: LoadedModel | None = None, draft: LoadedModel | None = None
+) -> EngineCore:
+    """Load the model (unless `loaded` is given: tests share one) and any draft model (unless
+    `draft` is given), start the other tensor-parallel ranks, size and allocate the KV caches, and
+    return the core, ready to step."""
     tp_workers: TensorParallelWorkers | None = None
     tp = SINGLE
     if args.tensor_parallel_size > 1:
@@ -42,7 +47,7 @@ def build_engine_core(args: EngineArgs, loaded: LoadedModel | None = None) -> En
         atexit.register(tp_workers.shutdown)  # LLM users rarely shut down; tear the group down cleanly
         tp = tp_workers.tp
     try:
-        core = _build(args, loaded or load_model(args, tp), tp, tp_workers)
+        core = _build(args, loaded or load_model(args, tp), tp, tp_workers, draft)
         freeze_startup_heap()
         return core
     except BaseException:
@@ -51,12 +56,22 @@ def build_engine_core(args: EngineArgs, loaded: LoadedModel | None = None) -> En
         raise
 
 
-def _build(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, tp_workers: TensorParallelWorkers | None):
+def _build(
+    args: EngineArgs,
+    loaded: LoadedModel,
+    tp: TensorParallel,
+    tp_workers: TensorParallelWorkers | None,
+    draft: LoadedModel | None,
+):
     cfg: ModelConfig = loaded.model.config
     torch.manual_seed(args.seed)
+    draft = _load_draft(args, loaded, tp, draft)  # before sizing the KV cache: its weights take memory
     runner = ModelRunner.create(args, loaded, tp, check_peers=tp_workers.check_alive if tp_workers else None)
     bs = args.block_size
     block_bytes = kv_bytes_per_block(cfg, bs, runner.cache_dtype, tp.size)
+    draft_runner = ModelRunner.create(args, draft) if draft is not None else None
+    if draft_runner is not None:  # the draft's cache has as many blocks as the target's
+        block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
     num_blocks = args.num_kv_blocks or blocks_in_budget(_kv_budget_bytes(args, runner, tp_workers), block_bytes)
     max_len = _max_model_len(args, cfg, num_blocks)
     eos_token_ids = set(cfg.eos_token_ids)
@@ -80,6 +95,8 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, tp_workers
         tp_workers.initialize_kv_cache(runner, num_blocks, args.max_num_seqs, max_len)
     else:
         runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
+    if draft_runner is not None:
+        draft_runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
     info = EngineInfo(
         model_path=str(args.model or ""),
         max_model_len=max_len,
@@ -89,9 +106,44 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, tp_workers
         num_kv_blocks=num_blocks,
     )
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * block_bytes / 2**30)
-    proposer = DraftProposer(args.speculative, max_len) if args.speculative is not None else None
+    proposer = None
+    if args.speculative is not None:
+        drafter = None
+        if draft_runner is not None:
+            draft_kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
+            drafter = DraftModelProposer(draft_runner, draft_kv, cfg.vocab_size, args.max_num_batched_tokens, args.seed)
+        proposer = DraftProposer(args.speculative, max_len, drafter)
     return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
                       tp_workers=tp_workers, proposer=proposer)  # fmt: skip
+
+
+def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft: LoadedModel | None):
+    """The model that drafts for the draft_model and early_exit methods (None for ngram): the
+    draft checkpoint, loaded (unless given) on the target's device in its dtype, or a view of the
+    target's first layers."""
+    spec = args.speculative
+    if spec is None or spec.method == "ngram":
+        return None
+    if tp.size > 1:
+        raise ValueError(f"speculative method {spec.method} does not run under tensor parallelism yet")
+    if spec.method == "early_exit":
+        view = loaded.model.first_layers(spec.draft_layers)
+        if loaded.model.cpu_decode_step is not None:
+            view.cpu_decode_step = CPUDecodeStep.build(view)
+        return loaded._replace(model=view)
+    if draft is None:
+        draft_args = EngineArgs(
+            model=spec.model,
+            device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+            load_format=args.load_format,
+            enforce_eager=args.enforce_eager,
+        )
+        draft = load_model(draft_args)
+    check_same_vocabulary(loaded, draft)
+    return draft
 
 
 def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None) -> int:

@@ -107,6 +107,8 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.scheduler.abort_request(rid)
+        if self.proposer is not None:
+            self.proposer.release(request_ids)
         if self._pending:
             gone = set(request_ids)
             self._pending = [o for o in self._pending if o.request_id not in gone]

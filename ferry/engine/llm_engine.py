@@ -28,11 +28,21 @@ from ferry.worker.tp_worker import TensorParallelWorkers
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, *, model=None, tokenizer=None, device=None, dtype=None) -> None:
-        """Build an engine; pass an already loaded `model` (with tokenizer, device, dtype) to reuse it."""
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        model=None,
+        tokenizer=None,
+        device=None,
+        dtype=None,
+        draft_model: LoadedModel | None = None,
+    ) -> None:
+        """Build an engine; pass an already loaded `model` (with tokenizer, device, dtype) to reuse
+        it, and a loaded `draft_model` for speculative method draft_model."""
         self.args = args
         loaded = LoadedModel(model, tokenizer, device, dtype, str(args.model or "")) if model is not None else None
-        self.core = build_engine_core(args, loaded)
+        self.core = build_engine_core(args, loaded, draft_model)
         self.input_processor = InputProcessor(self.core.tokenizer, self.core.info)
         self.output_processor = OutputProcessor(self.core.tokenizer)
 

@@ -8,6 +8,8 @@ checkpoint tensors), which matters on CPUs where small GEMMs are inefficient.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 from collections import Counter
 from typing import Iterable
@@ -191,6 +193,20 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, positions, kv_cache, meta)
         return self.norm.add_and_norm(x, residual)
+
+    def first_layers(self, num_layers: int) -> LlamaForCausalLM:
+        """This model cut after its first `num_layers` layers, then its final norm and LM head,
+        sharing every weight (no copy): early-exit self-speculation's draft (LayerSkip). Its
+        C++ decode step, which holds its own layer list, is the caller's to build."""
+        cfg = self.config
+        if not 1 <= num_layers < cfg.num_hidden_layers:
+            raise ValueError(f"draft_layers must be in [1, {cfg.num_hidden_layers - 1}], got {num_layers}")
+        view = copy.copy(self)  # shares the parameters; gets its own module table below
+        view._modules = dict(self._modules)
+        view.layers = nn.ModuleList(self.layers[:num_layers])
+        view.config = dataclasses.replace(cfg, num_hidden_layers=num_layers)
+        view.cpu_decode_step = None
+        return view
 
     def init_rotary(self) -> None:
         """(Re)build the fp32 cos/sin tables on the model's device, shared by all layers."""

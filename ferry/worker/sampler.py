@@ -20,6 +20,14 @@ against a one-hot draft, coupled by the shared noise: the draft is kept with pro
 (the chance it wins the race) and otherwise the winner is distributed as p without the draft,
 renormalized, as Leviathan et al.'s residual; so tokens are distributed as without drafts, and
 a seeded request's are the very same tokens with speculation on or off.
+
+`draft` samples a draft model's tokens as the target would (the request's processing, with the
+drafts before it counted as output) and with the very noise the target's row for that output
+index will use: an unseeded request gets a noise key of its own for this (`Request.noise_seed`).
+Coupled through one race, the draft equals the target's draw with probability at least
+(1 - TV) / (1 + TV) for draft and target distributions TV apart, close to the 1 - TV of Leviathan
+et al.'s min(1, p/q) test, and the kept tokens are the target's own draws: distributed exactly as
+without speculation, seed for seed.
 """
 
 from __future__ import annotations
@@ -164,11 +172,22 @@ class Sampler:
                 logprobs[n] = [next(lps) for _ in token_ids[n]]
         return VerifiedOutput(token_ids, logprobs)
 
-    def _process(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor | None, list]:
-        """Logit bias, min_tokens and penalties applied; the raw logprobs when any row asks."""
+    def draft(self, logits: torch.Tensor, requests: list[Request], priors: list[list[int]]) -> list[int]:
+        """A draft model's next token for each row: requests[i] after its drafts `priors[i]`,
+        drawn as the target's row at that output index will draw (same processing, same noise)."""
+        rows = [_Row(r, prior) for r, prior in zip(requests, priors)]
+        logits, _, params = self._process(logits, rows, logprobs=False)
+        return self._draw(logits, rows, params).tolist()
+
+    def _process(
+        self, logits: torch.Tensor, rows: list[_Row], logprobs: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+        """Logit bias, min_tokens and penalties applied; the raw logprobs when any row asks (and
+        `logprobs`)."""
         logits = logits.float()
         params = [r.request.sampling_params for r in rows]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+        want = logprobs and any(p.logprobs is not None for p in params)
+        raw_logprobs = logits.log_softmax(dim=-1) if want else None
         logits = self._apply_logit_bias_and_min_tokens(logits, rows)
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._penalize(logits, rows)
@@ -268,6 +287,8 @@ class Sampler:
         q = torch.rand(B, V, device=device)
         for i, row in enumerate(rows):
             seed = row.request.sampling_params.seed
+            if seed is None:
+                seed = row.request.noise_seed
             if seed is not None:
                 # Drawn on the CPU from a generator keyed by (seed, output index): the same
                 # numbers whatever the batch, device, step interleaving or drafts.

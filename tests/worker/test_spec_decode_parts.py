@@ -79,9 +79,9 @@ def test_drafts_leave_room_for_the_models_token():
     assert not any(r.spec_token_ids for r in (a, b, c))
 
 
-def _throughput(worth, counts, num_rows, a, b):
+def _throughput(worth, counts, num_rows, a, b, c=0.0):
     expected = len(worth) + sum(sum(w[:n]) for w, n in zip(worth, counts))
-    return expected / (a + b * (num_rows + sum(counts)))
+    return expected / (a + b * (num_rows + sum(counts)) + c * sum(counts))
 
 
 def _linear_cost(a, b, max_rows=80):
@@ -112,12 +112,13 @@ def test_draft_allocation_maximises_expected_tokens_per_second():
             worth.append(list(itertools.accumulate(chances, lambda p, c: p * c)))
         a, b = rng.uniform(0.5, 2.0), rng.choice([0.01, 0.1, 0.3, 1.0]) * rng.uniform(0.5, 2.0)
         rows = n + rng.randint(0, 40)  # other requests' rows in the step
-        got = allocate(worth, rows, _linear_cost(a, b))
-        assert all(0 <= c <= len(w) for c, w in zip(got, worth))
+        c = rng.choice([0.0, 0.0, 0.05, 0.5]) * a  # drafting's own cost per draft (a draft model's)
+        got = allocate(worth, rows, _linear_cost(a, b), c)
+        assert all(0 <= k <= len(w) for k, w in zip(got, worth))
         best = max(
-            _throughput(worth, combo, rows, a, b) for combo in itertools.product(*(range(len(w) + 1) for w in worth))
+            _throughput(worth, combo, rows, a, b, c) for combo in itertools.product(*(range(len(w) + 1) for w in worth))
         )
-        assert _throughput(worth, got, rows, a, b) >= best * (1 - 1e-12), (worth, a, b, rows, got)
+        assert _throughput(worth, got, rows, a, b, c) >= best * (1 - 1e-12), (worth, a, b, c, rows, got)
 
 
 def test_speculation_turns_itself_off_in_a_large_batch_or_with_poor_acceptance():
@@ -128,6 +129,24 @@ def test_speculation_turns_itself_off_in_a_large_batch_or_with_poor_acceptance()
     assert allocate([_geometric(0.05, 4)], 1, cost) == [0]  # drafts that are almost never kept
     assert allocate([_geometric(0.6, 4)], 1, _linear_cost(1.0, 0.0)) == [4]  # rows free: all with a chance
     assert allocate([_geometric(0.6, 4), _geometric(0.1, 2)], 2, None) == [4, 2]  # no estimate: all
+    # A draft model's cost per draft: cheap drafts still pay, drafts dear as a step do not.
+    assert allocate([_geometric(0.8, 4)], 1, cost, draft_seconds=0.05) == [4]
+    assert allocate([_geometric(0.8, 4)], 1, cost, draft_seconds=1.0) == [0]
+
+
+def test_the_policy_prices_a_draft_models_passes():
+    """With passes of a draft model measured, choose() drafts nothing where a pass costs as much as
+    a step (early exit through most layers), and drafts where passes are cheap."""
+    r = req([1, 2, 3], rid="r")
+    for pass_cost, want_drafts in ((0.002, False), (0.0001, True)):
+        policy = AdaptiveDraftLength(4)
+        for _ in range(2):
+            for rows in range(1, 10):
+                policy.observe_step(rows, 0.002 + 0.0002 * rows)
+                policy.observe_draft_pass(rows, pass_cost * (1 + 0.1 * rows))
+        for _ in range(5):
+            policy.observe_verification(r, 4, 3)  # chances ~0.8
+        assert (policy.choose([r], [4])[0] > 0) == want_drafts
 
 
 def test_step_cost_model_fits_the_engines_steps():
@@ -190,11 +209,11 @@ def test_the_policy_verifies_every_draft_now_and_then_to_measure_the_tail():
         for rows in range(1, 10):
             policy.observe_step(rows, 0.002 + 0.0008 * rows)  # rows dear: not every draft pays
     r = req([1, 2, 3], rid="r")
-    got = [policy.choose([r], [[7] * 8])[0] for _ in range(2 * EXPLORE_EVERY)]
+    got = [policy.choose([r], [8])[0] for _ in range(2 * EXPLORE_EVERY)]
     assert 0 < got[0] < 8
     assert [i for i, n in enumerate(got) if n == 8] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
     nothing = req([1, 2, 3], rid="n")  # no candidates: nothing to explore
-    assert policy.choose([nothing], [[]]) == [0]
+    assert policy.choose([nothing], [0]) == [0]
 
 
 def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""Speculative decoding's worker side: proposers of draft tokens and how many to verify
+"""Speculative decoding's worker side: proposers of draft tokens (ngram.py: prompt lookup;
+draft_model.py: a draft model or the target's first layers) and how many to verify
 (draft_length.py; the sampler verifies them, worker/sampler.py: `Sampler.verify`).
 
 After each step `DraftProposer.propose` gives every decoding request up to
@@ -14,6 +15,7 @@ from __future__ import annotations
 from ferry.config import SpeculativeConfig
 from ferry.core.request import Request
 from ferry.worker.spec_decode.draft_length import AdaptiveDraftLength
+from ferry.worker.spec_decode.draft_model import DraftModelProposer
 from ferry.worker.spec_decode.ngram import NgramProposer
 
 
@@ -21,10 +23,14 @@ class DraftProposer:
     """Drafts for the requests of the next step, within what each may still produce, as many as
     pay for themselves (draft_length.py) unless `draft_length` is "fixed"."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, draft_model: DraftModelProposer | None = None
+    ) -> None:
+        """`draft_model` drafts for the draft_model and early_exit methods (None: ngram)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft_model = draft_model
+        self.ngram = None if draft_model else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         # None: every draft found is verified ("fixed", as vLLM does).
         self.policy = AdaptiveDraftLength(config.num_speculative_tokens) if config.draft_length == "adaptive" else None
 
@@ -36,21 +42,38 @@ class DraftProposer:
         cap = self.config.disable_by_batch_size
         off = cap is not None and len(running) > cap
         decoding: list[Request] = []
-        candidates: list[list[int]] = []
+        rooms: list[int] = []
         for request in running:
             request.spec_token_ids = []
             if off or request.num_computed_tokens != request.num_tokens - 1:
                 continue
-            room = min(
+            decoding.append(request)
+            rooms.append(min(
                 self.config.num_speculative_tokens,
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
+            ))  # fmt: skip
+        if self.draft_model is not None:  # decide first: a draft model's drafts cost a pass each
+            rooms = [max(room, 0) for room in rooms]
+            counts = self.policy.choose(decoding, rooms) if self.policy else rooms
+            candidates = self.draft_model.propose(running, decoding, counts)
+            if self.policy:
+                for num_requests, seconds in self.draft_model.take_pass_times():
+                    self.policy.observe_draft_pass(num_requests, seconds)
+        else:
+            candidates = [self.ngram.propose(r, room) if room > 0 else [] for r, room in zip(decoding, rooms)]
+            counts = (
+                self.policy.choose(decoding, [len(c) for c in candidates])
+                if self.policy
+                else [len(c) for c in candidates]
             )
-            decoding.append(request)
-            candidates.append(self.ngram.propose(request, room) if room > 0 else [])
-        counts = self.policy.choose(decoding, candidates) if self.policy else [len(c) for c in candidates]
         for request, drafts, n in zip(decoding, candidates, counts):
             request.spec_token_ids = drafts[:n]
+
+    def release(self, request_ids: list[str]) -> None:
+        """These requests are gone (aborted): free what the draft model holds for them."""
+        if self.draft_model is not None:
+            self.draft_model.release(request_ids)
 
     def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The step verified `num_drafts` drafts of the request and kept the first `num_accepted`."""

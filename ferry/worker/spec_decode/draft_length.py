@@ -24,7 +24,12 @@ request gets no drafts its evidence fades back toward the pooled prior, so it is
 and then (a request never tried again could not notice that it started copying).
 
 A step's cost by its rows comes from the engine's own steps (`StepCostModel`: a line fitted
-through recent steps), so the policy follows the machine and the batch it is at.
+through recent steps), so the policy follows the machine and the batch it is at. A draft model
+(or early exit) adds its own cost per draft: one draft pass per position, shared by the requests
+drafting, priced by a second line through the draft's passes. The policy then runs before the
+draft model does, so drafts it would not verify are never drafted; where drafting costs about as
+much as the tokens it could save (early exit through most of the target's layers, untrained for
+it), no drafts pay and speculation stays off.
 """
 
 from __future__ import annotations
@@ -158,11 +163,14 @@ class AcceptanceTracker:
                     counts[j] *= IDLE_DECAY
 
 
-def allocate(worth: list[list[float]], num_rows: int, cost: StepCostModel | None) -> list[int]:
+def allocate(
+    worth: list[list[float]], num_rows: int, cost: StepCostModel | None, draft_seconds: float = 0.0
+) -> list[int]:
     """Drafts per request that raise the step's expected tokens per second, greedily (see the
     module's docstring). `worth[i]`: what request i's drafts 1..n each add in expected tokens
     (non-increasing; n its drafts on offer); `num_rows`: the step's rows before any draft (its
-    requests' own tokens); `cost`: the steps measured so far (None or empty: every draft).
+    requests' own tokens); `cost`: the steps measured so far (None or empty: every draft);
+    `draft_seconds`: what drafting one more token costs (a draft model's share of a pass).
     With worth non-increasing per request and a step's cost linear in its rows, adding the most
     valuable draft while it raises the throughput reaches the best allocation there is (the tests
     check it against brute force)."""
@@ -170,8 +178,9 @@ def allocate(worth: list[list[float]], num_rows: int, cost: StepCostModel | None
     line = cost.coefficients() if cost is not None else None
     if line is None:
         return [len(w) for w in worth]
-    a, b = line
-    seconds = a + b * num_rows
+    a, row = line
+    b = row + draft_seconds  # a draft's price: its verify row and its drafting
+    seconds = a + row * num_rows
     expected = float(len(worth))  # each request gains its own token at least
     heap = [(-w[0], i) for i, w in enumerate(worth) if w and w[0] > 0]
     heapq.heapify(heap)
@@ -199,23 +208,32 @@ class AdaptiveDraftLength:
     def __init__(self, num_speculative_tokens: int) -> None:
         self.acceptance = AcceptanceTracker(num_speculative_tokens)
         self.step_cost = StepCostModel()
+        self.draft_pass_cost = StepCostModel()  # a draft model's passes, by the requests in them
         self._verifications: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
-    def choose(self, requests: list[Request], candidates: list[list[int]]) -> list[int]:
-        """How many of each request's candidate drafts to verify in the next step."""
-        worth = [self.acceptance.worth(r, len(c)) for r, c in zip(requests, candidates)]
-        counts = allocate(worth, len(requests), self.step_cost)
-        for i, (request, drafts) in enumerate(zip(requests, candidates)):
+    def choose(self, requests: list[Request], offered: list[int]) -> list[int]:
+        """How many of the `offered[i]` drafts request i has (or could have drafted) to verify
+        in the next step."""
+        worth = [self.acceptance.worth(r, n) for r, n in zip(requests, offered)]
+        drafting = sum(1 for n in offered if n)
+        pass_seconds = self.draft_pass_cost.seconds(drafting) if drafting else None
+        per_draft = pass_seconds / drafting if pass_seconds is not None else 0.0  # a pass serves them all
+        counts = allocate(worth, len(requests), self.step_cost, per_draft)
+        for i, (request, n) in enumerate(zip(requests, offered)):
             if counts[i]:
                 seen = self._verifications.get(request, 0) + 1
                 self._verifications[request] = seen
                 if seen % EXPLORE_EVERY == 0:
-                    counts[i] = len(drafts)
-            elif drafts:
+                    counts[i] = n
+            elif n:
                 self.acceptance.idle(request)
-        if not any(counts) and any(candidates):
+        if not any(counts) and any(offered):
             self.acceptance.idle(None)
         return counts
+
+    def observe_draft_pass(self, num_requests: int, seconds: float) -> None:
+        """A draft model's pass drafted one token for each of `num_requests` requests in `seconds`."""
+        self.draft_pass_cost.observe(num_requests, seconds)
 
     def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)

@@ -1,0 +1,198 @@
+"""Speculative decoding with a draft model and with early exit (the target's first layers), through
+whole engine steps on the real SmolLM2: greedy output is token-exact with speculation off, alone
+and batched, under preemption, with a warm prefix cache, with a draft that is always wrong (a tiny
+random model with the same vocabulary) and one that is right (the target itself); never a token
+past max_tokens or a stop token; every block of both caches freed after finish and abort. At
+temperature 1 the tokens follow the target's distribution (chi-squared), and seeded requests
+sample the same tokens as without speculation."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import pytest
+from conftest import assert_no_blocks_referenced, engine_over, run_to_completion, tiny_llama
+from test_spec_decode_engine import PASSAGE, _chi2_critical
+
+from ferry.sampling_params import SamplingParams
+from ferry.worker.model_loading import LoadedModel
+
+
+def spec(method: str, k: int = 4, length: str = "fixed", **extra) -> str:
+    """A speculative_config; "fixed" verifies every draft, whatever the adaptive policy would pick."""
+    keys = {"draft_model": '"model": "draft"', "early_exit": '"draft_layers": 24'}[method]
+    more = "".join(f', "{key}": {value}' for key, value in extra.items())
+    return f'{{"method": "{method}", {keys}, "num_speculative_tokens": {k}, "draft_length": "{length}"{more}}}'
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm):
+    tok = smollm.tokenizer
+    chat = [{"role": "user", "content": "Rename the method free to release. Output only the code.\n\n" + PASSAGE}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return {
+        "edit": tok.encode(text, add_special_tokens=False),
+        "story": tok.encode("Once upon a time, in a small village by the sea,"),
+        "list": tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"),
+    }
+
+
+def generate(engine, prompts: dict[str, list[int]], max_tokens: int = 40, **params) -> dict[str, list[int]]:
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    for name, ids in prompts.items():
+        engine.add_request(name, {"prompt_token_ids": ids}, p)
+    done = run_to_completion(engine)
+    return {name: done[name].outputs[0].token_ids for name in prompts}
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_gguf, prompts):
+    engine = engine_over(smollm_gguf)
+    return {name: generate(engine, {name: ids})[name] for name, ids in prompts.items()}
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(smollm):
+    """A tiny random model over SmolLM2's vocabulary and tokenizer: its drafts are noise."""
+    tiny = tiny_llama(vocab_size=smollm.model.config.vocab_size)
+    return LoadedModel(tiny, smollm.tokenizer, smollm.device, smollm.dtype, "tiny-random")
+
+
+def assert_all_freed(engine) -> None:
+    assert_no_blocks_referenced(engine)
+    drafter = engine.core.proposer.draft_model
+    assert not drafter.shadows and not drafter.kv.req_blocks
+    assert drafter.kv.pool.num_free_blocks == drafter.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("method", ["draft_model", "early_exit"])
+def test_greedy_is_token_exact_alone_batched_and_preempted(smollm_gguf, prompts, reference, method):
+    draft = smollm_gguf if method == "draft_model" else None  # the target drafting for itself
+    engine = engine_over(smollm_gguf, draft_model=draft, speculative_config=spec(method))
+    assert generate(engine, {"edit": prompts["edit"]}) == {"edit": reference["edit"]}
+    stats = engine.get_stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert generate(engine, prompts) == reference
+    assert_all_freed(engine)
+    # 12 blocks of 16 tokens cannot hold the three sequences at once: some are preempted (and
+    # their draft shadows freed, then rebuilt from the draft's prefix cache).
+    engine = engine_over(smollm_gguf, draft_model=draft, speculative_config=spec(method), num_kv_blocks=12)
+    assert generate(engine, prompts) == reference
+    assert engine.get_stats().num_preemptions > 0
+    assert_all_freed(engine)
+
+
+def test_draft_always_wrong_or_right(smollm, smollm_gguf, prompts, reference, wrong_draft):
+    """A random draft's tokens are almost all rejected, the target's own (fp32, drafting for
+    itself) almost all kept; the output is the model's own either way."""
+    engine = engine_over(smollm_gguf, draft_model=wrong_draft, speculative_config=spec("draft_model"))
+    assert generate(engine, {"edit": prompts["edit"]}) == {"edit": reference["edit"]}
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens > 100 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens // 10
+    assert_all_freed(engine)
+
+    want = generate(engine_over(smollm), prompts)
+    engine = engine_over(smollm, draft_model=smollm, speculative_config=spec("draft_model"))
+    assert generate(engine, prompts) == want
+    stats = engine.get_stats()
+    assert stats.spec_num_accepted_tokens >= 0.95 * stats.spec_num_draft_tokens > 0
+    assert_all_freed(engine)
+
+
+def test_warm_prefix_cache_limits_and_abort(smollm_gguf, prompts, reference):
+    """The draft's cache shares prefixes as the target's does; max_tokens and stop tokens end a
+    request where they would without speculation; an aborted request's draft blocks are freed."""
+    engine = engine_over(smollm_gguf, draft_model=smollm_gguf, speculative_config=spec("draft_model"))
+    ids, want = prompts["edit"], reference["edit"]
+    assert generate(engine, {"edit": ids}) == {"edit": want}
+    drafter = engine.core.proposer.draft_model
+    assert drafter.kv.prefix_hits == 0
+    assert generate(engine, {"edit": ids}) == {"edit": want}
+    assert drafter.kv.prefix_hits >= len(ids) // 16 * 16 - 16  # the prompt's full blocks, but the last
+    for n in (1, 2, 7):
+        assert generate(engine, {"edit": ids}, max_tokens=n)["edit"] == want[:n]
+    stop = want[9]
+    assert generate(engine, {"edit": ids}, stop_token_ids=[stop])["edit"] == want[: want.index(stop) + 1]
+    assert_all_freed(engine)
+
+    engine.add_request("a", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=40))
+    while not drafter.shadows:
+        engine.step()
+    engine.step()
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+    assert_all_freed(engine)
+
+
+def test_sampling_keeps_the_models_distribution(smollm_gguf):
+    """Temperature 1, unseeded, drafts from the target's first 24 layers: over 1000 requests the
+    token after the most common first token follows the model's own distribution there (its top
+    20 probabilities, the rest pooled) by a chi-squared test at 0.1%, with drafts kept and
+    rejected."""
+    n = 1000
+    ids = smollm_gguf.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1,")
+    engine = engine_over(smollm_gguf, max_num_seqs=256, speculative_config=spec("early_exit", k=2))
+    for i in range(n):
+        engine.add_request(f"s{i}", {"prompt_token_ids": ids}, SamplingParams(temperature=1.0, max_tokens=3))
+    done = run_to_completion(engine)
+    stats = engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert_all_freed(engine)
+    outputs = [done[f"s{i}"].outputs[0].token_ids for i in range(n)]
+    first, _ = Counter(t[0] for t in outputs).most_common(1)[0]
+    second = Counter(t[1] for t in outputs if t[0] == first)
+    drawn = sum(second.values())
+    assert drawn > n // 2
+
+    plain = engine_over(smollm_gguf)
+    plain.add_request("p", {"prompt_token_ids": ids + [first]}, SamplingParams(max_tokens=1, logprobs=20))
+    top = run_to_completion(plain)["p"].outputs[0].logprobs[0]
+    probs = {token: math.exp(lp.logprob) for token, lp in top.items()}
+    kept = {t for t, p in probs.items() if p * drawn >= 5}
+    cats = [(second[t], probs[t] * drawn) for t in kept]
+    cats.append((drawn - sum(second[t] for t in kept), drawn - sum(e for _, e in cats)))
+    stat = sum((o - e) ** 2 / e for o, e in cats if e > 0)
+    df = len(cats) - 1
+    assert df >= 2 and stat < _chi2_critical(df), (stat, df, cats)
+
+
+def test_seeded_sampling_is_token_exact_with_speculation_off(smollm_gguf, prompts):
+    def run(engine) -> dict[str, list[int]]:
+        for name in ("edit", "story"):
+            for seed in range(3):
+                params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=30, ignore_eos=True)
+                engine.add_request(f"{name}{seed}", {"prompt_token_ids": prompts[name]}, params)
+        return {rid: out.outputs[0].token_ids for rid, out in run_to_completion(engine).items()}
+
+    want = run(engine_over(smollm_gguf))
+    engine = engine_over(
+        smollm_gguf, draft_model=smollm_gguf, speculative_config=spec("draft_model", length="adaptive")
+    )
+    assert run(engine) == want
+    stats = engine.get_stats()
+    # The target drafting for itself, with the noise its verification uses: drafts are nearly
+    # always kept (drawn independently, two draws at this temperature would often differ).
+    assert stats.spec_num_accepted_tokens >= 0.85 * stats.spec_num_draft_tokens > 0
+    assert_all_freed(engine)
+
+
+def test_bad_draft_configs_are_clear_errors(smollm, wrong_draft):
+    for bad, words in (
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a `model`"),
+        ('{"method": "ngram", "model": "x", "num_speculative_tokens": 2}', "only it takes one"),
+        ('{"method": "early_exit", "num_speculative_tokens": 2}', "draft_layers"),
+        ('{"method": "ngram", "draft_layers": 3, "num_speculative_tokens": 2}', "draft_layers is for"),
+        ('{"method": "early_exit", "draft_layers": 30, "num_speculative_tokens": 2}', r"\[1, 29\]"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            engine_over(smollm, speculative_config=bad)
+    other_tokenizer = copy.deepcopy(smollm.tokenizer)
+    other_tokenizer.add_tokens(["<not-in-the-target>"])
+    for draft, words in (
+        (wrong_draft._replace(tokenizer=other_tokenizer), "tokenizer"),
+        (LoadedModel(tiny_llama(), None, smollm.device, smollm.dtype, "tiny"), "vocabulary"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            engine_over(smollm, draft_model=draft, speculative_config=spec("draft_model"))
