@@ -104,3 +104,47 @@ def test_logprobs_of_raw_distribution():
     assert lp == pytest.approx(ref[1].item()) and top_ids == [1, 2]
     assert top_lps == pytest.approx([ref[1].item(), ref[2].item()])
     assert math.isclose(sum(math.exp(x) for x in ref.tolist()), 1.0, rel_tol=1e-6)
+
+
+def test_draft_draws_with_the_noise_its_verification_uses():
+    """`Sampler.draft` draws as the target's row for the same output index will: from the same
+    distribution a draft always equals the target's draw (seeded, or keyed by `noise_seed`), the
+    drafts before it counted as output. From a different distribution q it equals the draw from p
+    at least as often as the shared race guarantees, (1 - TV) / (1 + TV), and far more often than
+    an independent draw would (sum of p * q)."""
+    torch.manual_seed(0)
+    n, V = 2000, 50
+    sampler = Sampler(V)
+    requests = []
+    for i in range(n):
+        r = make_req(SamplingParams(temperature=1.0, seed=i if i % 2 else None, presence_penalty=0.5), output=[3])
+        if i % 2 == 0:
+            r.noise_seed = 10_000 + i  # unseeded: keyed as a draft model keys it
+        requests.append(r)
+    p_logits = torch.randn(n, V) * 2
+    prior = [[7, 9]] * n
+    drafted = sampler.draft(p_logits, requests, prior)
+    # Verify drafts 7, 9, d: rows 0 and 1 all but certain to draw 7 and 9, row 2 the draft model's
+    # distribution after them, row 3 (the bonus) anything.
+    sure = torch.full((n, V), -30.0)
+    rows = torch.stack([sure.index_fill(1, torch.tensor([7]), 30.0), sure.index_fill(1, torch.tensor([9]), 30.0),
+                        p_logits, p_logits], dim=1).reshape(4 * n, V)  # fmt: skip
+    verified = sampler.verify(rows, requests, [[7, 9, d] for d in drafted])
+    assert all(len(kept) == 4 and kept[2] == d for kept, d in zip(verified.token_ids, drafted))
+    assert sampler.draft(p_logits, requests, prior) == drafted  # the same noise, every time
+
+    q_logits = p_logits + torch.randn(n, V)
+    from_q = torch.tensor(sampler.draft(q_logits, requests, prior))
+    from_p = torch.tensor(drafted)
+    processed = [sampler._process(x, [_row(r) for r in requests])[0] for x in (p_logits, q_logits)]
+    p, q = (x.softmax(dim=-1) for x in processed)
+    tv = 0.5 * (p - q).abs().sum(dim=-1)
+    agree = (from_q == from_p).float().mean().item()
+    assert agree >= ((1 - tv) / (1 + tv)).mean().item() - 0.03
+    assert agree > (p * q).sum(dim=-1).mean().item() + 0.2
+
+
+def _row(request):
+    from ferry.worker.sampler import _Row
+
+    return _Row(request, [7, 9])
