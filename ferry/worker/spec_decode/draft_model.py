@@ -18,6 +18,7 @@ draw.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -33,6 +34,10 @@ from ferry.worker.sampler import Sampler
 from ferry.worker.step_plan import build_step_plan
 
 logger = logging.getLogger(__name__)
+
+# A shadow's first pass feeds up to this many tokens (the kept drafts and the target's token) as
+# decode rows; more (a prompt) go through the prompt path.
+MAX_DECODE_ROWS_FEED = 16
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -174,13 +179,21 @@ class DraftModelProposer:
         sched = SchedulerOutput()
         for i, n in rows:
             shadow = self.shadows[requests[i].request_id]
+            first = shadow.num_computed_tokens
             shadow.num_computed_tokens += n
             sched.scheduled.append((shadow, n))
             sched.block_ids[shadow.request_id] = self.kv.block_ids(shadow.request_id)
-        plan, sampling, _ = build_step_plan(sched, self.kv.block_size)
+            if 1 < n <= MAX_DECODE_ROWS_FEED and first > 0:
+                # The kept drafts and the target's token: laid out as decode rows, as a verify
+                # step lays out drafts (the decode kernels, not the prompt path, take them).
+                sched.spec_token_ids[shadow.request_id] = shadow.all_token_ids[first + 1 : first + n]
+        plan, sampling, laid_out = build_step_plan(sched, self.kv.block_size)
         logits = self.runner.forward(plan)
         if logits is None:
             return
+        if sched.spec_token_ids:  # rows laid out as drafts each got logits: keep each one's last
+            ends = itertools.accumulate(len(fed) + 1 for fed in laid_out)
+            logits = logits[torch.tensor([end - 1 for end in ends], device=logits.device)]
         if logits.shape[-1] > self.target_vocab_size:  # padding rows the target cannot take
             logits[:, self.target_vocab_size :] = float("-inf")
         index = {requests[i].request_id: i for i, _ in rows}
