@@ -38,7 +38,11 @@ def loaded(request, smollm, smollm_gguf):
 
 @pytest.fixture(scope="module")
 def prompts(smollm):
-    tok = smollm.tokenizer
+    return spec_prompts(smollm.tokenizer)
+
+
+def spec_prompts(tok) -> dict[str, list[int]]:
+    """An editing prompt whose answer copies the passage, a story opening and a counting list."""
     chat = [{"role": "user", "content": "Rename the method free to release. Output only the code.\n\n" + PASSAGE}]
     text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     edit = tok.encode(text, add_special_tokens=False)

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 from conftest import assert_no_blocks_referenced, engine_over, run_to_completion, tiny_llama
-from test_spec_decode_engine import PASSAGE, _chi2_critical
+from test_spec_decode_engine import _chi2_critical, generate, spec_prompts
 
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import LoadedModel
@@ -29,22 +29,7 @@ def spec(method: str, k: int = 4, length: str = "fixed", **extra) -> str:
 
 @pytest.fixture(scope="module")
 def prompts(smollm):
-    tok = smollm.tokenizer
-    chat = [{"role": "user", "content": "Rename the method free to release. Output only the code.\n\n" + PASSAGE}]
-    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    return {
-        "edit": tok.encode(text, add_special_tokens=False),
-        "story": tok.encode("Once upon a time, in a small village by the sea,"),
-        "list": tok.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"),
-    }
-
-
-def generate(engine, prompts: dict[str, list[int]], max_tokens: int = 40, **params) -> dict[str, list[int]]:
-    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
-    for name, ids in prompts.items():
-        engine.add_request(name, {"prompt_token_ids": ids}, p)
-    done = run_to_completion(engine)
-    return {name: done[name].outputs[0].token_ids for name in prompts}
+    return spec_prompts(smollm.tokenizer)
 
 
 @pytest.fixture(scope="module")
