@@ -206,8 +206,6 @@ def test_sampling_with_speculation_keeps_the_models_distribution(smollm_gguf):
     taken without speculation, the rest pooled) by a chi-squared test at 0.1%, with that draft
     both kept and rejected. Deterministic: fixed seeds. (Keeping a sampled row's draft whenever
     it is the row's most likely token fails it.)"""
-    from collections import Counter
-
     n = 1000
     ids = smollm_gguf.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1,")
     engine = engine_over(smollm_gguf, max_num_seqs=256, speculative_config=NGRAM)
@@ -218,14 +216,22 @@ def test_sampling_with_speculation_keeps_the_models_distribution(smollm_gguf):
     stats = engine.get_stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # kept and rejected
     assert_no_blocks_referenced(engine)
-    outputs = [done[f"s{i}"].outputs[0].token_ids for i in range(n)]
+    assert_second_token_follows_the_model(smollm_gguf, ids, [done[f"s{i}"].outputs[0].token_ids for i in range(n)])
+
+
+def assert_second_token_follows_the_model(loaded, ids: list[int], outputs: list[list[int]]) -> None:
+    """Among `outputs` (sampled after `ids`), those whose first token is the most common one have
+    a second token distributed as the model's own after prompt + that token (its top 20
+    probabilities, taken without speculation, the rest pooled): chi-squared at 0.1%."""
+    from collections import Counter
+
     first, _ = Counter(t[0] for t in outputs).most_common(1)[0]
     second = Counter(t[1] for t in outputs if t[0] == first)
     drawn = sum(second.values())
-    assert drawn > n // 2
+    assert drawn > len(outputs) // 2
 
     # The model's distribution after prompt + first, without speculation.
-    plain = engine_over(smollm_gguf)
+    plain = engine_over(loaded)
     plain.add_request("p", {"prompt_token_ids": ids + [first]}, SamplingParams(max_tokens=1, logprobs=20))
     top = run_to_completion(plain)["p"].outputs[0].logprobs[0]
     probs = {token: math.exp(lp.logprob) for token, lp in top.items()}
@@ -277,17 +283,19 @@ def test_seeded_sampling_is_token_exact_with_speculation_off(smollm_gguf, prompt
     """A seeded request's k-th token is drawn with noise keyed by (seed, k) and a draft is kept
     only when it equals that draw, so with speculation (verifying every draft, or as many as the
     policy picks) it samples the very tokens it samples without."""
-
-    def run(engine) -> dict[str, list[int]]:
-        for name in ("edit", "list"):
-            for seed in range(4):
-                params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=40, ignore_eos=True)
-                engine.add_request(f"{name}{seed}", {"prompt_token_ids": prompts[name]}, params)
-        return {rid: out.outputs[0].token_ids for rid, out in run_to_completion(engine).items()}
-
-    want = run(engine_over(smollm_gguf))
+    chosen = {name: prompts[name] for name in ("edit", "list")}
+    want = seeded_outputs(engine_over(smollm_gguf), chosen, seeds=4, max_tokens=40)
     spec = NGRAM.replace('"fixed"', f'"{draft_length}"')
     engine = engine_over(smollm_gguf, speculative_config=spec)
-    assert run(engine) == want
+    assert seeded_outputs(engine, chosen, seeds=4, max_tokens=40) == want
     assert engine.get_stats().spec_num_accepted_tokens > 0
     assert_no_blocks_referenced(engine)
+
+
+def seeded_outputs(engine, prompts: dict[str, list[int]], seeds: int, max_tokens: int) -> dict[str, list[int]]:
+    """Each prompt sampled with seeds 0..seeds-1 (temperature 0.8, top-p 0.95): tokens by request id."""
+    for name, ids in prompts.items():
+        for seed in range(seeds):
+            params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(f"{name}{seed}", {"prompt_token_ids": ids}, params)
+    return {rid: out.outputs[0].token_ids for rid, out in run_to_completion(engine).items()}

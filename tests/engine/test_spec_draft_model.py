@@ -9,13 +9,11 @@ sample the same tokens as without speculation."""
 from __future__ import annotations
 
 import copy
-import math
-from collections import Counter
 
 import pytest
 import test_spec_decode_engine
 from conftest import assert_no_blocks_referenced, engine_over, run_to_completion, tiny_llama
-from test_spec_decode_engine import _chi2_critical, spec_prompts
+from test_spec_decode_engine import assert_second_token_follows_the_model, seeded_outputs, spec_prompts
 
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import LoadedModel
@@ -133,37 +131,16 @@ def test_sampling_keeps_the_models_distribution(smollm_gguf):
     stats = engine.get_stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert_all_freed(engine)
-    outputs = [done[f"s{i}"].outputs[0].token_ids for i in range(n)]
-    first, _ = Counter(t[0] for t in outputs).most_common(1)[0]
-    second = Counter(t[1] for t in outputs if t[0] == first)
-    drawn = sum(second.values())
-    assert drawn > n // 2
-
-    plain = engine_over(smollm_gguf)
-    plain.add_request("p", {"prompt_token_ids": ids + [first]}, SamplingParams(max_tokens=1, logprobs=20))
-    top = run_to_completion(plain)["p"].outputs[0].logprobs[0]
-    probs = {token: math.exp(lp.logprob) for token, lp in top.items()}
-    kept = {t for t, p in probs.items() if p * drawn >= 5}
-    cats = [(second[t], probs[t] * drawn) for t in kept]
-    cats.append((drawn - sum(second[t] for t in kept), drawn - sum(e for _, e in cats)))
-    stat = sum((o - e) ** 2 / e for o, e in cats if e > 0)
-    df = len(cats) - 1
-    assert df >= 2 and stat < _chi2_critical(df), (stat, df, cats)
+    assert_second_token_follows_the_model(smollm_gguf, ids, [done[f"s{i}"].outputs[0].token_ids for i in range(n)])
 
 
 def test_seeded_sampling_is_token_exact_with_speculation_off(smollm_gguf, prompts):
-    def run(engine) -> dict[str, list[int]]:
-        for name in ("edit", "story"):
-            for seed in range(3):
-                params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=30, ignore_eos=True)
-                engine.add_request(f"{name}{seed}", {"prompt_token_ids": prompts[name]}, params)
-        return {rid: out.outputs[0].token_ids for rid, out in run_to_completion(engine).items()}
-
-    want = run(engine_over(smollm_gguf))
+    chosen = {name: prompts[name] for name in ("edit", "story")}
+    want = seeded_outputs(engine_over(smollm_gguf), chosen, seeds=3, max_tokens=30)
     engine = engine_over(
         smollm_gguf, draft_model=smollm_gguf, speculative_config=spec("draft_model", length="adaptive")
     )
-    assert run(engine) == want
+    assert seeded_outputs(engine, chosen, seeds=3, max_tokens=30) == want
     stats = engine.get_stats()
     # The target drafting for itself, with the noise its verification uses: drafts are nearly
     # always kept (drawn independently, two draws at this temperature would often differ).

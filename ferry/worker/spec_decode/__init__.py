@@ -48,25 +48,21 @@ class DraftProposer:
             if off or request.num_computed_tokens != request.num_tokens - 1:
                 continue
             decoding.append(request)
-            rooms.append(min(
+            rooms.append(max(0, min(
                 self.config.num_speculative_tokens,
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
-            ))  # fmt: skip
+            )))  # fmt: skip
         if self.draft_model is not None:  # decide first: a draft model's drafts cost a pass each
-            rooms = [max(room, 0) for room in rooms]
             counts = self.policy.choose(decoding, rooms) if self.policy else rooms
             candidates = self.draft_model.propose(running, decoding, counts)
             if self.policy:
                 for num_requests, seconds in self.draft_model.take_pass_times():
                     self.policy.observe_draft_pass(num_requests, seconds)
         else:
-            candidates = [self.ngram.propose(r, room) if room > 0 else [] for r, room in zip(decoding, rooms)]
-            counts = (
-                self.policy.choose(decoding, [len(c) for c in candidates])
-                if self.policy
-                else [len(c) for c in candidates]
-            )
+            candidates = [self.ngram.propose(r, room) if room else [] for r, room in zip(decoding, rooms)]
+            found = [len(c) for c in candidates]
+            counts = self.policy.choose(decoding, found) if self.policy else found
         for request, drafts, n in zip(decoding, candidates, counts):
             request.spec_token_ids = drafts[:n]
 

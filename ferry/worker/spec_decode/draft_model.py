@@ -19,7 +19,6 @@ draw.
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 import time
 
@@ -32,8 +31,6 @@ from ferry.worker.model_loading import LoadedModel
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.sampler import Sampler
 from ferry.worker.step_plan import build_step_plan
-
-logger = logging.getLogger(__name__)
 
 # A shadow's first pass feeds up to this many tokens (the kept drafts and the target's token) as
 # decode rows; more (a prompt) go through the prompt path.
@@ -68,6 +65,9 @@ class DraftModelProposer:
         self.target_vocab_size = target_vocab_size
         self.max_num_batched_tokens = max_num_batched_tokens  # per draft forward
         self.shadows: dict[str, Request] = {}
+        # Per shadow, how many of its first tokens are its request's (the rest are drafts): only
+        # those after it need comparing when the shadow is next brought up to date.
+        self._agreed: dict[str, int] = {}
         self.rng = random.Random(seed)  # noise keys of unseeded sampling requests
         self._pass_times: list[tuple[int, float]] = []  # (requests drafted for, seconds) per pass
 
@@ -80,6 +80,7 @@ class DraftModelProposer:
         """Free the shadows (and their draft KV blocks) of these requests."""
         for rid in request_ids:
             shadow = self.shadows.pop(rid, None)
+            self._agreed.pop(rid, None)
             if shadow is not None:
                 self.kv.free(shadow)
 
@@ -99,9 +100,9 @@ class DraftModelProposer:
             n = self._sync(request, room)
             if n is None:
                 continue
-            if not request.sampling_params.greedy and request.sampling_params.seed is None:
-                if request.noise_seed is None:
-                    request.noise_seed = self.rng.getrandbits(63)
+            params = request.sampling_params
+            if not params.greedy and params.seed is None and request.noise_seed is None:
+                request.noise_seed = self.rng.getrandbits(63)
             todo[i] = room
             feeds.append((i, n))
         if not feeds:
@@ -132,7 +133,7 @@ class DraftModelProposer:
             # request's last token is fed again either way (its logits give the first draft).
             keep = min(shadow.num_computed_tokens, request.num_tokens - 1)
             theirs, ours = request.all_token_ids, shadow.all_token_ids
-            same = 0
+            same = min(self._agreed[request.request_id], keep)
             while same < keep and theirs[same] == ours[same]:
                 same += 1
             shadow.truncate(same)
@@ -144,10 +145,11 @@ class DraftModelProposer:
         # Slots for the fed tokens and every draft but the last (never fed back).
         if not self.kv.allocate_slots(shadow, feed + room - 1, hits):
             self.kv.free(shadow)
-            self.shadows.pop(request.request_id, None)
+            self.release([request.request_id])
             return None
         shadow.num_computed_tokens += cached
         self.shadows[request.request_id] = shadow
+        self._agreed[request.request_id] = request.num_tokens
         return feed
 
     def _first_pass(
