@@ -194,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_args(up)
     up.set_defaults(func=run_up)
 
+    train = sub.add_parser("train-draft", help="train Medusa heads for speculative decoding on the model's own answers")
+    from ferry.tools import train_draft
+
+    train_draft.add_args(train)
+    EngineArgs.add_cli_args(train)
+    train.set_defaults(func=train_draft.main)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_BenchParser)
     for name, module, takes_engine_args, help in BENCHMARKS:

@@ -131,8 +131,9 @@ class EngineArgs:
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
 
 # method: how draft tokens are proposed (ferry/worker/spec_decode/). ngram: prompt lookup;
-# draft_model: a smaller model with the same tokenizer; early_exit: the target's own first layers.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "early_exit")
+# draft_model: a smaller model with the same tokenizer; early_exit: the target's own first layers;
+# medusa: trained heads on the target's last hidden state.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "early_exit", "medusa")
 
 
 @dataclass
@@ -153,8 +154,10 @@ class SpeculativeConfig:
 
     draft_model: `model` (any checkpoint ferry loads, with the target's tokenizer) drafts
     autoregressively with its own paged KV cache. early_exit (LayerSkip's self-speculation): the
-    target's first `draft_layers` layers, its final norm and LM head draft. Without `method`, a
-    `model` means draft_model and no model means ngram, as in vLLM."""
+    target's first `draft_layers` layers, its final norm and LM head draft. medusa: `model` is a
+    directory of Medusa heads (vLLM's layout, or what `ferry train-draft --method medusa` writes),
+    one draft per head. Without `method`, a `model` means draft_model and no model means ngram,
+    as in vLLM."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
@@ -162,7 +165,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
     draft_length: str = "adaptive"
-    model: str | None = None  # draft_model: the draft's checkpoint (a path, or an architecture with dummy weights)
+    # draft_model: the draft's checkpoint (a path, or an architecture with dummy weights); medusa: the heads
+    model: str | None = None
     draft_layers: int | None = None  # early_exit: how many of the target's layers draft
 
     def __post_init__(self) -> None:
@@ -188,9 +192,10 @@ class SpeculativeConfig:
             raise ValueError(f"disable_by_batch_size must be a positive integer, got {b!r}")
         if self.draft_length not in ("adaptive", "fixed"):
             raise ValueError(f"draft_length must be 'adaptive' or 'fixed', got {self.draft_length!r}")
-        if (self.method == "draft_model") != (self.model is not None):
+        if (self.method in ("draft_model", "medusa")) != (self.model is not None):
             raise ValueError(
-                "speculative method draft_model needs a `model` (the draft's checkpoint), and only it takes one"
+                "speculative methods draft_model and medusa need a `model` (the draft's checkpoint or the "
+                "heads' directory), and only they take one"
             )
         layers = self.draft_layers
         if self.method == "early_exit":

@@ -27,6 +27,7 @@ from ferry.worker.model_loading import LoadedModel, load_model
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.spec_decode import DraftProposer
 from ferry.worker.spec_decode.draft_model import DraftModelProposer, check_same_vocabulary
+from ferry.worker.spec_decode.medusa import MedusaHeads, MedusaProposer
 from ferry.worker.tp_worker import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ def _build(
         if draft_runner is not None:
             draft_kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
             drafter = DraftModelProposer(draft_runner, draft_kv, cfg.vocab_size, args.max_num_batched_tokens, args.seed)
-        proposer = DraftProposer(args.speculative, max_len, drafter)
+        medusa = _medusa_proposer(args, runner, tp) if args.speculative.method == "medusa" else None
+        proposer = DraftProposer(args.speculative, max_len, drafter, medusa)
     return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
                       tp_workers=tp_workers, proposer=proposer)  # fmt: skip
 
@@ -122,7 +124,7 @@ def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft
     draft checkpoint, loaded (unless given) on the target's device in its dtype, or a view of the
     target's first layers."""
     spec = args.speculative
-    if spec is None or spec.method == "ngram":
+    if spec is None or spec.method in ("ngram", "medusa"):
         return None
     if tp.size > 1:
         raise ValueError(f"speculative method {spec.method} does not run under tensor parallelism yet")
@@ -144,6 +146,21 @@ def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft
         draft = load_model(draft_args)
     check_same_vocabulary(loaded, draft)
     return draft
+
+
+def _medusa_proposer(args: EngineArgs, runner: ModelRunner, tp: TensorParallel) -> MedusaProposer:
+    """The Medusa heads of `--speculative-config`'s `model`, on the target's device and in its dtype."""
+    spec = args.speculative
+    if tp.size > 1:
+        raise ValueError("speculative method medusa does not run under tensor parallelism yet")
+    cfg = runner.model.config
+    heads = MedusaHeads.load(spec.model, cfg.hidden_size, cfg.vocab_size)
+    if spec.num_speculative_tokens > heads.num_heads:
+        raise ValueError(
+            f"num_speculative_tokens ({spec.num_speculative_tokens}) exceeds the {heads.num_heads} Medusa heads "
+            f"in {spec.model!r}: each head drafts one token"
+        )
+    return MedusaProposer(heads.to(runner.device, runner.dtype).eval(), runner, args.seed)
 
 
 def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None) -> int:

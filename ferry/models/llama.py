@@ -29,7 +29,14 @@ from ferry.layers.attention import (
     paged_attention,
 )
 from ferry.layers.fused import add_rms_norm, rms_norm, silu_and_mul
-from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight, gguf_embedding, gguf_linear, step_decode_rows
+from ferry.layers.gguf_linear import (
+    GGUF_QUANT_TYPES,
+    GGUFWeight,
+    exact_prompt_rows,
+    gguf_embedding,
+    gguf_linear,
+    step_decode_rows,
+)
 from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
 from ferry.layers.rotary import RotaryEmbedding
@@ -222,6 +229,15 @@ class LlamaForCausalLM(nn.Module):
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits
+
+    @torch.no_grad()
+    def dense_lm_head(self) -> torch.Tensor:
+        """The output head as a dense fp32 [vocab, hidden] matrix, however it is stored (GGUF blocks,
+        int8, oneDNN-packed, sharded): its logits of the identity, on the exact path. What heads
+        trained on top of it (ferry train-draft) differentiate through."""
+        eye = torch.eye(self.config.hidden_size, device=self.norm.weight.device, dtype=self.norm.weight.dtype)
+        with exact_prompt_rows():
+            return self.compute_logits(eye).float().t().contiguous()[: self.config.vocab_size]
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._gguf_lm_head is not None:

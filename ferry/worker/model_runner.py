@@ -76,6 +76,10 @@ class ModelRunner:
             cache_dtype=self.cache_dtype,
         )
         self.graphs: CUDAGraphRunner | None = None
+        # The last step's hidden states (the LM head's input) of its logits rows, and per request
+        # that sampled in it the row whose draw is its last token: what Medusa heads draft from.
+        self.logits_hidden: torch.Tensor | None = None
+        self.last_row: dict[str, int] = {}
         self.profile = False  # sync the device between phases for an exact breakdown
 
     @classmethod
@@ -143,9 +147,11 @@ class ModelRunner:
             positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
             hidden = self.model(ids, positions, self.kv_caches, meta)
         if not len(plan.logits_rows):
+            self.logits_hidden = None
             return None
         rows = torch.from_numpy(plan.logits_rows).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        self.logits_hidden = hidden.index_select(0, rows)
+        return self.model.compute_logits(self.logits_hidden)
 
     def execute(self, sched: SchedulerOutput, record: StepRecord) -> tuple[list[Request], VerifiedOutput | None]:
         """Run one step (rank 0): plan -> forward (every rank) -> sample (and verify drafts);
@@ -165,6 +171,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         # A request without drafts is verified with none: its one row's draw is its token.
         out = self.sampler.verify(logits, sampling, drafts) if logits is not None else None
+        self.last_row = {r.request_id: row for r, row in zip(sampling, out.last_rows)} if out is not None else {}
         t3 = time.perf_counter()
         record.num_decodes = plan.num_decodes
         record.num_prefill_tokens = sum(p.length for p in plan.prefills)

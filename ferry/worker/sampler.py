@@ -55,6 +55,9 @@ class VerifiedOutput:
 
     token_ids: list[list[int]]
     logprobs: list[list[Logprob] | None]
+    # Per request, the logits row whose draw is its last kept token (Medusa heads draft from
+    # that row's hidden state).
+    last_rows: list[int]
 
 
 @dataclass
@@ -170,7 +173,8 @@ class Sampler:
             lps = iter(self._logprobs(raw_logprobs, lp_rows, [t for n in want for t in token_ids[n]], params))
             for n in want:
                 logprobs[n] = [next(lps) for _ in token_ids[n]]
-        return VerifiedOutput(token_ids, logprobs)
+        last_rows = [first + len(kept) - 1 for first, kept in zip(first_rows, token_ids)]
+        return VerifiedOutput(token_ids, logprobs, last_rows)
 
     def draft(self, logits: torch.Tensor, requests: list[Request], priors: list[list[int]]) -> list[int]:
         """A draft model's next token for each row: requests[i] after its drafts `priors[i]`,

@@ -150,8 +150,8 @@ def test_seeded_sampling_is_token_exact_with_speculation_off(smollm_gguf, prompt
 
 def test_bad_draft_configs_are_clear_errors(smollm, wrong_draft):
     for bad, words in (
-        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a `model`"),
-        ('{"method": "ngram", "model": "x", "num_speculative_tokens": 2}', "only it takes one"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "need a `model`"),
+        ('{"method": "ngram", "model": "x", "num_speculative_tokens": 2}', "only they take one"),
         ('{"method": "early_exit", "num_speculative_tokens": 2}', "draft_layers"),
         ('{"method": "ngram", "draft_layers": 3, "num_speculative_tokens": 2}', "draft_layers is for"),
         ('{"method": "early_exit", "draft_layers": 30, "num_speculative_tokens": 2}', r"\[1, 29\]"),

@@ -1,5 +1,6 @@
 """Speculative decoding's worker side: proposers of draft tokens (ngram.py: prompt lookup;
-draft_model.py: a draft model or the target's first layers) and how many to verify
+draft_model.py: a draft model or the target's first layers; medusa.py: heads on the target's
+hidden state) and how many to verify
 (draft_length.py; the sampler verifies them, worker/sampler.py: `Sampler.verify`).
 
 After each step `DraftProposer.propose` gives every decoding request up to
@@ -16,6 +17,7 @@ from ferry.config import SpeculativeConfig
 from ferry.core.request import Request
 from ferry.worker.spec_decode.draft_length import AdaptiveDraftLength
 from ferry.worker.spec_decode.draft_model import DraftModelProposer
+from ferry.worker.spec_decode.medusa import MedusaProposer
 from ferry.worker.spec_decode.ngram import NgramProposer
 
 
@@ -24,13 +26,21 @@ class DraftProposer:
     pay for themselves (draft_length.py) unless `draft_length` is "fixed"."""
 
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, draft_model: DraftModelProposer | None = None
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        draft_model: DraftModelProposer | None = None,
+        medusa: MedusaProposer | None = None,
     ) -> None:
-        """`draft_model` drafts for the draft_model and early_exit methods (None: ngram)."""
+        """`draft_model` drafts for the draft_model and early_exit methods, `medusa` for medusa
+        (neither: ngram)."""
         self.config = config
         self.max_model_len = max_model_len
         self.draft_model = draft_model
-        self.ngram = None if draft_model else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.medusa = medusa
+        self.ngram = (
+            None if draft_model or medusa else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        )
         # None: every draft found is verified ("fixed", as vLLM does).
         self.policy = AdaptiveDraftLength(config.num_speculative_tokens) if config.draft_length == "adaptive" else None
 
@@ -53,13 +63,19 @@ class DraftProposer:
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
             )))  # fmt: skip
-        if self.draft_model is not None:  # decide first: a draft model's drafts cost a pass each
+        if self.draft_model is not None or self.medusa is not None:
+            # Decide first: a draft model's drafts cost a pass each, Medusa heads' a head each.
             counts = self.policy.choose(decoding, rooms) if self.policy else rooms
-            candidates = self.draft_model.propose(running, decoding, counts)
+            if self.draft_model is not None:
+                candidates = self.draft_model.propose(running, decoding, counts)
+                passes = self.draft_model.take_pass_times()
+            else:
+                candidates = self.medusa.propose(decoding, counts)
+                passes = self.medusa.take_pass_times()
             if self.policy:
-                for num_requests, seconds in self.draft_model.take_pass_times():
+                for num_requests, seconds in passes:
                     self.policy.observe_draft_pass(num_requests, seconds)
-        else:
+        else:  # n-gram drafts cost next to nothing: find them, then choose how many to verify
             candidates = [self.ngram.propose(r, room) if room else [] for r, room in zip(decoding, rooms)]
             found = [len(c) for c in candidates]
             counts = self.policy.choose(decoding, found) if self.policy else found
