@@ -55,7 +55,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="of the answers (0: greedy)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256, help="positions per optimizer step")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-fraction", type=float, default=0.1, help="share of the answers held out")
     p.add_argument("--json", default=None, help="also write the report to this file")
 
