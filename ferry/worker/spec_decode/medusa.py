@@ -189,10 +189,6 @@ class MedusaProposer:
         times, self._pass_times = self._pass_times, []
         return times
 
-    @property
-    def max_drafts(self) -> int:
-        return self.heads.num_heads
-
     @torch.inference_mode()
     def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
         """Up to rooms[i] drafts for requests[i] (each about to decode)."""
