@@ -156,8 +156,10 @@ class SpeculativeConfig:
     autoregressively with its own paged KV cache. early_exit (LayerSkip's self-speculation): the
     target's first `draft_layers` layers, its final norm and LM head draft. medusa: `model` is a
     directory of Medusa heads (vLLM's layout, or what `ferry train-draft --method medusa` writes),
-    one draft per head. Without `method`, a `model` means draft_model and no model means ngram,
-    as in vLLM."""
+    one draft per head, or with `speculative_token_tree` (vLLM's key: a list of paths, each the
+    ranks of its candidates among a head's guesses, e.g. [[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    a tree of them, verified in one pass. Without `method`, a `model` means draft_model and no
+    model means ngram, as in vLLM."""
 
     method: str | None = None
     num_speculative_tokens: int = 0
@@ -168,6 +170,8 @@ class SpeculativeConfig:
     # draft_model: the draft's checkpoint (a path, or an architecture with dummy weights); medusa: the heads
     model: str | None = None
     draft_layers: int | None = None  # early_exit: how many of the target's layers draft
+    # medusa: the candidates as paths of ranks (a JSON list of lists, or vLLM's string of tuples)
+    speculative_token_tree: list | str | None = None
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -203,6 +207,10 @@ class SpeculativeConfig:
                 raise ValueError(f"early_exit needs draft_layers, a positive integer, got {layers!r}")
         elif layers is not None:
             raise ValueError("draft_layers is for the early_exit method")
+        if self.speculative_token_tree is not None:
+            if self.method != "medusa":
+                raise ValueError("speculative_token_tree is for the medusa method")
+            self.speculative_token_tree = parse_token_tree(self.speculative_token_tree, k)
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -224,6 +232,38 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         return cls(**value)
+
+
+# A tree's drafts are masked by bits of one int64 per row (AttentionMetadata.decode_tree).
+MAX_TREE_DRAFTS = 64
+
+
+def parse_token_tree(value: list | str, max_depth: int) -> list[tuple[int, ...]]:
+    """`speculative_token_tree` as sorted paths (preorder: a node right before its subtree,
+    children by rank): each path's ranks non-negative, every prefix of it present, depth at most
+    `max_depth` (num_speculative_tokens), at most MAX_TREE_DRAFTS nodes."""
+    if isinstance(value, str):
+        import ast
+
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"speculative_token_tree is not a list of paths: {value!r}") from None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError("speculative_token_tree must be a non-empty list of paths")
+    paths = set()
+    for path in value:
+        if not isinstance(path, (list, tuple)) or not path or not all(type(r) is int and r >= 0 for r in path):
+            raise ValueError(f"speculative_token_tree: each path is a non-empty list of ranks >= 0, got {path!r}")
+        paths.add(tuple(path))
+    for path in paths:
+        if len(path) > max_depth:
+            raise ValueError(f"speculative_token_tree: path {list(path)} is deeper than num_speculative_tokens")
+        if len(path) > 1 and path[:-1] not in paths:
+            raise ValueError(f"speculative_token_tree: path {list(path)} lacks its parent {list(path[:-1])}")
+    if len(paths) > MAX_TREE_DRAFTS:
+        raise ValueError(f"speculative_token_tree has {len(paths)} nodes; at most {MAX_TREE_DRAFTS}")
+    return sorted(paths)
 
 
 @dataclass

@@ -55,6 +55,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_attention", &paged_decode_attention); }
 """
+# Revisions with tree verification take an optional tree mask, left out here.
+BINDING_TREE = """#include <torch/extension.h>
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     c10::optional<torch::Tensor> tree);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", [](torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bt,
+                                     torch::Tensor lens, double scale) {
+    return paged_decode_attention(q, k, v, bt, lens, scale, c10::nullopt);
+  });
+}
+"""
 
 
 def kernel_at(rev: str):
@@ -67,7 +79,7 @@ def kernel_at(rev: str):
     source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=root, check=True, capture_output=True).stdout
     work = Path(tempfile.mkdtemp(prefix="ferry-attn-"))
     (work / "attention.cpp").write_bytes(source)
-    (work / "binding.cpp").write_text(BINDING)
+    (work / "binding.cpp").write_text(BINDING_TREE if b"c10::optional<torch::Tensor> tree" in source else BINDING)
     name = "ferry_attention_" + subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True,
                                                capture_output=True, text=True).stdout.strip()  # fmt: skip
     flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it

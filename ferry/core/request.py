@@ -61,6 +61,9 @@ class Request:
         # Draft tokens to verify in the next step (speculative decoding); never part of the
         # sequence (nor of its block hashes) until the model accepts them.
         self.spec_token_ids: list[int] = []
+        # For a tree of drafts (in preorder), each draft's parent: 0 for the last token, i for draft
+        # i (1-based). None: a chain, each draft after the one before.
+        self.spec_parents: list[int] | None = None
         # The key of an unseeded request's sampling noise, set when a draft model drafts for it:
         # the draft then samples with the noise its verification will use (worker/sampler.py).
         self.noise_seed: int | None = None

@@ -28,6 +28,8 @@ class SchedulerOutput:
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     # Draft tokens scheduled for verification, by request id (their count is in `scheduled`).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Of those, the trees: each draft's parent (Request.spec_parents), by request id.
+    spec_parents: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -111,8 +113,10 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            if drafts:
+            if drafts:  # a prefix of a tree's preorder is a tree
                 out.spec_token_ids[request.request_id] = drafts
+                if request.spec_parents is not None:
+                    out.spec_parents[request.request_id] = request.spec_parents[: len(drafts)]
             out.scheduled.append((request, num_new))
             budget -= num_new
             i += 1
@@ -159,6 +163,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []
+        request.spec_parents = None
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -113,7 +113,7 @@ def _build(
         if draft_runner is not None:
             draft_kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
             drafter = DraftModelProposer(draft_runner, draft_kv, cfg.vocab_size, args.max_num_batched_tokens, args.seed)
-        medusa = _medusa_proposer(args, runner, tp) if args.speculative.method == "medusa" else None
+        medusa = _medusa_proposer(args, runner, tp, max_len) if args.speculative.method == "medusa" else None
         proposer = DraftProposer(args.speculative, max_len, drafter, medusa)
     return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
                       tp_workers=tp_workers, proposer=proposer)  # fmt: skip
@@ -148,7 +148,7 @@ def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft
     return draft
 
 
-def _medusa_proposer(args: EngineArgs, runner: ModelRunner, tp: TensorParallel) -> MedusaProposer:
+def _medusa_proposer(args: EngineArgs, runner: ModelRunner, tp: TensorParallel, max_len: int) -> MedusaProposer:
     """The Medusa heads of `--speculative-config`'s `model`, on the target's device and in its dtype."""
     spec = args.speculative
     if tp.size > 1:
@@ -160,7 +160,11 @@ def _medusa_proposer(args: EngineArgs, runner: ModelRunner, tp: TensorParallel) 
             f"num_speculative_tokens ({spec.num_speculative_tokens}) exceeds the {heads.num_heads} Medusa heads "
             f"in {spec.model!r}: each head drafts one token"
         )
-    return MedusaProposer(heads.to(runner.device, runner.dtype).eval(), runner, args.seed)
+    if spec.speculative_token_tree is not None and not getattr(runner.attn_backend, "supports_tree", False):
+        logger.warning("the %s attention backend cannot verify trees: each Medusa head drafts its first guess only",
+                       runner.attn_backend.name)  # fmt: skip
+    heads = heads.to(runner.device, runner.dtype).eval()
+    return MedusaProposer(heads, runner, args.seed, max_len, spec.speculative_token_tree)
 
 
 def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None) -> int:

@@ -22,7 +22,7 @@ from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInf
 from ferry.sampling_params import resolve_stop_token_ids
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.spec_decode import DraftProposer
-from ferry.worker.step_plan import StepRecord
+from ferry.worker.step_plan import StepRecord, tree_depths
 from ferry.worker.tp_worker import TensorParallelWorkers
 
 
@@ -130,8 +130,10 @@ class EngineCore:
             tokens, lps = sampled.token_ids[i], sampled.logprobs[i]
             drafts = sched.spec_token_ids.get(request.request_id)
             if drafts:
+                parents = sched.spec_parents.get(request.request_id)
+                depth = max(tree_depths(parents)) if parents else len(drafts)  # draft positions
                 self._count_verified(len(drafts), len(tokens) - 1)
-                self.proposer.observe_verification(request, len(drafts), len(tokens) - 1)
+                self.proposer.observe_verification(request, depth, len(tokens) - 1)
                 self.scheduler.rollback(request, len(drafts) - (len(tokens) - 1))
             first_position = request.num_tokens - 1
             finish = None

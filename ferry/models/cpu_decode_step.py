@@ -100,7 +100,7 @@ class CPUDecodeStep:
         x = self._embed(input_ids)
         return self._step.forward(
             x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
-            [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.decode_tree,
         )  # fmt: skip
 
 

@@ -109,7 +109,7 @@ class CUDAGraphRunner:
                     len(self.graphs), self.sizes[-1], time.perf_counter() - t0)  # fmt: skip
 
     def fits(self, plan: StepPlan) -> bool:
-        return not plan.prefills and 0 < plan.num_decodes <= self.sizes[-1]
+        return not plan.prefills and plan.decode_tree is None and 0 < plan.num_decodes <= self.sizes[-1]
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Replay the smallest graph holding the batch; returns its hidden states [num_decodes, hidden]."""

@@ -142,6 +142,7 @@ class ModelRunner:
                 prefills=plan.prefills,
                 device=self.device,
                 backend=self.attn_backend,
+                decode_tree=plan.decode_tree,
             )
             ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
             positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
@@ -152,6 +153,32 @@ class ModelRunner:
         rows = torch.from_numpy(plan.logits_rows).to(self.device, non_blocking=True)
         self.logits_hidden = hidden.index_select(0, rows)
         return self.model.compute_logits(self.logits_hidden)
+
+    @torch.inference_mode()
+    def _move_kept_drafts(self, sched: SchedulerOutput, requests: list[Request], kept: list[list[int]]) -> None:
+        """Tree verification kept a path whose drafts were stored apart (their preorder slots):
+        copy their K/V, in every layer, to the slots right after the request's last token, where
+        the sequence has them from now on (the rest is rolled back)."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.block_size
+        for request, nodes in zip(requests, kept):
+            if request.request_id not in sched.spec_parents or nodes == list(range(1, len(nodes) + 1)):
+                continue
+            blocks = sched.block_ids[request.request_id]
+            root = request.num_tokens - 1  # the last token, before the kept ones are appended
+            for depth, node in enumerate(nodes, 1):
+                if node != depth:
+                    src.append(blocks[(root + node) // bs] * bs + (root + node) % bs)
+                    dst.append(blocks[(root + depth) // bs] * bs + (root + depth) % bs)
+        if not src:
+            return
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst_t] = flat.index_select(0, src_t)
 
     def execute(self, sched: SchedulerOutput, record: StepRecord) -> tuple[list[Request], VerifiedOutput | None]:
         """Run one step (rank 0): plan -> forward (every rank) -> sample (and verify drafts);
@@ -170,7 +197,12 @@ class ModelRunner:
             _sync(self.device)
         t2 = time.perf_counter()
         # A request without drafts is verified with none: its one row's draw is its token.
-        out = self.sampler.verify(logits, sampling, drafts) if logits is not None else None
+        out = None
+        if logits is not None:
+            parents = [sched.spec_parents.get(r.request_id) for r in sampling] if sched.spec_parents else None
+            out = self.sampler.verify(logits, sampling, drafts, parents)
+            if parents:
+                self._move_kept_drafts(sched, sampling, out.kept_nodes)
         self.last_row = {r.request_id: row for r, row in zip(sampling, out.last_rows)} if out is not None else {}
         t3 = time.perf_counter()
         record.num_decodes = plan.num_decodes

@@ -58,6 +58,9 @@ class VerifiedOutput:
     # Per request, the logits row whose draw is its last kept token (Medusa heads draft from
     # that row's hidden state).
     last_rows: list[int]
+    # Per request, the drafts it kept (1-based, in the order laid out): 1..m for a chain; for a
+    # tree the accepted path, whose K/V the runner moves to consecutive slots.
+    kept_nodes: list[list[int]]
 
 
 @dataclass
@@ -122,6 +125,15 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
+def _paths(parents: list[int]) -> list[list[int]]:
+    """For a tree of drafts in preorder (draft i's parent: parents[i - 1], 0 the root), each
+    node's path: the drafts from the root's first child down to it ([] for the root)."""
+    paths: list[list[int]] = [[]]
+    for i, parent in enumerate(parents, 1):
+        paths.append(paths[parent] + [i])
+    return paths
+
+
 def _token_generator(seed: int, index: int) -> torch.Generator:
     """The generator of a seeded request's noise for its output token `index` (splitmix64's
     constants mix the two, so nearby seeds and indices give unrelated streams)."""
@@ -148,33 +160,49 @@ class Sampler:
                 logprob_rows[i] = lp
         return SamplerOutput(token_ids, logprob_rows)
 
-    def verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]]) -> VerifiedOutput:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        drafts: list[list[int]],
+        parents: list[list[int] | None] | None = None,
+    ) -> VerifiedOutput:
         """Verify each request's drafts: its 1 + len(drafts[i]) consecutive logits rows decide
-        which it keeps, and the token that follows them."""
-        rows = [_Row(r, d[:j]) for r, d in zip(requests, drafts) for j in range(len(d) + 1)]
+        which it keeps, and the token that follows them. With `parents[i]` (a tree in preorder,
+        `Request.spec_parents`) row j follows draft j's path, and the kept drafts are the path
+        whose every draft equals the draw of its parent's row."""
+        parents = parents or [None] * len(drafts)
+        trees = [p if p is not None else list(range(len(d))) for d, p in zip(drafts, parents)]
+        paths = [_paths(tree) for tree in trees]  # per request, each node's drafts from the root
+        rows = [_Row(r, [d[a - 1] for a in path]) for r, d, ps in zip(requests, drafts, paths) for path in ps]
         logits, raw_logprobs, params = self._process(logits, rows)
         sampled = self._draw(logits, rows, params).tolist()
         token_ids: list[list[int]] = []
-        first_rows: list[int] = []  # a request's kept token j came from its row first + j
+        kept_rows: list[list[int]] = []  # the rows whose draws a request keeps, in order
+        kept_nodes: list[list[int]] = []
         row = 0
-        for d in drafts:
-            kept: list[int] = []
-            for j in range(len(d) + 1):
-                kept.append(sampled[row + j])  # the draft itself where it agrees
-                if j == len(d) or sampled[row + j] != d[j]:
+        for d, tree in zip(drafts, trees):
+            node, kept, at, nodes = 0, [], [], []
+            while True:
+                token = sampled[row + node]
+                kept.append(token)  # the draft itself where it agrees
+                at.append(row + node)
+                node = next((c for c in range(node + 1, len(d) + 1) if tree[c - 1] == node and d[c - 1] == token), 0)
+                if not node:
                     break
+                nodes.append(node)
             token_ids.append(kept)
-            first_rows.append(row)
+            kept_rows.append(at)
+            kept_nodes.append(nodes)
             row += len(d) + 1
         logprobs: list[list[Logprob] | None] = [None] * len(drafts)
         if raw_logprobs is not None:
             want = [n for n, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-            lp_rows = [first_rows[n] + j for n in want for j in range(len(token_ids[n]))]
+            lp_rows = [i for n in want for i in kept_rows[n]]
             lps = iter(self._logprobs(raw_logprobs, lp_rows, [t for n in want for t in token_ids[n]], params))
             for n in want:
                 logprobs[n] = [next(lps) for _ in token_ids[n]]
-        last_rows = [first + len(kept) - 1 for first, kept in zip(first_rows, token_ids)]
-        return VerifiedOutput(token_ids, logprobs, last_rows)
+        return VerifiedOutput(token_ids, logprobs, [at[-1] for at in kept_rows], kept_nodes)
 
     def draft(self, logits: torch.Tensor, requests: list[Request], priors: list[list[int]]) -> list[int]:
         """A draft model's next token for each row: requests[i] after its drafts `priors[i]`,

@@ -10,6 +10,12 @@ blocks: its last token, then the drafts, at consecutive positions, each row atte
 cache up to its own position. Every layer writes all rows' K/V before it attends, so each row
 sees the ones before it, and every decode kernel (the CPU C++ step, Triton, CUDA graphs) serves
 verification as it serves decode.
+
+A tree of drafts (`SchedulerOutput.spec_parents`, in preorder) is laid out the same way, each
+draft stored at the next slot, but at the position of its depth, and with a mask (`decode_tree`)
+that hides the drafts before it which are not its ancestors; the backends that take the mask
+(the torch one, the C++ decode step) verify it. The accepted path's K/V are moved to consecutive
+slots afterwards (`ModelRunner`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class StepPlan:
     decode_seq_lens: np.ndarray  # [num_decodes] int64
     prefills: list[PrefillHost]
     logits_rows: np.ndarray  # rows of the batch that need logits
+    decode_tree: np.ndarray | None = None  # [num_decodes, 2] (AttentionMetadata.decode_tree); None: no tree
 
     @property
     def num_decodes(self) -> int:
@@ -83,6 +90,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
     nd = sum(n for _, n in decodes)  # rows: a verifying request has one per token
     decode_blocks: list[np.ndarray] = []
     seq_lens = np.empty(nd, dtype=np.int64)
+    tree = np.empty((nd, 2), dtype=np.int64) if sched.spec_parents else None
     if nd:
         dec_pos = np.empty(nd, dtype=np.int64)
         dec_slot = np.empty(nd, dtype=np.int64)
@@ -91,14 +99,18 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
             blocks = sched.block_ids[r.request_id]
             table = np.asarray(blocks, dtype=np.int64)
             draft = spec.get(r.request_id, [])
+            parents = sched.spec_parents.get(r.request_id)
             first = r.num_computed_tokens - n  # position of the row's (first) token
+            depths = tree_depths(parents) if parents is not None else None
             for j in range(n):
-                p = first + j
+                p = first + j  # where its K/V is stored
                 decode_blocks.append(table)
                 seq_lens[i] = p + 1  # includes the token computed now
-                dec_pos[i] = p
+                dec_pos[i] = first + depths[j] if depths is not None else p
                 dec_slot[i] = blocks[p // bs] * bs + p % bs
                 ids.append(r.all_token_ids[p] if j == 0 else draft[j - 1])
+                if tree is not None:
+                    tree[i] = (first + 1, ancestor_bits(parents, j)) if depths is not None else (p + 1, 0)
                 if draft or p + 1 == r.num_tokens:
                     logits_rows.append(i)
                 i += 1
@@ -133,8 +145,27 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         decode_seq_lens=seq_lens,
         prefills=chunks,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
+        decode_tree=tree,
     )
     return plan, sampling, drafts
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of the root (0) and of each draft of a tree in preorder (`Request.spec_parents`)."""
+    depths = [0]
+    for parent in parents:
+        depths.append(depths[parent] + 1)
+    return depths
+
+
+def ancestor_bits(parents: list[int], node: int) -> int:
+    """The drafts `node` attends to, as bits over the drafts (bit i - 1: draft i): its ancestors
+    and itself (int64: the 64th draft's bit is the sign)."""
+    bits = 0
+    while node > 0:
+        bits |= 1 << (node - 1)
+        node = parents[node - 1]
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
 
 
 def profiling_plan(num_tokens: int, chunk: int, num_seqs: int, block_size: int, vocab_size: int) -> StepPlan:

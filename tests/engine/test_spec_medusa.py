@@ -130,6 +130,9 @@ def trained_heads(smollm_gguf, prompts, tmp_path_factory):
     root = tmp_path_factory.mktemp("medusa")
     heads.save(root / "untrained")
     before = head_accuracy(heads, lm_head, hidden, targets)
+    train(heads, lm_head, hidden, targets, epochs=2, batch_size=64, lr=3e-3, seed=0)
+    heads.save(root / "half-trained")  # first guesses right ~40% of the time, second or third ~10%
+    heads = MedusaHeads(smollm_gguf.model.config.hidden_size, smollm_gguf.model.config.vocab_size, 3)
     train(heads, lm_head, hidden, targets, epochs=12, batch_size=64, lr=3e-3, seed=0)
     heads.save(root / "trained")
     return root, before, head_accuracy(heads, lm_head, hidden, targets), answers
@@ -164,6 +167,37 @@ def test_trained_heads_speculate_token_exact(smollm_gguf, prompts, reference, tr
     assert_no_blocks_referenced(engine)
 
 
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("gguf", [True, False], ids=["cpp-step", "python-layers"])
+def test_tree_of_guesses_is_token_exact(smollm, smollm_gguf, prompts, reference, trained_heads, gguf, monkeypatch):
+    """Each head's top guesses as a tree (TREE), verified in one pass with the ancestor mask: the
+    output is the model's own (the kept path's K/V moved into place, or later tokens would go
+    wrong), paths off the first guesses are kept, and the preempted and batched runs agree.
+    Through the C++ decode step (GGUF) and the Python layer loop (fp32 weights)."""
+    loaded = smollm_gguf if gguf else smollm
+    want = reference if gguf else generate(engine_over(smollm), prompts)
+    root, *_ = trained_heads
+    config = json.loads(medusa(root / "half-trained"))
+    config["speculative_token_tree"] = TREE
+    moved = []
+    engine = engine_over(loaded, speculative_config=json.dumps(config))
+    runner = engine.core.runner
+    original = runner._move_kept_drafts
+    monkeypatch.setattr(runner, "_move_kept_drafts", lambda s, r, kept: (moved.append(kept), original(s, r, kept)))
+    assert generate(engine, prompts) == want
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens >= 6 * stats.spec_num_drafts > 0  # trees (a chain has 3 at most)
+    off_chain = [nodes for step in moved for nodes in step if nodes != list(range(1, len(nodes) + 1))]
+    assert len(off_chain) >= 3, off_chain
+    assert_no_blocks_referenced(engine)
+    engine = engine_over(loaded, speculative_config=json.dumps(config), num_kv_blocks=12)
+    assert generate(engine, prompts) == want
+    assert engine.get_stats().num_preemptions > 0
+    assert_no_blocks_referenced(engine)
+
+
 def test_seeded_sampling_and_limits(smollm_gguf, prompts, reference, trained_heads):
     root, *_ = trained_heads
     chosen = {name: prompts[name] for name in ("edit", "story")}
@@ -186,6 +220,14 @@ def test_bad_medusa_configs_are_clear_errors(smollm, trained_heads, tmp_path):
         engine_over(smollm, speculative_config='{"method": "medusa", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="config.json and model.safetensors"):
         engine_over(smollm, speculative_config=medusa(tmp_path))
+    for tree, words in (([[0], [0, 1, 1]], "lacks its parent"), ([[0, 0, 0, 0]], "deeper than"),
+                        ([[i] for i in range(65)], "at most 64"), ("[(0,), (-1,)]", "ranks >= 0")):  # fmt: skip
+        config = json.loads(medusa(root / "trained"))
+        config["speculative_token_tree"] = tree
+        with pytest.raises(ValueError, match=words):
+            engine_over(smollm, speculative_config=json.dumps(config))
+    with pytest.raises(ValueError, match="is for the medusa method"):
+        engine_over(smollm, speculative_config='{"num_speculative_tokens": 2, "speculative_token_tree": [[0]]}')
 
 
 def test_train_draft_command_rejects_bad_arguments(tmp_path, capsys):

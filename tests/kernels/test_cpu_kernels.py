@@ -2,6 +2,7 @@
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,78 @@ def test_decode_kernel_splits_long_sequences(kernels):
         one = slice(i, i + 1)
         alone = kernels.paged_decode_attention(q[one], k_cache, v_cache, table[one], lens[one], d**-0.5)
         assert torch.equal(alone[0], got[i])
+
+
+def dense_at(q, k_cache, v_cache, table_row, positions):
+    """Attention of q [H, D] to the K/V at the given positions only (gathered from the caches)."""
+    bs, g, d = k_cache.shape[1], q.shape[0] // k_cache.shape[2], q.shape[-1]
+    slots = torch.tensor(positions)
+    blocks = table_row[slots // bs]
+    kk = k_cache[blocks, slots % bs].float().repeat_interleave(g, dim=1).transpose(0, 1)
+    vv = v_cache[blocks, slots % bs].float().repeat_interleave(g, dim=1).transpose(0, 1)
+    p = torch.softmax((q.unsqueeze(1) @ kk.transpose(1, 2)) * d**-0.5, dim=-1)
+    return (p @ vv).squeeze(1)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("start", [5, 62, 70])
+def test_decode_kernel_tree_rows_are_plain_rows_over_their_path(kernels, cache_dtype, start):
+    """Tree verification: a row attends to the positions before `start` and, from there to its own,
+    only to those whose bit is set, as if they were consecutive: bit for bit what a plain decode row
+    computes over a cache holding that path in order (the int8 dots downstream turn any rounding
+    difference into a different token). A partition boundary (64 tokens) may cut the tree. The
+    torch path's mask agrees to rounding; rows without a tree (start = their length) are plain."""
+    torch.manual_seed(4)
+    nb, bs, kvh, heads, d = 24, 16, 2, 6, 32
+    if cache_dtype == torch.int8:
+        from ferry.kv_quant import quantize_rows
+
+        k_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
+        v_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
+    else:
+        k_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
+        v_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
+    table = torch.randperm(nb)[:8].unsqueeze(0).repeat(5, 1)
+    # Drafts 1..4 at start..start+3: 1 and 2 children of the root, 3 of 1, 4 of 3.
+    ancestors = {0: [], 1: [1], 2: [2], 3: [1, 3], 4: [1, 3, 4]}
+    lens, tree, visible = [], [], []
+    for row, chain in ancestors.items():
+        n = start + row
+        lens.append(n)
+        tree.append((start, sum(1 << (a - 1) for a in chain)))
+        visible.append(list(range(start)) + [start + a - 1 for a in chain])
+    lens, tree = torch.tensor(lens), torch.tensor(tree)
+    q = torch.randn(5, heads, d) * 2
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d**-0.5, tree)
+    blocks = table[0]
+    for i in range(5):
+        path, at = torch.tensor(visible[i]), torch.arange(len(visible[i]))
+        src, dst = blocks[path // bs] * bs + path % bs, blocks[at // bs] * bs + at % bs
+        w = k_cache.shape[-1]
+        k_plain, v_plain = k_cache.clone(), v_cache.clone()  # the path's rows at consecutive positions
+        k_plain.view(-1, kvh, w)[dst] = k_cache.view(-1, kvh, w)[src]
+        v_plain.view(-1, kvh, w)[dst] = v_cache.view(-1, kvh, w)[src]
+        plain_row = kernels.paged_decode_attention(q[i : i + 1], k_plain, v_plain, table[i : i + 1],
+                                                   torch.tensor([len(path)]), d**-0.5)  # fmt: skip
+        assert torch.equal(got[i], plain_row[0])
+        if cache_dtype != torch.int8:
+            torch.testing.assert_close(
+                got[i], dense_at(q[i], k_cache, v_cache, table[i], visible[i]), rtol=1e-5, atol=1e-5
+            )
+    plain = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d**-0.5, torch.stack([lens, 0 * lens], 1))
+    assert torch.equal(plain, kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d**-0.5))
+
+    if cache_dtype == torch.int8:
+        return
+    torch_backend = TorchAttentionBackend(torch.device("cpu"), use_cpu_kernel=False)
+    spare = next(b for b in range(nb) if b not in table[0].tolist())  # the rows' own K/V go there, unread
+    meta = build_metadata(
+        slot_mapping=spare * bs + np.arange(5), block_size=bs, decode_blocks=[t.numpy() for t in table],
+        decode_seq_lens=lens.numpy(), prefills=[], device=torch.device("cpu"), backend=torch_backend,
+        decode_tree=tree.numpy(),
+    )  # fmt: skip
+    ref = torch_backend.forward(q, q[:, :kvh], q[:, :kvh], k_cache, v_cache, meta, d**-0.5)
+    torch.testing.assert_close(ref, got, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])

@@ -310,3 +310,47 @@ def test_server_counts_spec_decode_as_vllm_names_them():
     assert 'ferry:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
     per_pos = 'ferry:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"} %.1f'
     assert all(per_pos % (i, n) in text for i, n in enumerate([3, 2, 1, 1]))
+
+
+def test_tree_verification_keeps_the_path_the_draws_follow():
+    """A tree of drafts in preorder: root -> 1 (token 5) -> 2 (token 6); root -> 3 (token 7) ->
+    4 (token 8). Rows draw 7 at the root and 8 after draft 3: the kept path is 3, 4 (drafts
+    stored apart, to be moved), then the bonus from row 4; logprobs come from those rows."""
+    sampler = Sampler(10)
+    draws = [7, 0, 0, 8, 2]  # the argmax of each row: root, 1, 2, 3, 4
+    logits = torch.full((5, 10), -5.0)
+    logits[torch.arange(5), torch.tensor(draws)] = 5.0
+    p = SamplingParams(temperature=0.0, logprobs=0)
+    out = sampler.verify(logits, [req([1], p)], [[5, 6, 7, 8]], [[0, 1, 0, 3]])
+    assert out.token_ids == [[7, 8, 2]] and out.kept_nodes == [[3, 4]] and out.last_rows == [4]
+    assert [lp[0] for lp in out.logprobs[0]] == [torch.log_softmax(logits[i], -1)[t].item() for i, t in
+                                                 ((0, 7), (3, 8), (4, 2))]  # fmt: skip
+    # The same tree where the root draws 5 and draft 1's row draws 9 (no child): 5, then 9.
+    logits[0], logits[1] = logits[0].roll(-2), logits[1].roll(9)
+    out = sampler.verify(logits, [req([1], p)], [[5, 6, 7, 8]], [[0, 1, 0, 3]])
+    assert out.token_ids == [[5, 9]] and out.kept_nodes == [[1]]
+    # A chain is the tree whose every draft is the child of the one before.
+    chain = sampler.verify(logits[:3], [req([1], p)], [[5, 6]])
+    assert chain.token_ids == sampler.verify(logits[:3], [req([1], p)], [[5, 6]], [[0, 1]]).token_ids
+
+
+def test_a_tree_is_laid_out_at_its_depths_with_its_ancestors_visible():
+    from ferry.worker.step_plan import ancestor_bits, build_step_plan, tree_depths
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    r = req([1, 2, 3, 4, 5])
+    sched.add_request(r)
+    sched.schedule()
+    r.append_token(6)  # the root: position 5
+    r.spec_token_ids, r.spec_parents = [10, 11, 12, 13], [0, 1, 0, 3]
+    out = sched.schedule()
+    assert out.spec_parents == {"r": [0, 1, 0, 3]}
+    plan, sampling, drafts = build_step_plan(out, 4)
+    assert plan.input_ids.tolist() == [6, 10, 11, 12, 13]
+    assert plan.positions.tolist() == [5, 6, 7, 6, 7]  # depths 0, 1, 2, 1, 2
+    blocks = kv.block_ids("r")
+    assert plan.slot_mapping.tolist() == [blocks[p // 4] * 4 + p % 4 for p in range(5, 10)]  # stored in turn
+    assert plan.decode_seq_lens.tolist() == [6, 7, 8, 9, 10]
+    assert plan.decode_tree.tolist() == [[6, 0], [6, 0b1], [6, 0b11], [6, 0b100], [6, 0b1100]]
+    assert tree_depths([0, 1, 0, 3]) == [0, 1, 2, 1, 2] and ancestor_bits([0] * 64, 64) == -(1 << 63)

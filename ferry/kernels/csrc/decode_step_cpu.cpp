@@ -42,7 +42,8 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
 
 // paged_decode_attention_cpu.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     c10::optional<torch::Tensor> tree);
 
 namespace {
 
@@ -242,7 +243,7 @@ class DecodeStep {
   // norm's output [B, hidden] (the LM head's input), having written each layer's K/V.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, std::vector<torch::Tensor> k_caches,
-                        std::vector<torch::Tensor> v_caches) {
+                        std::vector<torch::Tensor> v_caches, c10::optional<torch::Tensor> tree) {
     const int64_t B = x.size(0), L = int64_t(layers_.size());
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_, "x must be float32 [B, ",
                 hidden_, "]");
@@ -328,7 +329,7 @@ class DecodeStep {
           store_row(vc.data_ptr<c10::BFloat16>() + sp[b] * row, t + q_size + row, row);
         }
       }
-      auto attn = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_);
+      auto attn = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree);
       run_linear(layer.o, attn.data_ptr<float>(), B, op, qa);
       ferry_cpu::add_rms_norm_rows(op, rp, layer.post_norm.data_ptr<float>(), hp, B, hidden_, eps_);
       run_linear(layer.gate_up, hp, B, gp, qa);
@@ -358,5 +359,7 @@ void bind_decode_step(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                           torch::Tensor>())
       .def("add_layer", &DecodeStep::add_layer)
-      .def("forward", &DecodeStep::forward);
+      .def("forward", &DecodeStep::forward, pybind11::arg("x"), pybind11::arg("positions"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+           pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("tree") = pybind11::none());
 }

@@ -6,6 +6,13 @@
 //                                   D values followed by their fp32 scale (W = D + 4; ferry/kv_quant.py)
 // block_tables: [B, MAXB]           int64
 // seq_lens:     [B]                 int64 (tokens attended to, including the new one)
+// tree:         [B, 2] int64 or None: (start, bits) per sequence (tree verification): of the
+//               positions in [start, seq_len) only those whose bit p - start is set are attended
+//               (a draft's ancestors and itself, not its cousins), read as if they were the
+//               consecutive positions start, start + 1, ...: the row computes exactly what a
+//               plain decode row over that sequence computes, bit for bit (a virtual block of
+//               those rows is gathered per task; the int8 dots that follow would turn a rounding
+//               difference into a different token)
 // out:          [B, H, D]           float32
 //
 // Work is split over (sequence, 64-token partition, kv head); the G = H / KVH query
@@ -681,7 +688,8 @@ inline void merge_partitions(const float* m, const float* l, const float* acc, i
 
 template <typename CacheT>
 torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                          const int64_t* tree) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t W = k_cache.size(3);  // row width: D, or D + 4 with a quantized row's scale
@@ -695,7 +703,20 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
   const CacheT* vp = reinterpret_cast<const CacheT*>(v_cache.data_ptr());
   constexpr int64_t kElem = sizeof(CacheT);
   const int64_t* btp = bt.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* seq_lp = lens.data_ptr<int64_t>();
+  // Tokens each row attends to: its length, or for a tree row the positions before its tree and the
+  // drafts it descends from (tree_row: where its logical position l >= start is stored).
+  std::vector<int64_t> logical(B);
+  for (int64_t b = 0; b < B; ++b)
+    logical[b] = tree != nullptr && tree[2 * b] < seq_lp[b]
+                     ? tree[2 * b] + __builtin_popcountll(static_cast<uint64_t>(tree[2 * b + 1]))
+                     : seq_lp[b];
+  const int64_t* lp = logical.data();
+  auto tree_row = [&](int64_t b, int64_t l) {  // the position holding logical position l >= start
+    uint64_t bits = static_cast<uint64_t>(tree[2 * b + 1]);
+    for (int64_t k = l - tree[2 * b]; k > 0; --k) bits &= bits - 1;  // drop the k lowest set bits
+    return tree[2 * b] + __builtin_ctzll(bits);
+  };
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
@@ -787,6 +808,9 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
     std::vector<int32_t> acc32(int_values ? G * D : 0);
     std::vector<float> ustep(G);
     std::vector<float> m(G), l(G);
+    // Tree rows: a task's blocks that hold drafts, gathered into virtual blocks (one head's rows, at
+    // the cache's own stride) so every kernel below reads them as it reads a plain block.
+    std::vector<CacheT> virtual_k(tree != nullptr ? P * BS * KVH * W : 0), virtual_v(virtual_k.size());
     std::vector<const CacheT*> vrows_of(P);  // each block's V rows in place,
     std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
     std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
@@ -842,6 +866,17 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
         ahead.issue(ahead.share);
         const CacheT* krows = kp + (blk * BS * KVH + h) * W;
         const CacheT* vrows = vp + (blk * BS * KVH + h) * W;
+        if (tree != nullptr && logical[b] != seq_lp[b] && (j + 1) * BS > tree[2 * b]) {
+          CacheT* vk = virtual_k.data() + i * BS * KVH * W;
+          CacheT* vv = virtual_v.data() + i * BS * KVH * W;
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t l = j * BS + t, pos = l < tree[2 * b] ? l : tree_row(b, l);
+            const int64_t at = ((btp[b * MAXB + pos / BS] * BS + pos % BS) * KVH + h) * W;
+            std::memcpy(vk + (t * KVH + h) * W, kp + at, W * kElem);
+            std::memcpy(vv + (t * KVH + h) * W, vp + at, W * kElem);
+          }
+          krows = vk + h * W, vrows = vv + h * W;
+        }
         vrows_of[i] = vrows;
 #ifdef FERRY_ATTN_AVX2
         if constexpr (kInPlace) {
@@ -994,21 +1029,40 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     c10::optional<torch::Tensor> tree) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
+  torch::Tensor tree_rows;
+  const int64_t* tp = nullptr;
+  if (tree.has_value() && tree->defined()) {
+    tree_rows = tree->contiguous();
+    TORCH_CHECK(tree_rows.dtype() == torch::kInt64 && tree_rows.dim() == 2 && tree_rows.size(0) == q.size(0) &&
+                    tree_rows.size(1) == 2,
+                "tree must be int64 [B, 2]");
+    tp = tree_rows.data_ptr<int64_t>();
+    auto lens = seq_lens.contiguous();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b) {
+      TORCH_CHECK(lp[b] - tp[2 * b] <= 64, "a tree row spans at most 64 positions");
+      const uint64_t bits = static_cast<uint64_t>(tp[2 * b + 1]);
+      const int64_t span = lp[b] - tp[2 * b];
+      TORCH_CHECK(span <= 0 || ((bits >> (span - 1)) & 1), "a tree row attends to itself (its last position)");
+      TORCH_CHECK(span <= 0 || span == 64 || (bits >> span) == 0, "a tree row's bits lie within its span");
+    }
+  }
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "k and v caches must share a dtype");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   const auto dt = k_cache.scalar_type();
   const bool quantized = dt == at::ScalarType::Char || dt == at::ScalarType::Float8_e4m3fn;
   TORCH_CHECK(k_cache.size(3) == q.size(2) + (quantized ? 4 : 0), "cache rows must be head_dim wide (+4: a scale)");
   if (dt == at::ScalarType::Float)
-    return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+    return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
   if (dt == at::ScalarType::BFloat16)
-    return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+    return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
   if (dt == at::ScalarType::Char)
-    return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+    return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
   TORCH_CHECK(dt == at::ScalarType::Float8_e4m3fn, "the cache must be float32, bfloat16, int8 or float8_e4m3fn");
-  return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale);
+  return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
 }
 
 // The vector path this build takes, for tests whose bounds depend on it: "avx512" (grouped heads; an

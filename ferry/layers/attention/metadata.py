@@ -37,6 +37,10 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens attended to
     decode_seq_lens_host: np.ndarray | None = None
     decode_blocks_host: list[np.ndarray] = field(default_factory=list)
+    # Tree verification: per decode row (start, bits); positions p in [start, seq_len) are attended
+    # only where bit p - start is set (a draft sees its ancestors, not its cousins). None: no tree.
+    decode_tree: torch.Tensor | None = None  # [num_decodes, 2] int64
+    decode_tree_host: np.ndarray | None = None
     prefills: list[PrefillHost] = field(default_factory=list)
     prefill_block_tables: torch.Tensor | None = None  # [num_prefills, max_blocks] int64
     prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] rows of the flat batch
@@ -86,6 +90,7 @@ def build_metadata(
     prefills: list[PrefillHost],
     device: torch.device,
     backend: AttentionBackend,
+    decode_tree: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """Copy the step's tables to the device once and let the backend prepare."""
     meta = AttentionMetadata(
@@ -98,6 +103,11 @@ def build_metadata(
         meta.decode_seq_lens = torch.from_numpy(decode_seq_lens).to(device, non_blocking=True)
         meta.decode_seq_lens_host = decode_seq_lens
         meta.decode_blocks_host = decode_blocks
+        if decode_tree is not None:
+            if not getattr(backend, "supports_tree", False):
+                raise ValueError(f"the {backend.name} attention backend cannot verify draft trees")
+            meta.decode_tree = torch.from_numpy(decode_tree).to(device, non_blocking=True)
+            meta.decode_tree_host = decode_tree
     if prefills:
         meta.prefills = prefills
         starts = np.array([p.start for p in prefills] + [prefills[-1].start + prefills[-1].length], dtype=np.int64)

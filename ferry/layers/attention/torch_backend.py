@@ -45,6 +45,7 @@ def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> 
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_tree = True  # decode rows with an ancestor mask (tree verification)
 
     def __init__(self, device: torch.device, use_cpu_kernel: bool = False) -> None:
         self.device = device
@@ -55,7 +56,12 @@ class TorchAttentionBackend:
         bs = meta.block_size
         if meta.num_decodes and not self.use_cpu_kernel:
             max_len = meta.decode_block_tables.shape[1] * bs
-            mask = np.arange(max_len)[None, :] < meta.decode_seq_lens_host[:, None]
+            pos = np.arange(max_len)[None, :]
+            mask = pos < meta.decode_seq_lens_host[:, None]
+            if meta.decode_tree_host is not None:
+                start, bits = meta.decode_tree_host[:, :1], meta.decode_tree_host[:, 1:].view(np.uint64)
+                offset = np.clip(pos - start, 0, 63).astype(np.uint64)
+                mask &= (pos < start) | ((bits >> offset) & np.uint64(1)).astype(bool)
             state.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
         for p in meta.prefills:
             begin = p.context_len - p.length
@@ -89,7 +95,13 @@ class TorchAttentionBackend:
             from ferry.kernels.cpu import cpu_kernels
 
             out[:nd] = cpu_kernels().paged_decode_attention(
-                q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+                q[:nd].contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+                meta.decode_tree,
             )
         elif nd:
             max_blocks = meta.decode_block_tables.shape[1]

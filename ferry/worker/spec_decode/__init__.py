@@ -55,6 +55,7 @@ class DraftProposer:
         rooms: list[int] = []
         for request in running:
             request.spec_token_ids = []
+            request.spec_parents = None
             if off or request.num_computed_tokens != request.num_tokens - 1:
                 continue
             decoding.append(request)
@@ -64,7 +65,8 @@ class DraftProposer:
                 self.max_model_len - request.num_tokens - 1,
             )))  # fmt: skip
         if self.draft_model is not None or self.medusa is not None:
-            # Decide first: a draft model's drafts cost a pass each, Medusa heads' a head each.
+            # Decide first: a draft model's drafts cost a pass each, Medusa heads' a head each
+            # (counts are how deep; a Medusa tree has more drafts than that, each its own row).
             counts = self.policy.choose(decoding, rooms) if self.policy else rooms
             if self.draft_model is not None:
                 candidates = self.draft_model.propose(running, decoding, counts)
@@ -75,10 +77,13 @@ class DraftProposer:
             if self.policy:
                 for num_requests, seconds in passes:
                     self.policy.observe_draft_pass(num_requests, seconds)
-        else:  # n-gram drafts cost next to nothing: find them, then choose how many to verify
-            candidates = [self.ngram.propose(r, room) if room else [] for r, room in zip(decoding, rooms)]
-            found = [len(c) for c in candidates]
-            counts = self.policy.choose(decoding, found) if self.policy else found
+            for request, drafts in zip(decoding, candidates):
+                request.spec_token_ids = drafts
+            return
+        # n-gram drafts cost next to nothing: find them, then choose how many to verify.
+        candidates = [self.ngram.propose(r, room) if room else [] for r, room in zip(decoding, rooms)]
+        found = [len(c) for c in candidates]
+        counts = self.policy.choose(decoding, found) if self.policy else found
         for request, drafts, n in zip(decoding, candidates, counts):
             request.spec_token_ids = drafts[:n]
 

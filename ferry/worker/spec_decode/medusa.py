@@ -14,7 +14,9 @@ the first layout with the blocks only.
 The heads draft from the hidden state of the row whose draw was a request's last token (the
 runner keeps it: `ModelRunner.logits_hidden`, `last_row`), so a request that sampled in the
 previous step gets drafts and one that did not (a prompt a prefill worker computed) gets none
-until it has.
+until it has. A chain takes each head's draw (`Sampler.draft`, as the target will draw); with a
+tree (`speculative_token_tree`) a greedy request's drafts are each head's top guesses by rank
+along the tree's paths (the raw logits' order), verified together (step_plan.py).
 """
 
 from __future__ import annotations
@@ -175,9 +177,21 @@ class MedusaProposer:
     head from the hidden state that sampled it, drawn as the target's verify row will draw
     (`Sampler.draft`: the request's processing and the same noise)."""
 
-    def __init__(self, heads: MedusaHeads, runner: ModelRunner, seed: int) -> None:
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        runner: ModelRunner,
+        seed: int,
+        max_model_len: int,
+        tree: list[tuple[int, ...]] | None = None,
+    ) -> None:
+        """`tree`: the candidates as sorted paths of ranks (config.py: parse_token_tree); None:
+        each head's first guess only, a chain."""
         self.heads = heads
         self.runner = runner  # the target's: its last hidden states and LM head
+        self.max_model_len = max_model_len
+        # Trees need the decode kernels' ancestor mask (the torch backend and the C++ step have it).
+        self.tree = tree if getattr(runner.attn_backend, "supports_tree", False) else None
         self.sampler = Sampler(runner.model.config.vocab_size)
         self.rng = random.Random(seed)  # noise keys of unseeded sampling requests
         self._pass_times: list[tuple[int, float]] = []
@@ -191,7 +205,9 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
-        """Up to rooms[i] drafts for requests[i] (each about to decode)."""
+        """Drafts up to rooms[i] deep for requests[i] (each about to decode): a chain, or for a
+        greedy request with a tree configured, the tree's nodes in preorder (their parents set in
+        `Request.spec_parents`), as many as fit before max_model_len."""
         drafts: list[list[int]] = [[] for _ in requests]
         hidden = self.runner.logits_hidden
         index = [(i, self.runner.last_row.get(r.request_id)) for i, r in enumerate(requests) if rooms[i] > 0]
@@ -207,9 +223,27 @@ class MedusaProposer:
             params = request.sampling_params
             if not params.greedy and params.seed is None and request.noise_seed is None:
                 request.noise_seed = self.rng.getrandbits(63)
-        for j in range(depth):
-            tokens = self.sampler.draft(logits[j], chosen, [drafts[i] for i, _ in index])
-            for (i, _), token in zip(index, tokens):
+        greedy = [n for n, r in enumerate(chosen) if self.tree is not None and r.sampling_params.greedy]
+        if greedy:  # their trees: each head's guesses by rank (the raw logits' order)
+            ranks = [1 + max((p[j] for p in self.tree if len(p) > j), default=-1) for j in range(depth)]
+            top = [logits[j].topk(max(ranks[j], 1), dim=-1).indices.tolist() for j in range(depth)]
+            for n in greedy:
+                i, request = index[n][0], chosen[n]
+                room = min(64, self.max_model_len - request.num_tokens - 1)
+                order: dict[tuple[int, ...], int] = {}
+                parents: list[int] = []
+                for path in self.tree:
+                    if len(path) > rooms[i] or len(parents) >= room:
+                        continue
+                    drafts[i].append(top[len(path) - 1][n][path[-1]])
+                    parents.append(order[path[:-1]] if len(path) > 1 else 0)
+                    order[path] = len(parents)
+                request.spec_parents = parents if drafts[i] else None
+        chains = [n for n in range(len(chosen)) if n not in set(greedy)]
+        for j in range(depth if chains else 0):
+            tokens = self.sampler.draft(logits[j], [chosen[n] for n in chains], [drafts[index[n][0]] for n in chains])
+            for n, token in zip(chains, tokens):
+                i = index[n][0]
                 if len(drafts[i]) < rooms[i]:
                     drafts[i].append(token)
         seconds = time.perf_counter() - start  # `tolist` in `draft` waited for the device
