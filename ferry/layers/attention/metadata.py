@@ -37,8 +37,9 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens attended to
     decode_seq_lens_host: np.ndarray | None = None
     decode_blocks_host: list[np.ndarray] = field(default_factory=list)
-    # Tree verification: per decode row (start, bits); positions p in [start, seq_len) are attended
-    # only where bit p - start is set (a draft sees its ancestors, not its cousins). None: no tree.
+    # Tree verification: per decode row (start, bits); of the positions in [start, seq_len) only those
+    # whose bit p - start is set are attended (a draft's ancestors and itself, not its cousins), read
+    # as consecutive positions from start by the C++ kernel (bit for bit a plain row). None: no tree.
     decode_tree: torch.Tensor | None = None  # [num_decodes, 2] int64
     decode_tree_host: np.ndarray | None = None
     prefills: list[PrefillHost] = field(default_factory=list)
