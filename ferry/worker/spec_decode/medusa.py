@@ -239,7 +239,8 @@ class MedusaProposer:
                     parents.append(order[path[:-1]] if len(path) > 1 else 0)
                     order[path] = len(parents)
                 request.spec_parents = parents if drafts[i] else None
-        chains = [n for n in range(len(chosen)) if n not in set(greedy)]
+        in_trees = set(greedy)
+        chains = [n for n in range(len(chosen)) if n not in in_trees]
         for j in range(depth if chains else 0):
             tokens = self.sampler.draft(logits[j], [chosen[n] for n in chains], [drafts[index[n][0]] for n in chains])
             for n, token in zip(chains, tokens):
