@@ -64,7 +64,7 @@ class Request:
         # For a tree of drafts (in preorder), each draft's parent: 0 for the last token, i for draft
         # i (1-based). None: a chain, each draft after the one before.
         self.spec_parents: list[int] | None = None
-        # The key of an unseeded request's sampling noise, set when a draft model drafts for it:
+        # The key of an unseeded request's sampling noise, set when a draft model or Medusa heads draft for it:
         # the draft then samples with the noise its verification will use (worker/sampler.py).
         self.noise_seed: int | None = None
         self._update_block_hashes()

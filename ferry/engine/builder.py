@@ -112,9 +112,9 @@ def _build(
         drafter = None
         if draft_runner is not None:
             draft_kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
-            drafter = DraftModelProposer(draft_runner, draft_kv, cfg.vocab_size, args.max_num_batched_tokens, args.seed)
+            drafter = DraftModelProposer(draft_runner, draft_kv, cfg.vocab_size, args.max_num_batched_tokens)
         medusa = _medusa_proposer(args, runner, tp, max_len) if args.speculative.method == "medusa" else None
-        proposer = DraftProposer(args.speculative, max_len, drafter, medusa)
+        proposer = DraftProposer(args.speculative, max_len, drafter, medusa, seed=args.seed)
     return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
                       tp_workers=tp_workers, proposer=proposer)  # fmt: skip
 
@@ -164,7 +164,7 @@ def _medusa_proposer(args: EngineArgs, runner: ModelRunner, tp: TensorParallel, 
         logger.warning("the %s attention backend cannot verify trees: each Medusa head drafts its first guess only",
                        runner.attn_backend.name)  # fmt: skip
     heads = heads.to(runner.device, runner.dtype).eval()
-    return MedusaProposer(heads, runner, args.seed, max_len, spec.speculative_token_tree)
+    return MedusaProposer(heads, runner, max_len, spec.speculative_token_tree)
 
 
 def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None) -> int:

@@ -73,7 +73,7 @@ def generate_with_hidden(
     while engine.has_unfinished_requests():
         outputs = engine.step()
         hidden = runner.logits_hidden
-        for rid, row in runner.last_row.items():
+        for rid, row in runner.last_row_of().items():
             rows[rid].append(hidden[row].float().cpu())
         for out in outputs:  # delta outputs would be simpler; the final one has every token
             if out.finished:

@@ -76,10 +76,12 @@ class ModelRunner:
             cache_dtype=self.cache_dtype,
         )
         self.graphs: CUDAGraphRunner | None = None
-        # The last step's hidden states (the LM head's input) of its logits rows, and per request
-        # that sampled in it the row whose draw is its last token: what Medusa heads draft from.
+        # The last step's hidden states (the LM head's input) of its logits rows, the requests that
+        # sampled in it and, per request, the row whose draw is its last token: what Medusa heads
+        # draft from (`last_row_of`).
         self.logits_hidden: torch.Tensor | None = None
-        self.last_row: dict[str, int] = {}
+        self._sampled: list[Request] = []
+        self._sampled_rows: list[int] = []
         self.profile = False  # sync the device between phases for an exact breakdown
 
     @classmethod
@@ -154,6 +156,11 @@ class ModelRunner:
         self.logits_hidden = hidden.index_select(0, rows)
         return self.model.compute_logits(self.logits_hidden)
 
+    def last_row_of(self) -> dict[str, int]:
+        """Per request that sampled in the last step, its row of `logits_hidden` whose draw is its
+        last token (built when asked: only Medusa heads and train-draft need it)."""
+        return {r.request_id: row for r, row in zip(self._sampled, self._sampled_rows)}
+
     @torch.inference_mode()
     def _move_kept_drafts(self, sched: SchedulerOutput, requests: list[Request], kept: list[list[int]]) -> None:
         """Tree verification kept a path whose drafts were stored apart (their preorder slots):
@@ -203,7 +210,7 @@ class ModelRunner:
             out = self.sampler.verify(logits, sampling, drafts, parents)
             if parents:
                 self._move_kept_drafts(sched, sampling, out.kept_nodes)
-        self.last_row = {r.request_id: row for r, row in zip(sampling, out.last_rows)} if out is not None else {}
+        self._sampled, self._sampled_rows = (sampling, out.last_rows) if out is not None else ([], [])
         t3 = time.perf_counter()
         record.num_decodes = plan.num_decodes
         record.num_prefill_tokens = sum(p.length for p in plan.prefills)

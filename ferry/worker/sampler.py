@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.core.request import Request
+from ferry.worker.step_plan import tree_paths
 
 Logprob = tuple[float, int, list[int], list[float]]  # (sampled logprob, its rank, top ids, top logprobs)
 
@@ -125,15 +126,6 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def _paths(parents: list[int]) -> list[list[int]]:
-    """For a tree of drafts in preorder (draft i's parent: parents[i - 1], 0 the root), each
-    node's path: the drafts from the root's first child down to it ([] for the root)."""
-    paths: list[list[int]] = [[]]
-    for i, parent in enumerate(parents, 1):
-        paths.append(paths[parent] + [i])
-    return paths
-
-
 def _token_generator(seed: int, index: int) -> torch.Generator:
     """The generator of a seeded request's noise for its output token `index` (splitmix64's
     constants mix the two, so nearby seeds and indices give unrelated streams)."""
@@ -173,7 +165,7 @@ class Sampler:
         whose every draft equals the draw of its parent's row."""
         parents = parents or [None] * len(drafts)
         trees = [p if p is not None else list(range(len(d))) for d, p in zip(drafts, parents)]
-        paths = [_paths(tree) for tree in trees]  # per request, each node's drafts from the root
+        paths = [tree_paths(tree) for tree in trees]  # per request, each node's drafts from the root
         rows = [_Row(r, [d[a - 1] for a in path]) for r, d, ps in zip(requests, drafts, paths) for path in ps]
         logits, raw_logprobs, params = self._process(logits, rows)
         sampled = self._draw(logits, rows, params).tolist()

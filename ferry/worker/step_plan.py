@@ -150,12 +150,19 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
     return plan, sampling, drafts
 
 
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """For a tree of drafts in preorder (`Request.spec_parents`: draft i's parent is
+    parents[i - 1], 0 the root), each node's path: the drafts from the root down to it ([] for
+    the root)."""
+    paths: list[list[int]] = [[]]
+    for i, parent in enumerate(parents, 1):
+        paths.append(paths[parent] + [i])
+    return paths
+
+
 def tree_depths(parents: list[int]) -> list[int]:
     """Depth of the root (0) and of each draft of a tree in preorder (`Request.spec_parents`)."""
-    depths = [0]
-    for parent in parents:
-        depths.append(depths[parent] + 1)
-    return depths
+    return [len(path) for path in tree_paths(parents)]
 
 
 def ancestor_bits(parents: list[int], node: int) -> int:

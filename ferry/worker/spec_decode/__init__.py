@@ -13,6 +13,8 @@ rolls the rejected drafts' slots back (core/scheduler.py: `rollback`).
 
 from __future__ import annotations
 
+import random
+
 from ferry.config import SpeculativeConfig
 from ferry.core.request import Request
 from ferry.worker.spec_decode.draft_length import AdaptiveDraftLength
@@ -31,9 +33,10 @@ class DraftProposer:
         max_model_len: int,
         draft_model: DraftModelProposer | None = None,
         medusa: MedusaProposer | None = None,
+        seed: int = 0,
     ) -> None:
         """`draft_model` drafts for the draft_model and early_exit methods, `medusa` for medusa
-        (neither: ngram)."""
+        (neither: ngram); `seed` keys the noise of unseeded sampling requests they draft for."""
         self.config = config
         self.max_model_len = max_model_len
         self.draft_model = draft_model
@@ -41,6 +44,7 @@ class DraftProposer:
         self.ngram = (
             None if draft_model or medusa else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         )
+        self.rng = random.Random(seed)
         # None: every draft found is verified ("fixed", as vLLM does).
         self.policy = AdaptiveDraftLength(config.num_speculative_tokens) if config.draft_length == "adaptive" else None
 
@@ -68,6 +72,12 @@ class DraftProposer:
             # Decide first: a draft model's drafts cost a pass each, Medusa heads' a head each
             # (counts are how deep; a Medusa tree has more drafts than that, each its own row).
             counts = self.policy.choose(decoding, rooms) if self.policy else rooms
+            for request, n in zip(decoding, counts):
+                # A drafter samples with the noise the target's row will use: an unseeded request
+                # needs a key for it (worker/sampler.py: `Sampler.draft`).
+                params = request.sampling_params
+                if n and not params.greedy and params.seed is None and request.noise_seed is None:
+                    request.noise_seed = self.rng.getrandbits(63)
             if self.draft_model is not None:
                 candidates = self.draft_model.propose(running, decoding, counts)
                 passes = self.draft_model.take_pass_times()

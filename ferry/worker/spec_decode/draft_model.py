@@ -19,7 +19,6 @@ draw.
 from __future__ import annotations
 
 import itertools
-import random
 import time
 
 import torch
@@ -57,7 +56,7 @@ class DraftModelProposer:
     """`propose` drafts for decoding requests with a draft model over its own KV cache."""
 
     def __init__(
-        self, runner: ModelRunner, kv: KVCacheManager, target_vocab_size: int, max_num_batched_tokens: int, seed: int
+        self, runner: ModelRunner, kv: KVCacheManager, target_vocab_size: int, max_num_batched_tokens: int
     ) -> None:
         self.runner = runner
         self.kv = kv
@@ -68,7 +67,6 @@ class DraftModelProposer:
         # Per shadow, how many of its first tokens are its request's (the rest are drafts): only
         # those after it need comparing when the shadow is next brought up to date.
         self._agreed: dict[str, int] = {}
-        self.rng = random.Random(seed)  # noise keys of unseeded sampling requests
         self._pass_times: list[tuple[int, float]] = []  # (requests drafted for, seconds) per pass
 
     def take_pass_times(self) -> list[tuple[int, float]]:
@@ -100,9 +98,6 @@ class DraftModelProposer:
             n = self._sync(request, room)
             if n is None:
                 continue
-            params = request.sampling_params
-            if not params.greedy and params.seed is None and request.noise_seed is None:
-                request.noise_seed = self.rng.getrandbits(63)
             todo[i] = room
             feeds.append((i, n))
         if not feeds:

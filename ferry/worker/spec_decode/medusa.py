@@ -12,7 +12,7 @@ Medusa repository's names (`{i}.{j}.linear.weight`, `{i}.{L}.weight`; `medusa_nu
 the first layout with the blocks only.
 
 The heads draft from the hidden state of the row whose draw was a request's last token (the
-runner keeps it: `ModelRunner.logits_hidden`, `last_row`), so a request that sampled in the
+runner keeps it: `ModelRunner.logits_hidden`, `last_row_of`), so a request that sampled in the
 previous step gets drafts and one that did not (a prompt a prefill worker computed) gets none
 until it has. A chain takes each head's draw (`Sampler.draft`, as the target will draw); with a
 tree (`speculative_token_tree`) a greedy request's drafts are each head's top guesses by rank
@@ -22,7 +22,6 @@ along the tree's paths (the raw logits' order), verified together (step_plan.py)
 from __future__ import annotations
 
 import json
-import random
 import re
 import time
 from pathlib import Path
@@ -181,7 +180,6 @@ class MedusaProposer:
         self,
         heads: MedusaHeads,
         runner: ModelRunner,
-        seed: int,
         max_model_len: int,
         tree: list[tuple[int, ...]] | None = None,
     ) -> None:
@@ -193,7 +191,6 @@ class MedusaProposer:
         # Trees need the decode kernels' ancestor mask (the torch backend and the C++ step have it).
         self.tree = tree if getattr(runner.attn_backend, "supports_tree", False) else None
         self.sampler = Sampler(runner.model.config.vocab_size)
-        self.rng = random.Random(seed)  # noise keys of unseeded sampling requests
         self._pass_times: list[tuple[int, float]] = []
 
     def take_pass_times(self) -> list[tuple[int, float]]:
@@ -210,7 +207,8 @@ class MedusaProposer:
         `Request.spec_parents`), as many as fit before max_model_len."""
         drafts: list[list[int]] = [[] for _ in requests]
         hidden = self.runner.logits_hidden
-        index = [(i, self.runner.last_row.get(r.request_id)) for i, r in enumerate(requests) if rooms[i] > 0]
+        last_row = self.runner.last_row_of()
+        index = [(i, last_row.get(r.request_id)) for i, r in enumerate(requests) if rooms[i] > 0]
         index = [(i, row) for i, row in index if row is not None]
         if hidden is None or not index:
             return drafts
@@ -219,10 +217,6 @@ class MedusaProposer:
         depth = min(self.heads.num_heads, max(rooms[i] for i, _ in index))
         logits = self.heads.logits(hidden.index_select(0, rows), self.runner.model.compute_logits, depth)
         chosen = [requests[i] for i, _ in index]
-        for request in chosen:
-            params = request.sampling_params
-            if not params.greedy and params.seed is None and request.noise_seed is None:
-                request.noise_seed = self.rng.getrandbits(63)
         greedy = [n for n, r in enumerate(chosen) if self.tree is not None and r.sampling_params.greedy]
         if greedy:  # their trees: each head's guesses by rank (the raw logits' order)
             ranks = [1 + max((p[j] for p in self.tree if len(p) > j), default=-1) for j in range(depth)]
