@@ -12,10 +12,11 @@ from ferry.utils.network import free_port
 
 
 class ServerProcess:
-    def __init__(self, *args: str, ready_timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(self.port), *args]
-        self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env={"PYTHONUNBUFFERED": "1"})
+        env = {"PYTHONUNBUFFERED": "1", **(env or {})}
+        self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env=env)
         self.log = self.launched.log
         try:
             self.url = self.launched.__enter__()

@@ -1,6 +1,12 @@
 """Stable, chained hashes of full KV blocks for prefix caching.
 
-h_i = sha256(h_{i-1} || token ids of block i as little-endian uint32 || extras)
+h_0 = sha256(root || token ids of block 0 as little-endian uint32)
+h_i = sha256(h_{i-1} || token ids of block i as little-endian uint32)
+
+The root is fixed, or derived from a request's `cache_salt` (vLLM's field): a
+salted prompt's blocks hash differently from the same tokens under another salt
+or none, so prefix-cache hits, and what they reveal through timing,
+`cached_tokens` and KV events, happen only among requests holding the salt.
 
 Never Python's `hash()`: it is salted per process, and the gateway and every
 replica must compute the same value for the same tokens.
@@ -16,20 +22,25 @@ BlockHash = bytes
 _ROOT = b"ferry-kv-v1"
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: list[int], extras: bytes = b"") -> BlockHash:
+def chain_root(cache_salt: str | None = None) -> bytes:
+    """The parent of a prompt's first block."""
+    if not cache_salt:
+        return _ROOT
+    return hashlib.sha256(_ROOT + b"\x00cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass")).digest()[:16]
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
+    """`parent`: the previous block's hash, or for the first block `chain_root(...)` (None: unsalted)."""
     h = hashlib.sha256(parent if parent is not None else _ROOT)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    if extras:
-        h.update(b"\x00extras")
-        h.update(extras)
     return h.digest()[:16]
 
 
-def hash_prompt_blocks(token_ids: list[int], block_size: int, extras: bytes = b"") -> list[BlockHash]:
+def hash_prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
     """Hashes of every full block of `token_ids` (what a router needs)."""
     out: list[BlockHash] = []
-    parent = None
+    parent = chain_root(cache_salt)
     for i in range(len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extras)
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)
     return out

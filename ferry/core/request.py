@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 
-from ferry.core.block_hash import BlockHash, hash_block_tokens
+from ferry.core.block_hash import BlockHash, chain_root, hash_block_tokens
 from ferry.sampling_params import SamplingParams
 
 
@@ -36,7 +36,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         block_size: int = 16,
-        cache_extras: bytes = b"",
+        cache_salt: str | None = None,
         max_tokens: int,
     ) -> None:
         self.request_id = request_id
@@ -56,7 +56,8 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
         self.block_size = block_size
-        self.cache_extras = cache_extras
+        self.cache_salt = cache_salt
+        self._hash_root = chain_root(cache_salt)  # the first block's parent (core/block_hash.py)
         self.block_hashes: list[BlockHash] = []
         # Draft tokens to verify in the next step (speculative decoding); never part of the
         # sequence (nor of its block hashes) until the model accepts them.
@@ -67,6 +68,8 @@ class Request:
         # The key of an unseeded request's sampling noise, set when a draft model or Medusa heads draft for it:
         # the draft then samples with the noise its verification will use (worker/sampler.py).
         self.noise_seed: int | None = None
+        # The sampler's tensors of `sampling_params.logit_bias`, built at the first step (worker/sampler.py).
+        self.logit_bias_tensors: tuple | None = None
         self._update_block_hashes()
 
     @property
@@ -96,10 +99,8 @@ class Request:
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(
-                hash_block_tokens(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.cache_extras)
-            )
+            parent = self.block_hashes[-1] if self.block_hashes else self._hash_root
+            self.block_hashes.append(hash_block_tokens(parent, self.all_token_ids[i * bs : (i + 1) * bs]))
 
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first: priority, then arrival (FCFS)."""

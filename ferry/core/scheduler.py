@@ -6,7 +6,8 @@ speculating, the rest of its prompt for a partial prefill); when blocks run out
 it first gives up its drafts, then the lowest-priority, latest-arriving
 running request is preempted (blocks freed, requeued, recomputed later).
 Then waiting requests, by priority and, with prefix caching, longest cached
-prefix first (FCFS among equals), chunked to fit what is left of the budget.
+prefix first among the earliest few (FCFS among equals; core/waiting_queue.py),
+chunked to fit what is left of the budget.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.request import Request, RequestStatus
+from ferry.core.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -47,7 +49,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
     ) -> None:
         self.kv = kv_cache_manager
-        self.waiting: list[Request] = []  # in admission order once sorted (_order_waiting)
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         # Per-step limits: sequences running, tokens computed, and a sequence's whole length.
@@ -63,7 +65,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request from the queues and release its blocks."""
@@ -123,19 +125,19 @@ class Scheduler:
 
         # New work only when nothing was preempted: the freed blocks belong to the victims.
         if not out.preempted:
-            if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                self._order_waiting()
+            cached = self.kv.num_cached_prefix_tokens if self.kv.enable_prefix_caching else None
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
+                request = self.waiting.take_next(cached)
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > budget and not self.enable_chunked_prefill:
+                    self.waiting.push(request)
                     break
                 num_new = min(num_new, budget)
                 request.num_computed_tokens = 0
                 if not self.kv.allocate_slots(request, num_new, hits):
+                    self.waiting.push(request)
                     break
-                self.waiting.pop(0)
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
                     request.first_scheduled_time = time.monotonic()
@@ -169,14 +171,4 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.insert(0, request)
-
-    def _order_waiting(self) -> None:
-        """Priority first; within a priority, longest cached prefix, then arrival."""
-        if len(self.waiting) < 2:
-            return
-        if self.kv.enable_prefix_caching:
-            cached = {id(r): self.kv.num_cached_prefix_tokens(r) for r in self.waiting}
-            self.waiting.sort(key=lambda r: (r.priority, -cached[id(r)], r.arrival_time))
-        else:
-            self.waiting.sort(key=Request.sort_key)
+        self.waiting.push(request)  # its early arrival puts it first among its priority

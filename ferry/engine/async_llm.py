@@ -59,6 +59,10 @@ class RequestStream:
     finished: bool = False
 
 
+class EngineStalledError(RuntimeError):
+    """The EngineCore process is alive but has not stepped for longer than the stall timeout."""
+
+
 class MetricsSink:
     """What AsyncLLM reports to; the server's Prometheus metrics implement it."""
 
@@ -92,8 +96,14 @@ class AsyncLLM:
         metrics: MetricsSink | None = None,
         kv_events: KVEventsConfig | None = None,
         kv_transfer: KVTransferConfig | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.args = args
+        # A core that sends nothing (no step's outputs, no idle heartbeat) for this long is stalled:
+        # alive, but stepping no more. Its requests fail, `ready` turns False until it speaks again.
+        self.stall_timeout = stall_timeout
+        self.stalled: str | None = None
+        self._last_heard = time.monotonic()
         self.kv_events = kv_events  # publish KV events from the core (for the gateway)
         self.kv_transfer = kv_transfer  # prefill/decode disaggregation (ferry/kv_transfer/)
         self.client = EngineCoreClient(args, kv_events, kv_transfer)
@@ -141,7 +151,7 @@ class AsyncLLM:
 
     @property
     def ready(self) -> bool:
-        return self.info is not None and self.dead is None
+        return self.info is not None and self.dead is None and self.stalled is None
 
     # -- requests ---------------------------------------------------------
 
@@ -167,6 +177,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead)
         if self.input_processor is None:
             raise EngineDeadError("the engine is still starting")
+        if self.stalled is not None:
+            raise EngineStalledError(self.stalled)
         arrival = time.monotonic()
         in_use = self.streams.keys() | self.output_processor.seq_to_request.keys()
         req = self.input_processor.process(
@@ -306,10 +318,17 @@ class AsyncLLM:
         try:
             while self.dead is None:
                 msg = await self.client.recv(500)
+                now = time.monotonic()
                 if msg is None:
                     if not self.client.alive:
                         self._mark_dead(f"EngineCore exited unexpectedly with code {self.client.exitcode}")
+                    elif self.stall_timeout is not None and now - self._last_heard > self.stall_timeout:
+                        self._mark_stalled(now - self._last_heard)
                     continue
+                self._last_heard = now
+                if self.stalled is not None:
+                    logger.warning("EngineCore answers again after a stall; ready")
+                    self.stalled = None
                 if isinstance(msg, CoreOutputs):
                     self.stats = msg.stats
                     self.metrics.on_stats(msg.stats)
@@ -364,6 +383,17 @@ class AsyncLLM:
                 stream.finished = True
                 del self.streams[out.request_id]
             stream.queue.put_nowait(out)
+
+    def _mark_stalled(self, silent_for: float) -> None:
+        """Fail what is in flight (a 503 now beats a hang) and abort it in the core, which reads
+        the aborts if it ever steps again. Readiness stays off until it does."""
+        if self.stalled is None:
+            self.stalled = f"EngineCore has not stepped for {silent_for:.0f} s (--engine-stall-timeout)"
+            logger.error("%s; failing %d requests", self.stalled, len(self.streams))
+        err = EngineStalledError(self.stalled)
+        for request_id, stream in list(self.streams.items()):
+            self.abort(request_id)
+            stream.queue.put_nowait(err)
 
     def _mark_dead(self, why: str) -> None:
         if self.dead is not None:

@@ -78,6 +78,7 @@ class EngineCore:
                 priority=request.priority,
                 arrival_time=request.arrival_time or None,
                 block_size=self.kv.block_size,
+                cache_salt=request.cache_salt,
                 max_tokens=request.max_tokens,
             )
         self.scheduler.add_request(request)

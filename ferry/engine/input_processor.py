@@ -16,6 +16,7 @@ from typing import Any
 from ferry.engine.messages import EngineCoreRequest, EngineInfo
 from ferry.sampling_params import InvalidParameterError, SamplingParams, resolve_stop_token_ids
 
+# A dict holds "prompt" (text) and/or "prompt_token_ids", and may hold vLLM's "cache_salt".
 PromptType = str | dict[str, Any] | list[int]
 
 
@@ -82,20 +83,23 @@ class InputProcessor:
         as OpenAI's) instead of shortening max_tokens to the room left (LLM.generate's).
         """
         text, ids = self.tokenize(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", "cache_salt must be a non-empty string")
         info = self.info
         if not ids:
             raise InvalidParameterError("prompt", "prompt must not be empty")
+        if len(ids) >= info.max_model_len:  # before any per-token work: a huge list costs nothing more
+            raise InvalidParameterError(
+                "prompt",
+                f"prompt has {len(ids)} tokens, but max_model_len is {info.max_model_len}: "
+                "no room left to generate; shorten the prompt",
+            )
         vocab = info.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidParameterError(
                 "prompt", f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab})"
-            )
-        if len(ids) >= info.max_model_len:
-            raise InvalidParameterError(
-                "prompt",
-                f"prompt has {len(ids)} tokens, but max_model_len is {info.max_model_len}: "
-                "no room left to generate; shorten the prompt",
             )
         room = info.max_model_len - len(ids)
         if strict_context and params.max_tokens is not None and params.max_tokens > room:
@@ -126,9 +130,11 @@ class InputProcessor:
         resolve_stop_token_ids(params, self.eos_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        # Stop strings are matched on text, in the process that detokenizes: the core never needs them.
+        core_params = params.clone(stop=[]) if params.stop else params
         core_requests = []
         for i, sid in enumerate(seq_ids):
-            child = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
+            child = core_params if params.seed is None or i == 0 else core_params.clone(seed=params.seed + i)
             child.all_stop_token_ids = params.all_stop_token_ids
-            core_requests.append(EngineCoreRequest(sid, ids, child, max_tokens, priority, arrival))
+            core_requests.append(EngineCoreRequest(sid, ids, child, max_tokens, priority, arrival, cache_salt))
         return ProcessedRequest(request_id, text, ids, params, seq_ids, core_requests)

@@ -23,6 +23,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     max_tokens: int  # already resolved against max_model_len
     priority: int = 0
     arrival_time: float = 0.0  # time.monotonic(): system-wide on Linux, so comparable across processes
+    cache_salt: str | None = None  # keys the prompt's block hashes (core/block_hash.py)
     # Prefill/decode disaggregation (kv_transfer/connector.py). Prefill side: once finished, send the
     # prompt's KV blocks to the decode worker's receiver at `kv_target` (None: to Redis).
     kv_export: bool = False

@@ -42,6 +42,18 @@ from ferry.worker.step_plan import tree_paths
 Logprob = tuple[float, int, list[int], list[float]]  # (sampled logprob, its rank, top ids, top logprobs)
 
 
+def _logit_bias_tensors(request: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (token ids, biases) on `device`, built on its first step only: up
+    to 300 entries a request, which a Python loop per step would walk again every token."""
+    cached = request.logit_bias_tensors
+    if cached is None or cached[0].device != device:
+        bias = request.sampling_params.logit_bias
+        ids = torch.tensor([int(t) for t in bias], dtype=torch.long, device=device)
+        cached = (ids, torch.tensor([float(b) for b in bias.values()], dtype=torch.float32, device=device))
+        request.logit_bias_tensors = cached
+    return cached
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -265,17 +277,17 @@ class Sampler:
         for i, row in enumerate(sample_rows):
             p = row.request.sampling_params
             if p.logit_bias:
-                for tok, bias in p.logit_bias.items():
-                    rows.append(i)
-                    cols.append(int(tok))
-                    vals.append(float(bias))
+                ids, bias = _logit_bias_tensors(row.request, logits.device)
+                rows.append(torch.full_like(ids, i))
+                cols.append(ids)
+                vals.append(bias)
             if row.num_output_tokens < p.min_tokens:
                 for tok in p.all_stop_token_ids:
                     ban_rows.append(i)
                     ban_cols.append(tok)
         if rows:
             logits = logits.clone()
-            logits[rows, cols] += torch.tensor(vals, device=logits.device)
+            logits[torch.cat(rows), torch.cat(cols)] += torch.cat(vals).to(logits.dtype)
         if ban_rows:
             logits = logits.clone() if not rows else logits
             logits[ban_rows, ban_cols] = float("-inf")

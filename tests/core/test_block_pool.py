@@ -78,5 +78,9 @@ def test_block_hash_is_stable_and_chained():
     h = hash_prompt_blocks(list(range(40)), 16)
     assert len(h) == 2
     assert h[1] == hash_block_tokens(h[0], list(range(16, 32)))
-    assert hash_block_tokens(None, [1, 2, 3], b"lora-a") != hash_block_tokens(None, [1, 2, 3])
+    # A cache salt changes every block's hash (through the chain's root), and only the salt does.
+    salted = hash_prompt_blocks(list(range(32)), 16, cache_salt="tenant-a")
+    assert not set(salted) & set(h[:2]) and salted != hash_prompt_blocks(list(range(32)), 16, cache_salt="tenant-b")
+    assert salted == hash_prompt_blocks(list(range(32)), 16, cache_salt="tenant-a")
+    assert hash_prompt_blocks(list(range(32)), 16, cache_salt="") == h[:2]
     assert hash_block_tokens(h[0], [5]) != hash_block_tokens(None, [5])

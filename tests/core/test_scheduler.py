@@ -104,7 +104,7 @@ def test_preempts_lowest_priority_latest_and_requeues():
     out = s.schedule()  # a needs a 3rd block: c (priority 1) is the victim
     assert out.preempted == [c]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
-    assert s.waiting == [c] and s.num_preemptions == 1
+    assert list(s.waiting) == [c] and s.num_preemptions == 1
     assert [r.request_id for r, _ in out.scheduled] == ["a", "b"]
     # c's blocks were freed tail first (5, then 4), so a gets 5 and b gets 4.
     assert kv.block_ids("a") == [0, 1, 5] and kv.block_ids("b") == [2, 3, 4]

@@ -1,5 +1,6 @@
 """The step API on the real SmolLM2: validation, abort, n > 1, seeds, stops, logprobs, stats."""
 
+import msgspec
 import pytest
 import torch
 from conftest import assert_no_blocks_referenced, run_to_completion
@@ -106,6 +107,10 @@ def test_stop_string_across_token_boundary(engine, greedy_ref):
     stop = a[-2:] + b[len(a) : len(a) + 2]
     params = SamplingParams(temperature=0, max_tokens=24, stop=[stop], output_kind=RequestOutputKind.DELTA)
     engine.add_request("s", PROMPT, params)
+    # Stop strings are matched where text is: the core's copy (and the API -> core wire) has none.
+    assert engine.core.scheduler.requests["s"].sampling_params.stop == []
+    wire = msgspec.msgpack.encode(engine.input_processor.process("w", PROMPT, params).core_requests)
+    assert stop.encode() not in wire
     deltas, final = [], None
     while engine.has_unfinished_requests():
         for out in engine.step():

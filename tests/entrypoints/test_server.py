@@ -19,7 +19,7 @@ LONG_PROMPT = "Here is a story about a lighthouse keeper who counted the ships p
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "8", "--served-model-name", "smol", "extra-name",
-                      "--enable-kv-events")  # fmt: skip
+                      "--enable-kv-events", "--allow-client-priority")  # fmt: skip
     yield s
     assert s.stop() == 0, s.logs()
 

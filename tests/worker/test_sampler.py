@@ -63,7 +63,14 @@ def test_logit_bias_and_min_tokens():
     s = Sampler(4)
     logits = torch.tensor([[5.0, 1.0, 0.0, 0.0]])
     p = SamplingParams(temperature=0, logit_bias={2: 10.0})
-    assert s(logits, [make_req(p)]).token_ids == [2]
+    biased = make_req(p)
+    assert s(logits, [biased]).token_ids == [2]
+    built = biased.logit_bias_tensors
+    assert built is not None and built[0].tolist() == [2]
+    # Built once per request: later steps, here beside another biased request, reuse it.
+    other = make_req(SamplingParams(temperature=0, logit_bias={1: 20.0, 3: -5.0}))
+    assert s(logits.repeat(2, 1), [biased, other]).token_ids == [2, 1]
+    assert biased.logit_bias_tensors is built
     p = SamplingParams(temperature=0, min_tokens=2)
     p.all_stop_token_ids = {0}
     assert s(logits, [make_req(p, output=[3])]).token_ids == [1]  # EOS (0) banned before min_tokens

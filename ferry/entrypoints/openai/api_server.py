@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import hmac
 import logging
 import os
+import re
 import signal
 import time
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
@@ -30,11 +32,23 @@ from starlette.responses import JSONResponse, Response
 
 from ferry.config import KV_ROLES, KV_TRANSPORTS, EngineArgs, KVEventsConfig, KVTransferConfig
 from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
-from ferry.engine.async_llm import AsyncLLM
+from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.openai.metrics import ServerMetrics
-from ferry.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from ferry.entrypoints.openai.serving import RequestAbortedError, ServerState, as_openai_error, ready_engine
+from ferry.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    PromptLimits,
+    precheck_body,
+)
+from ferry.entrypoints.openai.serving import (
+    RequestAbortedError,
+    RequestTimeoutError,
+    ServerState,
+    as_openai_error,
+    ready_engine,
+)
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.models.paths import resolve_model_path
@@ -55,9 +69,14 @@ def _validation_error(e: ValidationError) -> OpenAIError:
 
 
 MAX_BODY_BYTES = 32 << 20
+# Bodies above this are decoded and validated in a worker thread. Neither releases the GIL, so
+# the loop still pauses, but for a JSON decode (~0.1 s at the cap) rather than for validation.
+OFFLOAD_BYTES = 1 << 20
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-async def _parse(request: Request, model: type) -> Any:
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with a 413 as soon as it passes MAX_BODY_BYTES (declared or streamed)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
@@ -66,12 +85,27 @@ async def _parse(request: Request, model: type) -> Any:
         raw += piece
         if len(raw) > MAX_BODY_BYTES:
             raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
+    return bytes(raw)
+
+
+def _decode(raw: bytes, limits: PromptLimits) -> dict:
+    """JSON (strict UTF-8, no NaN, no lone surrogates) into a dict whose prompt sizes fit."""
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise OpenAIError(400, f"malformed JSON body: {e}", code=400) from None
+        data = msgspec.json.decode(raw)
+    except UnicodeDecodeError as e:
+        raise OpenAIError(400, f"the request body is not valid UTF-8: {e}", code=400) from None
+    except (msgspec.MsgspecError, RecursionError) as e:
+        why = str(e) if not isinstance(e, RecursionError) else "nested too deeply"
+        if _LONE_SURROGATE.search(raw):
+            why = "it contains a lone UTF-16 surrogate escape (\\ud800-\\udfff not part of a pair)"
+        raise OpenAIError(400, f"malformed JSON body: {why}", code=400) from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "the request body must be a JSON object", code=400)
+    precheck_body(data, limits)
+    return data
+
+
+def _validate(data: dict, model: type) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -80,16 +114,28 @@ async def _parse(request: Request, model: type) -> Any:
         raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
 
 
+async def _parse(request: Request, model: type, limits: PromptLimits) -> Any:
+    raw = await _read_body(request)
+    if len(raw) <= OFFLOAD_BYTES:
+        return _validate(_decode(raw, limits), model)
+    data = await asyncio.to_thread(_decode, raw, limits)
+    return await asyncio.to_thread(_validate, data, model)
+
+
 class Server:
     """The app, its engine and its lifecycle (start, drain, die)."""
 
     def __init__(self, engine_args: EngineArgs, served_model_names: list[str], *, max_queue_len: int,
                  drain_timeout: float, kv_events: KVEventsConfig | None = None,
-                 kv_transfer: KVTransferConfig | None = None) -> None:  # fmt: skip
+                 kv_transfer: KVTransferConfig | None = None, api_keys: list[str] | None = None,
+                 allow_client_priority: bool = False, request_timeout: float | None = None,
+                 engine_stall_timeout: float | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
         self.kv_events = kv_events
         self.kv_transfer = kv_transfer
-        self.state = ServerState(served_model_names, max_queue_len)
+        self.api_keys = [k.encode() for k in api_keys or []]
+        self.engine_stall_timeout = engine_stall_timeout
+        self.state = ServerState(served_model_names, max_queue_len, allow_client_priority, request_timeout)
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -103,7 +149,7 @@ class Server:
 
     async def _start_engine(self) -> None:
         engine = AsyncLLM(self.engine_args, tokenizer=None, metrics=self.metrics, kv_events=self.kv_events,
-                          kv_transfer=self.kv_transfer)  # fmt: skip
+                          kv_transfer=self.kv_transfer, stall_timeout=self.engine_stall_timeout)  # fmt: skip
         engine.on_dead = self._on_engine_dead
         self.state.engine = engine
         try:
@@ -115,6 +161,7 @@ class Server:
                 self._on_engine_dead(str(e))
             return
         self.metrics.set_engine_info(engine.info)
+        self.state.prompt_limits(engine)
         logger.info("ready: serving %s (max_model_len %d)", self.state.served_model_names, engine.info.max_model_len)
 
     def _on_engine_dead(self, why: str) -> None:
@@ -168,6 +215,24 @@ class Server:
         app = FastAPI(title="ferry", lifespan=self._lifespan, docs_url=None, redoc_url=None)
         state = self.state
 
+        if self.api_keys:
+            keys = self.api_keys
+
+            @app.middleware("http")
+            async def _require_api_key(request: Request, call_next):
+                # Probes, metrics and /ferry/info stay open (kubelets and Prometheus carry no key).
+                path = request.url.path
+                if path.startswith("/v1/") or path == "/v1" or path == "/reset_prefix_cache":
+                    header = request.headers.get("authorization", "")
+                    given = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
+                    # Compare with every key, always: the time taken says nothing about which matched.
+                    if not any([hmac.compare_digest(given, k) for k in keys]):
+                        return _error_response(OpenAIError(
+                            401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                            "invalid_request_error", code="invalid_api_key",
+                        ))  # fmt: skip
+                return await call_next(request)
+
         @app.exception_handler(OpenAIError)
         async def _openai_error(request: Request, exc: OpenAIError):
             return _error_response(exc)
@@ -179,8 +244,7 @@ class Server:
 
         @app.exception_handler(Exception)
         async def _internal_error(request: Request, exc: Exception):
-            logger.exception("internal error on %s", request.url.path)
-            return _error_response(as_openai_error(exc))
+            return _error_response(as_openai_error(exc))  # logs the exception with the id it answers
 
         @app.get("/health")
         async def health() -> Response:
@@ -203,6 +267,8 @@ class Server:
                 return JSONResponse({"status": "draining"}, status_code=503)
             if engine is None or engine.dead is not None:
                 return JSONResponse({"status": "dead"}, status_code=503)
+            if engine.stalled is not None:
+                return JSONResponse({"status": "stalled", "reason": engine.stalled}, status_code=503)
             if not engine.ready:
                 return JSONResponse({"status": "loading"}, status_code=503)
             return JSONResponse({"status": "ready"})
@@ -262,10 +328,11 @@ class Server:
             })  # fmt: skip
 
         async def generate(request: Request, body_type: type, handler) -> Response:
-            body = await _parse(request, body_type)
+            engine = ready_engine(state)  # 503 before reading a body this server cannot serve yet
+            body = await _parse(request, body_type, state.prompt_limits(engine))
             try:
                 response = await handler(request, state, body)
-            except (ValueError, EngineDeadError, RequestAbortedError) as e:
+            except (ValueError, EngineDeadError, EngineStalledError, RequestAbortedError, RequestTimeoutError) as e:
                 raise as_openai_error(e) from None
             # None: the client disconnected; nobody reads this status, nginx's 499 names the case in logs.
             return response if response is not None else Response(status_code=499)
@@ -314,6 +381,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="answer 429 past this many sequences (prompts x n) waiting for their first token")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--api-key", nargs="+", default=None,
+                   help="require `Authorization: Bearer <key>` (one of these) on /v1/* (default: $FERRY_API_KEY); "
+                        "probes and /metrics stay open")  # fmt: skip
+    p.add_argument("--allow-client-priority", action="store_true",
+                   help="let requests set `priority` (else only 0 is taken: a client could jump every queue); "
+                        "`ferry gateway` sets it per API key")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take, queueing included, before it is aborted with a 504")  # fmt: skip
+    p.add_argument("--engine-stall-timeout", type=float, default=30.0,
+                   help="seconds the engine core may go without finishing a step or sending a heartbeat before "
+                        "/ready turns 503 and its requests fail with 503 (0: never)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning")
     p.add_argument(
         "--enable-kv-events",
@@ -359,6 +437,11 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
     if args.drain_timeout < 0:
         raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"request_timeout must be > 0, got {args.request_timeout}")
+    if args.engine_stall_timeout < 0:
+        raise ValueError(f"engine_stall_timeout must be >= 0, got {args.engine_stall_timeout}")
+    api_keys = args.api_key or ([os.environ["FERRY_API_KEY"]] if os.environ.get("FERRY_API_KEY") else None)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
     kv_events = None
@@ -374,7 +457,9 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         kv_transfer.validate()  # ValueError: a clear message, exit 2
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
-                    kv_events=kv_events, kv_transfer=kv_transfer)  # fmt: skip
+                    kv_events=kv_events, kv_transfer=kv_transfer, api_keys=api_keys,
+                    allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,
+                    engine_stall_timeout=args.engine_stall_timeout or None)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

@@ -1,14 +1,20 @@
 """Request bodies of the OpenAI API (with vLLM's extra sampling fields) and the error body.
 
-Unknown fields are ignored, as OpenAI's server does. Floats reject NaN and
-infinity (Python's json accepts them); counts have OpenAI's bounds.
+Unknown fields are ignored, as OpenAI's server does. Validation is strict: a
+number sent as a string (`"n": "64"`) or an integer sent as a float
+(`"max_tokens": 10.0`) is refused rather than coerced, so what a gateway counts
+is what the worker runs. Floats reject NaN and infinity. Everything a client
+can multiply work by has a cap: counts have OpenAI's bounds, `stop` and
+`logit_bias` are bounded in number and size, and `precheck_body` bounds prompt
+lengths against the model's context before any per-token work.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from ferry.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 
@@ -16,6 +22,11 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_INT = 2**31 - 1  # token counts: far above any context, far below what msgspec or torch choke on
+MAX_STOP_STRINGS = 64  # the detokenizer scans every stop string at every step
+MAX_STOP_BYTES = 16 * 1024  # all of a request's stop strings together, UTF-8
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_MESSAGES = 16384  # a chat's messages (each renders to at least one token anyway)
+MAX_CACHE_SALT = 256
 # chat_template_kwargs keys that would let a client swap the template or the rendering itself
 # (a client-supplied Jinja template can loop for hours: vLLM's CVE-2025-61620).
 FORBIDDEN_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversation", "tools", "documents",
@@ -46,12 +57,85 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+@dataclass(frozen=True)
+class PromptLimits:
+    """The longest prompt this server can take, for checks on the decoded JSON before validation,
+    tokenizing or any per-token work (a 30 MB list of token ids is refused from its length)."""
+
+    max_tokens: int  # max_model_len - 1: a prompt must leave room for one generated token
+    max_chars: int  # text longer than this cannot tokenize to max_tokens or fewer
+
+    @classmethod
+    def of(cls, max_model_len: int, tokenizer) -> "PromptLimits":
+        """A token covers at most as many characters as its longest vocabulary entry has (byte-level
+        BPE: exactly its bytes); twice that leaves room for normalizers that drop characters."""
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 16
+        return cls(max_model_len - 1, 2 * max_model_len * max(longest, 1))
+
+
+def _too_long(what: str, n: int, unit: str, limit: int, max_model_len: int) -> OpenAIError:
+    return OpenAIError(400, f"{what} has {n} {unit}, more than a context of {max_model_len} tokens can hold "
+                            f"(at most {limit}); shorten it", param=what, code=400)  # fmt: skip
+
+
+def _text_len(x: Any) -> int:
+    return len(x) if isinstance(x, str) else 0
+
+
+def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
+    """Bound the prompt's size on the decoded JSON, before the schema walks it: the number of
+    prompts and messages, token-id lists against the context and text against `max_chars`."""
+    ctx = limits.max_tokens + 1
+    prompt = data.get("prompt")
+    if isinstance(prompt, str):
+        if len(prompt) > limits.max_chars:
+            raise _too_long("prompt", len(prompt), "characters", limits.max_chars, ctx)
+    elif isinstance(prompt, list) and prompt:
+        if not isinstance(prompt[0], (str, list)):  # one prompt of token ids
+            if len(prompt) > limits.max_tokens:
+                raise _too_long("prompt", len(prompt), "tokens", limits.max_tokens, ctx)
+            return
+        if len(prompt) > MAX_PROMPTS:
+            raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt", code=400)
+        for p in prompt:
+            if isinstance(p, list) and len(p) > limits.max_tokens:
+                raise _too_long("prompt", len(p), "tokens", limits.max_tokens, ctx)
+            if isinstance(p, str) and len(p) > limits.max_chars:
+                raise _too_long("prompt", len(p), "characters", limits.max_chars, ctx)
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise OpenAIError(400, f"at most {MAX_MESSAGES} messages per request", param="messages", code=400)
+        chars = 0
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                # A part counts at least one character: a million empty parts is no free ride.
+                chars += sum(max(_text_len(p.get("text") if isinstance(p, dict) else None), 1) for p in content)
+        if chars > limits.max_chars:
+            raise _too_long("messages", chars, "characters", limits.max_chars, ctx)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
+def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    strings = [stop] if isinstance(stop, str) else stop or []
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+    size = sum(len(s.encode("utf-8", "surrogatepass")) for s in strings)
+    if size > MAX_STOP_BYTES:
+        raise ValueError(f"stop strings may total at most {MAX_STOP_BYTES} bytes, got {size}")
+    return stop
+
+
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -59,11 +143,11 @@ class _GenerationRequest(BaseModel):
     top_p: Finite | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, AfterValidator(_check_stop)] = None
     seed: int | None = None
     presence_penalty: Finite = 0.0
     frequency_penalty: Finite = 0.0
-    logit_bias: dict[str, Finite] | None = None
+    logit_bias: dict[str, Finite] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)
@@ -79,6 +163,9 @@ class _GenerationRequest(BaseModel):
     # "decode_receiver": "tcp://..."} to a prefill worker; {"do_remote_prefill": true, "first_token_ids":
     # [...], "prompt_digest": "..."} to a decode worker (entrypoints/openai/serving.py).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's field: a secret that enters the hash of the prompt's first block, so prefix-cache
+    # hits (and the timing and `cached_tokens` they show) happen only among requests sharing it.
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidParameterError naming the field."""
@@ -134,12 +221,14 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -154,7 +243,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -13,26 +14,40 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 
-from ferry.engine.async_llm import AsyncLLM, RemotePrefill, RequestStream, prompt_digest
+from ferry.engine.async_llm import AsyncLLM, EngineStalledError, RemotePrefill, RequestStream, prompt_digest
 from ferry.engine.core_client import EngineDeadError
-from ferry.entrypoints.openai.protocol import OpenAIError
+from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError
 
 _DONE = object()
+logger = logging.getLogger("ferry.server")
 
 
 class RequestAbortedError(RuntimeError):
     """The server aborted a request (drain timeout, shutdown)."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """A request ran past `--request-timeout` (it is aborted)."""
+
+
 @dataclass
 class ServerState:
     served_model_names: list[str]
     max_queue_len: int
+    allow_client_priority: bool = False  # else a request's `priority` must be 0 (the operator's)
+    request_timeout: float | None = None  # seconds a request may take, queueing included
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None
+    _prompt_limits: PromptLimits | None = None
+
+    def prompt_limits(self, engine: AsyncLLM) -> PromptLimits:
+        """The prompt bounds of the loaded model (computed once; needs the engine ready)."""
+        if self._prompt_limits is None:
+            self._prompt_limits = PromptLimits.of(engine.info.max_model_len, engine.tokenizer)
+        return self._prompt_limits
 
     @property
     def model_name(self) -> str:
@@ -62,9 +77,23 @@ def ready_engine(state: ServerState) -> AsyncLLM:
     if state.draining:
         raise OpenAIError(503, "the server is shutting down", "service_unavailable", code=503)
     if engine is None or not engine.ready:
-        why = engine.dead if engine is not None and engine.dead else "the model is still loading"
+        why = (engine and (engine.dead or engine.stalled)) or "the model is still loading"
         raise OpenAIError(503, why, "service_unavailable", code=503)
     return engine
+
+
+def deadline(state: ServerState) -> float | None:
+    """When a request that starts now must be done (time.monotonic()), or None."""
+    return None if state.request_timeout is None else time.monotonic() + state.request_timeout
+
+
+def check_priority(state: ServerState, body) -> None:
+    """A client's `priority` would let it jump every other tenant's queue: the operator's to allow."""
+    if body.priority != 0 and not state.allow_client_priority:
+        raise OpenAIError(
+            400, "this server does not take priority from clients (start it with --allow-client-priority; behind "
+            "`ferry gateway`, set a priority per API key)", param="priority", code=400,
+        )  # fmt: skip
 
 
 def admit(state: ServerState, engine: AsyncLLM, num_seqs: int) -> None:
@@ -93,9 +122,15 @@ def as_openai_error(exc: Exception) -> OpenAIError:
         return OpenAIError(400, str(exc), param=exc.param, code=400)
     if isinstance(exc, ValueError):
         return OpenAIError(400, str(exc), code=400)
-    if isinstance(exc, (EngineDeadError, RequestAbortedError)):
+    if isinstance(exc, (EngineDeadError, EngineStalledError, RequestAbortedError)):
         return OpenAIError(503, str(exc), "service_unavailable", code=503)
-    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error", code=500)
+    if isinstance(exc, RequestTimeoutError):
+        return OpenAIError(504, str(exc), "timeout", code=504)
+    # The exception's text stays in the log: it may name paths, peers or another request's data.
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=exc)
+    return OpenAIError(500, f"internal server error (id {error_id} in the server log)", "internal_server_error",
+                       code=500)  # fmt: skip
 
 
 _RECEIVER = re.compile(r"tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}")
@@ -162,13 +197,28 @@ async def kv_sent_params(engine: AsyncLLM, plan: KVTransferPlan, request_id: str
     return plan.response_params(done, out)
 
 
-def add_requests(engine: AsyncLLM, base_id: str, prompts: list, params, priority: int,
+def salted(prompt, cache_salt: str | None):
+    """An engine prompt carrying the request's cache_salt (core/block_hash.py)."""
+    if cache_salt is None:
+        return prompt
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": cache_salt}
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": cache_salt}
+
+
+def add_requests(state: ServerState, engine: AsyncLLM, base_id: str, prompts: list, params, body,
                  plan: KVTransferPlan | None = None) -> list[RequestStream]:  # fmt: skip
-    """One engine request per prompt; all or nothing."""
+    """One engine request per prompt; all or nothing. The queue limit is checked again here, with
+    no await between the check and the adding: thousands of requests admitted together before
+    their tokenizing cannot all pass on a queue that filled meanwhile."""
+    admit(state, engine, len(prompts) * params.n)
     streams: list[RequestStream] = []
     plan = plan or KVTransferPlan()
+    priority = body.priority
     try:
         for i, prompt in enumerate(prompts):
+            prompt = salted(prompt, body.cache_salt)
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(engine.add_request(rid, prompt, params, priority=priority, kv_export_to=plan.export_to,
                                               remote_prefill=plan.remote))  # fmt: skip
@@ -222,15 +272,19 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def until_disconnect(request: Request, agen: AsyncIterator) -> AsyncIterator:
+async def until_disconnect(request: Request, agen: AsyncIterator, deadline: float | None = None) -> AsyncIterator:
     """Iterate `agen` until it ends or the client disconnects (then `agen` is closed, aborting its
-    requests), even while no output is due, e.g. when the request waits in the queue."""
+    requests), even while no output is due, e.g. when the request waits in the queue. Past
+    `deadline` (time.monotonic()) it raises RequestTimeoutError, also aborting."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(agen.__anext__())
-            done, _ = await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, _ = await asyncio.wait({step, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise RequestTimeoutError("the request did not finish within the server's --request-timeout")
             if step not in done:
                 return  # disconnected; the finally block aborts
             try:

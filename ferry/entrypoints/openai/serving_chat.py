@@ -17,6 +17,8 @@ from ferry.entrypoints.openai.serving import (
     admit,
     as_openai_error,
     check_model,
+    check_priority,
+    deadline,
     finite,
     kv_sent_params,
     kv_transfer_plan,
@@ -90,18 +92,20 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
     plan = kv_transfer_plan(engine, body, 1, params)
-    admit(state, engine, params.n)
+    check_priority(state, body)
+    admit(state, engine, params.n)  # before tokenizing; add_requests checks again
+    due = deadline(state)
     # Rendering (Jinja) and tokenizing take milliseconds on long conversations: off the event loop.
     prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body)
     base_id = random_id("chatcmpl")
-    streams = add_requests(engine, base_id, [prompt], params, body.priority, plan)
+    streams = add_requests(state, engine, base_id, [prompt], params, body, plan)
     created = now_s()
     if body.stream:
         return StreamingResponse(
-            _stream(request, engine, streams, body, model, base_id, created, top), media_type="text/event-stream"
+            _stream(request, engine, streams, body, model, base_id, created, top, due), media_type="text/event-stream"
         )
     final = None
-    async for _, out in until_disconnect(request, merged_outputs(engine, streams)):
+    async for _, out in until_disconnect(request, merged_outputs(engine, streams), due):
         final = out
     if final is None or not final.finished:
         engine.forget_kv_sent(base_id)
@@ -130,7 +134,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     return JSONResponse(response)
 
 
-async def _stream(request, engine, streams, body, model, base_id, created, top) -> AsyncIterator[bytes]:
+async def _stream(request, engine, streams, body, model, base_id, created, top, due) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse(
             {
@@ -152,7 +156,7 @@ async def _stream(request, engine, streams, body, model, base_id, created, top) 
                 for i in range(body.n)
             ]
         )
-        async for _, out in until_disconnect(request, merged_outputs(engine, streams)):
+        async for _, out in until_disconnect(request, merged_outputs(engine, streams), due):
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             choices = []
             for c in out.outputs:

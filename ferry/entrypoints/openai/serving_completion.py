@@ -17,6 +17,8 @@ from ferry.entrypoints.openai.serving import (
     admit,
     as_openai_error,
     check_model,
+    check_priority,
+    deadline,
     finite,
     kv_sent_params,
     kv_transfer_plan,
@@ -84,10 +86,12 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     prompts = _prompts(body.prompt)
     params = body.sampling_params(body.max_tokens, body.logprobs)
     plan = kv_transfer_plan(engine, body, len(prompts), params)
-    admit(state, engine, len(prompts) * params.n)
+    check_priority(state, body)
+    admit(state, engine, len(prompts) * params.n)  # before tokenizing; add_requests checks again
+    due = deadline(state)
     prompts = await _tokenize(engine.tokenizer, prompts)
     base_id = random_id("cmpl")
-    streams = add_requests(engine, base_id, prompts, params, body.priority, plan)
+    streams = add_requests(state, engine, base_id, prompts, params, body, plan)
     n = params.n
     created = now_s()
     tokenizer = engine.tokenizer
@@ -101,12 +105,12 @@ async def create_completion(request: Request, state: ServerState, body: Completi
 
     if body.stream:
         return StreamingResponse(
-            _stream(request, engine, streams, body, model, base_id, created, n, echo_text, with_ids),
+            _stream(request, engine, streams, body, model, base_id, created, n, echo_text, with_ids, due),
             media_type="text/event-stream",
         )
 
     finals: dict[int, Any] = {}
-    async for i, out in until_disconnect(request, merged_outputs(engine, streams)):
+    async for i, out in until_disconnect(request, merged_outputs(engine, streams), due):
         finals[i] = out
     if len(finals) < len(streams):
         engine.forget_kv_sent(base_id)
@@ -146,7 +150,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
 
 
 async def _stream(
-    request, engine, streams, body, model, base_id, created, n, echo_text, with_ids
+    request, engine, streams, body, model, base_id, created, n, echo_text, with_ids, due
 ) -> AsyncIterator[bytes]:
     lp_builders: dict[int, LogprobsBuilder] = {}
     echoed: set[int] = set()
@@ -155,7 +159,7 @@ async def _stream(
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     try:
-        async for i, out in until_disconnect(request, merged_outputs(engine, streams)):
+        async for i, out in until_disconnect(request, merged_outputs(engine, streams), due):
             prompt_tokens[i] = len(out.prompt_token_ids)
             cached[i] = out.num_cached_tokens
             choices = []

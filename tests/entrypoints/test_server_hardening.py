@@ -1,0 +1,273 @@
+"""`ferry serve` against a hostile client: bounded work per request, strict types, API keys, cache
+salts, a stalled engine core and request deadlines. Real server processes on 127.0.0.1, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess
+
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+STORY = "Here is a story about a lighthouse keeper who counted the ships passing by at night. " * 3
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "smol",
+                      "--api-key", KEY, "--engine-stall-timeout", "5")  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.logs()
+
+
+def post(server: ServerProcess, body, path: str = "/v1/completions", **kw) -> httpx.Response:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **AUTH, **kw.pop("headers", {})}
+    return httpx.post(server.url + path, content=raw, headers=headers, timeout=kw.pop("timeout", 60), **kw)
+
+
+def wait_until(check, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def idle(server: ServerProcess) -> bool:
+    return server.metric("ferry:kv_cache_usage_perc") == 0 and server.metric("ferry:num_requests_running") == 0
+
+
+def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
+    body = {"prompt": "Hi", "max_tokens": 2}
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/reset_prefix_cache"):
+        method = httpx.get if path == "/v1/models" else httpx.post
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = method(server.url + path, headers=headers, **({} if method is httpx.get else {"json": body}))
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
+    assert post(server, body).status_code == 200
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(server.url + path).status_code == 200, path
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"n": "2"}, "n"),
+        ({"max_tokens": 10.0}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"stream": "true"}, "stream"),
+        ({"seed": 1.5}, "seed"),
+        ({"top_k": True}, "top_k"),
+        ({"logprobs": True}, "logprobs"),
+        ({"stop": ["x"] * 65}, "stop"),
+        ({"stop": ["y" * 9000, "z" * 9000]}, "stop"),
+        ({"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"priority": 5}, "priority"),  # the operator's, unless --allow-client-priority
+        ({"cache_salt": ""}, "cache_salt"),
+    ],
+)
+def test_numbers_keep_their_json_types_and_every_multiplier_is_capped(server, extra, param):
+    r = post(server, {"prompt": "Hi", "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_the_caps_themselves_are_allowed(server):
+    body = {"prompt": "Hi", "max_tokens": 2, "stop": ["qq"] * 64, "logit_bias": {str(i): 0.5 for i in range(300)},
+            "temperature": 1, "priority": 0}  # fmt: skip
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "raw, path",
+    [
+        (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "/v1/completions"),
+        (b'{"prompt": "Hi", "max_tokens": 2, "model": "\\udfff"}', "/v1/completions"),
+        (b'{"messages": [{"role": "user", "content": "x\\udc00"}], "max_tokens": 2}', "/v1/chat/completions"),
+        (b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 2}', "/v1/completions"),  # a surrogate in UTF-8 bytes
+        (b'{"prompt": "a\xffb", "max_tokens": 2}', "/v1/completions"),
+        (b'{"messages": [{"role": "user", "content": "\xc3"}], "max_tokens": 2}', "/v1/chat/completions"),
+    ],
+)
+def test_lone_surrogates_and_invalid_utf8_are_400(server, raw, path):
+    r = post(server, raw, path)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+    assert post(server, '{"prompt": "a\\ud83d\\ude00b", "max_tokens": 1}'.encode()).status_code == 200  # a pair
+
+
+def _raw_request(port: int, path: str, body: bytes, headers: dict[str, str]) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    sock.sendall(head.encode())
+    return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, rest = data.split(b"\r\n\r\n", 1)
+    status = int(head.split()[1])
+    headers = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:])
+    length = int(next(v for k, v in headers.items() if k.lower() == b"content-length"))
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return status, json.loads(rest[:length])
+
+
+def test_a_30mb_token_body_is_refused_from_its_length_while_health_answers(server):
+    ids = list(range(10000, 15000)) * 860  # 4.3M token ids, 30 MB of JSON
+    body = json.dumps({"prompt": ids, "max_tokens": 2}).encode()
+    assert len(body) > 30_000_000
+    sock = _raw_request(server.port, "/v1/completions", body, {"Content-Type": "application/json", **AUTH})
+    try:
+        half = len(body) // 2
+        sock.sendall(body[:half])
+        # Half the body is in: the server reads it without holding its event loop.
+        assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+        sock.sendall(body[half:])
+        started = time.monotonic()
+        status, answer = _read_response(sock)
+        refused_in = time.monotonic() - started
+    finally:
+        sock.close()
+    assert status == 400, answer
+    assert answer["error"]["param"] == "prompt" and "4300000 tokens" in answer["error"]["message"]
+    print(f"30 MB token-id body refused {refused_in * 1000:.0f} ms after its last byte")
+    # A text prompt that could never fit is refused without being tokenized.
+    r = post(server, {"prompt": "word " * 2_000_000, "max_tokens": 2})
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    r = post(server, {"messages": [{"role": "user", "content": "word " * 100_000}]}, "/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert post(server, {"prompt": [[5] * 600, [6]], "max_tokens": 1}).json()["error"]["param"] == "prompt"
+    assert idle(server)
+
+
+def test_cache_salt_keeps_prefix_hits_among_requests_that_share_it(server):
+    prompt = "A salted prompt about tide pools, starfish and the moon. " * 4
+
+    def cached(**extra) -> int:
+        r = post(server, {"prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 32  # the same tenant hits its own blocks
+    assert cached(cache_salt="tenant-b") == 0  # another tenant learns nothing
+    assert cached() == 0  # nor does an unsalted request
+    assert cached() >= 32
+
+
+def test_a_stalled_engine_core_fails_its_requests_and_turns_unready_until_it_steps_again(server):
+    core = server.core_pid()
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": STORY, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        assert started.wait(60)
+        os.kill(core, signal.SIGSTOP)  # alive, stepping no more
+        wait_until(lambda: httpx.get(server.url + "/ready").status_code == 503, "/ready to turn 503")
+        assert httpx.get(server.url + "/ready").json()["status"] == "stalled"
+        reader.join(60)
+        assert not reader.is_alive(), "the in-flight stream hung on a stalled core"
+        error = json.loads(lines[-2][len("data: ") :])["error"]
+        assert error["code"] == 503 and "has not stepped" in error["message"] and lines[-1] == "data: [DONE]"
+        r = post(server, {"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and "has not stepped" in r.json()["error"]["message"]
+    finally:
+        os.kill(core, signal.SIGCONT)
+    wait_until(lambda: httpx.get(server.url + "/ready").status_code == 200, "/ready to turn 200 again")
+    wait_until(lambda: idle(server), "the stalled request's KV blocks to be freed")
+    assert post(server, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_queue_limit_holds_under_2000_concurrent_requests():
+    """With the core stopped nothing leaves the queue: of 2,000 concurrent requests, exactly
+    --max-queue-len get in (each tokenized off the event loop, the window a late check closes)."""
+    s = ServerProcess("--max-model-len", "256", "--max-queue-len", "8", "--engine-stall-timeout", "0",
+                      env={"FERRY_API_KEY": KEY})  # fmt: skip
+    core = s.core_pid()
+    try:
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
+        os.kill(core, signal.SIGSTOP)
+
+        async def blast() -> list[int]:
+            limits = httpx.Limits(max_connections=2000, max_keepalive_connections=0)
+            async with httpx.AsyncClient(limits=limits, timeout=300, headers=AUTH) as http:
+
+                async def one(i: int) -> int:
+                    body = {"prompt": f"Request number {i} of many.", "max_tokens": 1}
+                    return (await http.post(s.url + "/v1/completions", json=body)).status_code
+
+                tasks = [asyncio.create_task(one(i)) for i in range(2000)]
+                # The admitted ones wait on the stopped core: resume it once the rest are answered
+                # (if more got in, fewer are ever answered: the deadline only bounds that failure).
+                deadline = time.monotonic() + 600
+                while sum(t.done() for t in tasks) < 2000 - 8 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                os.kill(core, signal.SIGCONT)
+                return list(await asyncio.gather(*tasks))
+
+        statuses = asyncio.run(blast())
+        assert statuses.count(429) == 2000 - 8 and statuses.count(200) == 8, sorted(set(statuses))
+        wait_until(lambda: idle(s), "the admitted requests to finish")
+    finally:
+        os.kill(core, signal.SIGCONT)
+        assert s.stop() == 0, s.logs()
+
+
+def test_request_timeout_aborts_with_504_streamed_or_not():
+    s = ServerProcess("--max-model-len", "256", "--request-timeout", "2", "--engine-stall-timeout", "0")
+    core = s.core_pid()
+    try:
+        os.kill(core, signal.SIGSTOP)  # nothing can finish now
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                "stream": True}) as r:  # fmt: skip
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+        assert json.loads(lines[-2][len("data: ") :])["error"]["code"] == 504 and lines[-1] == "data: [DONE]"
+        os.kill(core, signal.SIGCONT)
+        wait_until(lambda: idle(s) and s.metric("ferry:num_requests_waiting") == 0, "the aborted requests to go")
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        os.kill(core, signal.SIGCONT)
+        assert s.stop() == 0, s.logs()
+
+
+def test_internal_errors_keep_their_text_in_the_log(caplog):
+    from ferry.entrypoints.openai.serving import as_openai_error
+
+    err = as_openai_error(RuntimeError("/srv/tenant-b/prompt.txt: no such file"))
+    assert err.status == 500 and "tenant-b" not in err.message
+    error_id = err.message.split("id ")[1][:12]
+    assert error_id in caplog.text and "tenant-b" in caplog.text
