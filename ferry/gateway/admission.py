@@ -2,31 +2,47 @@
 
 In this order, each step answering the client itself when the request stops
 there: the API key (`--api-keys`, auth.py; 401), the body (413 over
-MAX_BODY_BYTES, 400 if it is not a JSON object or has no `model`), the model
-(404 if no worker ever advertised it), the result cache (`--result-cache`,
-result_cache.py; a hit is answered from it, `x-ferry-cache: skip` bypasses
-it), and the key's token rate limits (rate_limit.py; 429 with Retry-After, or
-400 for a request that could never fit). The order matters: an unknown key
-learns nothing about models, a cache hit costs no tokens of the key's limit,
-and only a request that will be forwarded holds a charge, which settlement.py
+MAX_BODY_BYTES; 400 if it is not strict UTF-8 JSON, has no `model`, or fails
+the worker's own schema, so what is counted below is exactly what a worker
+will run), the model (404 if no worker ever advertised it), the result cache
+(`--result-cache`, result_cache.py; keyed by API key and body; a hit is
+answered from it, charged to the key's limits at its recorded usage;
+`x-ferry-cache: skip` bypasses it), and the key's token rate limits
+(rate_limit.py; 429 with Retry-After, or 400 for a request that could never
+fit). The order matters: an unknown key learns nothing about models, and only
+a request that will be forwarded holds a charge, which settlement.py
 reconciles with the usage the worker reports.
 
-What passes becomes a `RequestContext`: the body as received (forwarded
-untouched), its parsed form, and what the later stages need to know about it.
+What passes is forwarded as the operator wants it, not as the client sent it
+(`forwarded_body`): no `kv_transfer_params` (the gateway's own to set), the
+key's `priority` instead of the client's, the key's cache salt (tenants share
+no prefix-cache blocks unless `--share-prefix-cache`), and for streams
+`include_usage` on, so every charge settles at real usage (the usage chunk is
+dropped on the way back if the client did not ask for it). It becomes a
+`RequestContext`: the body to forward, its parsed form, and what the later
+stages need to know about it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
-from ferry.gateway.auth import ApiKeys
+from ferry.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    decode_json_object,
+    validation_error,
+)
+from ferry.gateway.auth import ApiKey, ApiKeys
 from ferry.gateway.metrics import GatewayMetrics
 from ferry.gateway.prompts import PromptTokenizer
 from ferry.gateway.rate_limit import Charge, TokenRateLimiter
@@ -35,6 +51,11 @@ from ferry.gateway.responses import CACHE_HEADER, WORKER_HEADER, error_response
 from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+OFFLOAD_BYTES = 1 << 20  # bodies decoded and validated in a worker thread
+
+
+def _limited(limits) -> bool:
+    return limits is not None and any(v is not None for v in vars(limits).values())
 
 
 @dataclass
@@ -48,6 +69,8 @@ class RequestContext:
     streamed: bool
     started: float = field(default_factory=time.monotonic)
     prefill_pool: str | None = None  # the API key's prefill pool (disaggregated serving)
+    cache_salt: str | None = None  # as forwarded: routing hashes the prompt's blocks with it
+    strip_usage: bool = False  # a stream whose usage chunk the client did not ask for
     cache_key: str | None = None
     charge: Charge | None = None
     handed_off: bool = False  # a worker's response is being passed through (it settles the charge)
@@ -75,30 +98,64 @@ def _num_prompts(data: dict) -> int:
     return 1
 
 
-def _completion_estimate(data: dict, pool: list[Worker]) -> int:
-    """max_tokens x n x prompts; without max_tokens, the room a replica's context leaves (or 1,024)."""
-    n = data.get("n") if type(data.get("n")) is int and data.get("n") > 0 else 1
-    n *= _num_prompts(data)
-    for field_name in ("max_completion_tokens", "max_tokens"):
-        value = data.get(field_name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value * n
-    max_len = next((w.info.get("max_model_len") for w in pool if w.info and w.info.get("max_model_len")), None)
-    return (max_len or 1024) * n
+def _max_model_len(pool: list[Worker]) -> int | None:
+    return next((w.info.get("max_model_len") for w in pool if w.info and w.info.get("max_model_len")), None)
+
+
+def _completion_estimate(body, pool: list[Worker]) -> int:
+    """The validated request's max tokens (chat: max_completion_tokens first, as the worker reads
+    it) x n x prompts; without one, the room a replica's context leaves (or 1,024)."""
+    seqs = body.n * (_num_prompts({"prompt": body.prompt}) if isinstance(body, CompletionRequest) else 1)
+    limit = getattr(body, "max_completion_tokens", None)
+    limit = limit if limit is not None else body.max_tokens
+    return (limit if limit is not None else _max_model_len(pool) or 1024) * seqs
+
+
+_SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+
+
+def _parse(raw: bytes, kind: str) -> tuple[dict, object]:
+    """(the body as a dict, validated by the worker's own schema); OpenAIError when either fails."""
+    data = decode_json_object(raw)
+    try:
+        return data, _SCHEMAS[kind].model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    except RecursionError:
+        raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
+
+
+def forwarded_body(data: dict, body, key: ApiKey | None, share_prefix_cache: bool) -> tuple[dict, bool]:
+    """The body a worker gets: (dict, whether the client's stream lacks the usage chunk we add)."""
+    out = dict(data)
+    out.pop("kv_transfer_params", None)  # set by this gateway only (disagg.py), never by a client
+    out.pop("priority", None)
+    if key is not None and key.priority:
+        out["priority"] = key.priority
+    if key is not None and not share_prefix_cache:
+        # The client's own salt, if any, partitions within the key's partition, never across keys.
+        out["cache_salt"] = key.cache_salt + (f":{body.cache_salt}" if body.cache_salt else "")
+    strip_usage = False
+    if body.stream and not body.include_usage:
+        out["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        strip_usage = True
+    return out, strip_usage
 
 
 class Admission:
     def __init__(self, workers: list[Worker], prompts: PromptTokenizer, metrics: GatewayMetrics,
                  api_keys: ApiKeys | None, result_cache: ResultCache | None,
-                 rate_limiter: TokenRateLimiter) -> None:  # fmt: skip
+                 rate_limiter: TokenRateLimiter, share_prefix_cache: bool = False) -> None:  # fmt: skip
         self.workers, self.prompts, self.metrics = workers, prompts, metrics
         self.api_keys, self.result_cache, self.rate_limiter = api_keys, result_cache, rate_limiter
+        self.share_prefix_cache = share_prefix_cache
 
     async def admit(self, request: Request, kind: str) -> RequestContext | Response:
         """The request's context, or the response that ends it here (an error or a cache hit)."""
         key_name = "none"
         limits = None
         key_pool = None
+        key = None
         if self.api_keys is not None:
             key = self.api_keys.authenticate(request.headers.get("authorization"))
             if key is None:
@@ -114,33 +171,38 @@ class Admission:
                 return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         raw = bytes(buf)
         try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            return error_response(400, f"malformed JSON body: {e}")
-        if not isinstance(data, dict):
-            return error_response(400, "the request body must be a JSON object")
-        model = data.get("model")
-        if not isinstance(model, str):
+            # Large bodies off the loop: decoding and validating 30 MB takes a good part of a second.
+            data, body = _parse(raw, kind) if len(raw) <= OFFLOAD_BYTES else await asyncio.to_thread(_parse, raw, kind)
+        except OpenAIError as e:
+            return error_response(e.status, e.message, param=e.param)
+        model = body.model
+        if not model:
             return error_response(400, "`model` is required (see GET /v1/models)", param="model")
         model_pool, known = pool(self.workers, model, ("both", "prefill", "decode"))
         if not known:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
-        ctx = RequestContext(kind, path, raw, data, model, key_name, bool(data.get("stream")), prefill_pool=key_pool)
+        out, strip_usage = forwarded_body(data, body, key, self.share_prefix_cache)
+        ctx = RequestContext(kind, path, msgspec.json.encode(out), out, model, key_name, body.stream,
+                             prefill_pool=key_pool, cache_salt=out.get("cache_salt"),
+                             strip_usage=strip_usage)  # fmt: skip
 
         cache = self.result_cache
         if cache is not None and request.headers.get(CACHE_HEADER, "").lower() != "skip" and is_deterministic(data):
-            ctx.cache_key = cache_key(path, data)
+            ctx.cache_key = cache_key(path, data, key_name)
             hit = cache.get(ctx.cache_key)
             if hit is not None:
+                refused = self._charge_hit(key_name, limits, hit.usage)
+                if refused is not None:
+                    return refused
                 self.metrics.cache.labels("hit").inc()
                 headers = {**hit.headers, CACHE_HEADER: "hit", WORKER_HEADER: hit.worker}
                 return Response(hit.body, status_code=hit.status, headers=headers)
             self.metrics.cache.labels("miss").inc()
 
-        if limits is not None and any(v is not None for v in vars(limits).values()):
+        if _limited(limits):
             prompt_estimate = await self._prompt_estimate(ctx, model_pool)
-            completion_estimate = _completion_estimate(data, model_pool)
+            completion_estimate = _completion_estimate(body, model_pool)
             charge, wait, why = self.rate_limiter.admit(key_name, limits, prompt_estimate, completion_estimate)
             if charge is None:
                 self.metrics.rate_limited.labels(key_name).inc()
@@ -152,8 +214,23 @@ class Admission:
             ctx.charge = charge
         return ctx
 
+    def _charge_hit(self, key_name: str, limits, usage: tuple[int | None, int | None]) -> Response | None:
+        """A result-cache hit costs its key what the response it replays cost (its recorded usage):
+        None when the key's limits take that, else the 429 to answer with."""
+        if not _limited(limits):
+            return None
+        prompt, completion = usage
+        charge, wait, why = self.rate_limiter.admit(key_name, limits, prompt or 0, completion or 0)
+        if charge is None:
+            self.metrics.rate_limited.labels(key_name).inc()
+            return error_response(429, f"Rate limit for this API key: {why}.", "rate_limit_exceeded",
+                                  code="rate_limit_exceeded",
+                                  headers={"Retry-After": str(max(1, math.ceil(wait or 1)))})  # fmt: skip
+        return None
+
     async def _prompt_estimate(self, ctx: RequestContext, pool: list[Worker]) -> int:
-        ids = await ctx.token_ids(self.prompts, pool[0]) if pool else None
-        if ids is not None:
-            return len(ids) * _num_prompts(ctx.data)  # the first prompt's length for each
+        if pool:
+            n = await asyncio.to_thread(self.prompts.num_prompt_tokens, ctx.kind, ctx.data, pool[0])
+            if n is not None:
+                return n
         return max(1, len(ctx.raw) // 4)  # no tokenizer here: ~4 bytes a token

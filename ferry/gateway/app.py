@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 from dataclasses import dataclass, field
 
@@ -40,6 +42,7 @@ from ferry.gateway.prompts import PromptTokenizer
 from ferry.gateway.proxy import Proxy
 from ferry.gateway.rate_limit import TokenRateLimiter
 from ferry.gateway.replicas import MonitorConfig, Worker, WorkerMonitor
+from ferry.gateway.responses import WORKER_HEADER
 from ferry.gateway.result_cache import ResultCache
 from ferry.gateway.routing import Routing
 from ferry.gateway.settlement import Settlement
@@ -65,6 +68,9 @@ class GatewayConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     pd_min_prefill_tokens: int = 256
+    admin_key: str | None = None  # may read /metrics and /gateway/workers (as may a key file's admin keys)
+    share_prefix_cache: bool = False  # else each API key's requests carry its own cache_salt
+    worker_header: bool = True  # name the serving worker in `x-ferry-worker`
 
 
 class Gateway:
@@ -102,7 +108,8 @@ class Gateway:
         self.kv = KVMirrors(self.workers, self.monitor_config.scrape_interval, config.policy == "kv-aware",
                             self.prefix_index.forget_worker)  # fmt: skip
         self.admission = Admission(self.workers, self.prompts, self.metrics, self.api_keys, self.result_cache,
-                                   self.rate_limiter)  # fmt: skip
+                                   self.rate_limiter, config.share_prefix_cache)  # fmt: skip
+        self._admin_digest = hashlib.sha256(config.admin_key.encode()).digest() if config.admin_key else None
         self.settlement = Settlement(self.rate_limiter, self.metrics, self.result_cache)
         routing = Routing(self.router, self.prefix_index, self.kv, self.prompts, self.metrics)
         self.proxy = Proxy(self.workers, routing, self.kv, self.prompts, self.settlement, self.metrics,
@@ -146,6 +153,20 @@ class Gateway:
                 self.settlement.release(ctx)  # nothing ran: nothing charged
             raise
 
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether a request may read the gateway's own state (/metrics, /gateway/workers): anyone
+        when no key is configured at all; else `--admin-key` or a key file's admin key."""
+        if self.api_keys is None and self._admin_digest is None:
+            return True
+        if self.api_keys is not None:
+            key = self.api_keys.authenticate(authorization)
+            if key is not None and key.admin:
+                return True
+        if self._admin_digest is not None and authorization and authorization[:7].lower() == "bearer ":
+            given = hashlib.sha256(authorization[7:].strip().encode()).digest()
+            return hmac.compare_digest(given, self._admin_digest)
+        return False
+
     # -- app --------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
@@ -186,7 +207,9 @@ class Gateway:
                                 status_code=200 if healthy else 503)  # fmt: skip
 
         @app.get("/gateway/workers")
-        async def workers() -> Response:
+        async def workers(request: Request) -> Response:
+            if not self.is_admin(request.headers.get("authorization")):
+                return unauthorized()
             return JSONResponse([
                 {"url": w.url, "role": w.role, "prefill_pool": w.prefill_pool, "healthy": w.healthy,
                  "models": sorted(w.models), "in_flight": w.in_flight,
@@ -196,7 +219,29 @@ class Gateway:
             ])  # fmt: skip
 
         @app.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(request: Request) -> Response:
+            if not self.is_admin(request.headers.get("authorization")):
+                return unauthorized()
             return Response(self.metrics.render(self.workers), media_type="text/plain; version=0.0.4")
 
+        if not self.config.worker_header:
+            return _WithoutHeader(app, WORKER_HEADER.lower().encode())
         return app
+
+
+class _WithoutHeader:
+    """ASGI wrapper dropping one response header on every path (cache hits, errors, pass-through)."""
+
+    def __init__(self, app: FastAPI, header: bytes) -> None:
+        self.app, self.header = app, header
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def filtered(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [(k, v) for k, v in message["headers"] if k.lower() != self.header]}
+            await send(message)
+
+        await self.app(scope, receive, filtered)

@@ -4,10 +4,14 @@ The file is either one key per line (blank lines and `#` comments ignored),
 or JSON: a list of objects
     {"key": "sk-...", "name": "team-a",
      "prompt_tokens_per_minute": 20000, "completion_tokens_per_minute": 5000,
-     "total_tokens_per_minute": 22000, "prefill_pool": "team-a"}
+     "total_tokens_per_minute": 22000, "prefill_pool": "team-a",
+     "priority": -1, "admin": false}
 where every field but "key" is optional (no limit when absent; "prefill_pool":
 with disaggregated serving, the pool of `--prefill team-a=URL` workers that
-prefill this key's requests, which all share the decode pool). Clients send
+prefill this key's requests, which all share the decode pool; "priority": the
+scheduling priority of this key's requests, lower first, as vLLM's, the
+client's own being dropped; "admin": the key may read `/metrics` and
+`/gateway/workers`, as `--admin-key` may). Clients send
 `Authorization: Bearer <key>`. Keys are compared in constant time against
 every configured key (no early exit, so the time does not say which key came
 close), and never logged: logs and metrics name a key by its "name" (default:
@@ -35,11 +39,19 @@ class ApiKey:
     digest: bytes  # sha256 of the key: compared, and kept instead of the key itself
     limits: KeyLimits
     prefill_pool: str | None = None  # disaggregated serving: the prefill pool this key's requests use
+    priority: int = 0  # set on every request of this key (the client's own is dropped)
+    admin: bool = False  # may read /metrics and /gateway/workers
+
+    @property
+    def cache_salt(self) -> str:
+        """This key's prefix-cache partition (core/block_hash.py): derived from the key, so only its
+        holder (and the operator) could compute it, and stable across gateway restarts and replicas."""
+        return hashlib.sha256(b"ferry-cache-salt\x00" + self.digest).hexdigest()[:32]
 
 
 class ApiKeys:
     def __init__(self, keys: list[tuple]) -> None:
-        """`keys`: (name, key, limits) or (name, key, limits, prefill pool)."""
+        """`keys`: (name, key, limits[, prefill pool[, priority[, admin]]])."""
         if not keys:
             raise ValueError("the API key file has no keys")
         names = [k[0] for k in keys]
@@ -94,11 +106,17 @@ def _parse_json(text: str, path: str) -> list[tuple]:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{path}: entry {i}: {field} must be a positive integer")
             limits[field] = value
-        unknown = set(entry) - {"key", "name", "prefill_pool", *limits}
+        unknown = set(entry) - {"key", "name", "prefill_pool", "priority", "admin", *limits}
         if unknown:
             raise ValueError(f"{path}: entry {i}: unknown fields {sorted(unknown)}")
         pool = entry.get("prefill_pool")
         if pool is not None and (not isinstance(pool, str) or not pool):
             raise ValueError(f"{path}: entry {i}: prefill_pool must be a pool name given with --prefill NAME=URL")
-        out.append((str(entry.get("name") or f"key-{i}"), entry["key"], KeyLimits(**limits), pool))
+        priority = entry.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+            raise ValueError(f"{path}: entry {i}: priority must be an integer (lower runs first)")
+        admin = entry.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"{path}: entry {i}: admin must be true or false")
+        out.append((str(entry.get("name") or f"key-{i}"), entry["key"], KeyLimits(**limits), pool, priority, admin))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 
@@ -37,8 +38,17 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="require `Authorization: Bearer KEY`: one key per line, or JSON with per-key token limits",
+        help="require `Authorization: Bearer KEY`: one key per line, or JSON with per-key token limits, "
+        "priorities, prefill pools and admin rights",
     )
+    p.add_argument("--admin-key", default=None,
+                   help="a key for /metrics and /gateway/workers (default: $FERRY_ADMIN_KEY); with --api-keys "
+                        "those need an admin key, of the file's or this one")  # fmt: skip
+    p.add_argument("--share-prefix-cache", action="store_true",
+                   help="let API keys share prefix-cache blocks (default: each key's requests carry its own "
+                        "cache_salt, so cached_tokens and routing reveal nothing across keys)")  # fmt: skip
+    p.add_argument("--no-worker-header", action="store_true",
+                   help="do not name the serving worker in an `x-ferry-worker` response header")  # fmt: skip
     g = p.add_argument_group("result cache (deterministic requests: temperature 0 or a seed)")
     g.add_argument("--result-cache", action="store_true", help="answer repeated deterministic requests from a cache")
     g.add_argument("--result-cache-entries", type=int, default=1024)
@@ -90,6 +100,9 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         prefill=list(prefill or []),
         decode=list(decode or []),
         pd_min_prefill_tokens=args.pd_min_prefill_tokens,
+        admin_key=args.admin_key or os.environ.get("FERRY_ADMIN_KEY") or None,
+        share_prefix_cache=args.share_prefix_cache,
+        worker_header=not args.no_worker_header,
     )
     monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
     policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,

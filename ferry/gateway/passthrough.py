@@ -4,8 +4,10 @@
 failure can still be retried elsewhere, so a connection error or a 5xx is
 returned as a failure (the 5xx kept, as the answer if no other worker does
 better) and counted against the worker's circuit breaker when the worker is
-at fault: connection errors and 502/503/504, not a 500, which may be the
-request's own doing (one client must not empty the pool). After the first
+at fault: connection errors, 502 and 503, not a 500, which may be the
+request's own doing (one client must not empty the pool), nor a timeout
+(the gateway's read timeout, a worker's 504): slow is not dead, and such a
+request is answered, not retried. After the first
 byte nothing can be retried: `pass_through` streams the response to the
 client with an `x-ferry-worker` header, keeps up to MAX_KEPT_BYTES of it and
 the first token's time, and settles it (settlement.py) when it ends.
@@ -22,7 +24,7 @@ from fastapi.responses import Response
 
 from ferry.gateway.admission import RequestContext
 from ferry.gateway.replicas import MonitorConfig, Worker
-from ferry.gateway.response_usage import first_text_chunk
+from ferry.gateway.response_usage import UsageChunkFilter, first_text_chunk
 from ferry.gateway.responses import CACHE_HEADER, WORKER_HEADER
 from ferry.gateway.settlement import PassThroughResponse, Settlement
 
@@ -40,6 +42,7 @@ class UpstreamError(NamedTuple):
     status: int
     headers: dict[str, str]
     body: bytes
+    retry: bool = True  # False: no other worker would do better (answer with this)
 
 
 async def send(client: httpx.AsyncClient, worker: Worker, path: str, raw: bytes, accept: str | None,
@@ -54,6 +57,17 @@ async def send(client: httpx.AsyncClient, worker: Worker, path: str, raw: bytes,
         upstream = await client.send(
             client.build_request("POST", worker.url + path, content=raw, headers=headers), stream=True
         )
+    except httpx.ReadTimeout:
+        # Slow is not dead: a non-streamed request sends nothing until it is done, and a long one
+        # may outlast the gateway's timeout on a healthy worker. No breaker count, and no retry
+        # (another worker would only run the same long request again).
+        worker.in_flight -= 1
+        logger.warning("worker %s did not answer within the gateway's --request-timeout", worker.url)
+        body = (
+            b'{"error": {"message": "the worker did not answer within the gateway\'s request timeout", '
+            b'"type": "timeout", "param": null, "code": 504}}'
+        )
+        return None, UpstreamError(worker, 504, {"content-type": "application/json"}, body, retry=False)
     except (httpx.TransportError, OSError) as e:
         worker.in_flight -= 1
         worker.record_failure(f"{type(e).__name__}: {e}", breaker)
@@ -72,11 +86,14 @@ async def send(client: httpx.AsyncClient, worker: Worker, path: str, raw: bytes,
             worker.in_flight -= 1
         # Only a worker that cannot serve (unreachable, overloaded, draining) counts against its
         # breaker; a 500 may be the request's own doing, and one client must not eject the pool.
-        if upstream.status_code in (502, 503, 504):
+        # A 504 is the request's own deadline (`ferry serve --request-timeout`): slow, not dead,
+        # and no other worker would finish it sooner.
+        if upstream.status_code in (502, 503):
             worker.record_failure(f"HTTP {upstream.status_code}", breaker)
-        logger.warning("worker %s answered %d; trying another", worker.url, upstream.status_code)
+        retry = upstream.status_code != 504
+        logger.warning("worker %s answered %d%s", worker.url, upstream.status_code, "; trying another" * retry)
         kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
-        return None, UpstreamError(worker, upstream.status_code, kept, body[:65536])
+        return None, UpstreamError(worker, upstream.status_code, kept, body[:65536], retry)
     worker.consecutive_failures = 0
     return upstream, None
 
@@ -106,18 +123,21 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
                 await close()
                 yield data
                 return
+            strip = UsageChunkFilter() if ctx.strip_usage else None
             async for chunk in upstream.aiter_raw():
                 if state["first"] is None and first_text_chunk(chunk):
                     state["first"] = time.monotonic()
                 if not state["overflow"]:
-                    state["kept"] += chunk
+                    state["kept"] += chunk  # as the worker sent it: settlement reads its usage
                     state["overflow"] = len(state["kept"]) > MAX_KEPT_BYTES
+                out = chunk if strip is None else strip.feed(chunk)
                 if chunk.rstrip().endswith(b"data: [DONE]"):
                     state["complete"] = True
                     await close()  # also closes the upstream: nothing may be read after this
-                    yield chunk
+                    yield out + (strip.flush() if strip is not None else b"")
                     return
-                yield chunk
+                if out:
+                    yield out
         except httpx.TransportError as e:  # the worker broke the stream: nothing can be retried now
             logger.warning("worker %s broke a response after %.1fs: %s", worker.url,
                            time.monotonic() - ctx.started, e)  # fmt: skip

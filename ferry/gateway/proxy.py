@@ -22,8 +22,8 @@ and attempt:
   any), one non-streamed POST with `max_tokens` 1. A 4xx other than 429 gives
   up (the request's own fault: the decode worker, prefilling it itself, will
   say what it is); a 429 (queue full) or 5xx tries another prefill worker.
-  Connection errors and 502/503/504 count against the breaker, as in
-  passthrough.py, but a timeout while reading does not (a long prompt is
+  Connection errors, 502 and 503 count against the breaker, as in
+  passthrough.py, but a timeout while reading (or a 504) does not (a long prompt is
   slow, not broken). When no prefill worker can, the decode worker prefills
   the prompt itself.
 """
@@ -75,7 +75,7 @@ class Retry:
 
 @dataclass(frozen=True)
 class GiveUp:
-    pass
+    error: UpstreamError | None = None  # the answer to give, if this attempt got one
 
 
 @dataclass
@@ -116,7 +116,7 @@ async def try_workers(
         if isinstance(outcome, Done):
             return Tries(outcome, tried, last_error)
         if isinstance(outcome, GiveUp):
-            return Tries(None, tried, last_error)
+            return Tries(None, tried, outcome.error or last_error)
         last_error = outcome.error or last_error
         worker = None
 
@@ -151,7 +151,7 @@ class Proxy:
             ids = await ctx.token_ids(self.prompts, d)
             block_size = (d.info or {}).get("block_size")
             if ids and block_size:
-                hashes = hash_prompt_blocks(ids, block_size)
+                hashes = hash_prompt_blocks(ids, block_size, ctx.cache_salt)
                 uncached = len(ids) - self.kv.overlap(d, hashes) * block_size
                 if uncached >= self.pd_min_prefill_tokens:
                     answer, prefill_worker = await self.prefill(ctx, d, hashes)
@@ -196,7 +196,7 @@ class Proxy:
             finally:
                 worker.in_flight -= 1
             if r.status_code != 200:
-                if r.status_code in (502, 503, 504):
+                if r.status_code in (502, 503):  # not 504: the request's own deadline, slow, not dead
                     worker.record_failure(f"HTTP {r.status_code}", self.breaker)
                 logger.warning("prefill worker %s answered %d: %s", worker.url, r.status_code, r.text[:300])
                 if r.status_code < 500 and r.status_code != 429:
@@ -234,7 +234,7 @@ class Proxy:
         async def attempt(worker: Worker) -> Done | Retry:
             upstream, error = await send(self.client, worker, ctx.path, body, accept, self.breaker)
             if upstream is None:
-                return Retry(error)
+                return Retry(error) if error is None or error.retry else GiveUp(error)
             ctx.handed_off = True
             return Done(pass_through(ctx, worker, upstream, self.settlement, extra_headers))
 
@@ -244,8 +244,8 @@ class Proxy:
         self.metrics.failed.labels(ctx.model).inc()
         self.settlement.release(ctx)  # nothing ran: nothing charged
         if tries.last_error is not None:  # every attempt got a 5xx: the last one says why
-            worker, status, headers, body = tries.last_error
-            return Response(body, status_code=status, headers={**headers, WORKER_HEADER: worker.url})
+            e = tries.last_error
+            return Response(e.body, status_code=e.status, headers={**e.headers, WORKER_HEADER: e.worker.url})
         message = f"no worker for model `{ctx.model}` could take the request" if tries.tried else (
             f"no healthy worker for model `{ctx.model}`")  # fmt: skip
         return error_response(503, message, "service_unavailable", headers={"Retry-After": "1"})

@@ -69,3 +69,34 @@ def has_error_event(body: bytes) -> bool:
 def first_text_chunk(chunk: bytes) -> bool:
     """Whether an SSE chunk carries generated text (the first one marks the first token)."""
     return any(_has_text(e) for e in sse_events(chunk))
+
+
+class UsageChunkFilter:
+    """Drops the usage-only SSE event (`"choices": []` with `usage`) from a stream on its way to a
+    client that did not ask for it: the gateway asks every worker for usage, to settle charges."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buf += chunk
+        out = []
+        while (end := self._buf.find(b"\n\n")) >= 0:
+            event, self._buf = self._buf[: end + 2], self._buf[end + 2 :]
+            if not _usage_only(event):
+                out.append(event)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return rest
+
+
+def _usage_only(event: bytes) -> bool:
+    if not event.startswith(b"data: {") or b'"usage"' not in event:
+        return False
+    try:
+        obj = json.loads(event[6:])
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)

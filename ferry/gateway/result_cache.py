@@ -2,8 +2,8 @@
 
 Only requests whose output is a function of the body are cached: temperature 0
 (greedy) or a fixed `seed` (a seeded request's tokens do not depend on the
-batch it runs in, worker/sampler.py). The key is
-the endpoint and the body as canonical JSON (sorted keys), so a streamed and a
+batch it runs in, worker/sampler.py). The key is the API key's name, the
+endpoint and the body as canonical JSON (sorted keys), so a streamed and a
 non-streamed request are different entries and each is replayed in its own
 form, byte for byte. Only complete 200 responses are stored. Bounded by
 entries and bytes (LRU) and by a TTL; `x-ferry-cache: skip` on a request
@@ -26,6 +26,7 @@ class CachedResponse:
     body: bytes
     worker: str
     stored_at: float
+    usage: tuple[int | None, int | None] = (None, None)  # (prompt, completion) tokens: what a hit is charged
 
 
 def is_deterministic(data: dict) -> bool:
@@ -35,9 +36,11 @@ def is_deterministic(data: dict) -> bool:
     return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
 
 
-def cache_key(path: str, data: dict) -> str:
+def cache_key(path: str, data: dict, key_name: str) -> str:
+    """Per API key: one tenant's responses are never replayed to another (nor is their existence
+    revealed by a hit's speed)."""
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(f"{path}\n{canonical}".encode()).hexdigest()
+    return hashlib.sha256(f"{key_name}\n{path}\n{canonical}".encode()).hexdigest()
 
 
 class ResultCache:
@@ -62,13 +65,14 @@ class ResultCache:
         self._entries.move_to_end(key)
         return entry
 
-    def put(self, key: str, status: int, headers: dict[str, str], body: bytes, worker: str) -> bool:
+    def put(self, key: str, status: int, headers: dict[str, str], body: bytes, worker: str,
+            usage: tuple[int | None, int | None] = (None, None)) -> bool:  # fmt: skip
         """Store a complete response; False if it alone is over the byte bound."""
         if len(body) > self.max_bytes:
             return False
         if key in self._entries:
             self._drop(key)
-        self._entries[key] = CachedResponse(status, headers, body, worker, self.clock())
+        self._entries[key] = CachedResponse(status, headers, body, worker, self.clock(), usage)
         self.bytes += len(body)
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))

@@ -25,7 +25,7 @@ from ferry.gateway.admission import RequestContext
 from ferry.gateway.metrics import GatewayMetrics
 from ferry.gateway.rate_limit import TokenRateLimiter
 from ferry.gateway.replicas import Worker
-from ferry.gateway.response_usage import has_error_event, response_usage
+from ferry.gateway.response_usage import UsageChunkFilter, has_error_event, response_usage
 from ferry.gateway.result_cache import ResultCache
 
 
@@ -82,4 +82,7 @@ class Settlement:
         cacheable = complete and body is not None and not (ctx.streamed and has_error_event(body))
         if cacheable and ctx.cache_key is not None and self.result_cache is not None:
             kept = {k: v for k, v in headers.items() if k.lower() == "content-type"}
-            self.result_cache.put(ctx.cache_key, status, kept, body, worker.url)
+            if ctx.strip_usage:  # replayed as the client got it; the usage is kept beside it
+                strip = UsageChunkFilter()
+                body = strip.feed(body) + strip.flush()
+            self.result_cache.put(ctx.cache_key, status, kept, body, worker.url, (prompt, completion))

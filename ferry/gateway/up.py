@@ -109,7 +109,8 @@ def run_up(args: argparse.Namespace) -> int:
     cmds = []
     for port, role in zip(ports, roles):
         cmd = [sys.executable, "-m", "ferry.cli", "serve", *([args.model] if args.model else []),
-               "--port", str(port), "--enable-kv-events", *eargs.to_cli_flags()]  # fmt: skip
+               "--port", str(port), "--enable-kv-events", *eargs.to_cli_flags(),
+               "--allow-client-priority"]  # the gateway is the client: it sets each API key's priority  # fmt: skip
         if args.served_model_name:
             cmd += ["--served-model-name", args.served_model_name]
         if role != "both":

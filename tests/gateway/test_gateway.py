@@ -3,6 +3,8 @@ driven with the official openai client."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 import threading
@@ -46,10 +48,11 @@ class GatewayProcess:
         self.launched = LaunchedServer(cmd, self.port, "/ready", 60)
         self.url = self.launched.__enter__()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.admin: dict[str, str] = {}  # the headers that let this test read /metrics
 
     def metric(self, name: str, **labels: str) -> float:
         total = 0.0
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+        for line in httpx.get(self.url + "/metrics", headers=self.admin, timeout=10).text.splitlines():
             if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
@@ -166,7 +169,8 @@ def test_killed_worker_is_routed_around(replicas):
 def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(
-        '[{"key": "sk-open", "name": "open"}, {"key": "sk-small", "name": "small", "total_tokens_per_minute": 120}]'
+        '[{"key": "sk-open", "name": "open"}, {"key": "sk-small", "name": "small", "total_tokens_per_minute": 120},'
+        ' {"key": "sk-ops", "name": "ops", "admin": true}]'
     )
     gw = GatewayProcess([s.url for s in replicas], "--policy", "least-load", "--api-keys", str(keys), "--result-cache")
     try:
@@ -175,7 +179,12 @@ def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
             r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(gw.url + "/v1/models", timeout=10).status_code == 401
-        assert "sk-" not in httpx.get(gw.url + "/metrics", timeout=10).text  # keys are never exposed
+        # The gateway's own state is for admin keys only.
+        for path in ("/metrics", "/gateway/workers"):
+            for headers in ({}, {"Authorization": "Bearer sk-open"}):
+                assert httpx.get(gw.url + path, headers=headers, timeout=10).status_code == 401, (path, headers)
+        gw.admin = {"Authorization": "Bearer sk-ops"}
+        assert "sk-" not in httpx.get(gw.url + "/metrics", headers=gw.admin, timeout=10).text  # keys never exposed
 
         small = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-small", max_retries=0, timeout=60)
         small.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=40, temperature=0.5,
@@ -219,6 +228,93 @@ def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
         assert gw.metric("gen_ai_server_time_per_output_token_seconds_count", key="open") == 1
     finally:
         gw.stop()
+
+
+def test_tenants_are_isolated_and_bodies_are_the_operators(replicas, tmp_path):
+    """One worker behind the gateway, so every request meets the same prefix cache."""
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "sk-a", "name": "a"}, {"key": "sk-b", "name": "b"}, {"key": "sk-ops", "name": "ops", '
+                    '"admin": true}, {"key": "sk-tiny", "name": "tiny", "total_tokens_per_minute": 120}]')  # fmt: skip
+    gw = GatewayProcess([replicas[0].url], "--api-keys", str(keys), "--result-cache", "--no-worker-header")
+    gw.admin = {"Authorization": "Bearer sk-ops"}
+
+    def post(key: str, body: dict) -> httpx.Response:
+        r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, **body},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+        assert "x-ferry-worker" not in r.headers
+        return r
+
+    try:
+        # Prefix-cache hits stay within a key (each key's requests carry its own cache_salt).
+        prompt = "Notes on the tides of a small harbour town, written by its keeper. " * 4
+        sampled = {"prompt": prompt, "max_tokens": 1, "temperature": 0.7}  # never result-cached
+
+        def cached(key: str) -> int:
+            r = post(key, sampled)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached("sk-a") == 0 and cached("sk-a") >= 32
+        assert cached("sk-b") == 0  # b learns nothing of a's prompt
+        # The result cache is per key too.
+        greedy = {"prompt": "Three colours:", "max_tokens": 4, "temperature": 0}
+        assert [post("sk-a", greedy).headers.get("x-ferry-cache") for _ in range(2)] == ["miss", "hit"]
+        assert post("sk-b", greedy).headers.get("x-ferry-cache") == "miss"
+        # A hit costs its key what the response cost: 2 x ~40 tokens fit in 120 a minute, 3 do not.
+        costly = {"prompt": "Count:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        assert [post("sk-tiny", costly).status_code for _ in range(3)] == [200, 200, 429]
+        # The body is the operator's: a client's priority and kv_transfer_params never reach the worker
+        # (which takes no client priority and sends no KV blocks: it would answer 400 to either).
+        r = post(
+            "sk-a",
+            {
+                "prompt": "Hi",
+                "max_tokens": 1,
+                "priority": -5,
+                "kv_transfer_params": {"do_remote_decode": True, "decode_receiver": "tcp://10.0.0.9:1"},
+            },
+        )
+        assert r.status_code == 200, r.text
+        # Types are checked here, as the worker would, before anything is counted or forwarded.
+        before = replicas[0].metric("ferry:prompt_tokens_total")
+        for bad, param in (({"n": "2"}, "n"), ({"max_tokens": 4.0}, "max_tokens"), ({"stop": ["x"] * 65}, "stop")):
+            r = post("sk-a", {"prompt": "Hi", **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.post(gw.url + "/v1/completions", content=b'{"model": "smol", "prompt": "\\ud800"}',
+                       headers={"Authorization": "Bearer sk-a"}, timeout=60)  # fmt: skip
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+        assert replicas[0].metric("ferry:prompt_tokens_total") == before
+        # A stream settles at its real usage even when the client did not ask for it (and gets none).
+        inputs = gw.metric("gen_ai_client_token_usage_count", key="a", gen_ai_token_type="input")
+        with httpx.stream("POST", gw.url + "/v1/completions", headers={"Authorization": "Bearer sk-a"}, timeout=60,
+                          json={"model": MODEL, "prompt": "Once", "max_tokens": 3, "stream": True}) as r:  # fmt: skip
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events and all(e["choices"] and "usage" not in e for e in events)
+        assert gw.metric("gen_ai_client_token_usage_count", key="a", gen_ai_token_type="input") == inputs + 1
+    finally:
+        gw.stop()
+
+
+def test_slow_is_not_dead_a_timed_out_request_opens_no_breaker():
+    """A request that outlives its deadline on a worker (here: a worker whose engine core is stopped,
+    so nothing finishes) is answered with that worker's 504, not retried, and the worker stays in."""
+    worker = ServerProcess("--max-model-len", "256", "--request-timeout", "1", "--engine-stall-timeout", "0",
+                           "--served-model-name", MODEL)  # fmt: skip
+    gw = GatewayProcess([worker.url], "--failure-threshold", "1")
+    core = worker.core_pid()
+    try:
+        os.kill(core, signal.SIGSTOP)
+        for _ in range(3):
+            r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                           timeout=60)  # fmt: skip
+            assert r.status_code == 504 and r.headers["x-ferry-worker"] == worker.url, r.text
+        assert gw.metric("ferry_gateway_retries_total") == 0
+        (state,) = httpx.get(gw.url + "/gateway/workers", timeout=10).json()
+        assert state["healthy"] is True, state
+    finally:
+        os.kill(core, signal.SIGCONT)
+        gw.stop()
+        worker.stop()
 
 
 def test_requests_go_to_the_pool_of_their_model(replicas):

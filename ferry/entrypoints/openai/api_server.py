@@ -16,13 +16,11 @@ import asyncio
 import hmac
 import logging
 import os
-import re
 import signal
 import time
 from contextlib import asynccontextmanager
 from typing import Any
 
-import msgspec
 import uvicorn
 from fastapi import FastAPI
 from pydantic import ValidationError
@@ -40,7 +38,9 @@ from ferry.entrypoints.openai.protocol import (
     CompletionRequest,
     OpenAIError,
     PromptLimits,
+    decode_json_object,
     precheck_body,
+    validation_error,
 )
 from ferry.entrypoints.openai.serving import (
     RequestAbortedError,
@@ -61,18 +61,10 @@ def _error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def _validation_error(e: ValidationError) -> OpenAIError:
-    first = e.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    msg = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err['msg']}" for err in e.errors()[:5])
-    return OpenAIError(400, msg, param=param, code=400)
-
-
 MAX_BODY_BYTES = 32 << 20
 # Bodies above this are decoded and validated in a worker thread. Neither releases the GIL, so
 # the loop still pauses, but for a JSON decode (~0.1 s at the cap) rather than for validation.
 OFFLOAD_BYTES = 1 << 20
-_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 async def _read_body(request: Request) -> bytes:
@@ -89,18 +81,7 @@ async def _read_body(request: Request) -> bytes:
 
 
 def _decode(raw: bytes, limits: PromptLimits) -> dict:
-    """JSON (strict UTF-8, no NaN, no lone surrogates) into a dict whose prompt sizes fit."""
-    try:
-        data = msgspec.json.decode(raw)
-    except UnicodeDecodeError as e:
-        raise OpenAIError(400, f"the request body is not valid UTF-8: {e}", code=400) from None
-    except (msgspec.MsgspecError, RecursionError) as e:
-        why = str(e) if not isinstance(e, RecursionError) else "nested too deeply"
-        if _LONE_SURROGATE.search(raw):
-            why = "it contains a lone UTF-16 surrogate escape (\\ud800-\\udfff not part of a pair)"
-        raise OpenAIError(400, f"malformed JSON body: {why}", code=400) from None
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "the request body must be a JSON object", code=400)
+    data = decode_json_object(raw)
     precheck_body(data, limits)
     return data
 
@@ -109,7 +90,7 @@ def _validate(data: dict, model: type) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
     except RecursionError:
         raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
 

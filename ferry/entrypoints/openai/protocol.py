@@ -11,10 +11,12 @@ lengths against the model's context before any per-token work.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+import msgspec
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from ferry.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 
@@ -116,6 +118,33 @@ def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
                 chars += sum(max(_text_len(p.get("text") if isinstance(p, dict) else None), 1) for p in content)
         if chars > limits.max_chars:
             raise _too_long("messages", chars, "characters", limits.max_chars, ctx)
+
+
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a dict: strict UTF-8, no NaN, no lone UTF-16 surrogates (400 otherwise)."""
+    try:
+        data = msgspec.json.decode(raw)
+    except UnicodeDecodeError as e:
+        raise OpenAIError(400, f"the request body is not valid UTF-8: {e}", code=400) from None
+    except (msgspec.MsgspecError, RecursionError) as e:
+        why = str(e) if not isinstance(e, RecursionError) else "nested too deeply"
+        if _LONE_SURROGATE.search(raw):
+            why = "it contains a lone UTF-16 surrogate escape (\\ud800-\\udfff not part of a pair)"
+        raise OpenAIError(400, f"malformed JSON body: {why}", code=400) from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object", code=400)
+    return data
+
+
+def validation_error(e: ValidationError) -> OpenAIError:
+    """A schema error as OpenAI's 400, naming the first bad field."""
+    first = e.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    msg = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+    return OpenAIError(400, msg, param=param, code=400)
 
 
 class StreamOptions(BaseModel):
