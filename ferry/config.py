@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GiB = 1 << 30
@@ -289,6 +289,8 @@ class KVTransferConfig:
     redis_max_memory: str | None = None  # if set, configure the server: maxmemory + allkeys-lru
     encoding: str = "raw"  # raw | int8 (in transit)
     timeout: float = 10.0  # seconds, for every wait
+    # The deployment's secret: every transfer message carries an HMAC with it (kv_transfer/auth.py).
+    secret: bytes | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         if self.role not in KV_ROLES:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -125,7 +126,10 @@ def run_up(args: argparse.Namespace) -> int:
                                 [u for u, r in zip(urls, roles) if r == "decode"])  # fmt: skip
     else:
         gateway = build_gateway(args, urls)
-    replicas = Replicas(cmds, urls)
+    # The workers' KV transfers carry an HMAC with this deployment's secret: the operator's, or one
+    # made here (it never leaves these processes' environments).
+    secret = os.environ.get("FERRY_KV_TRANSFER_SECRET") or secrets.token_hex(32)
+    replicas = Replicas(cmds, urls, env={"FERRY_KV_TRANSFER_SECRET": secret} if args.pd else None)
     # SIGTERM (Kubernetes, systemd, kill) stops the gateway like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:

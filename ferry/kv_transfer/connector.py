@@ -42,6 +42,7 @@ import zmq
 
 from ferry.config import KVTransferConfig
 from ferry.core.block_hash import BlockHash
+from ferry.kv_transfer.auth import AuthError, MessageAuth
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import CHUNK_BYTES, Done, Have, KVTransferDone, Offer, Push, WireMessage
@@ -100,7 +101,8 @@ class KVConnector:
         if self.redis is not None:
             self._start(self._pull_loop, "ferry-kv-puller")
         if config.receives:
-            self.receiver = Receiver(self.channel, config.host, config.port, max_payload_bytes, has_block)
+            self.receiver = Receiver(self.channel, config.host, config.port, max_payload_bytes, has_block,
+                                     config.secret, config.timeout)  # fmt: skip
             self.receiver_addr = self.receiver.addr
             self._start(self.receiver.run, "ferry-kv-receiver")
 
@@ -132,6 +134,7 @@ class KVConnector:
 
     def _send_loop(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
+        self._auth = MessageAuth(self.config.secret)  # this thread's: seals offers and pushes, opens replies
         waker = self.channel.waker()
         while not self._stop.is_set():
             try:
@@ -175,7 +178,7 @@ class KVConnector:
         tid = uuid.uuid4().hex
         deadline = time.monotonic() + self.config.timeout
         try:
-            sock.send(msgspec.msgpack.encode(Offer(tid, job.payload.block_hashes)))
+            sock.send_multipart(self._auth.seal([msgspec.msgpack.encode(Offer(tid, job.payload.block_hashes))]))
             have = self._reply(sock, tid, Have, deadline)
             payload = job.payload.tail(have.num_held)
             if payload.num_blocks == 0:
@@ -184,11 +187,14 @@ class KVConnector:
             blob_parts = (payload.data, payload.scales)
             if self.config.transport == "shm":
                 size = payload.num_bytes
-                shm = shared_memory.SharedMemory(create=True, size=max(size, 1))
+                if not have.shm_name:
+                    raise RuntimeError("the decode worker named no shared-memory segment")
+                shm = shared_memory.SharedMemory(name=have.shm_name, create=True, size=max(size, 1))
                 try:
                     shm.buf[: len(payload.data)] = payload.data
                     shm.buf[len(payload.data) : size] = payload.scales
-                    sock.send(msgspec.msgpack.encode(Push(tid, meta, len(payload.data), shm.name)))
+                    push = Push(tid, meta, len(payload.data), shm.name)
+                    sock.send_multipart(self._auth.seal([msgspec.msgpack.encode(push)]))
                     done = self._reply(sock, tid, Done, deadline)
                 finally:  # the receiver copied it out (or gave up): the segment goes either way
                     shm.close()
@@ -198,7 +204,7 @@ class KVConnector:
                 for part in blob_parts:
                     view = memoryview(part)
                     frames += [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)]
-                sock.send_multipart(frames, copy=False)
+                sock.send_multipart(self._auth.seal(frames), copy=False)
                 done = self._reply(sock, tid, Done, deadline)
         except (TimeoutError, zmq.ZMQError):
             # Replies that come late would answer the next offer: start that one on a fresh socket.
@@ -215,7 +221,11 @@ class KVConnector:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
                 raise TimeoutError(f"no answer from the decode worker within {self.config.timeout:.1f}s")
-            msg = decoder.decode(sock.recv_multipart()[0])
+            try:
+                msg = decoder.decode(self._auth.open(sock.recv_multipart())[0])
+            except (AuthError, msgspec.DecodeError, IndexError) as e:
+                logger.warning("KV transfer reply refused: %s", e)
+                continue
             if msg.transfer_id != tid:
                 continue  # an answer to an earlier, abandoned transfer
             if isinstance(msg, Done) and kind is Have:  # refused at the offer

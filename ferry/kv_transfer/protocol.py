@@ -24,13 +24,16 @@ class Offer(msgspec.Struct, tag="offer", array_like=True):
 class Have(msgspec.Struct, tag="have", array_like=True):
     transfer_id: str
     num_held: int  # leading blocks of the offer the receiver caches already
+    # shm: the segment the sender must create for this transfer. The receiver names it, so a peer can
+    # never make it open another process's segment.
+    shm_name: str | None = None
 
 
 class Push(msgspec.Struct, tag="push", array_like=True):
     transfer_id: str
     meta: KVBlocks  # data and scales empty: they follow as frames, or in shared memory
     data_bytes: int
-    shm_name: str | None = None  # shm: the segment holding data then scales
+    shm_name: str | None = None  # shm: the segment holding data then scales (Have.shm_name)
 
 
 class Done(msgspec.Struct, tag="done", array_like=True):

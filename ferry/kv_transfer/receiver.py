@@ -3,7 +3,9 @@ blocks this cache holds, turns pushes (frames or a shared-memory segment) into I
 core thread, and sends the core's `Done` back.
 
 A peer that announces or sends more than this whole cache could hold is refused before anything
-is assembled; a shared-memory segment is read only up to its announced size.
+is assembled; a shared-memory segment is read only up to its announced size, and only a segment
+this receiver named for that transfer (in its `Have`). With a deployment secret (auth.py) every
+message must carry a valid MAC, and replays are dropped, before anything is decoded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from multiprocessing import resource_tracker, shared_memory
 import msgspec
 import zmq
 
+from ferry.kv_transfer.auth import AuthError, MessageAuth
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import Done, Have, Offer, Push, WireMessage
@@ -48,9 +51,14 @@ class Receiver:
         port: int,
         max_payload_bytes: int,
         has_block: Callable[[bytes], bool],
+        secret: bytes | None = None,
+        timeout: float = 10.0,
     ) -> None:
         self.channel = channel
         self.has_block = has_block
+        self.auth = MessageAuth(secret)
+        self.timeout = timeout
+        self._shm_names: dict[str, tuple[str, float]] = {}  # transfer id -> (the segment we named, when)
         self.replies: queue.Queue = queue.Queue()
         ctx = channel.ctx
         self.sock = ctx.socket(zmq.ROUTER)
@@ -109,32 +117,46 @@ class Receiver:
                         identity, done = self.replies.get_nowait()
                     except queue.Empty:
                         break
-                    self.sock.send_multipart([identity, encoder.encode(done)])
+                    self.sock.send_multipart([identity, *self.auth.seal([encoder.encode(done)])])
                 if self.sock not in ready:
                     continue
                 frames = self.sock.recv_multipart(copy=False)
                 identity = frames[0].bytes
                 try:
-                    msg = decoder.decode(frames[1].buffer)
-                except (msgspec.DecodeError, IndexError) as e:
-                    logger.warning("bad KV transfer message: %s", e)
+                    body = self.auth.open(frames[1:])
+                    msg = decoder.decode(body[0].buffer)
+                except (AuthError, msgspec.DecodeError, IndexError) as e:
+                    logger.warning("KV transfer message refused: %s", e)
                     continue
                 if isinstance(msg, Offer):
                     held = 0
                     while held < len(msg.block_hashes) and self.has_block(msg.block_hashes[held]):
                         held += 1
-                    self.sock.send_multipart([identity, encoder.encode(Have(msg.transfer_id, held))])
+                    have = Have(msg.transfer_id, held, self._name_segment(msg.transfer_id))
+                    self.sock.send_multipart([identity, *self.auth.seal([encoder.encode(have)])])
                 elif isinstance(msg, Push):
-                    self.channel.post(self._assemble(msg, frames[2:], identity), waker)
+                    self.channel.post(self._assemble(msg, body[1:], identity), waker)
         finally:
             self.sock.close(linger=0)
             self.wake.close(linger=0)
             waker.close(linger=0)
 
+    def _name_segment(self, transfer_id: str) -> str:
+        """The shared-memory name the sender of this transfer must use (forgotten after 2 timeouts)."""
+        now = time.monotonic()
+        if len(self._shm_names) > 256:
+            self._shm_names = {t: v for t, v in self._shm_names.items() if now - v[1] < 2 * self.timeout}
+        name = f"ferry-kv-{uuid.uuid4().hex}"
+        self._shm_names[transfer_id] = (name, now)
+        return name
+
     def _assemble(self, msg: Push, frames: list, identity: bytes) -> ImportJob:
         meta = msg.meta
         try:
             if msg.shm_name is not None:
+                issued = self._shm_names.pop(msg.transfer_id, (None, 0.0))[0]
+                if msg.shm_name != issued:
+                    raise ValueError(f"shared-memory segment {msg.shm_name!r} was not named by this receiver")
                 shm = shared_memory.SharedMemory(name=msg.shm_name)
                 try:
                     # The sender owns (and unlinks) the segment; without this, this process's

@@ -63,13 +63,15 @@ def redis_url():
 @pytest.fixture(scope="module")
 def cluster(redis_url):
     """Two decode workers (they pull from Redis too) and one prefill worker per transport."""
-    decode = [ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url, *FLAGS)
+    # Every transfer message carries an HMAC with the deployment's secret (kv_transfer/auth.py).
+    env = {"FERRY_KV_TRANSFER_SECRET": "test-deployment-secret-42"}
+    decode = [ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url, *FLAGS, env=env)
               for _ in range(2)]  # fmt: skip
     prefill = {}
     for t in TRANSPORTS:
         extra = ("--redis-url", redis_url) if t == "redis" else ()
         prefill[t] = ServerProcess("--role", "prefill", "--kv-transfer", t, "--kv-transfer-timeout", "3",
-                                   "--enable-kv-events", *extra, *FLAGS)  # fmt: skip
+                                   "--enable-kv-events", *extra, *FLAGS, env=env)  # fmt: skip
     yield {"decode": decode, "prefill": prefill, "redis": redis_url}
     for s in [*decode, *prefill.values()]:
         if s.proc.poll() is None:

@@ -51,6 +51,7 @@ from ferry.entrypoints.openai.serving import (
 )
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
+from ferry.kv_transfer.auth import load_secret
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 
@@ -394,6 +395,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-dtype", choices=("auto", "int8"), default="auto",
                    help="KV in transit: auto (the cache's dtype) or int8 (per-vector scales)")  # fmt: skip
     g.add_argument("--kv-transfer-timeout", type=float, default=10.0, help="seconds for every KV-transfer wait")
+    g.add_argument("--kv-transfer-secret-file", default=None, metavar="PATH",
+                   help="the deployment's shared secret (>= 16 bytes; default: $FERRY_KV_TRANSFER_SECRET): "
+                        "every KV-transfer message carries an HMAC with it; others are dropped")  # fmt: skip
     g.add_argument("--redis-url", default=None,
                    help="redis://host:port/db: a shared KV-block store; new requests pull the prompt blocks "
                         "missing here from it")  # fmt: skip
@@ -434,7 +438,7 @@ def serve(args: argparse.Namespace) -> int:
             role=args.role, transport=args.kv_transfer, host=args.kv_transfer_host or args.host,
             port=args.kv_transfer_port, redis_url=args.redis_url, redis_ttl=args.redis_ttl,
             redis_max_memory=args.redis_max_memory, encoding="int8" if args.kv_transfer_dtype == "int8" else "raw",
-            timeout=args.kv_transfer_timeout,
+            timeout=args.kv_transfer_timeout, secret=load_secret(args.kv_transfer_secret_file),
         )  # fmt: skip
         kv_transfer.validate()  # ValueError: a clear message, exit 2
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
