@@ -33,14 +33,15 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from ferry.entrypoints.openai.protocol import (
+    OFFLOAD_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     decode_json_object,
-    validation_error,
+    read_body,
+    validate_body,
 )
 from ferry.gateway.auth import ApiKey, ApiKeys
 from ferry.gateway.metrics import GatewayMetrics
@@ -49,9 +50,6 @@ from ferry.gateway.rate_limit import Charge, TokenRateLimiter
 from ferry.gateway.replicas import Worker, pool
 from ferry.gateway.responses import CACHE_HEADER, WORKER_HEADER, error_response
 from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
-
-MAX_BODY_BYTES = 32 * 1024 * 1024
-OFFLOAD_BYTES = 1 << 20  # bodies decoded and validated in a worker thread
 
 
 def _limited(limits) -> bool:
@@ -117,12 +115,7 @@ _SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 def _parse(raw: bytes, kind: str) -> tuple[dict, object]:
     """(the body as a dict, validated by the worker's own schema); OpenAIError when either fails."""
     data = decode_json_object(raw)
-    try:
-        return data, _SCHEMAS[kind].model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    except RecursionError:
-        raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
+    return data, validate_body(data, _SCHEMAS[kind])
 
 
 def forwarded_body(data: dict, body, key: ApiKey | None, share_prefix_cache: bool) -> tuple[dict, bool]:
@@ -140,6 +133,12 @@ def forwarded_body(data: dict, body, key: ApiKey | None, share_prefix_cache: boo
         out["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
         strip_usage = True
     return out, strip_usage
+
+
+def _rate_limited(why: str, wait: float) -> Response:
+    headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+    return error_response(429, f"Rate limit for this API key: {why}.", "rate_limit_exceeded",
+                          code="rate_limit_exceeded", headers=headers)  # fmt: skip
 
 
 class Admission:
@@ -161,16 +160,8 @@ class Admission:
             if key is None:
                 return unauthorized()
             key_name, limits, key_pool = key.name, key.limits, key.prefill_pool
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        buf = bytearray()
-        async for piece in request.stream():
-            buf += piece
-            if len(buf) > MAX_BODY_BYTES:
-                return error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        raw = bytes(buf)
         try:
+            raw = await read_body(request)
             # Large bodies off the loop: decoding and validating 30 MB takes a good part of a second.
             data, body = _parse(raw, kind) if len(raw) <= OFFLOAD_BYTES else await asyncio.to_thread(_parse, raw, kind)
         except OpenAIError as e:
@@ -208,9 +199,7 @@ class Admission:
                 self.metrics.rate_limited.labels(key_name).inc()
                 if wait is None:  # can never fit: retrying would not help, so not a 429
                     return error_response(400, f"{why}; lower max_tokens or the prompt", param="max_tokens")
-                return error_response(429, f"Rate limit for this API key: {why}.", "rate_limit_exceeded",
-                                      code="rate_limit_exceeded",
-                                      headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
+                return _rate_limited(why, wait)
             ctx.charge = charge
         return ctx
 
@@ -223,14 +212,14 @@ class Admission:
         charge, wait, why = self.rate_limiter.admit(key_name, limits, prompt or 0, completion or 0)
         if charge is None:
             self.metrics.rate_limited.labels(key_name).inc()
-            return error_response(429, f"Rate limit for this API key: {why}.", "rate_limit_exceeded",
-                                  code="rate_limit_exceeded",
-                                  headers={"Retry-After": str(max(1, math.ceil(wait or 1)))})  # fmt: skip
+            return _rate_limited(why, wait or 1.0)
         return None
 
     async def _prompt_estimate(self, ctx: RequestContext, pool: list[Worker]) -> int:
-        if pool:
-            n = await asyncio.to_thread(self.prompts.num_prompt_tokens, ctx.kind, ctx.data, pool[0])
-            if n is not None:
-                return n
-        return max(1, len(ctx.raw) // 4)  # no tokenizer here: ~4 bytes a token
+        n = None
+        if pool and _num_prompts(ctx.data) > 1:  # every prompt counts
+            n = await asyncio.to_thread(self.prompts.num_prompt_tokens, ctx.data["prompt"], pool[0])
+        elif pool:  # the ids routing hashes too: tokenized once (RequestContext.token_ids)
+            ids = await ctx.token_ids(self.prompts, pool[0])
+            n = None if ids is None else len(ids)
+        return n if n is not None else max(1, len(ctx.raw) // 4)  # no tokenizer here: ~4 bytes a token

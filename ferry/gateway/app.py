@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 from dataclasses import dataclass, field
 
@@ -46,6 +44,7 @@ from ferry.gateway.responses import WORKER_HEADER
 from ferry.gateway.result_cache import ResultCache
 from ferry.gateway.routing import Routing
 from ferry.gateway.settlement import Settlement
+from ferry.utils.bearer import key_digest, match_digest
 
 logger = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape otherwise
@@ -109,7 +108,7 @@ class Gateway:
                             self.prefix_index.forget_worker)  # fmt: skip
         self.admission = Admission(self.workers, self.prompts, self.metrics, self.api_keys, self.result_cache,
                                    self.rate_limiter, config.share_prefix_cache)  # fmt: skip
-        self._admin_digest = hashlib.sha256(config.admin_key.encode()).digest() if config.admin_key else None
+        self._admin_digest = key_digest(config.admin_key) if config.admin_key else None
         self.settlement = Settlement(self.rate_limiter, self.metrics, self.result_cache)
         routing = Routing(self.router, self.prefix_index, self.kv, self.prompts, self.metrics)
         self.proxy = Proxy(self.workers, routing, self.kv, self.prompts, self.settlement, self.metrics,
@@ -162,10 +161,7 @@ class Gateway:
             key = self.api_keys.authenticate(authorization)
             if key is not None and key.admin:
                 return True
-        if self._admin_digest is not None and authorization and authorization[:7].lower() == "bearer ":
-            given = hashlib.sha256(authorization[7:].strip().encode()).digest()
-            return hmac.compare_digest(given, self._admin_digest)
-        return False
+        return self._admin_digest is not None and match_digest(authorization, [self._admin_digest]) is not None
 
     # -- app --------------------------------------------------------------
 

@@ -21,9 +21,10 @@ close), and never logged: logs and metrics name a key by its "name" (default:
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 from dataclasses import dataclass
+
+from ferry.utils.bearer import key_digest, match_digest
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class ApiKeys:
             raise ValueError("API key names must be unique")
         if len({k[1] for k in keys}) != len(keys):
             raise ValueError("the API key file lists a key twice")
-        self.keys = [ApiKey(k[0], hashlib.sha256(k[1].encode()).digest(), *k[2:]) for k in keys]
+        self.keys = [ApiKey(k[0], key_digest(k[1]), *k[2:]) for k in keys]
 
     @classmethod
     def from_file(cls, path: str) -> "ApiKeys":
@@ -74,17 +75,8 @@ class ApiKeys:
 
     def authenticate(self, authorization: str | None) -> ApiKey | None:
         """The key named by an `Authorization: Bearer ...` header, or None."""
-        if not authorization:
-            return None
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return None
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        found = None
-        for key in self.keys:  # all of them, always: constant time in the position of the match
-            if hmac.compare_digest(digest, key.digest):
-                found = key
-        return found
+        found = match_digest(authorization, [key.digest for key in self.keys])
+        return None if found is None else self.keys[found]
 
 
 def _parse_json(text: str, path: str) -> list[tuple]:

@@ -20,8 +20,10 @@ import time
 from typing import NamedTuple
 
 import httpx
+import msgspec
 from fastapi.responses import Response
 
+from ferry.entrypoints.openai.protocol import OpenAIError
 from ferry.gateway.admission import RequestContext
 from ferry.gateway.replicas import MonitorConfig, Worker
 from ferry.gateway.response_usage import UsageChunkFilter, first_text_chunk
@@ -63,10 +65,8 @@ async def send(client: httpx.AsyncClient, worker: Worker, path: str, raw: bytes,
         # (another worker would only run the same long request again).
         worker.in_flight -= 1
         logger.warning("worker %s did not answer within the gateway's --request-timeout", worker.url)
-        body = (
-            b'{"error": {"message": "the worker did not answer within the gateway\'s request timeout", '
-            b'"type": "timeout", "param": null, "code": 504}}'
-        )
+        error = OpenAIError(504, "the worker did not answer within the gateway's request timeout", "timeout", code=504)
+        body = msgspec.json.encode(error.body())
         return None, UpstreamError(worker, 504, {"content-type": "application/json"}, body, retry=False)
     except (httpx.TransportError, OSError) as e:
         worker.in_flight -= 1

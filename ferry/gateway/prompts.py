@@ -53,16 +53,12 @@ class PromptTokenizer:
         except Exception:  # a body the replica will reject: route it by load, let the replica say why
             return None
 
-    def num_prompt_tokens(self, kind: str, data: dict, worker: Worker) -> int | None:
-        """Prompt tokens over every prompt of the body (a multi-prompt completion counts each), or
-        None when they cannot be known here."""
-        prompt = data.get("prompt")
-        if kind != "completions" or not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
-            ids = self.token_ids(kind, data, worker)
-            return None if ids is None else len(ids)
+    def num_prompt_tokens(self, prompts: list, worker: Worker) -> int | None:
+        """Prompt tokens over every prompt of a multi-prompt completion (strings or token-id lists),
+        or None when they cannot be known here."""
         tok = self._tokenizer(worker)
         total = 0
-        for p in prompt:
+        for p in prompts:
             if isinstance(p, list):
                 total += len(p)
             elif isinstance(p, str) and tok is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -23,7 +22,6 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -34,13 +32,15 @@ from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import (
+    OFFLOAD_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     PromptLimits,
     decode_json_object,
     precheck_body,
-    validation_error,
+    read_body,
+    validate_body,
 )
 from ferry.entrypoints.openai.serving import (
     RequestAbortedError,
@@ -54,6 +54,7 @@ from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.kv_transfer.auth import load_secret
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
+from ferry.utils.bearer import key_digest, match_digest
 
 logger = logging.getLogger("ferry.server")
 
@@ -62,46 +63,18 @@ def _error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-MAX_BODY_BYTES = 32 << 20
-# Bodies above this are decoded and validated in a worker thread. Neither releases the GIL, so
-# the loop still pauses, but for a JSON decode (~0.1 s at the cap) rather than for validation.
-OFFLOAD_BYTES = 1 << 20
-
-
-async def _read_body(request: Request) -> bytes:
-    """The body, refused with a 413 as soon as it passes MAX_BODY_BYTES (declared or streamed)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
-    raw = bytearray()
-    async for piece in request.stream():
-        raw += piece
-        if len(raw) > MAX_BODY_BYTES:
-            raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
-    return bytes(raw)
-
-
 def _decode(raw: bytes, limits: PromptLimits) -> dict:
     data = decode_json_object(raw)
     precheck_body(data, limits)
     return data
 
 
-def _validate(data: dict, model: type) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    except RecursionError:
-        raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
-
-
 async def _parse(request: Request, model: type, limits: PromptLimits) -> Any:
-    raw = await _read_body(request)
+    raw = await read_body(request)
     if len(raw) <= OFFLOAD_BYTES:
-        return _validate(_decode(raw, limits), model)
+        return validate_body(_decode(raw, limits), model)
     data = await asyncio.to_thread(_decode, raw, limits)
-    return await asyncio.to_thread(_validate, data, model)
+    return await asyncio.to_thread(validate_body, data, model)
 
 
 class Server:
@@ -115,7 +88,7 @@ class Server:
         self.engine_args = engine_args
         self.kv_events = kv_events
         self.kv_transfer = kv_transfer
-        self.api_keys = [k.encode() for k in api_keys or []]
+        self.api_keys = [key_digest(k) for k in api_keys or []]
         self.engine_stall_timeout = engine_stall_timeout
         self.state = ServerState(served_model_names, max_queue_len, allow_client_priority, request_timeout)
         self.metrics = ServerMetrics(served_model_names[0])
@@ -205,10 +178,7 @@ class Server:
                 # Probes, metrics and /ferry/info stay open (kubelets and Prometheus carry no key).
                 path = request.url.path
                 if path.startswith("/v1/") or path == "/v1" or path == "/reset_prefix_cache":
-                    header = request.headers.get("authorization", "")
-                    given = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
-                    # Compare with every key, always: the time taken says nothing about which matched.
-                    if not any([hmac.compare_digest(given, k) for k in keys]):
+                    if match_digest(request.headers.get("authorization"), keys) is None:
                         return _error_response(OpenAIError(
                             401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                             "invalid_request_error", code="invalid_api_key",
