@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
+import time
 
 import httpx
 
@@ -53,3 +56,41 @@ class ServerProcess:
     def stop(self) -> int:
         self.launched.__exit__(None, None, None)
         return self.proc.returncode
+
+
+def finished(server: ServerProcess, reason: str) -> float:
+    """How many requests `server` has finished with `reason` (length, stop, abort)."""
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("ferry:request_success_total{") and f'finished_reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for(condition, what: str, timeout: float = 180.0, interval: float = 0.1) -> None:
+    """Poll `condition()` until it is true; `timeout` only bounds a failure (it is not a speed check)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting: {what}"
+        time.sleep(interval)
+
+
+def open_request(url: str, path: str, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
+    """A POST sent over a raw socket whose response nobody has read yet: the test decides when the
+    client goes away (`sock.close()`), which no HTTP client library lets it do mid-request."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=300)
+    raw = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\ncontent-length: {len(raw)}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock.sendall(head.encode() + b"\r\n" + raw)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    """What the socket received up to and including `marker` (an AssertionError if it closes first)."""
+    got = b""
+    while marker not in got:
+        piece = sock.recv(65536)
+        assert piece, f"the connection closed before {marker!r}: {got[:500]!r}"
+        got += piece
+    return got

@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import Gauge
+from starlette.requests import ClientDisconnect
 
+from ferry.entrypoints.openai.protocol import wait_for_disconnect
 from ferry.gateway.admission import Admission, RequestContext, unauthorized
 from ferry.gateway.auth import ApiKeys
 from ferry.gateway.disagg import parse_prefill_spec
@@ -140,17 +143,33 @@ class Gateway:
     # -- requests ---------------------------------------------------------
 
     async def handle(self, request: Request, kind: str) -> Response:
-        ctx = await self.admission.admit(request, kind)
+        try:
+            ctx = await self.admission.admit(request, kind)
+        except ClientDisconnect:  # gone before its body was read
+            self.metrics.client_gone.labels("before_response").inc()
+            return Response(status_code=499)
         if not isinstance(ctx, RequestContext):
             return ctx  # refused, or answered from the result cache
+        # Until a worker's response starts (for a non-streamed request: until the worker has
+        # finished it) nothing is sent to the client, so nothing would notice it leave: watch for
+        # that, and cancel the routing, which closes the connections to the workers (the prefill
+        # hop's too) and so aborts what they started. From the response on, Starlette watches.
+        route = self.proxy.route_pd(ctx, request) if self.disaggregated else self.proxy.route(ctx, request)
+        routing = asyncio.ensure_future(route)
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
         try:
-            if self.disaggregated:
-                return await self.proxy.route_pd(ctx, request)
-            return await self.proxy.route(ctx, request)
-        except BaseException:
+            await asyncio.wait({routing, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if routing.done():  # answered (even if the client left meanwhile: the response's close settles it)
+                return routing.result()
+            self.metrics.client_gone.labels("before_response").inc()
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+        finally:
+            gone.cancel()  # a receiver must not outlive this: the response listens for the disconnect
+            if not routing.done():
+                routing.cancel()
+                await asyncio.gather(routing, return_exceptions=True)
             if not ctx.handed_off:
                 self.settlement.release(ctx)  # nothing ran: nothing charged
-            raise
 
     def is_admin(self, authorization: str | None) -> bool:
         """Whether a request may read the gateway's own state (/metrics, /gateway/workers): anyone
@@ -220,24 +239,41 @@ class Gateway:
                 return unauthorized()
             return Response(self.metrics.render(self.workers), media_type="text/plain; version=0.0.4")
 
-        if not self.config.worker_header:
-            return _WithoutHeader(app, WORKER_HEADER.lower().encode())
-        return app
+        drop = None if self.config.worker_header else WORKER_HEADER.lower().encode()
+        return _Outermost(app, self.metrics.in_progress, drop)
 
 
-class _WithoutHeader:
-    """ASGI wrapper dropping one response header on every path (cache hits, errors, pass-through)."""
+class _Outermost:
+    """ASGI wrapper around the routes: counts the API requests in progress, from their first byte
+    to their response's last (a streamed response outlives its route), for the drain and
+    /metrics; drops one response header on every path (cache hits, errors, pass-through) if asked."""
 
-    def __init__(self, app: FastAPI, header: bytes) -> None:
-        self.app, self.header = app, header
+    def __init__(self, app: FastAPI, in_progress: Gauge, drop_header: bytes | None) -> None:
+        self.app, self.in_progress, self.drop_header = app, in_progress, drop_header
+        self.count = 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.drop_header is not None:
+            send = self._filtered(send)
+        if not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        self.count += 1
+        self.in_progress.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
+            self.in_progress.dec()
 
+    def _filtered(self, send):
         async def filtered(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [(k, v) for k, v in message["headers"] if k.lower() != self.header]}
+                message = {
+                    **message,
+                    "headers": [(k, v) for k, v in message["headers"] if k.lower() != self.drop_header],
+                }
             await send(message)
 
-        await self.app(scope, receive, filtered)
+        return filtered

@@ -48,6 +48,11 @@ class GatewayMetrics:
                                          registry=r)  # fmt: skip
         self.healthy = Gauge("ferry_gateway_worker_healthy", "1 if the worker is in its pools", ["worker"], registry=r)
         self.in_flight = Gauge("ferry_gateway_worker_in_flight", "requests in flight", ["worker"], registry=r)
+        self.in_progress = Gauge("ferry_gateway_requests_in_progress", "API requests the gateway is handling, "
+                                 "from their first byte to their response's last", registry=r)  # fmt: skip
+        self.client_gone = Counter("ferry_gateway_client_disconnects", "requests whose client left before their "
+                                   "response ended (stage: before_response | during_response); what they started "
+                                   "on a worker is aborted there", ["stage"], registry=r)  # fmt: skip
 
     def render(self, workers: list[Worker]) -> bytes:
         for w in workers:

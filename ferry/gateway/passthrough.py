@@ -107,7 +107,8 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
     if ctx.cache_key is not None:
         headers[CACHE_HEADER] = "miss"
     status = upstream.status_code
-    state = {"kept": bytearray(), "overflow": False, "complete": False, "first": None, "closed": False}
+    state = {"kept": bytearray(), "overflow": False, "complete": False, "first": None, "closed": False,
+             "broken": False}  # fmt: skip
 
     async def body():
         # The bookkeeping (close) runs before the client can see the end of the response, so
@@ -139,6 +140,7 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
                 if out:
                     yield out
         except httpx.TransportError as e:  # the worker broke the stream: nothing can be retried now
+            state["broken"] = True
             logger.warning("worker %s broke a response after %.1fs: %s", worker.url,
                            time.monotonic() - ctx.started, e)  # fmt: skip
             return
@@ -146,13 +148,15 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
 
     async def close() -> None:
         # Runs exactly once, whether the body was sent, broke, or never started (a client that
-        # left before the first byte): the in-flight count and the charge must not leak.
+        # left before the first byte): the in-flight count and the charge must not leak. Closing
+        # the upstream connection early is what tells the worker to abort the request.
         if state["closed"]:
             return
         state["closed"] = True
         worker.in_flight -= 1
         await upstream.aclose()
         kept = None if state["overflow"] else bytes(state["kept"])
-        settlement.settle(ctx, worker, status, headers, kept, state["complete"], state["first"])
+        client_left = not state["complete"] and not state["broken"]
+        settlement.settle(ctx, worker, status, headers, kept, state["complete"], state["first"], client_left)
 
     return PassThroughResponse(body(), close, status_code=status, headers=headers)

@@ -51,13 +51,17 @@ class Settlement:
         self.rate_limiter, self.metrics, self.result_cache = rate_limiter, metrics, result_cache
 
     def release(self, ctx: RequestContext) -> None:
-        """No worker ran the request: give its charge back whole."""
+        """No worker ran the request: give its charge back whole (once, however often called)."""
         if ctx.charge is not None:
             self.rate_limiter.reconcile(ctx.charge, 0, 0)  # nothing ran: nothing charged
+            ctx.charge = None
 
     def settle(self, ctx: RequestContext, worker: Worker, status: int, headers: dict[str, str],
-               body: bytes | None, complete: bool, first_token_at: float | None) -> None:  # fmt: skip
+               body: bytes | None, complete: bool, first_token_at: float | None,
+               client_left: bool = False) -> None:  # fmt: skip
         """After a passed-through response: usage, rate-limit reconciliation, metrics, cache."""
+        if client_left:
+            self.metrics.client_gone.labels("during_response").inc()
         prompt = completion = None
         exact = False
         if body is not None and status == 200:

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, finished, open_request, read_until, wait_for
 from test_gateway import GatewayProcess
 
 from ferry.utils.network import free_port
@@ -254,6 +254,48 @@ def test_prefill_pools_per_tenant_feed_one_decode_pool(cluster, tmp_path):
             headers, text = complete(gw.url, long_prompt("tenant-" + key, 0),
                                      headers={"Authorization": f"Bearer {key}"})  # fmt: skip
             assert headers["x-ferry-prefill-worker"] == worker and headers["x-ferry-worker"] == d1.url and text
+    finally:
+        gw.stop()
+
+
+def test_clients_that_leave_early_abort_the_prefill_hop_and_the_decode(cluster):
+    """20 raw-socket clients go away early on each disaggregated path: right after sending (the
+    gateway is mostly still in the prefill hop then), not streamed while their requests decode
+    (before any byte), streamed after a first token. Nothing runs to its 300 tokens, and every
+    worker, prefill ones included, ends idle with no KV block held."""
+    d1, d2 = cluster["decode"]
+    p = cluster["prefill"]["tcp"]
+    gw = pd_gateway([p.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "0")
+    n = 20
+    body = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    length_before = sum(finished(s, "length") for s in (d1, d2))
+
+    def decoding() -> float:
+        return sum(s.metric("ferry:num_requests_running") + s.metric("ferry:num_requests_waiting") for s in (d1, d2))
+
+    def idle() -> bool:
+        return (all(s.metric("ferry:num_requests_running") + s.metric("ferry:num_requests_waiting") == 0
+                    and s.metric("ferry:kv_cache_usage_perc") == 0 for s in (p, d1, d2))
+                and gw.metric("ferry_gateway_requests_in_progress") == 0)  # fmt: skip
+
+    try:
+        for stream, leave in ((False, "sent"), (False, "running"), (True, "running")):
+            gone_before = gw.metric("ferry_gateway_client_disconnects_total")
+            socks = [open_request(gw.url, "/v1/completions", {**body, "stream": stream,
+                                  "prompt": long_prompt(f"leave-{stream}-{leave}", i)}) for i in range(n)]  # fmt: skip
+            if leave == "running" and stream:
+                for sock in socks:
+                    read_until(sock, b"data: {")
+            elif leave == "running":
+                wait_for(lambda: decoding() >= n, f"{n} requests on the decode workers")
+            for sock in socks:
+                sock.close()
+            wait_for(lambda g=gone_before: gw.metric("ferry_gateway_client_disconnects_total") >= g + n,
+                     "the gateway noticed every client leave")  # fmt: skip
+            wait_for(idle, f"idle after stream={stream} leave={leave}")
+        assert sum(finished(s, "length") for s in (d1, d2)) == length_before  # no decode ran to its end
+        headers, text = complete(gw.url, long_prompt("after-leaving", 0))  # and PD still works
+        assert headers["x-ferry-prefill-worker"] == p.url and text
     finally:
         gw.stop()
 

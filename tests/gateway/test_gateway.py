@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, finished, open_request, read_until, wait_for
 
 from ferry.bench.launch import LaunchedServer
 from ferry.utils.network import free_port
@@ -330,3 +330,57 @@ def test_requests_go_to_the_pool_of_their_model(replicas):
     finally:
         gw.stop()
         other.stop()
+
+
+def test_clients_that_leave_early_are_aborted_on_every_path(replicas):
+    """20 raw-socket clients go away early on each path, at a worker and through the gateway: while
+    their requests run (streamed: after a first token; not streamed: before any byte, since such a
+    response is sent whole at the end) and, through the gateway, right after sending (mostly before
+    a worker was even chosen). Every request that reached a worker is aborted there (none runs to
+    its 300 tokens), and the workers and the gateway end idle with no KV block held."""
+    gw = GatewayProcess([s.url for s in replicas], "--policy", "least-load")
+    gw.admin = {}
+    n = 20
+    body = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    length_before = sum(finished(s, "length") for s in replicas)
+    aborted_before = sum(finished(s, "abort") for s in replicas)
+
+    def held() -> float:  # sequences running or waiting on the workers
+        return sum(s.metric("ferry:num_requests_running") + s.metric("ferry:num_requests_waiting") for s in replicas)
+
+    def idle() -> bool:
+        return (held() == 0 and all(s.metric("ferry:kv_cache_usage_perc") == 0 for s in replicas)
+                and gw.metric("ferry_gateway_requests_in_progress") == 0
+                and gw.metric("ferry_gateway_worker_in_flight") == 0)  # fmt: skip
+
+    try:
+        reached = 0  # requests that reached a worker (each must end aborted)
+        for target in (replicas[0].url, gw.url):
+            for stream, leave in ((False, "running"), (True, "running"), (False, "sent"), (True, "sent")):
+                if leave == "sent" and target != gw.url:
+                    continue  # at a worker, nothing counts such a client (see the gateway's below)
+                gone_before = gw.metric("ferry_gateway_client_disconnects_total")
+                socks = [open_request(target, "/v1/completions", {**body, "stream": stream,
+                                      "prompt": f"Client {i} of {target} ({stream}, {leave}) says"})
+                         for i in range(n)]  # fmt: skip
+                if leave == "running":
+                    if stream:
+                        for sock in socks:
+                            read_until(sock, b"data: {")
+                    else:
+                        wait_for(lambda: held() >= n, f"{n} requests on the workers")
+                    reached += n
+                for sock in socks:
+                    sock.close()
+                if target == gw.url:  # each client counted once, whatever the stage it left at
+                    wait_for(lambda g=gone_before: gw.metric("ferry_gateway_client_disconnects_total") >= g + n,
+                             "the gateway noticed every client leave")  # fmt: skip
+                    assert gw.metric("ferry_gateway_client_disconnects_total") == gone_before + n
+                wait_for(idle, f"idle after {target} stream={stream} leave={leave}")
+        assert sum(finished(s, "length") for s in replicas) == length_before  # none ran to its end
+        assert sum(finished(s, "abort") for s in replicas) >= aborted_before + reached
+        assert gw.metric("ferry_gateway_client_disconnects_total", stage="during_response") >= n  # the streams
+        r = gw.client.completions.create(model=MODEL, prompt="Still", max_tokens=2)  # and the gateway still serves
+        assert r.usage.completion_tokens == 2
+    finally:
+        gw.stop()

@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ferry.config import KV_ROLES, KV_TRANSPORTS, EngineArgs, KVEventsConfig, KVTransferConfig
@@ -281,7 +281,10 @@ class Server:
 
         async def generate(request: Request, body_type: type, handler) -> Response:
             engine = ready_engine(state)  # 503 before reading a body this server cannot serve yet
-            body = await _parse(request, body_type, state.prompt_limits(engine))
+            try:
+                body = await _parse(request, body_type, state.prompt_limits(engine))
+            except ClientDisconnect:  # gone before its body was read: nothing started, nothing to answer
+                return Response(status_code=499)
             try:
                 response = await handler(request, state, body)
             except (ValueError, EngineDeadError, EngineStalledError, RequestAbortedError, RequestTimeoutError) as e:

@@ -140,6 +140,15 @@ async def read_body(request: Request) -> bytes:
     return bytes(raw)
 
 
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone away. Only once the body has been read: until then the
+    messages it would take are the body's."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 

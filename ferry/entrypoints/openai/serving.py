@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError, RemotePrefill, RequestStream, prompt_digest
 from ferry.engine.core_client import EngineDeadError
-from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits
+from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits, wait_for_disconnect
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError
 
@@ -265,18 +265,11 @@ async def merged_outputs(engine: AsyncLLM, streams: list[RequestStream]) -> Asyn
                 engine.abort(s.request_id)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def until_disconnect(request: Request, agen: AsyncIterator, deadline: float | None = None) -> AsyncIterator:
     """Iterate `agen` until it ends or the client disconnects (then `agen` is closed, aborting its
     requests), even while no output is due, e.g. when the request waits in the queue. Past
     `deadline` (time.monotonic()) it raises RequestTimeoutError, also aborting."""
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
     step: asyncio.Future | None = None
     try:
         while True:
