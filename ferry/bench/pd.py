@@ -95,7 +95,9 @@ def run_config(name: str, workers: list[tuple[str, list[str]]], gateway_flags: l
             *eargs.to_cli_flags()]  # fmt: skip
     cmds = [[*base, "--port", str(port), *flags] for port, (_, flags) in zip(ports, workers)]
     logs = [open(os.path.join(log_dir, f"{name}-{i}.log"), "wb") for i in range(len(workers))]
-    replicas = Replicas(cmds, urls, env={"OMP_NUM_THREADS": str(args.worker_threads)}, log_files=logs)
+    replicas = Replicas(
+        cmds, urls, env={"OMP_NUM_THREADS": str(args.worker_threads)}, log_files=logs, split_cpus=False
+    )  # as recorded in BENCHMARKS.md: threads by flag, no pinning
     out = {"config": name}
     try:
         replicas.start(600)

@@ -128,7 +128,9 @@ def main(args: argparse.Namespace) -> int:
     cmds = [[sys.executable, "-m", "ferry.cli", "serve", *([args.model] if args.model else []), "--port", str(p),
              "--enable-kv-events", *eargs.to_cli_flags()] for p in ports]  # fmt: skip
     logs = [tempfile.NamedTemporaryFile(prefix="ferry-route-replica-", suffix=".log", delete=False) for _ in ports]
-    replicas = Replicas(cmds, urls, env={"OMP_NUM_THREADS": str(args.replica_threads)}, log_files=logs)
+    replicas = Replicas(
+        cmds, urls, env={"OMP_NUM_THREADS": str(args.replica_threads)}, log_files=logs, split_cpus=False
+    )  # as recorded in BENCHMARKS.md: threads by flag, no pinning
     rng = random.Random(args.bench_seed)
     even = workload(args, rng)
     skewed = workload(args, random.Random(args.bench_seed + 1), args.skew) if args.skew else None

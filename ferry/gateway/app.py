@@ -23,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
@@ -43,7 +46,7 @@ from ferry.gateway.prompts import PromptTokenizer
 from ferry.gateway.proxy import Proxy
 from ferry.gateway.rate_limit import TokenRateLimiter
 from ferry.gateway.replicas import MonitorConfig, Worker, WorkerMonitor
-from ferry.gateway.responses import WORKER_HEADER
+from ferry.gateway.responses import WORKER_HEADER, error_response
 from ferry.gateway.result_cache import ResultCache
 from ferry.gateway.routing import Routing
 from ferry.gateway.settlement import Settlement
@@ -73,6 +76,7 @@ class GatewayConfig:
     admin_key: str | None = None  # may read /metrics and /gateway/workers (as may a key file's admin keys)
     share_prefix_cache: bool = False  # else each API key's requests carry its own cache_salt
     worker_header: bool = True  # name the serving worker in `x-ferry-worker`
+    drain_timeout: float = 30.0  # seconds the requests in flight get after SIGTERM
 
 
 class Gateway:
@@ -118,6 +122,12 @@ class Gateway:
                            self.monitor_config, config.max_retries, config.pd_min_prefill_tokens)  # fmt: skip
         self.client: httpx.AsyncClient | None = None
         self.monitors: list[WorkerMonitor] = []
+        self.draining = False
+        self.also_run: list[Callable[[], Coroutine]] = []  # tasks to run while the gateway runs (`ferry up`'s)
+        self._also_tasks: list[asyncio.Task] = []
+        self.server: uvicorn.Server | None = None  # set by whoever runs the app; the drain stops it
+        self._drain_task: asyncio.Task | None = None
+        self._outermost: _Outermost | None = None
         self.app = self._build_app()
 
     # -- lifecycle --------------------------------------------------------
@@ -131,9 +141,31 @@ class Gateway:
             m.start()
         await asyncio.wait([asyncio.create_task(m.first_check.wait()) for m in self.monitors], timeout=10)
         self.kv.start()
+        self._also_tasks = [asyncio.create_task(run()) for run in self.also_run]
         logger.info("gateway over %d workers, policy %s", len(self.workers), self.config.policy)
 
+    def start_drain(self) -> None:
+        """SIGTERM: readiness turns 503 and new requests get 503 while the ones in flight (streams
+        included) get up to `drain_timeout` seconds; then the server stops."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("draining: %d requests in flight, up to %.0fs", self._outermost.count, self.config.drain_timeout)
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout
+        while self._outermost.count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._outermost.count:
+            logger.warning("drain timeout: stopping with %d requests in flight", self._outermost.count)
+        if self.server is not None:
+            self.server.should_exit = True
+
     async def stop(self) -> None:
+        for t in self._also_tasks:
+            t.cancel()
+        await asyncio.gather(*self._also_tasks, return_exceptions=True)
         await self.kv.stop()
         for m in self.monitors:
             await m.stop()
@@ -143,6 +175,9 @@ class Gateway:
     # -- requests ---------------------------------------------------------
 
     async def handle(self, request: Request, kind: str) -> Response:
+        if self.draining:
+            return error_response(503, "the gateway is shutting down", "service_unavailable",
+                                  headers={"Retry-After": "1"})  # fmt: skip
         try:
             ctx = await self.admission.admit(request, kind)
         except ClientDisconnect:  # gone before its body was read
@@ -217,6 +252,8 @@ class Gateway:
 
         @app.get("/ready")
         async def ready() -> Response:
+            if self.draining:
+                return JSONResponse({"status": "draining"}, status_code=503)
             healthy = [w.url for w in self.workers if w.healthy]
             return JSONResponse({"status": "ready" if healthy else "no healthy worker", "workers": healthy},
                                 status_code=200 if healthy else 503)  # fmt: skip
@@ -240,7 +277,8 @@ class Gateway:
             return Response(self.metrics.render(self.workers), media_type="text/plain; version=0.0.4")
 
         drop = None if self.config.worker_header else WORKER_HEADER.lower().encode()
-        return _Outermost(app, self.metrics.in_progress, drop)
+        self._outermost = _Outermost(app, self.metrics.in_progress, drop)
+        return self._outermost
 
 
 class _Outermost:

@@ -8,6 +8,7 @@ import os
 
 import uvicorn
 
+from ferry.entrypoints.draining_server import DrainingServer
 from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
 from ferry.gateway.replicas import MonitorConfig
@@ -73,6 +74,8 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
     g.add_argument("--failure-threshold", type=int, default=m.failure_threshold,
                    help="consecutive failures that take a worker out of its pool")  # fmt: skip
     g.add_argument("--cooldown", type=float, default=m.cooldown, help="seconds a failed worker stays out")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds requests in flight (streams too) get after SIGTERM; new ones get 503")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning")
 
 
@@ -85,6 +88,8 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
             raise ValueError(f"{name} must be > 0, got {getattr(args, name)}")
     if args.failure_threshold < 1:
         raise ValueError(f"failure_threshold must be >= 1, got {args.failure_threshold}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
     if args.result_cache_entries < 1 or args.result_cache_bytes < 1 or args.result_cache_ttl <= 0:
         raise ValueError("--result-cache-entries, --result-cache-bytes and --result-cache-ttl must be positive")
     config = GatewayConfig(
@@ -103,6 +108,7 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         admin_key=args.admin_key or os.environ.get("FERRY_ADMIN_KEY") or None,
         share_prefix_cache=args.share_prefix_cache,
         worker_header=not args.no_worker_header,
+        drain_timeout=args.drain_timeout,
     )
     monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
     policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,
@@ -110,13 +116,20 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
     return Gateway(config, monitor, policy)
 
 
+def gateway_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer:
+    """The uvicorn server for `gateway`: SIGTERM drains it (Gateway.start_drain)."""
+    config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
+    server = DrainingServer(config, gateway.start_drain, lambda: gateway.draining)
+    gateway.server = server
+    return server
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     if not args.worker and not args.decode:
         raise ValueError("give --worker URLs, or --prefill and --decode URLs")
     gateway = build_gateway(args, args.worker, args.prefill, args.decode)
-    config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
-    server = uvicorn.Server(config)
+    server = gateway_server(gateway, args)
     logger.info(
         "ferry gateway on http://%s:%d over %s",
         args.host,

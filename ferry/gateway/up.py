@@ -5,13 +5,27 @@ KV blocks over `--kv-transfer`, tcp by default) and a disaggregating gateway.
 
 The replicas start as child processes on free ports (with KV events on, for
 the kv-aware policy), each given the engine flags of this command; when all
-are ready the gateway runs in this process. Ctrl-C or SIGTERM stops the
-gateway, then sends SIGTERM to every replica (they drain) and waits for them.
+are ready the gateway runs in this process. This process supervises them:
+
+- they die with it, also when it is SIGKILLed and runs no cleanup (Linux's
+  parent-death signal, set in each child before it runs);
+- one that exits is started again on its port after a backoff (1 s, doubling
+  to 60 s; back to 1 s once a replica has stayed up a minute), while the
+  gateway routes around it (its health checks take it out and bring it back);
+- the CPUs this process may use are split among them: each gets its own
+  slice (affinity) and as many OpenMP threads as the slice has CPUs, since
+  N replicas each spinning a thread per core thrash (3 replicas x 2 threads on
+  2 cores took a routing benchmark from 4 to 14 minutes).
+
+SIGTERM drains the gateway (streams in flight finish, new requests get 503,
+up to --drain-timeout), then sends SIGTERM to every replica (they drain too)
+and waits for them; Ctrl-C stops without the gateway's drain.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import secrets
@@ -21,12 +35,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-
-import uvicorn
+from functools import partial
 
 from ferry.config import EngineArgs
-from ferry.gateway.main import add_gateway_args, build_gateway
+from ferry.gateway.main import add_gateway_args, build_gateway, gateway_server
 from ferry.utils.network import free_ports
+from ferry.utils.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +59,60 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p)
 
 
+def cpu_slices(cpus: list[int], n: int) -> list[list[int]]:
+    """`cpus` split into `n` contiguous slices as even as can be; with fewer CPUs than replicas,
+    replica i gets CPU i mod len(cpus)."""
+    if n > len(cpus):
+        return [[cpus[i % len(cpus)]] for i in range(n)]
+    size, extra = divmod(len(cpus), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        out.append(cpus[start:end])
+        start = end
+    return out
+
+
+def _child_setup(cpus: list[int]) -> None:
+    """Runs in each replica between fork and exec."""
+    die_with_parent()  # also when `ferry up` is SIGKILLed
+    os.sched_setaffinity(0, cpus)
+
+
+BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER = 1.0, 60.0, 60.0  # seconds
+
+
 class Replicas:
     def __init__(self, cmds: list[list[str]], urls: list[str], env: dict[str, str] | None = None,
-                 log_files: list | None = None) -> None:  # fmt: skip
+                 log_files: list | None = None, split_cpus: bool = True) -> None:  # fmt: skip
         self.cmds, self.urls = cmds, urls
         self.env = {**os.environ, **(env or {})}
         self.log_files = log_files  # one open file per replica for its output (default: ours)
         self.procs: list[subprocess.Popen] = []
+        self.cpus: list[list[int] | None] = [None] * len(cmds)
+        if split_cpus and hasattr(os, "sched_getaffinity"):
+            self.cpus = cpu_slices(sorted(os.sched_getaffinity(0)), len(cmds))
+        self.started_at: list[float] = []
+        self.backoff = [BACKOFF_FIRST] * len(cmds)
+        self.restarts = [0] * len(cmds)
+        self.stopping = False
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        out = self.log_files[i] if self.log_files else None
+        env, cpus = self.env, self.cpus[i]
+        if cpus is not None and "OMP_NUM_THREADS" not in env:  # the operator's setting wins
+            env = {**env, "OMP_NUM_THREADS": str(len(cpus))}
+        setup = partial(_child_setup, cpus) if cpus is not None else die_with_parent
+        # Own process group: a terminal's Ctrl-C reaches us, and we stop them in order.
+        return subprocess.Popen(self.cmds[i], start_new_session=True, env=env, stdout=out, stderr=out,
+                                preexec_fn=setup)  # fmt: skip
 
     def start(self, timeout: float) -> None:
-        for i, cmd in enumerate(self.cmds):
-            out = self.log_files[i] if self.log_files else None
-            # Own process group: a terminal's Ctrl-C reaches us, and we stop them in order.
-            self.procs.append(subprocess.Popen(cmd, start_new_session=True, env=self.env, stdout=out, stderr=out))
+        for i in range(len(self.cmds)):
+            self.procs.append(self._spawn(i))
+            self.started_at.append(time.monotonic())
+            if self.cpus[i] is not None:
+                logger.info("replica %s on CPUs %s", self.urls[i], self.cpus[i])
         deadline = time.monotonic() + timeout
         pending = set(range(len(self.procs)))
         while pending:
@@ -76,7 +131,34 @@ class Replicas:
             if pending:
                 time.sleep(0.5)
 
+    async def supervise(self, interval: float = 0.5) -> None:
+        """Start again, after a backoff, every replica that exits while we are not stopping. Runs
+        on the gateway's event loop, in the main thread: the parent-death signal is tied to the
+        thread that forked, so a helper thread that ended would take its children with it."""
+        restart_at: dict[int, float] = {}
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for i, proc in enumerate(self.procs):
+                if self.stopping or proc.poll() is None:
+                    continue
+                if i not in restart_at:
+                    if now - self.started_at[i] >= STABLE_AFTER:
+                        self.backoff[i] = BACKOFF_FIRST  # it ran fine for a while: not a crash loop
+                    restart_at[i] = now + self.backoff[i]
+                    logger.warning("replica %s exited with %s; starting it again in %.0fs", self.urls[i],
+                                   proc.returncode, self.backoff[i])  # fmt: skip
+                    self.backoff[i] = min(self.backoff[i] * 2, BACKOFF_MAX)
+                elif now >= restart_at[i]:
+                    del restart_at[i]
+                    self.procs[i] = self._spawn(i)
+                    self.started_at[i] = now
+                    self.restarts[i] += 1
+                    logger.info("replica %s started again (pid %d, restart %d)", self.urls[i], self.procs[i].pid,
+                                self.restarts[i])  # fmt: skip
+
     def stop(self, timeout: float = 60.0) -> None:
+        self.stopping = True
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -130,13 +212,13 @@ def run_up(args: argparse.Namespace) -> int:
     # made here (it never leaves these processes' environments).
     secret = os.environ.get("FERRY_KV_TRANSFER_SECRET") or secrets.token_hex(32)
     replicas = Replicas(cmds, urls, env={"FERRY_KV_TRANSFER_SECRET": secret} if args.pd else None)
-    # SIGTERM (Kubernetes, systemd, kill) stops the gateway like Ctrl-C does.
+    # Until the gateway runs, SIGTERM (Kubernetes, systemd, kill) stops the start like Ctrl-C does;
+    # then the gateway's server drains on it (DrainingServer).
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
         replicas.start(args.replica_ready_timeout)
-        config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
-        server = uvicorn.Server(config)
+        gateway.also_run.append(replicas.supervise)
+        server = gateway_server(gateway, args)
         logger.info("ferry up: gateway on http://%s:%d, %s (%s)", args.host, args.port,
                     f"{args.pd} prefill:decode workers" if args.pd else f"{args.replicas} replicas",
                     args.policy)  # fmt: skip

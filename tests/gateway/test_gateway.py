@@ -384,3 +384,24 @@ def test_clients_that_leave_early_are_aborted_on_every_path(replicas):
         assert r.usage.completion_tokens == 2
     finally:
         gw.stop()
+
+
+def test_sigterm_drains_streams_in_flight_then_exits(replicas):
+    """SIGTERM: /ready turns 503 and new requests get 503 at once, while a stream in flight runs to
+    its last token; then the gateway exits 0 by itself."""
+    gw = GatewayProcess([s.url for s in replicas], "--drain-timeout", "600")
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    sock = open_request(gw.url, "/v1/completions", body)
+    try:
+        read_until(sock, b"data: {")  # the stream has started
+        gw.launched.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(gw.url + "/ready", timeout=10).status_code == 503, "/ready turns 503")
+        assert httpx.get(gw.url + "/ready", timeout=10).json()["status"] == "draining"
+        r = httpx.post(gw.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        rest = read_until(sock, b"data: [DONE]")
+        assert b'"finish_reason":"length"' in rest.replace(b" ", b"")
+        assert gw.launched.proc.wait(120) == 0
+    finally:
+        sock.close()
+        gw.stop()

@@ -1,5 +1,6 @@
-"""`ferry up`: replicas and a gateway from one command, all gone after SIGTERM."""
+"""`ferry up`: replicas and a gateway from one command, supervised, all gone after SIGTERM or SIGKILL."""
 
+import os
 import signal
 import socket
 import subprocess
@@ -7,9 +8,17 @@ import sys
 
 import httpx
 import openai
+from server_utils import open_request, read_until, wait_for
 
 from ferry.bench.launch import LaunchedServer
+from ferry.gateway.up import cpu_slices
 from ferry.utils.network import free_port, free_ports
+
+
+def test_cpu_slices_split_evenly_and_wrap_when_short():
+    assert cpu_slices([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
+    assert cpu_slices([0, 1], 3) == [[0], [1], [0]]
+    assert cpu_slices([4, 5, 6, 7], 4) == [[4], [5], [6], [7]]
 
 
 def test_free_ports_are_distinct_and_bindable():
@@ -23,10 +32,25 @@ def test_free_ports_are_distinct_and_bindable():
             s.bind(("127.0.0.1", port))
 
 
-def test_up_serves_then_sigterm_stops_every_process():
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def test_up_supervises_its_replicas_and_drains_on_sigterm():
+    """Each replica runs on its own slice of the CPUs with that many OpenMP threads; one that dies
+    is started again on its port while the gateway routes around it; SIGTERM lets a stream in
+    flight finish, then every process is gone."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ferry.cli", "up", "--replicas", "2", "--port", str(port),
-           "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "smol"]  # fmt: skip
+    cmd = [sys.executable, "-m", "ferry.cli", "up", "--replicas", "2", "--port", str(port), "--health-interval",
+           "0.5", "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "smol"]  # fmt: skip
     up = LaunchedServer(cmd, port, "/ready", 240)
     url = up.__enter__()
     try:
@@ -35,10 +59,39 @@ def test_up_serves_then_sigterm_stops_every_process():
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         out = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, temperature=0)
         assert out.choices[0].text
-        children = subprocess.run(["pgrep", "-P", str(up.proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) >= 2
-        up.proc.send_signal(signal.SIGTERM)
-        assert up.proc.wait(60) == 0
+        children = _children(up.proc.pid)
+        assert len(children) == 2
+        cpus = sorted(os.sched_getaffinity(0))
+        affinities = [os.sched_getaffinity(pid) for pid in children]
+        assert sorted(len(a) for a in affinities) == sorted(len(c) for c in cpu_slices(cpus, 2))
+        if len(cpus) >= 2:
+            assert not affinities[0] & affinities[1]  # their own CPUs each
+        for pid, a in zip(children, affinities):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert f"OMP_NUM_THREADS={len(a)}".encode() in f.read().split(b"\0")
+
+        os.kill(children[0], signal.SIGKILL)  # a replica dies; it is started again on its port
+        wait_for(lambda: len(_children(up.proc.pid)) == 2 and children[0] not in _children(up.proc.pid),
+                 "the dead replica was started again")  # fmt: skip
+        wait_for(lambda: all(w["healthy"] for w in httpx.get(url + "/gateway/workers", timeout=10).json()),
+                 "the restarted replica is back in the pool", interval=0.5)  # fmt: skip
+        assert sorted(w["url"] for w in httpx.get(url + "/gateway/workers", timeout=10).json()) == sorted(
+            w["url"] for w in workers
+        )
+        for _ in range(4):  # both replicas serve
+            assert client.completions.create(model="smol", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+        children = _children(up.proc.pid)
+        body = {"model": "smol", "prompt": "Tell me a story", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        sock = open_request(url, "/v1/completions", body)
+        try:
+            read_until(sock, b"data: {")
+            up.proc.send_signal(signal.SIGTERM)
+            rest = read_until(sock, b"data: [DONE]")  # the stream in flight finishes
+            assert b'"finish_reason":"length"' in rest.replace(b" ", b"")
+        finally:
+            sock.close()
+        assert up.proc.wait(120) == 0
         for w in workers:  # the replicas have exited (their ports refuse connections)
             try:
                 httpx.get(w["url"] + "/health", timeout=2)
@@ -46,7 +99,7 @@ def test_up_serves_then_sigterm_stops_every_process():
             except httpx.TransportError:
                 pass
         for pid in children:
-            assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0, pid
+            assert not _alive(pid), pid
     finally:
         up.__exit__(None, None, None)
 
@@ -65,7 +118,12 @@ def test_up_pd_starts_prefill_and_decode_workers_behind_a_disaggregating_gateway
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
         assert r.headers["x-ferry-prefill-worker"] == prefill
-        up.proc.send_signal(signal.SIGTERM)
-        assert up.proc.wait(60) == 0
+        # SIGKILLed, `ferry up` runs no cleanup: its workers (and their engine cores) die with it.
+        family = [pid for child in _children(up.proc.pid) for pid in (child, *_children(child))]
+        assert len(family) >= 4
+        up.proc.send_signal(signal.SIGKILL)
+        up.proc.wait(10)
+        for pid in family:
+            wait_for(lambda pid=pid: not _alive(pid), f"process {pid} exited with its parent")
     finally:
         up.__exit__(None, None, None)

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +29,7 @@ from ferry.config import KV_ROLES, KV_TRANSPORTS, EngineArgs, KVEventsConfig, KV
 from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError
+from ferry.entrypoints.draining_server import DrainingServer
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import (
     OFFLOAD_BYTES,
@@ -303,28 +303,6 @@ class Server:
         return app
 
 
-class _UvicornServer(uvicorn.Server):
-    """uvicorn, with SIGTERM meaning 'drain' and no re-raised signal after shutdown."""
-
-    def __init__(self, config: uvicorn.Config, owner: Server) -> None:
-        super().__init__(config)
-        self.owner = owner
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    async def startup(self, sockets=None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self.should_exit or self.owner.state.draining:
-            self.force_exit = sig == signal.SIGINT  # a second Ctrl-C stops without waiting
-            self.should_exit = True
-        elif sig == signal.SIGTERM and self.loop is not None:
-            self.loop.call_soon_threadsafe(self.owner.start_drain)
-        else:
-            self.should_exit = True
-
-
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a .gguf file or HF model directory (default: the bundled SmolLM2); with "
@@ -426,7 +404,7 @@ def serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
     )
-    uv = _UvicornServer(config, server)
+    uv = DrainingServer(config, server.start_drain, lambda: server.state.draining)
     server.uvicorn = uv
     logger.info("ferry serve on http://%s:%d (model %s)", args.host, args.port, path)
     uv.run()

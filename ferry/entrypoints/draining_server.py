@@ -1,0 +1,38 @@
+"""uvicorn where SIGTERM means "drain", for `ferry serve` and `ferry gateway`.
+
+Kubernetes, systemd and `ferry up` stop a process with SIGTERM and expect the
+requests in flight to finish: plain uvicorn stops listening at once and gives
+them `timeout_graceful_shutdown` seconds. Here the first SIGTERM calls the
+owner's `start_drain` on the event loop instead (readiness turns 503, new
+requests get 503, the owner sets `should_exit` once its in-flight requests
+are done or its drain timeout has passed); a second signal stops at once, and
+a SIGINT (Ctrl-C) stops as uvicorn does, a second one without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+import uvicorn
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, start_drain: Callable[[], None], draining: Callable[[], bool]) -> None:
+        super().__init__(config)
+        self.start_drain, self.draining = start_drain, draining
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit or self.draining():
+            self.force_exit = sig == signal.SIGINT  # a second Ctrl-C stops without waiting
+            self.should_exit = True
+        elif sig == signal.SIGTERM and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.start_drain)
+        else:
+            self.should_exit = True
