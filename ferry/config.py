@@ -276,6 +276,10 @@ class KVEventsConfig:
     buffer_steps: int = 10_000  # batches kept for replay
 
 
+# Loopback only: one-host deployments (`ferry up --pd`); multi-host ones list their network.
+KV_DEFAULT_ALLOWED_RECEIVERS = ("127.0.0.0/8", "::1", "localhost")
+
+
 @dataclass
 class KVTransferConfig:
     """Prefill/decode disaggregation for one worker (ferry/kv_transfer/)."""
@@ -291,6 +295,8 @@ class KVTransferConfig:
     timeout: float = 10.0  # seconds, for every wait
     # The deployment's secret: every transfer message carries an HMAC with it (kv_transfer/auth.py).
     secret: bytes | None = field(default=None, repr=False)
+    # Receivers this worker may push to when a request names one (kv_transfer/allowed_receivers.py).
+    allowed_receivers: tuple[str, ...] = KV_DEFAULT_ALLOWED_RECEIVERS
 
     def validate(self) -> None:
         if self.role not in KV_ROLES:

@@ -201,6 +201,11 @@ def test_bad_transfer_params_are_refused_and_a_foreign_token_is_recomputed(clust
     r = httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
                    "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)  # fmt: skip
     assert r.status_code == 400 and "decode_receiver" in r.json()["error"]["message"]
+    for foreign in ("tcp://10.1.2.3:5555", "tcp://attacker.example.com:5555"):  # not in the default allow-list
+        r = httpx.post(p.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                       "kv_transfer_params": {"do_remote_decode": True, "decode_receiver": foreign}},
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 403 and "--kv-transfer-allowed-receivers" in r.json()["error"]["message"], r.text
     r = httpx.post(d1.url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
                    "kv_transfer_params": {"do_remote_prefill": True, "first_token_ids": "x"}}, timeout=30)  # fmt: skip
     assert r.status_code == 400

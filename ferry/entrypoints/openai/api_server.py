@@ -25,7 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from ferry.config import KV_ROLES, KV_TRANSPORTS, EngineArgs, KVEventsConfig, KVTransferConfig
+from ferry.config import (
+    KV_DEFAULT_ALLOWED_RECEIVERS,
+    KV_ROLES,
+    KV_TRANSPORTS,
+    EngineArgs,
+    KVEventsConfig,
+    KVTransferConfig,
+)
 from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError
@@ -51,6 +58,7 @@ from ferry.entrypoints.openai.serving import (
 )
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
+from ferry.kv_transfer.allowed_receivers import ReceiverAllowList
 from ferry.kv_transfer.auth import load_secret
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
@@ -349,6 +357,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-secret-file", default=None, metavar="PATH",
                    help="the deployment's shared secret (>= 16 bytes; default: $FERRY_KV_TRANSFER_SECRET): "
                         "every KV-transfer message carries an HMAC with it; others are dropped")  # fmt: skip
+    g.add_argument("--kv-transfer-allowed-receivers", nargs="+", default=list(KV_DEFAULT_ALLOWED_RECEIVERS),
+                   metavar="NET[:PORT]",
+                   help="decode receivers this worker may push to when a request names one: IP networks, "
+                        "addresses or host names, each optionally with :PORT (default: loopback only)")  # fmt: skip
     g.add_argument("--redis-url", default=None,
                    help="redis://host:port/db: a shared KV-block store; new requests pull the prompt blocks "
                         "missing here from it")  # fmt: skip
@@ -390,8 +402,10 @@ def serve(args: argparse.Namespace) -> int:
             port=args.kv_transfer_port, redis_url=args.redis_url, redis_ttl=args.redis_ttl,
             redis_max_memory=args.redis_max_memory, encoding="int8" if args.kv_transfer_dtype == "int8" else "raw",
             timeout=args.kv_transfer_timeout, secret=load_secret(args.kv_transfer_secret_file),
+            allowed_receivers=tuple(args.kv_transfer_allowed_receivers),
         )  # fmt: skip
         kv_transfer.validate()  # ValueError: a clear message, exit 2
+        ReceiverAllowList(kv_transfer.allowed_receivers)  # ValueError naming a bad entry
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
                     kv_events=kv_events, kv_transfer=kv_transfer, api_keys=api_keys,
                     allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,

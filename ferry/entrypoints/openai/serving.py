@@ -17,6 +17,7 @@ from starlette.requests import Request
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError, RemotePrefill, RequestStream, prompt_digest
 from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits, wait_for_disconnect
+from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError
 
@@ -173,9 +174,14 @@ def kv_transfer_plan(engine: AsyncLLM, body, num_prompts: int, params) -> KVTran
             raise OpenAIError(400, "a request prefilled for remote decode must be one prompt, n = 1, not streamed",
                               param="kv_transfer_params", code=400)  # fmt: skip
         target = p.get("decode_receiver")
-        if info.kv_transfer != "redis" and not (isinstance(target, str) and _RECEIVER.fullmatch(target)):
-            raise OpenAIError(400, "kv_transfer_params.decode_receiver must be the decode worker's tcp:// address",
-                              param="kv_transfer_params", code=400)  # fmt: skip
+        if info.kv_transfer != "redis":
+            if not (isinstance(target, str) and _RECEIVER.fullmatch(target)):
+                raise OpenAIError(400, "kv_transfer_params.decode_receiver must be the decode worker's tcp:// "
+                                  "address", param="kv_transfer_params", code=400)  # fmt: skip
+            if not allow_list(engine.kv_transfer.allowed_receivers).allows(target):
+                raise OpenAIError(403, f"kv_transfer_params.decode_receiver {target} is not among this worker's "
+                                  "--kv-transfer-allowed-receivers", param="kv_transfer_params",
+                                  code=403)  # fmt: skip
         params.max_tokens = 1
         return KVTransferPlan(export_to=target if info.kv_transfer != "redis" else "")
     if p.get("do_remote_prefill"):
