@@ -1,4 +1,4 @@
-"""A real `ferry serve` process on 127.0.0.1 for tests."""
+"""Real `ferry serve` and `ferry gateway` processes on 127.0.0.1 for tests, and raw-socket clients."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import openai
 
 from ferry.bench.launch import LaunchedServer
 from ferry.utils.network import free_port
@@ -56,6 +57,28 @@ class ServerProcess:
     def stop(self) -> int:
         self.launched.__exit__(None, None, None)
         return self.proc.returncode
+
+
+class GatewayProcess:
+    def __init__(self, workers: list[str], *flags: str) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(self.port), *flags]
+        for w in workers:
+            cmd += ["--worker", w]
+        self.launched = LaunchedServer(cmd, self.port, "/ready", 60)
+        self.url = self.launched.__enter__()
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        self.admin: dict[str, str] = {}  # the headers that let this test read /metrics
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", headers=self.admin, timeout=10).text.splitlines():
+            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        self.launched.__exit__(None, None, None)
 
 
 def finished(server: ServerProcess, reason: str) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -39,7 +40,9 @@ from ferry.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    PromptLimits,
     decode_json_object,
+    precheck_body,
     read_body,
     validate_body,
 )
@@ -112,9 +115,14 @@ def _completion_estimate(body, pool: list[Worker]) -> int:
 _SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
 
 
-def _parse(raw: bytes, kind: str) -> tuple[dict, object]:
-    """(the body as a dict, validated by the worker's own schema); OpenAIError when either fails."""
+def _parse(raw: bytes, kind: str, limits_of: Callable[[object], PromptLimits | None]) -> tuple[dict, object]:
+    """(the body as a dict, validated by the worker's own schema); OpenAIError when either fails.
+    The prompt is bounded first, as the worker bounds it (`limits_of(model)`), before the schema
+    walks a list of millions of token ids."""
     data = decode_json_object(raw)
+    limits = limits_of(data.get("model"))
+    if limits is not None:
+        precheck_body(data, limits)
     return data, validate_body(data, _SCHEMAS[kind])
 
 
@@ -163,7 +171,10 @@ class Admission:
         try:
             raw = await read_body(request)
             # Large bodies off the loop: decoding and validating 30 MB takes a good part of a second.
-            data, body = _parse(raw, kind) if len(raw) <= OFFLOAD_BYTES else await asyncio.to_thread(_parse, raw, kind)
+            if len(raw) <= OFFLOAD_BYTES:
+                data, body = _parse(raw, kind, self._prompt_limits)
+            else:
+                data, body = await asyncio.to_thread(_parse, raw, kind, self._prompt_limits)
         except OpenAIError as e:
             return error_response(e.status, e.message, param=e.param)
         model = body.model
@@ -202,6 +213,13 @@ class Admission:
                 return _rate_limited(why, wait)
             ctx.charge = charge
         return ctx
+
+    def _prompt_limits(self, model: object) -> PromptLimits | None:
+        """The prompt bounds of `model`'s pool (its first worker's: one pool serves one model)."""
+        if not isinstance(model, str):
+            return None
+        model_pool, _ = pool(self.workers, model, ("both", "prefill", "decode"))
+        return self.prompts.prompt_limits(model_pool[0]) if model_pool else None
 
     def _charge_hit(self, key_name: str, limits, usage: tuple[int | None, int | None]) -> Response | None:
         """A result-cache hit costs its key what the response it replays cost (its recorded usage):

@@ -107,6 +107,7 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
     if ctx.cache_key is not None:
         headers[CACHE_HEADER] = "miss"
     status = upstream.status_code
+    sse = ctx.streamed and upstream.headers.get("content-type", "").startswith("text/event-stream")
     state = {"kept": bytearray(), "overflow": False, "complete": False, "first": None, "closed": False,
              "broken": False}  # fmt: skip
 
@@ -116,7 +117,7 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
         # non-streamed body is read whole first (the worker sends it at the end anyway), a
         # stream is settled just before its `data: [DONE]` chunk goes out.
         try:
-            if not ctx.streamed:
+            if not sse:  # a non-streamed response, or a worker's error answer to a streamed request
                 data = await upstream.aread()
                 state["kept"] += data[: MAX_KEPT_BYTES + 1]
                 state["overflow"] = len(data) > MAX_KEPT_BYTES
@@ -139,6 +140,8 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
                     return
                 if out:
                     yield out
+            if strip is not None and (tail := strip.flush()):
+                yield tail  # a stream that ended without [DONE]: what the filter still held
         except httpx.TransportError as e:  # the worker broke the stream: nothing can be retried now
             state["broken"] = True
             logger.warning("worker %s broke a response after %.1fs: %s", worker.url,

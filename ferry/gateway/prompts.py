@@ -12,6 +12,7 @@ wrong with it.
 
 from __future__ import annotations
 
+from ferry.entrypoints.openai.protocol import MAX_BODY_BYTES, PromptLimits
 from ferry.gateway.replicas import Worker
 
 
@@ -19,6 +20,25 @@ class PromptTokenizer:
     def __init__(self, tokenizer: str | None = None) -> None:
         self.tokenizer = tokenizer  # default: what each worker's /ferry/info names
         self._tokenizers: dict[str, object] = {}
+        self._limits: dict[tuple[str, int], PromptLimits] = {}
+
+    def prompt_limits(self, worker: Worker) -> PromptLimits | None:
+        """The longest prompt `worker` can take, as its server bounds it before validation
+        (protocol.precheck_body), for the same early refusal here; None before its /ferry/info is
+        known. Text is bounded only once its tokenizer is loaded (never loaded here: this runs on
+        the event loop), else by the body cap alone."""
+        info = worker.info or {}
+        max_model_len = info.get("max_model_len")
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            return None
+        source = self.tokenizer or info.get("tokenizer") or ""
+        tok = self._tokenizers.get(source)
+        if tok is None:
+            return PromptLimits(max_model_len - 1, MAX_BODY_BYTES)
+        key = (source, max_model_len)
+        if key not in self._limits:
+            self._limits[key] = PromptLimits.of(max_model_len, tok)
+        return self._limits[key]
 
     def _tokenizer(self, worker: Worker):
         source = self.tokenizer or (worker.info or {}).get("tokenizer")

@@ -12,8 +12,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, finished, open_request, read_until, wait_for
-from test_gateway import GatewayProcess
+from server_utils import GatewayProcess, ServerProcess, finished, open_request, read_until, wait_for
 
 from ferry.utils.network import free_port
 

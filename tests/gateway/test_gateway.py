@@ -6,17 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, finished, open_request, read_until, wait_for
-
-from ferry.bench.launch import LaunchedServer
-from ferry.utils.network import free_port
+from server_utils import GatewayProcess, ServerProcess, finished, open_request, read_until, wait_for
 
 MODEL = "smol"
 TENANTS = [
@@ -37,28 +33,6 @@ def replicas():
     yield servers
     for s in servers:
         s.stop()
-
-
-class GatewayProcess:
-    def __init__(self, workers: list[str], *flags: str) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(self.port), *flags]
-        for w in workers:
-            cmd += ["--worker", w]
-        self.launched = LaunchedServer(cmd, self.port, "/ready", 60)
-        self.url = self.launched.__enter__()
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        self.admin: dict[str, str] = {}  # the headers that let this test read /metrics
-
-    def metric(self, name: str, **labels: str) -> float:
-        total = 0.0
-        for line in httpx.get(self.url + "/metrics", headers=self.admin, timeout=10).text.splitlines():
-            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def stop(self) -> None:
-        self.launched.__exit__(None, None, None)
 
 
 def chat(gw: GatewayProcess, system: str, user: str, max_tokens: int = 4, stream: bool = False):

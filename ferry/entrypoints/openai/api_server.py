@@ -17,10 +17,12 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -308,7 +310,28 @@ class Server:
         async def chat_completions(request: Request) -> Response:
             return await generate(request, ChatCompletionRequest, create_chat_completion)
 
+        app.openapi = partial(_openapi_with_bodies, app, {"/v1/completions": CompletionRequest,
+                                                          "/v1/chat/completions": ChatCompletionRequest})  # fmt: skip
         return app
+
+
+def _openapi_with_bodies(app: FastAPI, bodies: dict[str, type]) -> dict[str, Any]:
+    """The app's OpenAPI document with the request bodies FastAPI cannot see (the routes read the
+    raw body themselves, to bound and check it before validation): clients and fuzzers get the
+    schema the server validates with."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(schema.pop("$defs", {}))
+            components[model.__name__] = schema
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            }
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
