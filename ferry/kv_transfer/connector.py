@@ -93,7 +93,7 @@ class KVConnector:
         self._stop = threading.Event()
         if config.redis_url:
             self.redis = RedisBlockStore(config.redis_url, namespace, config.redis_ttl, config.timeout,
-                                         config.redis_max_memory)  # fmt: skip
+                                         config.redis_max_memory, config.secret)  # fmt: skip
         self._sends: queue.Queue = queue.Queue()
         self._pulls: queue.Queue = queue.Queue()
         if config.transport is not None:
