@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
+import pytest
 
 from ferry.bench.launch import LaunchedServer
 from ferry.utils.network import free_port
@@ -117,3 +122,32 @@ def read_until(sock: socket.socket, marker: bytes) -> bytes:
         assert piece, f"the connection closed before {marker!r}: {got[:500]!r}"
         got += piece
     return got
+
+
+@contextlib.contextmanager
+def redis_server(password: str | None = None) -> Iterator[int]:
+    """A real redis-server on a free 127.0.0.1 port (its port); skipped where none is installed,
+    except under CI (`.ci/run` installs it)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed (.ci/run installs it)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    import redis
+
+    port = free_port()
+    auth = ["--requirepass", password] if password else []
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             *auth], stdout=subprocess.DEVNULL)  # fmt: skip
+    client = redis.Redis(port=port, password=password)
+    try:
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)

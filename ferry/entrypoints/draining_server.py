@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable
 
 import uvicorn
@@ -36,3 +37,11 @@ class DrainingServer(uvicorn.Server):
             self.loop.call_soon_threadsafe(self.start_drain)
         else:
             self.should_exit = True
+
+
+async def wait_drained(in_flight: Callable[[], int], timeout: float) -> int:
+    """Wait until `in_flight()` is 0 or `timeout` seconds have passed; what is still in flight."""
+    deadline = time.monotonic() + timeout
+    while in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return in_flight()

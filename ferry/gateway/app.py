@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 from starlette.requests import ClientDisconnect
 
+from ferry.entrypoints.draining_server import wait_drained
 from ferry.entrypoints.openai.protocol import wait_for_disconnect
 from ferry.gateway.admission import Admission, RequestContext, unauthorized
 from ferry.gateway.auth import ApiKeys
@@ -154,11 +154,9 @@ class Gateway:
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self.config.drain_timeout
-        while self._outermost.count and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self._outermost.count:
-            logger.warning("drain timeout: stopping with %d requests in flight", self._outermost.count)
+        left = await wait_drained(lambda: self._outermost.count, self.config.drain_timeout)
+        if left:
+            logger.warning("drain timeout: stopping with %d requests in flight", left)
         if self.server is not None:
             self.server.should_exit = True
 

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import time
 
 import httpx
 import pytest
-from server_utils import GatewayProcess, ServerProcess, finished, open_request, read_until, wait_for
+from server_utils import (
+    GatewayProcess,
+    ServerProcess,
+    finished,
+    open_request,
+    read_until,
+    redis_server,
+    wait_for,
+)
 
 from ferry.utils.network import free_port
 
@@ -37,26 +43,8 @@ def redis_url():
     if url:
         yield url
         return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed (.ci/run installs it)")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL)  # fmt: skip
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
+    with redis_server() as port:
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 @pytest.fixture(scope="module")

@@ -4,41 +4,20 @@ never read."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import time
-
 import pytest
 import redis
+from server_utils import redis_server
 
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.redis_store import RedisBlockStore
-from ferry.utils.network import free_port
 
 PASSWORD = "redis-test-password-7"
 
 
 @pytest.fixture(scope="module")
 def redis_port():
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed (.ci/run installs it)")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--requirepass", PASSWORD], stdout=subprocess.DEVNULL)  # fmt: skip
-    client = redis.Redis(port=port, password=PASSWORD)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield port
-    proc.terminate()
-    proc.wait(10)
+    with redis_server(PASSWORD) as port:
+        yield port
 
 
 def block(h: bytes, parent: bytes | None, fill: int) -> KVBlocks:

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import os
-import time
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -38,7 +37,7 @@ from ferry.config import (
 from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError
-from ferry.entrypoints.draining_server import DrainingServer
+from ferry.entrypoints.draining_server import DrainingServer, wait_drained
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import (
     OFFLOAD_BYTES,
@@ -60,7 +59,7 @@ from ferry.entrypoints.openai.serving import (
 )
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
-from ferry.kv_transfer.allowed_receivers import ReceiverAllowList
+from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.kv_transfer.auth import load_secret
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
@@ -146,9 +145,7 @@ class Server:
         return self.state.engine.num_in_flight if self.state.engine is not None else 0
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout
-        while self._in_flight() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_drained(self._in_flight, self.drain_timeout)
         self.abort_all("drain timeout")
         if self.uvicorn is not None:
             self.uvicorn.should_exit = True
@@ -428,7 +425,7 @@ def serve(args: argparse.Namespace) -> int:
             allowed_receivers=tuple(args.kv_transfer_allowed_receivers),
         )  # fmt: skip
         kv_transfer.validate()  # ValueError: a clear message, exit 2
-        ReceiverAllowList(kv_transfer.allowed_receivers)  # ValueError naming a bad entry
+        allow_list(kv_transfer.allowed_receivers)  # ValueError naming a bad entry
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
                     kv_events=kv_events, kv_transfer=kv_transfer, api_keys=api_keys,
                     allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,
