@@ -274,6 +274,9 @@ class KVEventsConfig:
     port: int = 0  # 0: any free port (the bound one is reported in EngineInfo)
     replay_port: int = 0
     buffer_steps: int = 10_000  # batches kept for replay
+    # The deployment's secret: batches, replay requests and replies carry an HMAC with it
+    # (utils/deployment_secret.py), and block hashes a salt derived from it (core/block_hash.py).
+    secret: bytes | None = field(default=None, repr=False)
 
 
 # Loopback only: one-host deployments (`ferry up --pd`); multi-host ones list their network.
@@ -293,7 +296,7 @@ class KVTransferConfig:
     redis_max_memory: str | None = None  # if set, configure the server: maxmemory + allkeys-lru
     encoding: str = "raw"  # raw | int8 (in transit)
     timeout: float = 10.0  # seconds, for every wait
-    # The deployment's secret: every transfer message carries an HMAC with it (kv_transfer/auth.py).
+    # The deployment's secret: every transfer message carries an HMAC with it (utils/deployment_secret.py).
     secret: bytes | None = field(default=None, repr=False)
     # Receivers this worker may push to when a request names one (kv_transfer/allowed_receivers.py).
     allowed_receivers: tuple[str, ...] = KV_DEFAULT_ALLOWED_RECEIVERS

@@ -65,12 +65,13 @@ class ServerProcess:
 
 
 class GatewayProcess:
-    def __init__(self, workers: list[str], *flags: str) -> None:
+    def __init__(self, workers: list[str], *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(self.port), *flags]
         for w in workers:
             cmd += ["--worker", w]
-        self.launched = LaunchedServer(cmd, self.port, "/ready", 60)
+        self.launched = LaunchedServer(cmd, self.port, "/ready", 60, env={"PYTHONUNBUFFERED": "1", **(env or {})})
+        self.log = self.launched.log
         self.url = self.launched.__enter__()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         self.admin: dict[str, str] = {}  # the headers that let this test read /metrics
@@ -81,6 +82,10 @@ class GatewayProcess:
             if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+    def logs(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-5000:]
 
     def stop(self) -> None:
         self.launched.__exit__(None, None, None)

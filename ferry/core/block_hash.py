@@ -8,6 +8,13 @@ salted prompt's blocks hash differently from the same tokens under another salt
 or none, so prefix-cache hits, and what they reveal through timing,
 `cached_tokens` and KV events, happen only among requests holding the salt.
 
+A deployment with a secret (utils/deployment_secret.py) also mixes a salt
+derived from it into every root: hashes leave a worker in KV events, KV-transfer
+offers and Redis keys, and without the salt anyone could hash candidate prompts
+and test which of them a replica holds. Its gateway holds the same secret, so it
+computes the same hashes for routing; `/ferry/info` names the salt by a
+fingerprint (`salt_fingerprint`) that tells a mismatch without revealing it.
+
 Never Python's `hash()`: it is salted per process, and the gateway and every
 replica must compute the same value for the same tokens.
 """
@@ -22,11 +29,21 @@ BlockHash = bytes
 _ROOT = b"ferry-kv-v1"
 
 
-def chain_root(cache_salt: str | None = None) -> bytes:
+def chain_root(cache_salt: str | None = None, deployment_salt: bytes | None = None) -> bytes:
     """The parent of a prompt's first block."""
-    if not cache_salt:
-        return _ROOT
-    return hashlib.sha256(_ROOT + b"\x00cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass")).digest()[:16]
+    root = _ROOT
+    if deployment_salt:
+        root = hashlib.sha256(root + b"\x00deployment\x00" + deployment_salt).digest()[:16]
+    if cache_salt:
+        root = hashlib.sha256(root + b"\x00cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass")).digest()[:16]
+    return root
+
+
+def salt_fingerprint(deployment_salt: bytes | None) -> str | None:
+    """A public name for a deployment salt: equal salts, equal names; the name does not give the salt."""
+    if not deployment_salt:
+        return None
+    return hashlib.sha256(b"ferry-block-hash-salt-fingerprint\x00" + deployment_salt).hexdigest()[:16]
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
@@ -36,10 +53,11 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: list[int]) -> BlockHa
     return h.digest()[:16]
 
 
-def hash_prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
+def hash_prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None,
+                       deployment_salt: bytes | None = None) -> list[BlockHash]:  # fmt: skip
     """Hashes of every full block of `token_ids` (what a router needs)."""
     out: list[BlockHash] = []
-    parent = chain_root(cache_salt)
+    parent = chain_root(cache_salt, deployment_salt)
     for i in range(len(token_ids) // block_size):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)

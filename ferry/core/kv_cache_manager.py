@@ -10,6 +10,9 @@ from ferry.utils.math import cdiv
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        # The deployment's salt of every block hash (core/block_hash.py), set by a serving process
+        # with a deployment secret; requests made for this cache hash with it.
+        self.block_hash_salt: bytes | None = None
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}

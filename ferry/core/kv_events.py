@@ -15,6 +15,13 @@ is current as of). A new subscriber starts from a snapshot.
 
 Hashes are ferry/core/block_hash.py's chained sha256 (16 bytes), which the
 gateway recomputes from a prompt's tokens.
+
+With the deployment's secret (utils/deployment_secret.py), batches, replay
+requests and replies carry a stamp and an HMAC: a subscriber takes events only
+from its deployment's publisher, and the publisher answers replays (a snapshot
+costs it a walk over the cache) only to its deployment's subscribers. The
+frames are not encrypted: anyone who can reach the PUB port reads the hashes,
+which is why a deployment with a secret also salts them (core/block_hash.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import zmq
 
 from ferry.config import KVEventsConfig
 from ferry.core.block_hash import BlockHash
+from ferry.utils.deployment_secret import AuthError, MessageAuth
 
 HASH_ALGORITHM = "sha256-chained-v1"  # names ferry/core/block_hash.py's scheme
 TOPIC = b"kv"
@@ -113,6 +121,8 @@ class KVEventPublisher:
         self.buffer: deque[KVEventBatch] = deque(maxlen=max(1, config.buffer_steps))
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ReplayRequest)
+        self.auth = MessageAuth(config.secret)  # this (the core's) thread's: seals batches and replies
+        self.refused_replays = 0  # replay requests without a valid MAC, dropped
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
@@ -121,7 +131,7 @@ class KVEventPublisher:
         batch = KVEventBatch(self.seq, time.time(), events)
         self.buffer.append(batch)
         try:
-            self.pub.send_multipart([TOPIC, self.encoder.encode(batch)], flags=zmq.NOBLOCK)
+            self.pub.send_multipart(self.auth.seal([TOPIC, self.encoder.encode(batch)]), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # a subscriber that cannot keep up sees a gap and asks for a replay
 
@@ -131,10 +141,13 @@ class KVEventPublisher:
             if not self.replay.poll(0):
                 return
             frames = self.replay.recv_multipart()
-            identity, payload = frames[0], frames[-1]
+            identity = frames[0]
             try:
-                req = self.decoder.decode(payload)
-            except msgspec.DecodeError:
+                req = self.decoder.decode(self.auth.open(frames[1:])[-1])
+            except AuthError:
+                self.refused_replays += 1
+                continue  # not from this deployment: not worth a snapshot
+            except (msgspec.DecodeError, IndexError):
                 continue  # not ours; never let a stray client disturb the engine
             oldest = self.buffer[0].seq if self.buffer else self.seq + 1
             if req.start_seq >= 1 and req.start_seq >= oldest:
@@ -144,7 +157,8 @@ class KVEventPublisher:
             else:
                 resp = ReplayResponse(snapshot=KVSnapshot(self.seq, snapshot()))
             try:
-                self.replay.send_multipart([identity, b"", self.encoder.encode(resp)], flags=zmq.NOBLOCK)
+                reply = self.auth.seal([b"", self.encoder.encode(resp)])
+                self.replay.send_multipart([identity, *reply], flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass
 

@@ -37,6 +37,7 @@ class Request:
         arrival_time: float | None = None,
         block_size: int = 16,
         cache_salt: str | None = None,
+        deployment_salt: bytes | None = None,
         max_tokens: int,
     ) -> None:
         self.request_id = request_id
@@ -57,7 +58,8 @@ class Request:
         self.first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
         self.block_size = block_size
         self.cache_salt = cache_salt
-        self._hash_root = chain_root(cache_salt)  # the first block's parent (core/block_hash.py)
+        self.deployment_salt = deployment_salt
+        self._hash_root = chain_root(cache_salt, deployment_salt)  # the first block's parent (core/block_hash.py)
         self.block_hashes: list[BlockHash] = []
         # Draft tokens to verify in the next step (speculative decoding); never part of the
         # sequence (nor of its block hashes) until the model accepts them.

@@ -79,6 +79,7 @@ class EngineCore:
                 arrival_time=request.arrival_time or None,
                 block_size=self.kv.block_size,
                 cache_salt=request.cache_salt,
+                deployment_salt=self.kv.block_hash_salt,
                 max_tokens=request.max_tokens,
             )
         self.scheduler.add_request(request)

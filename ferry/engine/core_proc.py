@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
+from ferry.core.block_hash import salt_fingerprint
 from ferry.core.kv_events import KVEventPublisher
 from ferry.engine.builder import build_engine_core
 from ferry.engine.messages import (
@@ -39,6 +40,7 @@ from ferry.engine.messages import (
 from ferry.kv_transfer.coordinator import KVTransferCoordinator
 from ferry.kv_transfer.protocol import KVTransferDone
 from ferry.sampling_params import SamplingParams
+from ferry.utils.deployment_secret import block_hash_salt
 from ferry.utils.process import die_with_parent
 
 logger = logging.getLogger("ferry.engine_core")
@@ -73,6 +75,10 @@ class EngineCoreProc:
 
         self.args = args
         self.core = build_engine_core(args)
+        # A deployment secret salts every block hash that may leave this process (core/block_hash.py).
+        secret = (kv_events and kv_events.secret) or (kv_transfer and kv_transfer.secret)
+        self.core.kv.block_hash_salt = block_hash_salt(secret)
+        self.core.info.block_hash_salt = salt_fingerprint(self.core.kv.block_hash_salt)
         self._warm_up()
         self.publisher: KVEventPublisher | None = None
         if kv_events is not None:

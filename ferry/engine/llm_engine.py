@@ -148,7 +148,7 @@ class LLMEngine:
         without the leading ones in `skip` (kv_transfer/blocks.py)."""
         if self.tp_workers is not None:
             raise ValueError("KV export does not support tensor parallelism yet")
-        hashes = hash_prompt_blocks(prompt_token_ids, self.args.block_size)
+        hashes = hash_prompt_blocks(prompt_token_ids, self.kv.block_size, deployment_salt=self.kv.block_hash_salt)
         return export_blocks(self.kv, self.runner.kv_caches, hashes, skip)
 
     def import_kv(self, blocks: KVBlocks) -> int:

@@ -79,6 +79,7 @@ class EngineInfo(msgspec.Struct):
     kv_events_host: str | None = None
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
+    block_hash_salt: str | None = None  # the fingerprint of the deployment salt of block hashes, if any
     # Prefill/decode disaggregation: this worker's role, how it sends KV blocks, where it receives them.
     kv_role: str = "both"
     kv_transfer: str | None = None

@@ -77,6 +77,9 @@ class GatewayConfig:
     share_prefix_cache: bool = False  # else each API key's requests carry its own cache_salt
     worker_header: bool = True  # name the serving worker in `x-ferry-worker`
     drain_timeout: float = 30.0  # seconds the requests in flight get after SIGTERM
+    # The deployment's secret (utils/deployment_secret.py): authenticates the workers' KV events and
+    # salts the gateway's block hashes as the workers salt theirs.
+    kv_secret: bytes | None = field(default=None, repr=False)
 
 
 class Gateway:
@@ -112,7 +115,7 @@ class Gateway:
         )
         self.prompts = PromptTokenizer(config.tokenizer)
         self.kv = KVMirrors(self.workers, self.monitor_config.scrape_interval, config.policy == "kv-aware",
-                            self.prefix_index.forget_worker)  # fmt: skip
+                            self.prefix_index.forget_worker, config.kv_secret)  # fmt: skip
         self.admission = Admission(self.workers, self.prompts, self.metrics, self.api_keys, self.result_cache,
                                    self.rate_limiter, config.share_prefix_cache)  # fmt: skip
         self._admin_digest = key_digest(config.admin_key) if config.admin_key else None

@@ -14,6 +14,11 @@ is the count of its leading block hashes the worker holds.
 `KVMirrors` keeps one live subscriber per reachable worker that publishes
 events (kv-aware policy only) and answers the overlap questions the router
 asks; a worker without a live, synced mirror is routed by load alone.
+
+With the deployment's secret (`--kv-transfer-secret-file`), the gateway hashes
+prompts with the deployment's salt, as its workers do, and takes only batches
+and replay replies that carry the secret's HMAC (core/kv_events.py). A worker
+whose `/ferry/info` names another salt (or none) is routed by load alone.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from ferry.core.block_hash import hash_prompt_blocks, salt_fingerprint
 from ferry.core.kv_events import (
     HASH_ALGORITHM,
     TOPIC,
@@ -40,6 +46,7 @@ from ferry.core.kv_events import (
 )
 from ferry.gateway.background import BackgroundTask
 from ferry.gateway.replicas import Worker
+from ferry.utils.deployment_secret import AuthError, MessageAuth, block_hash_salt
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +114,12 @@ class KVIndex:
 
 
 class KVEventSubscriber(BackgroundTask):
-    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, replay_port: int, name: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, replay_port: int, name: str,
+                 secret: bytes | None = None) -> None:  # fmt: skip
         super().__init__(f"kv events {name}")
         self.ctx, self.host, self.port, self.replay_port, self.name = ctx, host, port, replay_port, name
+        self.auth = MessageAuth(secret)
+        self.refused = 0  # messages without a valid MAC, dropped
         self.index = KVIndex()
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.replay_decoder = msgspec.msgpack.Decoder(ReplayResponse)
@@ -129,7 +139,10 @@ class KVEventSubscriber(BackgroundTask):
                     continue
                 frames = await sub.recv_multipart()
                 try:
-                    batch = self.decoder.decode(frames[-1])
+                    batch = self.decoder.decode(self.auth.open(frames)[-1])
+                except AuthError as e:
+                    self._refuse(e)
+                    continue
                 except msgspec.DecodeError:
                     continue
                 if batch.seq <= self.index.seq:
@@ -158,10 +171,15 @@ class KVEventSubscriber(BackgroundTask):
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(f"tcp://{self.host}:{self.replay_port}")
             try:
-                await dealer.send_multipart([b"", msgspec.msgpack.encode(ReplayRequest(start_seq))])
+                await dealer.send_multipart(self.auth.seal([b"", msgspec.msgpack.encode(ReplayRequest(start_seq))]))
                 if await dealer.poll(int(timeout * 1000)):
-                    resp = self.replay_decoder.decode((await dealer.recv_multipart())[-1])
-                    break
+                    try:
+                        resp = self.replay_decoder.decode(self.auth.open(await dealer.recv_multipart())[-1])
+                        break
+                    except AuthError as e:
+                        self._refuse(e)
+                        await asyncio.sleep(timeout)  # not our publisher: ask again, slowly
+                        continue
             finally:
                 dealer.close()
             logger.warning("no KV-event replay from %s within %.0fs; retrying", self.name, timeout)
@@ -171,6 +189,12 @@ class KVEventSubscriber(BackgroundTask):
             if batch.seq == self.index.seq + 1:
                 self.index.apply(batch)
 
+    def _refuse(self, error: AuthError) -> None:
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            logger.warning("KV events from %s: dropped %d message(s) without this deployment's MAC (%s)",
+                           self.name, self.refused, error)  # fmt: skip
+
 
 class KVMirrors(BackgroundTask):
     """One live KVEventSubscriber per reachable worker that publishes KV events (when `subscribe`:
@@ -178,9 +202,12 @@ class KVMirrors(BackgroundTask):
     loses its mirror and `forget(url)` is called for it (it may come back with an empty cache)."""
 
     def __init__(self, workers: list[Worker], interval: float, subscribe: bool,
-                 forget: Callable[[str], None]) -> None:  # fmt: skip
+                 forget: Callable[[str], None], secret: bytes | None = None) -> None:  # fmt: skip
         super().__init__("kv subscribers")
         self.workers, self.interval, self.subscribe, self.forget = workers, interval, subscribe, forget
+        self.secret = secret
+        self.hash_salt = block_hash_salt(secret)  # as the workers of this deployment salt their hashes
+        self.salt_fingerprint = salt_fingerprint(self.hash_salt)
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self._zmq: zmq.asyncio.Context | None = None
 
@@ -194,6 +221,10 @@ class KVMirrors(BackgroundTask):
             await s.stop()
         if self._zmq is not None:
             self._zmq.term()
+
+    def block_hashes(self, token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+        """A prompt's block hashes as this deployment's workers compute them."""
+        return hash_prompt_blocks(token_ids, block_size, cache_salt, self.hash_salt)
 
     def overlap(self, worker: Worker, hashes: list[bytes]) -> int:
         """Leading blocks of a prompt `worker` caches, as far as its mirror knows."""
@@ -239,12 +270,20 @@ class KVMirrors(BackgroundTask):
                     logger.warning("worker %s hashes blocks with %s, not %s: routed by load", w.url,
                                    w.info.get("block_hash"), HASH_ALGORITHM)  # fmt: skip
                 return
+            if w.info.get("block_hash_salt") != self.salt_fingerprint:
+                if w.url not in warned:
+                    warned.add(w.url)
+                    logger.warning("worker %s salts block hashes %s, this gateway %s (--kv-transfer-secret-file or "
+                                   "$FERRY_KV_TRANSFER_SECRET differ): routed by load", w.url,
+                                   w.info.get("block_hash_salt") or "not at all",
+                                   self.salt_fingerprint or "not at all")  # fmt: skip
+                return
             ev = w.info["kv_events"]
             host = ev["host"]
             if host in ("0.0.0.0", "*", "::", ""):
                 host = urlparse(w.url).hostname or "127.0.0.1"
             if ":" in host and not host.startswith("["):
                 host = f"[{host}]"  # IPv6 in a tcp:// endpoint
-            sub = KVEventSubscriber(self._zmq, host, int(ev["port"]), int(ev["replay_port"]), w.url)
+            sub = KVEventSubscriber(self._zmq, host, int(ev["port"]), int(ev["replay_port"]), w.url, self.secret)
             sub.start()
             self.subscribers[w.url] = sub

@@ -12,6 +12,7 @@ from ferry.entrypoints.draining_server import DrainingServer
 from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
 from ferry.gateway.replicas import MonitorConfig
+from ferry.utils.deployment_secret import load_secret
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,18 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
     g.add_argument("--failure-threshold", type=int, default=m.failure_threshold,
                    help="consecutive failures that take a worker out of its pool")  # fmt: skip
     g.add_argument("--cooldown", type=float, default=m.cooldown, help="seconds a failed worker stays out")
+    p.add_argument("--kv-transfer-secret-file", default=None, metavar="PATH",
+                   help="the deployment's shared secret, as given to its workers (>= 16 bytes; default: "
+                        "$FERRY_KV_TRANSFER_SECRET): KV events count only with its HMAC, and prompts hash with "
+                        "the salt the workers derive from it")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight (streams too) get after SIGTERM; new ones get 503")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning")
 
 
 def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
-                  decode: list[str] | None = None) -> Gateway:  # fmt: skip
+                  decode: list[str] | None = None, secret: bytes | None = None) -> Gateway:  # fmt: skip
+    """`secret`: the deployment's (`ferry up` passes the one it made); default: the flag's or the env's."""
     if args.max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, got {args.max_retries}")
     for name in ("scrape_interval", "health_interval", "cooldown"):
@@ -109,6 +115,7 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         share_prefix_cache=args.share_prefix_cache,
         worker_header=not args.no_worker_header,
         drain_timeout=args.drain_timeout,
+        kv_secret=secret if secret is not None else load_secret(args.kv_transfer_secret_file),
     )
     monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
     policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,

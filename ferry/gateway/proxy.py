@@ -40,7 +40,6 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from ferry.core.block_hash import hash_prompt_blocks
 from ferry.gateway.admission import RequestContext
 from ferry.gateway.disagg import (
     DISAGGREGATED,
@@ -151,7 +150,7 @@ class Proxy:
             ids = await ctx.token_ids(self.prompts, d)
             block_size = (d.info or {}).get("block_size")
             if ids and block_size:
-                hashes = hash_prompt_blocks(ids, block_size, ctx.cache_salt)
+                hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt)
                 uncached = len(ids) - self.kv.overlap(d, hashes) * block_size
                 if uncached >= self.pd_min_prefill_tokens:
                     answer, prefill_worker = await self.prefill(ctx, d, hashes)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 
-from ferry.core.block_hash import hash_prompt_blocks
 from ferry.gateway.admission import RequestContext
 from ferry.gateway.disagg import choose_decode
 from ferry.gateway.kv_index import KVMirrors
@@ -43,7 +42,7 @@ class Routing:
             block_size = next((w.info["block_size"] for w in pool if w.info and w.info.get("block_size")), None)
             ids = await ctx.token_ids(self.prompts, pool[0]) if block_size else None
             if ids:
-                hashes = hash_prompt_blocks(ids, block_size, ctx.cache_salt)
+                hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt)
                 if self.router.policy == "kv-aware":
                     overlaps = [self.kv.overlap(w, hashes) for w in pool]
                 else:

@@ -39,6 +39,7 @@ from functools import partial
 
 from ferry.config import EngineArgs
 from ferry.gateway.main import add_gateway_args, build_gateway, gateway_server
+from ferry.utils.deployment_secret import load_secret
 from ferry.utils.network import free_ports
 from ferry.utils.process import die_with_parent
 
@@ -203,15 +204,23 @@ def run_up(args: argparse.Namespace) -> int:
             if args.redis_url:
                 cmd += ["--redis-url", args.redis_url]
         cmds.append(cmd)
+    # The deployment's secret keys the workers' KV transfers and KV events and salts every block hash
+    # (utils/deployment_secret.py): the operator's (a file, or the environment), or one made here
+    # that never leaves these processes' environments.
+    secret = load_secret(args.kv_transfer_secret_file)
+    if args.kv_transfer_secret_file:
+        cmds = [[*cmd, "--kv-transfer-secret-file", args.kv_transfer_secret_file] for cmd in cmds]
+        env = None
+    else:
+        if secret is None:
+            secret = secrets.token_hex(32).encode()
+        env = {"FERRY_KV_TRANSFER_SECRET": secret.decode()}
     if args.pd:
         gateway = build_gateway(args, [], [u for u, r in zip(urls, roles) if r == "prefill"],
-                                [u for u, r in zip(urls, roles) if r == "decode"])  # fmt: skip
+                                [u for u, r in zip(urls, roles) if r == "decode"], secret=secret)  # fmt: skip
     else:
-        gateway = build_gateway(args, urls)
-    # The workers' KV transfers carry an HMAC with this deployment's secret: the operator's, or one
-    # made here (it never leaves these processes' environments).
-    secret = os.environ.get("FERRY_KV_TRANSFER_SECRET") or secrets.token_hex(32)
-    replicas = Replicas(cmds, urls, env={"FERRY_KV_TRANSFER_SECRET": secret} if args.pd else None)
+        gateway = build_gateway(args, urls, secret=secret)
+    replicas = Replicas(cmds, urls, env=env)
     # Until the gateway runs, SIGTERM (Kubernetes, systemd, kill) stops the start like Ctrl-C does;
     # then the gateway's server drains on it (DrainingServer).
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))

@@ -42,12 +42,12 @@ import zmq
 
 from ferry.config import KVTransferConfig
 from ferry.core.block_hash import BlockHash
-from ferry.kv_transfer.auth import AuthError, MessageAuth
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import CHUNK_BYTES, Done, Have, KVTransferDone, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import Receiver
 from ferry.kv_transfer.redis_store import RedisBlockStore
+from ferry.utils.deployment_secret import AuthError, MessageAuth
 
 logger = logging.getLogger("ferry.kv_transfer")
 

@@ -4,7 +4,7 @@ core thread, and sends the core's `Done` back.
 
 A peer that announces or sends more than this whole cache could hold is refused before anything
 is assembled; a shared-memory segment is read only up to its announced size, and only a segment
-this receiver named for that transfer (in its `Have`). With a deployment secret (auth.py) every
+this receiver named for that transfer (in its `Have`). With a deployment secret (utils/deployment_secret.py) every
 message must carry a valid MAC, and replays are dropped, before anything is decoded.
 """
 
@@ -22,10 +22,10 @@ from multiprocessing import resource_tracker, shared_memory
 import msgspec
 import zmq
 
-from ferry.kv_transfer.auth import AuthError, MessageAuth
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import Done, Have, Offer, Push, WireMessage
+from ferry.utils.deployment_secret import AuthError, MessageAuth
 
 logger = logging.getLogger("ferry.kv_transfer")
 

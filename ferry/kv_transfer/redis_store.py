@@ -19,6 +19,7 @@ import logging
 import msgspec
 
 from ferry.kv_transfer.blocks import KVBlocks
+from ferry.utils.deployment_secret import derive_key
 
 logger = logging.getLogger(__name__)
 _SEALED = b"ferry-kv-v1:"  # then a 32-byte MAC, then the msgpack value
@@ -33,7 +34,7 @@ class RedisBlockStore:
                  secret: bytes | None = None) -> None:  # fmt: skip
         import redis
 
-        self._mac_key = hmac.new(secret, b"ferry-kv-redis-values", hashlib.sha256).digest() if secret else None
+        self._mac_key = derive_key(secret, b"ferry-kv-redis-values") if secret else None
 
         # No retries: a pull that fails leaves the request to compute its prompt, which beats waiting.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,

@@ -1,7 +1,8 @@
 import pytest
 
-from ferry.core.block_hash import hash_block_tokens, hash_prompt_blocks
+from ferry.core.block_hash import hash_block_tokens, hash_prompt_blocks, salt_fingerprint
 from ferry.core.block_pool import BlockPool
+from ferry.utils.deployment_secret import block_hash_salt
 
 
 def test_allocate_takes_from_head_in_order():
@@ -84,3 +85,13 @@ def test_block_hash_is_stable_and_chained():
     assert salted == hash_prompt_blocks(list(range(32)), 16, cache_salt="tenant-a")
     assert hash_prompt_blocks(list(range(32)), 16, cache_salt="") == h[:2]
     assert hash_block_tokens(h[0], [5]) != hash_block_tokens(None, [5])
+    # A deployment salt (derived from the deployment's secret) changes every hash too, with or without
+    # a cache salt; its public fingerprint names it without giving it away.
+    d1, d2 = block_hash_salt(b"deployment-one-secret"), block_hash_salt(b"deployment-two-secret")
+    ours = hash_prompt_blocks(list(range(32)), 16, deployment_salt=d1)
+    assert not set(ours) & set(h[:2]) and ours != hash_prompt_blocks(list(range(32)), 16, deployment_salt=d2)
+    tenant = hash_prompt_blocks(list(range(32)), 16, cache_salt="tenant-a", deployment_salt=d1)
+    assert not set(tenant) & (set(ours) | set(salted))
+    assert block_hash_salt(None) is None and salt_fingerprint(None) is None
+    assert salt_fingerprint(d1) == salt_fingerprint(block_hash_salt(b"deployment-one-secret")) != salt_fingerprint(d2)
+    assert d1.hex() not in salt_fingerprint(d1)

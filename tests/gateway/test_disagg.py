@@ -47,11 +47,15 @@ def redis_url():
         yield f"redis://127.0.0.1:{port}/0"
 
 
+# Every transfer message and KV-event batch carries an HMAC with the deployment's secret, and block
+# hashes its salt (utils/deployment_secret.py): the workers and the gateways share it.
+DEPLOYMENT = {"FERRY_KV_TRANSFER_SECRET": "test-deployment-secret-42"}
+
+
 @pytest.fixture(scope="module")
 def cluster(redis_url):
     """Two decode workers (they pull from Redis too) and one prefill worker per transport."""
-    # Every transfer message carries an HMAC with the deployment's secret (kv_transfer/auth.py).
-    env = {"FERRY_KV_TRANSFER_SECRET": "test-deployment-secret-42"}
+    env = DEPLOYMENT
     decode = [ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url, *FLAGS, env=env)
               for _ in range(2)]  # fmt: skip
     prefill = {}
@@ -71,7 +75,7 @@ def pd_gateway(prefill: list[str], decode: list[str], *flags: str) -> GatewayPro
         args += ["--prefill", p]
     for d in decode:
         args += ["--decode", d]
-    return GatewayProcess([], *args)
+    return GatewayProcess([], *args, env=DEPLOYMENT)
 
 
 def complete(url: str, prompt: str, stream: bool = False, headers: dict | None = None, **extra):

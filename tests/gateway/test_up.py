@@ -59,6 +59,13 @@ def test_up_supervises_its_replicas_and_drains_on_sigterm():
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         out = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, temperature=0)
         assert out.choices[0].text
+        # `ferry up` made a deployment secret for its replicas and its gateway: the replicas salt block
+        # hashes alike, and the gateway mirrors their caches through authenticated KV events.
+        salts = {httpx.get(w["url"] + "/ferry/info", timeout=10).json()["block_hash_salt"] for w in workers}
+        assert len(salts) == 1 and None not in salts
+        client.completions.create(model="smol", prompt="The ferry crosses the fjord at dawn. " * 6, max_tokens=1)
+        wait_for(lambda: any(w["kv_blocks_known"] for w in httpx.get(url + "/gateway/workers", timeout=10).json()),
+                 "the gateway's mirror of the replica's new blocks")  # fmt: skip
         children = _children(up.proc.pid)
         assert len(children) == 2
         cpus = sorted(os.sched_getaffinity(0))

@@ -12,12 +12,12 @@ import pytest
 import zmq
 
 from ferry.config import KVTransferConfig
-from ferry.kv_transfer.auth import AuthError, MessageAuth, load_secret
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.connector import KVConnector
 from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import Have, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import ImportJob, Receiver
+from ferry.utils.deployment_secret import AuthError, MessageAuth, load_secret
 
 SECRET = b"deployment-secret-0123456789"
 HELD = {b"h0"}  # the receiver's cache holds this block

@@ -60,10 +60,10 @@ from ferry.entrypoints.openai.serving import (
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.kv_transfer.allowed_receivers import allow_list
-from ferry.kv_transfer.auth import load_secret
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 from ferry.utils.bearer import key_digest, match_digest
+from ferry.utils.deployment_secret import load_secret
 
 logger = logging.getLogger("ferry.server")
 
@@ -281,6 +281,7 @@ class Server:
                 "max_model_len": i.max_model_len,
                 "prefix_caching": self.engine_args.enable_prefix_caching,
                 "block_hash": HASH_ALGORITHM,
+                "block_hash_salt": i.block_hash_salt,  # the fingerprint of the deployment's salt, or None
                 "kv_events": events,
                 "role": i.kv_role,
                 "kv_transfer": {"sends_by": i.kv_transfer, "receiver": i.kv_receiver, "redis": i.kv_redis},
@@ -376,7 +377,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-timeout", type=float, default=10.0, help="seconds for every KV-transfer wait")
     g.add_argument("--kv-transfer-secret-file", default=None, metavar="PATH",
                    help="the deployment's shared secret (>= 16 bytes; default: $FERRY_KV_TRANSFER_SECRET): "
-                        "every KV-transfer message carries an HMAC with it; others are dropped")  # fmt: skip
+                        "every KV-transfer message and KV-event batch carries an HMAC with it (others are "
+                        "dropped), Redis values are sealed with it, and block hashes salted")  # fmt: skip
     g.add_argument("--kv-transfer-allowed-receivers", nargs="+", default=list(KV_DEFAULT_ALLOWED_RECEIVERS),
                    metavar="NET[:PORT]",
                    help="decode receivers this worker may push to when a request names one: IP networks, "
@@ -412,16 +414,18 @@ def serve(args: argparse.Namespace) -> int:
     api_keys = args.api_key or ([os.environ["FERRY_API_KEY"]] if os.environ.get("FERRY_API_KEY") else None)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
+    secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
     kv_events = None
     if args.enable_kv_events:
-        kv_events = KVEventsConfig(args.kv_events_host or args.host, args.kv_events_port, args.kv_events_replay_port)
+        kv_events = KVEventsConfig(args.kv_events_host or args.host, args.kv_events_port, args.kv_events_replay_port,
+                                   secret=secret)  # fmt: skip
     kv_transfer = None
     if args.role != "both" or args.kv_transfer or args.redis_url:
         kv_transfer = KVTransferConfig(
             role=args.role, transport=args.kv_transfer, host=args.kv_transfer_host or args.host,
             port=args.kv_transfer_port, redis_url=args.redis_url, redis_ttl=args.redis_ttl,
             redis_max_memory=args.redis_max_memory, encoding="int8" if args.kv_transfer_dtype == "int8" else "raw",
-            timeout=args.kv_transfer_timeout, secret=load_secret(args.kv_transfer_secret_file),
+            timeout=args.kv_transfer_timeout, secret=secret,
             allowed_receivers=tuple(args.kv_transfer_allowed_receivers),
         )  # fmt: skip
         kv_transfer.validate()  # ValueError: a clear message, exit 2

@@ -119,8 +119,10 @@ class DraftModelProposer:
         shadow = self.shadows.get(request.request_id)
         hits = []
         if shadow is None:
-            shadow = Request(request.request_id, request.all_token_ids, request.sampling_params,
-                             block_size=bs, max_tokens=request.max_tokens)  # fmt: skip
+            # Salted as the request is: the draft's prefix cache is shared across tenants too.
+            shadow = Request(request.request_id, request.all_token_ids, request.sampling_params, block_size=bs,
+                             cache_salt=request.cache_salt, deployment_salt=request.deployment_salt,
+                             max_tokens=request.max_tokens)  # fmt: skip
             hits, num_hit = self.kv.get_computed_blocks(shadow)
             self.kv.record_prefix_lookup(shadow, num_hit)
         else:

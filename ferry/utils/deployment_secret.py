@@ -1,4 +1,9 @@
-"""Authenticated KV-transfer messages (`--kv-transfer-secret-file`, `FERRY_KV_TRANSFER_SECRET`).
+"""The deployment's secret (`--kv-transfer-secret-file`, `FERRY_KV_TRANSFER_SECRET`) and what it proves.
+
+One secret, shared by a deployment's workers and gateway, keys everything that
+crosses a KV port: KV-transfer messages (kv_transfer/), KV-event batches and
+replays (core/kv_events.py), Redis values (kv_transfer/redis_store.py), and the
+salt of every block hash (core/block_hash.py), each under its own derived key.
 
 Anyone who can reach a decode worker's receiver could otherwise push KV blocks
 under any hash, and every later request whose prompt hashes the same would
@@ -34,6 +39,7 @@ class MessageAuth:
         self.secret = secret or None
         self.window_ns = int(window_s * 1e9)
         self._seen: dict[bytes, int] = {}  # nonce -> its stamp, for the window
+        self._prune_at = 4096  # prune the expired nonces when this many are kept (amortised O(1))
 
     @property
     def enabled(self) -> bool:
@@ -62,8 +68,9 @@ class MessageAuth:
         if nonce in self._seen:
             raise AuthError("a replayed message")
         self._seen[nonce] = sent_ns
-        if len(self._seen) > 4096:
+        if len(self._seen) > self._prune_at:
             self._seen = {n: t for n, t in self._seen.items() if now - t <= self.window_ns}
+            self._prune_at = max(4096, 2 * len(self._seen))
         return body
 
     def _mac(self, frames: list, stamp: bytes) -> bytes:
@@ -83,6 +90,16 @@ def _view(frame) -> memoryview:
 
 def _bytes(frame) -> bytes:
     return bytes(_view(frame))
+
+
+def derive_key(secret: bytes, purpose: bytes) -> bytes:
+    """A 32-byte key for one use of the secret, so no two uses share a key."""
+    return hmac.new(secret, purpose, hashlib.sha256).digest()
+
+
+def block_hash_salt(secret: bytes | None) -> bytes | None:
+    """The deployment salt of every block hash (core/block_hash.py), or None without a secret."""
+    return derive_key(secret, b"ferry-block-hash-salt")[:16] if secret else None
 
 
 def load_secret(path: str | None) -> bytes | None:
