@@ -44,7 +44,7 @@ from ferry.config import KVTransferConfig
 from ferry.core.block_hash import BlockHash
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.core_channel import CoreChannel
-from ferry.kv_transfer.protocol import CHUNK_BYTES, Done, Have, KVTransferDone, Offer, Push, WireMessage
+from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Done, Have, KVTransferDone, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import Receiver
 from ferry.kv_transfer.redis_store import RedisBlockStore
 from ferry.utils.deployment_secret import AuthError, MessageAuth
@@ -199,12 +199,17 @@ class KVConnector:
                 finally:  # the receiver copied it out (or gave up): the segment goes either way
                     shm.close()
                     shm.unlink()
-            else:
-                frames = [msgspec.msgpack.encode(Push(tid, meta, len(payload.data)))]
+            else:  # the push, then each chunk as a message of its own (protocol.py says why)
+                push = Push(tid, meta, len(payload.data), total_bytes=payload.num_bytes)
+                sock.send_multipart(self._auth.seal([msgspec.msgpack.encode(push)]))
+                offset = 0
                 for part in blob_parts:
                     view = memoryview(part)
-                    frames += [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)]
-                sock.send_multipart(self._auth.seal(frames), copy=False)
+                    for i in range(0, len(view), CHUNK_BYTES):
+                        chunk = view[i : i + CHUNK_BYTES]
+                        header = msgspec.msgpack.encode(Chunk(tid, offset))
+                        sock.send_multipart(self._auth.seal([header, chunk]), copy=False)
+                        offset += len(chunk)
                 done = self._reply(sock, tid, Done, deadline)
         except (TimeoutError, zmq.ZMQError):
             # Replies that come late would answer the next offer: start that one on a fresh socket.

@@ -2,9 +2,14 @@
 receiver (ZMQ DEALER/ROUTER, msgspec), and the outcome the EngineCore reports to its API process.
 
 tcp and shm: the sender offers a hash chain (`Offer`), the receiver answers how many leading
-blocks it already holds (`Have`), the sender pushes the rest (`Push`: the payload's metadata,
-then its bytes as frames of at most CHUNK_BYTES, or the name of a shared-memory segment), the
-receiver's core imports them and answers `Done`.
+blocks it already holds (`Have`), the sender pushes the rest (`Push`: the payload's metadata and
+size, or the name of a shared-memory segment), tcp then sends the bytes as `Chunk` messages of
+at most CHUNK_BYTES, and the receiver's core imports them and answers `Done`.
+
+Every chunk is a message of its own, not a frame of the push: ZMQ holds a multipart message
+whole before delivering it and bounds only each frame's size (MAXMSGSIZE), so a push of many
+frames could fill memory before the receiver saw a byte of it. Separate messages are each
+bounded, and the receiver counts them against the size the push announced.
 """
 
 from __future__ import annotations
@@ -31,9 +36,17 @@ class Have(msgspec.Struct, tag="have", array_like=True):
 
 class Push(msgspec.Struct, tag="push", array_like=True):
     transfer_id: str
-    meta: KVBlocks  # data and scales empty: they follow as frames, or in shared memory
+    meta: KVBlocks  # data and scales empty: they follow as Chunks, or in shared memory
     data_bytes: int
     shm_name: str | None = None  # shm: the segment holding data then scales (Have.shm_name)
+    total_bytes: int = 0  # tcp: data then scales, in Chunks
+
+
+class Chunk(msgspec.Struct, tag="chunk", array_like=True):
+    """tcp: the next bytes of a push (its data, then its scales), in a frame after this one."""
+
+    transfer_id: str
+    offset: int  # where these bytes start: each chunk follows the one before
 
 
 class Done(msgspec.Struct, tag="done", array_like=True):
@@ -43,7 +56,7 @@ class Done(msgspec.Struct, tag="done", array_like=True):
     error: str | None = None
 
 
-WireMessage = Offer | Have | Push | Done
+WireMessage = Offer | Have | Push | Chunk | Done
 
 
 class KVTransferDone(msgspec.Struct, tag="kv", array_like=True):

@@ -15,7 +15,7 @@ from ferry.config import KVTransferConfig
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.connector import KVConnector
 from ferry.kv_transfer.core_channel import CoreChannel
-from ferry.kv_transfer.protocol import Have, Offer, Push, WireMessage
+from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Have, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import ImportJob, Receiver
 from ferry.utils.deployment_secret import AuthError, MessageAuth, load_secret
 
@@ -75,50 +75,110 @@ def test_only_sealed_fresh_messages_are_answered(receiver):
     assert not peer.poll(200)
 
 
-def test_oversized_pushes_and_foreign_segments_are_refused(receiver):
-    _, channel, peer = receiver
+def test_oversized_pushes_streams_and_foreign_segments_are_refused(receiver):
+    r, channel, peer = receiver
     auth = MessageAuth(SECRET)
 
-    def push(payload: KVBlocks, shm_name: str | None = None, frames=()) -> ImportJob:
+    def send_push(tid: str, payload: KVBlocks, shm_name: str | None = None, total: int | None = None) -> None:
         meta = msgspec.structs.replace(payload, data=b"", scales=b"")
-        peer.send_multipart(auth.seal([msgspec.msgpack.encode(Push("t", meta, len(payload.data), shm_name)),
-                                       *frames]))  # fmt: skip
-        assert channel.wake.poll(30_000)
-        (job,) = channel.drain()
-        return job
+        total = payload.num_bytes if total is None else total
+        push = Push(tid, meta, len(payload.data), shm_name, total_bytes=0 if shm_name else total)
+        peer.send_multipart(auth.seal([msgspec.msgpack.encode(push)]))
 
-    big = blocks(100)  # 6,400 bytes > this receiver's 4,096
-    job = push(big, frames=[big.data])
-    assert job.payload is None and "more KV bytes" in job.error
+    def send_chunk(tid: str, offset: int, data: bytes, sock: zmq.Socket = peer) -> None:
+        sock.send_multipart(auth.seal([msgspec.msgpack.encode(Chunk(tid, offset)), data]))
+
+    def job() -> ImportJob:
+        assert channel.wake.poll(30_000)
+        (j,) = channel.drain()
+        return j
+
+    def transfer(tid: str, payload: KVBlocks) -> ImportJob:
+        send_push(tid, payload)
+        send_chunk(tid, 0, payload.data)
+        return job()
+
+    # A push announcing more than the whole cache (4,096 bytes) is refused at once, before any chunk.
+    big = blocks(100)  # 6,400 bytes
+    send_push("big", big)
+    j = job()
+    assert j.payload is None and "more KV bytes" in j.error
+    # A stream past the size its push announced ends the transfer at the first byte too many; the
+    # rest of that stream is dropped (no push in progress), and so are chunks of pushes never made.
+    small = blocks(1)
+    send_push("over", small)
+    send_chunk("over", 0, small.data + b"\1" * 64)
+    j = job()
+    assert j.transfer_id == "over" and j.payload is None and "past the size" in j.error
+    for i in range(20):
+        send_chunk("over", 128 + 64 * i, b"\1" * 64)
+        send_chunk("never-pushed", 64 * i, b"\2" * 64)
+    # Out of order: an error too.
+    send_push("order", blocks(2))
+    send_chunk("order", 64, b"\0" * 64)
+    j = job()
+    assert j.transfer_id == "order" and "out of order" in j.error
+    # Pushes being assembled together may not exceed the cache either.
+    half = blocks(40)  # 2,560 bytes: one fits, two do not
+    send_push("first", half)
+    send_push("second", half)
+    j = job()
+    assert j.transfer_id == "second" and "being received already" in j.error
+    send_chunk("first", 0, half.data[:1000])
+    send_chunk("first", 1000, half.data[1000:])
+    j = job()
+    assert j.transfer_id == "first" and j.error is None and j.payload.data == half.data
+    # A frame bigger than any chunk may be is cut off by ZMQ (MAXMSGSIZE) before it is buffered: the
+    # push before it is taken (its offer answered after it, in order), the oversized chunk never arrives.
+    assert r.sock.getsockopt(zmq.MAXMSGSIZE) <= CHUNK_BYTES + (1 << 20)
+    other = peer.context.socket(zmq.DEALER)
+    other.setsockopt(zmq.LINGER, 0)
+    other.connect(r.addr)
+    meta = msgspec.structs.replace(small, data=b"", scales=b"")
+    other.send_multipart(auth.seal([msgspec.msgpack.encode(Push("huge", meta, 64, None, total_bytes=64))]))
+    other.send_multipart(auth.seal([offer("sync")]))
+    assert reply(other, auth).transfer_id == "sync"
+    send_chunk("huge", 0, b"\3" * 64 + b"\4" * (2 << 20), sock=other)  # would end "huge" with an error job
+    assert not channel.wake.poll(1000)
+    assert r._assemblies["huge"].received == 0  # noqa: SLF001
+    other.close()
     # A segment the receiver did not name (here: one that exists, named by the peer) is never opened.
     foreign = shared_memory.SharedMemory(create=True, size=128)
     try:
-        job = push(blocks(1), shm_name=foreign.name)
-        assert job.payload is None and "not named by this receiver" in job.error
+        send_push("foreign", blocks(1), shm_name=foreign.name)
+        j = job()
+        assert j.transfer_id == "foreign" and j.payload is None and "not named by this receiver" in j.error
     finally:
         foreign.close()
         foreign.unlink()
-    small = blocks(1)
-    job = push(small, frames=[small.data])
-    assert job.error is None and job.payload.data == small.data
+    # Nothing above was imported, nothing is left over, and a good transfer still goes through.
+    j = transfer("good", small)
+    assert j.transfer_id == "good" and j.error is None and j.payload.data == small.data
+    assert set(r._assemblies) == {"huge"} and r._assembling_bytes == 64  # noqa: SLF001 (it expires later)
+    assert not channel.drain()
 
 
 def test_a_connector_with_the_secret_gets_through_and_one_without_does_not(tmp_path):
     """The real sender (tcp and shm) against the real receiver, as two workers of a deployment run them."""
     ctx = zmq.Context()
     try:
-        decode = KVConnector(KVTransferConfig(role="decode", port=0, secret=SECRET, timeout=5.0), ctx, "ns", 1 << 20,
+        decode = KVConnector(KVTransferConfig(role="decode", port=0, secret=SECRET, timeout=5.0), ctx, "ns", 16 << 20,
                              HELD.__contains__)  # fmt: skip
-        for transport, secret, ok in (("tcp", SECRET, True), ("shm", SECRET, True), ("tcp", None, False)):
+        # 9 MiB of distinct bytes: three chunks over tcp, reassembled in order.
+        large = KVBlocks(1, 1, 1, 512, "float32", [f"L{i}".encode() for i in range(2304)], None,
+                         bytes(range(256)) * (9 << 12))  # fmt: skip
+        cases = (("tcp", SECRET, True, blocks(3)), ("tcp", SECRET, True, large), ("shm", SECRET, True, blocks(3)),
+                 ("tcp", None, False, blocks(3)))  # fmt: skip
+        for transport, secret, ok, payload in cases:
             prefill = KVConnector(KVTransferConfig(role="prefill", transport=transport, secret=secret, timeout=2.0),
-                                  ctx, "ns", 1 << 20, lambda h: False)  # fmt: skip
+                                  ctx, "ns", 16 << 20, lambda h: False)  # fmt: skip
             try:
-                payload = blocks(3)
                 prefill.send("r", payload, decode.receiver_addr)
                 if ok:  # the decode side's core imports and answers
                     assert decode.wake.poll(30_000)
                     (job,) = decode.drain()
                     assert job.error is None and job.payload.block_hashes == payload.block_hashes
+                    assert job.payload.data == payload.data
                     decode.receiver.reply(job.identity, _done(job))
                 assert prefill.wake.poll(30_000)
                 (result,) = prefill.drain()
