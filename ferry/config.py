@@ -291,7 +291,8 @@ class KVTransferConfig:
     transport: str | None = None  # how this worker sends blocks: tcp | shm | redis (None: it sends none)
     host: str = "127.0.0.1"  # where the receiver listens (decode / both)
     port: int = 0  # 0: any free port
-    redis_url: str | None = None  # pull missing prefix blocks from (and, with transport redis, push to) Redis
+    # Pull missing prefix blocks from (and, with transport redis, push to) Redis; may hold a password.
+    redis_url: str | None = field(default=None, repr=False)
     redis_ttl: float = 600.0
     redis_max_memory: str | None = None  # if set, configure the server: maxmemory + allkeys-lru
     encoding: str = "raw"  # raw | int8 (in transit)

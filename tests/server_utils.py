@@ -130,9 +130,10 @@ def read_until(sock: socket.socket, marker: bytes) -> bytes:
 
 
 @contextlib.contextmanager
-def redis_server(password: str | None = None) -> Iterator[int]:
+def redis_server(password: str | None = None, tls_ca: str | None = None) -> Iterator[int]:
     """A real redis-server on a free 127.0.0.1 port (its port); skipped where none is installed,
-    except under CI (`.ci/run` installs it)."""
+    except under CI (`.ci/run` installs it). With `tls_ca` (a path to write): TLS only, with a
+    certificate for 127.0.0.1 made by openssl beside it, signed by itself and written to `tls_ca`."""
     binary = shutil.which("redis-server")
     if binary is None:
         if os.environ.get("CI"):
@@ -141,10 +142,20 @@ def redis_server(password: str | None = None) -> Iterator[int]:
     import redis
 
     port = free_port()
-    auth = ["--requirepass", password] if password else []
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             *auth], stdout=subprocess.DEVNULL)  # fmt: skip
-    client = redis.Redis(port=port, password=password)
+    args = ["--requirepass", password] if password else []
+    ssl = {}
+    if tls_ca:
+        key = tls_ca + ".key"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", tls_ca,
+                        "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)  # fmt: skip
+        args += ["--tls-port", str(port), "--tls-cert-file", tls_ca, "--tls-key-file", key, "--tls-ca-cert-file",
+                 tls_ca, "--tls-auth-clients", "no"]  # fmt: skip
+        ssl = {"ssl": True, "ssl_ca_certs": tls_ca}
+    plain_port = "0" if tls_ca else str(port)
+    proc = subprocess.Popen([binary, "--port", plain_port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             *args], stdout=subprocess.DEVNULL)  # fmt: skip
+    client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=5, **ssl)
     try:
         for _ in range(200):
             try:
@@ -152,6 +163,8 @@ def redis_server(password: str | None = None) -> Iterator[int]:
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
+        else:
+            raise RuntimeError(f"redis-server on port {port} did not answer")
         yield port
     finally:
         proc.terminate()

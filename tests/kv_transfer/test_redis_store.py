@@ -1,5 +1,5 @@
-"""The Redis block store against a real redis-server with a password: AUTH from the URL, and values
-sealed with the deployment's secret, so blocks written without it (or moved between keys) are
+"""The Redis block store against a real redis-server with a password: AUTH and TLS from the URL, and
+values sealed with the deployment's secret, so blocks written without it (or moved between keys) are
 never read."""
 
 from __future__ import annotations
@@ -34,6 +34,23 @@ def chain(*blocks: KVBlocks) -> KVBlocks:
 def store(port: int, secret: bytes | None, password: str | None = PASSWORD) -> RedisBlockStore:
     auth = f":{password}@" if password else ""
     return RedisBlockStore(f"redis://{auth}127.0.0.1:{port}/0", "test-model", 60, 5.0, None, secret)
+
+
+def test_tls_comes_with_a_rediss_url(tmp_path):
+    """`rediss://` against a TLS-only redis-server: the server's certificate is verified (against the
+    CA named in the URL), plain connections are refused, and sealed blocks round-trip over it."""
+    ca = str(tmp_path / "ca.pem")
+    secret = b"deployment-secret-0123456789"
+    with redis_server(PASSWORD, tls_ca=ca) as port:
+        url = f"rediss://:{PASSWORD}@127.0.0.1:{port}/0"
+        tls = RedisBlockStore(f"{url}?ssl_ca_certs={ca}", "test-model", 60, 5.0, None, secret)
+        h1, h2 = b"\x01" * 16, b"\x02" * 16
+        assert tls.put(chain(block(h1, None, 1), block(h2, h1, 2)))[0] == 2
+        assert [b.data for b in tls.get_chain([h1, h2], None)] == [bytes([1]) * 32, bytes([2]) * 32]
+        with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+            RedisBlockStore(url, "test-model", 60, 5.0, None, secret).client.ping()  # the system's CAs only
+        with pytest.raises(redis.ConnectionError):
+            store(port, secret).client.ping()  # redis:// to a TLS port
 
 
 def test_the_password_comes_with_the_url(redis_port):
