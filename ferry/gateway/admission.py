@@ -43,6 +43,7 @@ from ferry.entrypoints.openai.protocol import (
     PromptLimits,
     decode_json_object,
     precheck_body,
+    precheck_raw,
     read_body,
     validate_body,
 )
@@ -119,6 +120,7 @@ def _parse(raw: bytes, kind: str, limits_of: Callable[[object], PromptLimits | N
     """(the body as a dict, validated by the worker's own schema); OpenAIError when either fails.
     The prompt is bounded first, as the worker bounds it (`limits_of(model)`), before the schema
     walks a list of millions of token ids."""
+    precheck_raw(raw, limits_of)  # millions of token ids refused before they are built
     data = decode_json_object(raw)
     limits = limits_of(data.get("model"))
     if limits is not None:

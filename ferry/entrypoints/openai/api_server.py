@@ -47,6 +47,7 @@ from ferry.entrypoints.openai.protocol import (
     PromptLimits,
     decode_json_object,
     precheck_body,
+    precheck_raw,
     read_body,
     validate_body,
 )
@@ -73,6 +74,7 @@ def _error_response(err: OpenAIError) -> JSONResponse:
 
 
 def _decode(raw: bytes, limits: PromptLimits) -> dict:
+    precheck_raw(raw, lambda _model: limits)  # millions of token ids refused before they are built
     data = decode_json_object(raw)
     precheck_body(data, limits)
     return data

@@ -12,6 +12,7 @@ lengths against the model's context before any per-token work.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -85,6 +86,51 @@ def _text_len(x: Any) -> int:
     return len(x) if isinstance(x, str) else 0
 
 
+class _BodyHead(msgspec.Struct):
+    """What `precheck_raw` reads of a body: the model, and the prompt left as its JSON bytes."""
+
+    model: Any = None
+    prompt: msgspec.Raw = msgspec.Raw(b"")  # empty when the body has none
+
+
+_body_head = msgspec.json.Decoder(_BodyHead)
+
+
+def precheck_raw(raw: bytes, limits_of: Callable[[Any], PromptLimits | None]) -> None:
+    """Bound a large body's token-id prompt from its bytes, before it is decoded into Python objects.
+
+    Decoding millions of token ids holds the GIL for a tenth of a second or more (worse on a busy
+    machine), in whatever thread it runs, so the event loop stalls for it; reading the body with
+    the prompt left raw only scans it. A prompt with no strings in it holds numbers and brackets
+    only, so its commas count its ids exactly (one fewer) and its brackets its prompts. Anything
+    else (text, a malformed body) is left to the full decode and `precheck_body`.
+    `limits_of(model)`: the limits for the body's model (None: unknown, no check)."""
+    if len(raw) <= PRECHECK_RAW_BYTES:
+        return  # small: decoding costs little
+    try:
+        head = _body_head.decode(raw)
+    except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
+        return  # the full decode names what is wrong
+    prompt = bytes(head.prompt)
+    limits = limits_of(head.model) if prompt else None
+    if limits is None or b'"' in prompt:
+        return
+    body = prompt.strip()
+    if not body.startswith(b"["):
+        return
+    total = body.count(b",") + 1  # flat: the ids; nested: the ids of all prompts (commas in and between lists)
+    if body[1:].lstrip().startswith(b"["):  # a list of token-id lists
+        if body.count(b"[") - 1 > MAX_PROMPTS:
+            raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt", code=400)
+        # More ids than MAX_PROMPTS full prompts hold: one prompt is too long.
+        if total > MAX_PROMPTS * limits.max_tokens:
+            why = f"more than {MAX_PROMPTS} prompts of at most {limits.max_tokens} tokens each can"
+            raise OpenAIError(400, f"prompt holds {total} token ids in all, {why}; shorten them", param="prompt",
+                              code=400)  # fmt: skip
+    elif total > limits.max_tokens:
+        raise _too_long("prompt", total, "tokens", limits.max_tokens, limits.max_tokens + 1)
+
+
 def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
     """Bound the prompt's size on the decoded JSON, before the schema walks it: the number of
     prompts and messages, token-id lists against the context and text against `max_chars`."""
@@ -125,6 +171,8 @@ MAX_BODY_BYTES = 32 << 20
 # Bodies above this are decoded and validated in a worker thread. Neither releases the GIL, so
 # the loop still pauses, but for a JSON decode (~0.1 s at the cap) rather than for validation.
 OFFLOAD_BYTES = 1 << 20
+# Bodies over this have their token-id prompts counted from the bytes first (precheck_raw).
+PRECHECK_RAW_BYTES = 64 << 10
 
 
 async def read_body(request: Request) -> bytes:

@@ -1,0 +1,74 @@
+"""Prompt bounds read from a body's bytes (`precheck_raw`), before millions of token ids are built
+into Python objects: exact for token ids, silent for anything it cannot count exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ferry.entrypoints.openai.protocol import (
+    MAX_PROMPTS,
+    PRECHECK_RAW_BYTES,
+    OpenAIError,
+    PromptLimits,
+    decode_json_object,
+    precheck_body,
+    precheck_raw,
+)
+
+LIMITS = PromptLimits(max_tokens=2047, max_chars=200_000)
+
+
+def limits_of(model):
+    return LIMITS if model == "m" else None
+
+
+def body(prompt, **extra) -> bytes:
+    return json.dumps({"model": "m", "prompt": prompt, **extra}).encode()
+
+
+def refusal(raw: bytes) -> str:
+    with pytest.raises(OpenAIError) as e:
+        precheck_raw(raw, limits_of)
+    assert e.value.status == 400 and e.value.param == "prompt"
+    return e.value.message
+
+
+def test_token_ids_are_counted_from_the_bytes_as_the_decoded_check_counts_them():
+    ids = list(range(1000, 4000)) * 200  # 600,000 ids, 3 MB
+    raw = body(ids, max_tokens=2)
+    assert len(raw) > PRECHECK_RAW_BYTES
+    msg = refusal(raw)
+    assert "600000 tokens" in msg
+    with pytest.raises(OpenAIError) as decoded:
+        precheck_body(decode_json_object(raw), LIMITS)
+    assert decoded.value.message == msg  # the same answer as the check on the decoded body
+    # Whitespace, as any JSON encoder may put it, changes nothing.
+    spaced = b'{"prompt" : [ ' + b" , ".join(b"7" for _ in range(600_000)) + b' ] , "model":"m"}'
+    assert "600000 tokens" in refusal(spaced)
+
+
+def test_lists_of_token_id_lists_are_bounded_in_number_and_in_ids():
+    many = body([[1]] * (MAX_PROMPTS + 1) + [[2] * 400_000])
+    assert len(many) > PRECHECK_RAW_BYTES
+    assert f"at most {MAX_PROMPTS} prompts" in refusal(many)
+    # Fewer prompts, but more ids than MAX_PROMPTS contexts: one of them is too long.
+    long_ones = body([[5] * (LIMITS.max_tokens + 1)] * MAX_PROMPTS)
+    assert len(long_ones) > PRECHECK_RAW_BYTES
+    assert "tokens" in refusal(long_ones)
+
+
+def test_what_cannot_be_counted_exactly_is_left_to_the_decoded_checks():
+    big_ok = body([[5] * 1000] * 400)  # 400 prompts of 1,000 ids: within every bound
+    assert len(big_ok) > PRECHECK_RAW_BYTES
+    precheck_raw(big_ok, limits_of)
+    # Text with commas: they are characters, not ids.
+    precheck_raw(body("a," * 1_000_000), limits_of)
+    precheck_raw(body(["a,b", *[[1] * 10] * 100_000]), limits_of)  # over MAX_PROMPTS, but not countable
+    # Unknown model, no prompt, a chat body, malformed JSON, a small body: nothing to say here.
+    precheck_raw(json.dumps({"model": "other", "prompt": [1] * 600_000}).encode(), limits_of)
+    precheck_raw(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 2_000_000}]}).encode(),
+                 limits_of)  # fmt: skip
+    precheck_raw(b'{"model": "m", "prompt": [1, 2' + b", 3" * 600_000, limits_of)
+    precheck_raw(body([1] * 3000), limits_of)  # over the limit, but small: the decoded check answers
