@@ -101,3 +101,25 @@ def test_bench_spec_verify_cost_times_both_step_kinds(tmp_path):
     batches = json.loads(out.read_text())["batches"]
     assert [b["batch_size"] for b in batches] == [1, 2]
     assert all(b["steps"]["plain"] > 0 and b["steps"]["verify"] > 0 and b["ratio"] > 0 for b in batches)
+
+
+def test_bench_abuse_sees_every_hostile_body_refused_and_health_answer(tmp_path):
+    """`ferry bench abuse` end to end (server target, short phases): every hostile request got the
+    status the hardening promises, and no /health probe or well-behaved completion failed."""
+    out = tmp_path / "abuse.json"
+    proc = _ferry("bench", "abuse", "--targets", "server", "--duration", "3", "--abusers", "1", "--json", str(out),
+                  timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["results"]["server"]
+    for phase in ("quiet", "abused"):
+        r = runs[phase]
+        assert r["health_ms"]["n"] > 0 and not r["health_errors"], r
+        assert r["completion_ms"]["n"] > 0 and not r["completion_errors"], r
+    # The server answers 413 as the chunked body passes the cap and closes; the client, still
+    # sending, may see the connection reset before it reads the answer.
+    want = {"token-ids-30MB": {"400"}, "many-prompts": {"400"}, "text-2M-words": {"400"}, "nested-json": {"400"},
+            "chunked-33MB": {"413", "ConnectionResetError"}, "slow-body": {"200"}}  # fmt: skip
+    hostile = runs["abused"]["hostile"]
+    assert hostile and not runs["quiet"]["hostile"]
+    for kind, k in hostile.items():
+        assert set(k["statuses"]) <= want[kind], (kind, k["statuses"])
