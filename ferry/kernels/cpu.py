@@ -120,15 +120,28 @@ def _sound_compiler():
         os.environ["CXX"] = cxx
 
 
+def _checkout_key() -> str:
+    """Which sources and torch this build is of. torch keeps one build directory per extension
+    name and rebuilds when the source paths change, so two checkouts (or venvs) on one machine
+    sharing a name rebuilt each other's kernels in turn, minutes each, and waited on each other's
+    build locks (a CI clone beside a working tree timed its servers out that way)."""
+    import hashlib
+
+    import torch
+
+    where = f"{Path(__file__).resolve().parent}|{torch.__version__}"
+    return hashlib.sha256(where.encode()).hexdigest()[:10]
+
+
 def _isa_flags() -> tuple[str, list[str]]:
     """The extension's name and ISA flags: this CPU's (-march=native: AVX-512/VNNI paths where the CPU
     has them), or with FERRY_CPU_ISA=avx2 the AVX2 paths alone (-mno-avx512f), built under their own
     name so both builds stay cached side by side (the tests compare them)."""
     isa = os.environ.get("FERRY_CPU_ISA", "native")
     if isa == "native":
-        return EXTENSION_NAME, ["-march=native"]
+        return f"{EXTENSION_NAME}_{_checkout_key()}", ["-march=native"]
     if isa == "avx2":
-        return f"{EXTENSION_NAME}_avx2", ["-march=native", "-mno-avx512f"]
+        return f"{EXTENSION_NAME}_avx2_{_checkout_key()}", ["-march=native", "-mno-avx512f"]
     raise ValueError(f"FERRY_CPU_ISA={isa!r}: expected 'native' or 'avx2'")
 
 
