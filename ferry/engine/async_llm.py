@@ -142,6 +142,10 @@ class AsyncLLM:
             self.output_processor.tokenizer = self.tokenizer
         self.info = info
         self.input_processor = InputProcessor(self.tokenizer, self.info)
+        # Heard from just now: loading took as long as it took (a first start compiles kernels for
+        # minutes), which is no stall; counted from construction, the first quiet half second after
+        # a start slower than --engine-stall-timeout failed requests with 503.
+        self._last_heard = time.monotonic()
         self._loop_task = asyncio.create_task(self._output_loop(), name="ferry-output-loop")
 
     async def shutdown(self, timeout: float = 5.0) -> None:

@@ -57,6 +57,8 @@ def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
     assert post(server, body).status_code == 200
     for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(server.url + path).status_code == 200, path
+    # Loading took longer than the 5-second stall timeout: no stall for it once ready.
+    assert "has not stepped" not in server.logs()
 
 
 @pytest.mark.parametrize(
