@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ferry.config import EngineArgs
 from ferry.outputs import CompletionOutput, Logprob, RequestOutput
-from ferry.sampling_params import RequestOutputKind, SamplingParams
+from ferry.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from ferry.engine.llm_engine import LLMEngine
@@ -19,6 +19,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -103,6 +103,8 @@ BENCHMARKS = (
     ("quality", "ferry.bench.quality", True, "a quantized model's next-token distributions against fp32"),
     ("spec", "ferry.bench.spec", True,
      "single-stream decode with and without speculative decoding, on editing and chat prompts"),
+    ("structured", "ferry.bench.structured", True,
+     "JSON-schema requests against the same unconstrained, and grammar compile times"),
     ("abuse", "ferry.bench.abuse", False,
      "/health and a client's latency while other clients send hostile bodies, server and gateway"),
 )  # fmt: skip

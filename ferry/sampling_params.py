@@ -18,6 +18,49 @@ class InvalidParameterError(ValueError):
         self.param = param
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's `structured_outputs`): exactly one of a
+    JSON schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regular
+    expression (`regex`), one of some strings (`choice`), or a Lark / GBNF grammar (`grammar`).
+
+    `disable_any_whitespace` allows no whitespace between JSON tokens (compact output);
+    `whitespace_pattern` replaces the regex of what may stand between them. Compiled by
+    llguidance (`ferry/structured_output/`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            why = "none was" if not given else f"got {', '.join(given)}"
+            raise InvalidParameterError(
+                "structured_outputs", f"structured_outputs needs exactly one of {', '.join(self.KINDS)}; {why}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise InvalidParameterError("structured_outputs.choice", "choice must be a non-empty list of strings")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameterError(f"structured_outputs.{name}", f"{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidParameterError("structured_outputs.json", "json must be a JSON schema (an object or its text)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step()` reports for a request (vLLM's names)."""
 
@@ -55,6 +98,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a grammar (JSON schema, regex, choice, Lark); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's config (EOS ids); not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from ferry.core.block_hash import BlockHash, chain_root, hash_block_tokens
 from ferry.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferry.structured_output.compiler import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +76,9 @@ class Request:
         self.noise_seed: int | None = None
         # The sampler's tensors of `sampling_params.logit_bias`, built at the first step (worker/sampler.py).
         self.logit_bias_tensors: tuple | None = None
+        # Where the request stands in its grammar (structured output; set by the engine core once
+        # compiled): the sampler masks what it forbids, each kept token advances it.
+        self.grammar: GrammarState | None = None
         self._update_block_hashes()
 
     @property

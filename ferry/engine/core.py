@@ -12,6 +12,8 @@ here when one of its stop strings matches.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import time
 from typing import Any
 
@@ -20,10 +22,13 @@ from ferry.core.request import Request, RequestStatus
 from ferry.core.scheduler import Scheduler
 from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
 from ferry.sampling_params import resolve_stop_token_ids
+from ferry.structured_output.compiler import GrammarCompiler, GrammarState
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.spec_decode import DraftProposer
 from ferry.worker.step_plan import StepRecord, tree_depths
 from ferry.worker.tp_worker import TensorParallelWorkers
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -57,9 +62,17 @@ class EngineCore:
         self.step_records: list[StepRecord] | None = None
         # Outputs due without a model step: tokens a prefill worker sampled (disaggregation).
         self._pending: list[EngineCoreOutput] = []
+        # Structured output: grammars compile in a thread; a request waits here (out of the
+        # scheduler, holding no blocks) until its grammar is ready, with the tokens a prefill
+        # worker sampled for it.
+        vocab_size = info.vocab_size if info is not None else runner.sampler.vocab_size
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        self._awaiting_grammar: dict[str, tuple[Request, list[int], concurrent.futures.Future]] = {}
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any)."""
+        """Stop the tensor-parallel workers (if any) and the grammar compiler."""
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
             self.tp_workers = None
@@ -82,9 +95,48 @@ class EngineCore:
                 deployment_salt=self.kv.block_hash_salt,
                 max_tokens=request.max_tokens,
             )
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            if self.grammars is None:
+                self._pending.append(self._refused(request, "structured output needs the model's tokenizer"))
+                return
+            try:
+                future = self.grammars.submit(structured)
+            except ValueError as e:  # the API side validates first: only a direct caller gets here
+                self._pending.append(self._refused(request, str(e)))
+                return
+            if not future.done():
+                self._awaiting_grammar[request.request_id] = (request, prefilled, future)
+                return
+            self._admit(request, prefilled, future)
+            return
+        self._admit(request, prefilled)
+
+    def _admit(self, request: Request, prefilled: list[int], grammar: concurrent.futures.Future | None = None) -> None:
+        if grammar is not None:
+            try:
+                state: GrammarState = grammar.result()
+            except Exception as e:
+                self._pending.append(self._refused(request, str(e)))
+                return
+            request.grammar = state
         self.scheduler.add_request(request)
         if prefilled:
             self._continue_prefilled(request, prefilled)
+
+    def _refused(self, request: Request, why: str) -> EngineCoreOutput:
+        logger.error("request %s aborted: %s", request.request_id, why)
+        return EngineCoreOutput(request.request_id, [], finish_reason=RequestStatus.FINISHED_ABORTED.value)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the requests whose grammars have compiled; when nothing else can run, wait a
+        little for one (rather than spin the loop)."""
+        if not self.scheduler.has_unfinished_requests() and not self._pending:
+            futures = [f for _, _, f in self._awaiting_grammar.values()]
+            concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        for rid in [rid for rid, (_, _, f) in self._awaiting_grammar.items() if f.done()]:
+            request, prefilled, future = self._awaiting_grammar.pop(rid)
+            self._admit(request, prefilled, future)
 
     def _continue_prefilled(self, request: Request, tokens: list[int]) -> None:
         """A request whose prompt another worker prefilled: take the token(s) it sampled as this
@@ -108,7 +160,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.scheduler.abort_request(rid)
+            if self._awaiting_grammar.pop(rid, None) is None:
+                self.scheduler.abort_request(rid)
         if self.proposer is not None:
             self.proposer.release(request_ids)
         if self._pending:
@@ -116,9 +169,11 @@ class EngineCore:
             self._pending = [o for o in self._pending if o.request_id not in gone]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._awaiting_grammar)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._awaiting_grammar:
+            self._admit_compiled()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -185,6 +240,13 @@ class EngineCore:
             elif token in params.all_stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
+        grammar = request.grammar
+        if status is None and grammar is not None:
+            if not grammar.accept(token):  # the mask forbids it: a bug if ever seen
+                logger.error("request %s: token %d breaks its grammar: %s", request.request_id, token, grammar.error())
+                status = RequestStatus.FINISHED_ABORTED
+            elif grammar.is_stopped():  # complete: nothing but EOS could follow
+                status = RequestStatus.FINISHED_STOPPED
         if status is None and (
             request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.scheduler.max_model_len
         ):

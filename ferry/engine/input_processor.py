@@ -15,6 +15,7 @@ from typing import Any
 
 from ferry.engine.messages import EngineCoreRequest, EngineInfo
 from ferry.sampling_params import InvalidParameterError, SamplingParams, resolve_stop_token_ids
+from ferry.structured_output.grammar import check as check_grammar
 
 # A dict holds "prompt" (text) and/or "prompt_token_ids", and may hold vLLM's "cache_salt".
 PromptType = str | dict[str, Any] | list[int]
@@ -118,6 +119,10 @@ class InputProcessor:
             raise InvalidParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
         if params.stop and self.tokenizer is None:
             raise InvalidParameterError("stop", "stop strings need a tokenizer; use stop_token_ids")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidParameterError("structured_outputs", "structured output needs the model's tokenizer")
+            check_grammar(params.structured_outputs)  # cached: the server checked it already, off its loop
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         taken = [i for i in (request_id, *seq_ids) if i in in_use]
         if taken:

@@ -1,6 +1,6 @@
 """Batched, vectorized sampling over the rows of a logits matrix.
 
-Order (as vLLM): logit bias, min_tokens (stop tokens masked), repetition /
+Order (as vLLM): the grammar's token mask (structured output), logit bias, min_tokens (stop tokens masked), repetition /
 presence / frequency penalties, then greedy argmax or temperature, top-k,
 top-p, min-p and a draw. The draw is `argmax(p / q)` with `q ~ Exp(1)`, which
 samples from `p`. A seeded request's `q` for its k-th output token comes from a
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.core.request import Request
+from ferry.structured_output.bitmask import apply_bitmask, fill_bitmask
 from ferry.worker.step_plan import tree_paths
 
 Logprob = tuple[float, int, list[int], list[float]]  # (sampled logprob, its rank, top ids, top logprobs)
@@ -224,6 +225,10 @@ class Sampler:
         params = [r.request.sampling_params for r in rows]
         want = logprobs and any(p.logprobs is not None for p in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want else None
+        constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None]
+        if constrained:  # structured output: what the grammar forbids is never drawn
+            bitmask = fill_bitmask([(rows[i].request.grammar, rows[i].prior) for i in constrained], logits.shape[1])
+            logits = apply_bitmask(logits, constrained, bitmask)
         logits = self._apply_logit_bias_and_min_tokens(logits, rows)
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._penalize(logits, rows)
@@ -281,7 +286,8 @@ class Sampler:
                 rows.append(torch.full_like(ids, i))
                 cols.append(ids)
                 vals.append(bias)
-            if row.num_output_tokens < p.min_tokens:
+            # A finished grammar allows only EOS: min_tokens cannot hold it open (it would leave no token).
+            if row.num_output_tokens < p.min_tokens and not (row.request.grammar and row.request.grammar.is_stopped()):
                 for tok in p.all_stop_token_ids:
                     ban_rows.append(i)
                     ban_cols.append(tok)

@@ -20,7 +20,7 @@ import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from ferry.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
+from ferry.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -250,6 +250,40 @@ def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
     return stop
 
 
+class JSONSchemaFormat(BaseModel):
+    """`response_format.json_schema` (OpenAI): the schema the output must follow."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # ferry constrains either way, as vLLM does
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -282,6 +316,31 @@ class _GenerationRequest(BaseModel):
     # vLLM's field: a secret that enters the hash of the prompt's first block, so prefix-cache
     # hits (and the timing and `cached_tokens` they show) happen only among requests sharing it.
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured_output_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The grammar this request asks for (None: free text) and the field it came from."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise InvalidParameterError("response_format", "send response_format or structured_outputs, not both")
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=so.json_object,
+                                           disable_any_whitespace=so.disable_any_whitespace,
+                                           whitespace_pattern=so.whitespace_pattern), "structured_outputs"  # fmt: skip
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None, ""
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if rf.json_schema is None:
+            raise InvalidParameterError("response_format.json_schema", "type json_schema needs a json_schema object")
+        schema = rf.json_schema.schema_
+        if schema is None:
+            return StructuredOutputsParams(json_object=True), "response_format"
+        return StructuredOutputsParams(json=schema), "response_format.json_schema.schema"
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidParameterError naming the field."""
@@ -318,6 +377,7 @@ class _GenerationRequest(BaseModel):
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_output_params()[0],
         )
 
     @property

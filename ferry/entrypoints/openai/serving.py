@@ -20,6 +20,7 @@ from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits, wait_fo
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError
+from ferry.structured_output.grammar import check as check_grammar
 
 _DONE = object()
 logger = logging.getLogger("ferry.server")
@@ -211,6 +212,14 @@ def salted(prompt, cache_salt: str | None):
         return {**prompt, "cache_salt": cache_salt}
     key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
     return {key: prompt, "cache_salt": cache_salt}
+
+
+async def check_structured_output(body) -> None:
+    """Validate the request's grammar (response_format / structured_outputs) off the event loop: a
+    large schema takes milliseconds to compile. The engine's own check then finds it cached."""
+    params, field = body.structured_output_params()
+    if params is not None:
+        await asyncio.to_thread(check_grammar, params, field)
 
 
 def add_requests(state: ServerState, engine: AsyncLLM, base_id: str, prompts: list, params, body,

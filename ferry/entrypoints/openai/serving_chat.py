@@ -18,6 +18,7 @@ from ferry.entrypoints.openai.serving import (
     as_openai_error,
     check_model,
     check_priority,
+    check_structured_output,
     deadline,
     finite,
     kv_sent_params,
@@ -92,6 +93,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
     plan = kv_transfer_plan(engine, body, 1, params)
+    await check_structured_output(body)
     check_priority(state, body)
     admit(state, engine, params.n)  # before tokenizing; add_requests checks again
     due = deadline(state)

@@ -18,6 +18,7 @@ from ferry.entrypoints.openai.serving import (
     as_openai_error,
     check_model,
     check_priority,
+    check_structured_output,
     deadline,
     finite,
     kv_sent_params,
@@ -86,6 +87,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     prompts = _prompts(body.prompt)
     params = body.sampling_params(body.max_tokens, body.logprobs)
     plan = kv_transfer_plan(engine, body, len(prompts), params)
+    await check_structured_output(body)
     check_priority(state, body)
     admit(state, engine, len(prompts) * params.n)  # before tokenizing; add_requests checks again
     due = deadline(state)

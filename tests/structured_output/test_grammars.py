@@ -1,0 +1,121 @@
+"""Grammars from structured-output specs: validation names the field, compiled grammars are cached
+by content, and the batch bitmask allows exactly what the grammar allows (drafts rolled back)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ferry.sampling_params import InvalidParameterError, StructuredOutputsParams
+from ferry.structured_output import grammar as grammar_mod
+from ferry.structured_output.bitmask import apply_bitmask, fill_bitmask
+from ferry.structured_output.compiler import GrammarCompiler
+from ferry.structured_output.grammar import MAX_CHOICES, MAX_SPEC_BYTES, check
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (dict(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
+        (dict(json="{not json"), "invalid json"),
+        (dict(json="[1, 2]"), "JSON object"),
+        (dict(regex="a(b"), "unclosed group"),
+        (dict(grammar='start: foo\nfoo: "a" | bar'), "bar"),
+        (dict(choice=[str(i) for i in range(MAX_CHOICES + 1)]), "choices"),
+        (dict(regex="a" * (MAX_SPEC_BYTES + 1)), "bytes"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_the_field(spec, words):
+    with pytest.raises(InvalidParameterError) as e:
+        check(StructuredOutputsParams(**spec), "response_format")
+    assert e.value.param == "response_format"
+    assert words.lower() in str(e.value).lower()
+
+
+@pytest.mark.parametrize("spec", [{}, dict(regex="a", choice=["b"]), dict(choice=[]), dict(choice=["a", 1])])
+def test_exactly_one_well_formed_kind(spec):
+    with pytest.raises(InvalidParameterError) as e:
+        StructuredOutputsParams(**spec)
+    assert e.value.param.startswith("structured_outputs")
+
+
+def test_validation_is_cached_by_content(monkeypatch):
+    calls = []
+    real = grammar_mod.llguidance.LLMatcher.validate_grammar_with_warnings
+
+    class Counting:
+        @staticmethod
+        def validate_grammar_with_warnings(g):
+            calls.append(g)
+            return real(g)
+
+        grammar_from_json_schema = staticmethod(grammar_mod.llguidance.LLMatcher.grammar_from_json_schema)
+        grammar_from_regex = staticmethod(grammar_mod.llguidance.LLMatcher.grammar_from_regex)
+
+    monkeypatch.setattr(grammar_mod.llguidance, "LLMatcher", Counting)
+    spec = StructuredOutputsParams(regex=r"cached-[0-9]{3}")
+    assert check(spec) == check(StructuredOutputsParams(regex=r"cached-[0-9]{3}"))
+    assert len(calls) == 1
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm):
+    tokenizer = smollm[1]
+    c = GrammarCompiler(tokenizer, 49152, {tokenizer.eos_token_id})
+    yield c
+    c.shutdown()
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_compiled_once_then_copied_from_the_cache(compiler, smollm):
+    tok = smollm[1]
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                         "required": ["n"], "additionalProperties": False})  # fmt: skip
+    before = compiler.num_compiled
+    first = compiler.submit(spec).result(timeout=60)
+    again = compiler.submit(spec)
+    assert again.done() and compiler.num_compiled == before + 1
+    second = again.result()
+    # Independent states: one advancing does not move the other.
+    for t in _tokens(tok, '{"n": 12}'):
+        assert first.accept(t)
+    assert first.is_stopped() and not second.is_stopped()
+    assert not second.accept(_tokens(tok, "hello")[0])  # not JSON: refused, the state in error
+    assert second.error()
+
+
+def test_gbnf_grammars_compile_too(compiler, smollm):
+    state = compiler.submit(StructuredOutputsParams(grammar='root ::= "yes" | "no"')).result(timeout=60)
+    for t in _tokens(smollm[1], "no"):
+        assert state.accept(t)
+    assert state.is_stopped()
+
+
+def test_bitmask_allows_what_the_grammar_allows_and_drafts_roll_back(compiler, smollm):
+    tok = smollm[1]
+    V = 49152
+    state = compiler.submit(StructuredOutputsParams(choice=["cat", "dog"])).result(timeout=60)
+    cat, dog = _tokens(tok, "cat"), _tokens(tok, "dog")
+    assert len(cat) == len(dog) == 1
+    # Row 0: the state now; row 1: after the draft "cat" (only EOS may follow); row 2: after a
+    # draft the grammar forbids (left all-allowed: never used).
+    mask = fill_bitmask([(state, []), (state, cat), (state, _tokens(tok, "bird"))], V)
+    logits = torch.zeros(4, V)
+    out = apply_bitmask(logits, [0, 1, 2], mask[:3])
+    allowed0 = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+    assert {cat[0], dog[0]} <= allowed0 and tok.encode(" the", add_special_tokens=False)[0] not in allowed0
+    assert set(torch.isfinite(out[1]).nonzero().flatten().tolist()) == {tok.eos_token_id}
+    assert torch.isfinite(out[2]).all() and torch.isfinite(out[3]).all()  # unconstrained row untouched
+    assert torch.equal(logits, torch.zeros(4, V))  # a copy, not in place
+    # The drafts were rolled back: the state still takes either word.
+    assert state.accept(dog[0]) and state.is_stopped()
+
+
+def test_a_json_object_spec_builds_a_json_grammar():
+    g = json.loads(check(StructuredOutputsParams(json_object=True)))
+    assert "grammars" in g
