@@ -101,7 +101,7 @@ def _compile_times(loaded, vocab_size: int, eos: set[int]) -> dict:
     result = {"tokenizer_conversion_ms": (time.perf_counter() - t) * 1e3, "schemas": {}}
     for name, (_, schema) in SCHEMAS.items():
         params = StructuredOutputsParams(json=schema)
-        grammar_mod._validated.clear()
+        grammar_mod.clear_validation_cache()
         t0 = time.perf_counter()
         grammar_mod.check(params)
         t1 = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -77,8 +78,6 @@ class GrammarCompiler:
         return self._pool.submit(self._compile, grammar)
 
     def _compile(self, grammar: str) -> GrammarState:
-        import time
-
         start = time.perf_counter()
         with self._lock:
             template = self._compiled.get(grammar)  # compiled while this one waited in the queue

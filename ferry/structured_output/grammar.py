@@ -82,3 +82,9 @@ def check(params: StructuredOutputsParams, param: str = "structured_outputs") ->
     if error:
         raise InvalidParameterError(param, f"invalid {params.kind} for structured output: {error.strip()[:2000]}")
     return grammar
+
+
+def clear_validation_cache() -> None:
+    """Forget every validation result (`ferry bench structured` times validation cold)."""
+    with _validated_lock:
+        _validated.clear()
