@@ -37,7 +37,7 @@ ORDER = {
             "items": {
                 "type": "object",
                 "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-                               "qty": {"type": "number", "minimum": 0.5, "maximum": 10}},
+                               "qty": {"type": "number", "minimum": 0.5, "maximum": 10, "multipleOf": 0.5}},
                 "required": ["sku", "qty"],
                 "additionalProperties": False,
             },

@@ -8,7 +8,7 @@ import asyncio
 import enum
 import json
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import openai
 import pytest
@@ -63,8 +63,8 @@ class Paint(BaseModel):  # enum
     finish: Literal["matte", "gloss"]
 
 
-class Reading(BaseModel):  # numbers with bounds
-    celsius: float = Field(ge=-50, le=60)
+class Reading(BaseModel):  # numbers with bounds (multipleOf bounds the decimals a sampled model may run on)
+    celsius: float = Field(ge=-50, le=60, multiple_of=0.1)
     humidity: int = Field(ge=0, le=100)
 
 
@@ -75,7 +75,8 @@ class Profile(BaseModel):  # optional fields
 
 
 class Tags(BaseModel):  # array of strings
-    tags: list[str] = Field(min_length=1, max_length=4)
+    # Every string bounded: an unbounded one lets a sampled model write until max_tokens (seen in CI).
+    tags: list[Annotated[str, Field(min_length=1, max_length=20)]] = Field(min_length=1, max_length=4)
 
 
 class Flag(BaseModel):  # booleans
