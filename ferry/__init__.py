@@ -7,8 +7,8 @@ process must not load the model code behind them.
 from typing import TYPE_CHECKING
 
 from ferry.config import EngineArgs
-from ferry.outputs import CompletionOutput, Logprob, RequestOutput
-from ferry.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from ferry.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from ferry.engine.llm_engine import LLMEngine
@@ -20,6 +20,8 @@ __all__ = [
     "EngineArgs",
     "SamplingParams",
     "StructuredOutputsParams",
+    "PoolingParams",
+    "EmbeddingRequestOutput",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

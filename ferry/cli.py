@@ -105,6 +105,8 @@ BENCHMARKS = (
      "single-stream decode with and without speculative decoding, on editing and chat prompts"),
     ("structured", "ferry.bench.structured", True,
      "JSON-schema requests against the same unconstrained, and grammar compile times"),
+    ("embeddings", "ferry.bench.embeddings", True,
+     "/v1/embeddings requests/s and p99 at a concurrency, dynamic batching off and on"),
     ("abuse", "ferry.bench.abuse", False,
      "/health and a client's latency while other clients send hostile bodies, server and gateway"),
 )  # fmt: skip

@@ -61,6 +61,11 @@ class EngineArgs:
     # vLLM's --speculative-config: JSON text (or, from Python, a dict), e.g.
     # '{"method": "ngram", "num_speculative_tokens": 4}'; see SpeculativeConfig.
     speculative_config: str | None = None
+    # Embeddings (PoolingParams): the pooling of requests that name none, and dynamic batching:
+    # an embedding request waits up to embed_max_delay_ms for others, until embed_max_batch wait.
+    pooling_type: str = "last"  # last | mean | cls
+    embed_max_batch: int = 32
+    embed_max_delay_ms: float = 5.0
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
@@ -89,6 +94,12 @@ class EngineArgs:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pooling_type not in ("last", "mean", "cls"):  # sampling_params.POOLING_TYPES (a layer apart)
+            raise ValueError(f"pooling_type must be last, mean or cls, got {self.pooling_type!r}")
+        if self.embed_max_batch < 1:
+            raise ValueError(f"embed_max_batch must be >= 1, got {self.embed_max_batch}")
+        if not 0.0 <= self.embed_max_delay_ms <= 10_000:
+            raise ValueError(f"embed_max_delay_ms must be in [0, 10000], got {self.embed_max_delay_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

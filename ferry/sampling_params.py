@@ -26,7 +26,11 @@ class StructuredOutputsParams:
 
     `disable_any_whitespace` allows no whitespace between JSON tokens (compact output);
     `whitespace_pattern` replaces the regex of what may stand between them. Compiled by
-    llguidance (`ferry/structured_output/`)."""
+    llguidance (`ferry/structured_output/`).
+
+    `after_token_ids`: the grammar applies only from the token after these appear in the output
+    (a reasoning model's `</think>`: the server's `--reasoning-parser` sets it, so the answer
+    follows the grammar and the thinking before it is free)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -35,6 +39,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
+    after_token_ids: list[int] | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -55,10 +60,34 @@ class StructuredOutputsParams:
                 raise InvalidParameterError(f"structured_outputs.{name}", f"{name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise InvalidParameterError("structured_outputs.json", "json must be a JSON schema (an object or its text)")
+        if self.after_token_ids is not None and (
+            not isinstance(self.after_token_ids, list) or not self.after_token_ids
+            or not all(type(t) is int and t >= 0 for t in self.after_token_ids)
+        ):  # fmt: skip
+            raise InvalidParameterError("structured_outputs.after_token_ids", "after_token_ids must be token ids")
 
     @property
     def kind(self) -> str:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass
+class PoolingParams:
+    """Embed the prompt instead of generating from it (`LLM.embed`, `/v1/embeddings`): the model's
+    final hidden states (after its last norm) pooled over the prompt: the `last` token's (what
+    decoder embedding models such as e5-mistral and gte-Qwen are trained for), the `mean` of all,
+    or the first (`cls`); L2-normalised unless `normalize` is False. `pooling_type` None: the
+    engine's `--pooling-type`."""
+
+    pooling_type: str | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise InvalidParameterError("pooling_type", f"pooling_type must be one of {', '.join(POOLING_TYPES)}")
 
 
 class RequestOutputKind(enum.Enum):
@@ -100,6 +129,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a grammar (JSON schema, regex, choice, Lark); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # Set: embed the prompt (one pooled vector, no tokens); see PoolingParams.
+    pooling: PoolingParams | None = None
     # Filled by the engine from the model's config (EOS ids); not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ferry.core.block_hash import BlockHash, chain_root, hash_block_tokens
 from ferry.sampling_params import SamplingParams
@@ -79,6 +79,10 @@ class Request:
         # Where the request stands in its grammar (structured output; set by the engine core once
         # compiled): the sampler masks what it forbids, each kept token advances it.
         self.grammar: GrammarState | None = None
+        # An embedding request (sampling_params.pooling): its pooled hidden state so far (a sum over
+        # the chunks computed, for mean pooling; worker/pooler.py), and the finished vector.
+        self.pooled: Any = None
+        self.embedding: list[float] | None = None
         self._update_block_hashes()
 
     @property

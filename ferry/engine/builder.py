@@ -116,7 +116,8 @@ def _build(
         medusa = _medusa_proposer(args, runner, tp, max_len) if args.speculative.method == "medusa" else None
         proposer = DraftProposer(args.speculative, max_len, drafter, medusa, seed=args.seed)
     return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
-                      tp_workers=tp_workers, proposer=proposer)  # fmt: skip
+                      tp_workers=tp_workers, proposer=proposer, embed_max_batch=args.embed_max_batch,
+                      embed_max_delay=args.embed_max_delay_ms / 1000)  # fmt: skip
 
 
 def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft: LoadedModel | None):

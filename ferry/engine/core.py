@@ -42,6 +42,8 @@ class EngineCore:
         tokenizer: Any = None,
         tp_workers: TensorParallelWorkers | None = None,
         proposer: DraftProposer | None = None,
+        embed_max_batch: int = 32,
+        embed_max_delay: float = 0.0,
     ) -> None:
         """Usually made by `engine/builder.py: build_engine_core`. `info` is what the API side
         needs to know of this engine; `tokenizer` is the one loaded with the model (None without
@@ -68,6 +70,11 @@ class EngineCore:
         vocab_size = info.vocab_size if info is not None else runner.sampler.vocab_size
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
         self._awaiting_grammar: dict[str, tuple[Request, list[int], concurrent.futures.Future]] = {}
+        # Dynamic batching of embedding requests: each waits here up to `embed_max_delay` seconds
+        # for others, so they run as one batch, until `embed_max_batch` of them wait.
+        self.embed_max_batch = embed_max_batch
+        self.embed_max_delay = embed_max_delay
+        self._embed_held: list[Request] = []
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and the grammar compiler."""
@@ -95,6 +102,9 @@ class EngineCore:
                 deployment_salt=self.kv.block_hash_salt,
                 max_tokens=request.max_tokens,
             )
+        if request.sampling_params.pooling is not None and self.embed_max_delay > 0:
+            self._embed_held.append(request)
+            return
         structured = request.sampling_params.structured_outputs
         if structured is not None:
             if self.grammars is None:
@@ -158,7 +168,24 @@ class EngineCore:
             )  # fmt: skip
         )
 
+    def _release_embeddings(self) -> None:
+        """Schedule the held embedding requests once enough wait or the first has waited long
+        enough; when nothing else runs, sleep a little toward that moment (new requests arrive
+        between steps, so never the whole delay)."""
+        due = self._embed_held[0].arrival_time + self.embed_max_delay
+        now = time.monotonic()
+        if len(self._embed_held) < self.embed_max_batch and now < due:
+            if not self.scheduler.has_unfinished_requests() and not self._pending:
+                time.sleep(min(due - now, 0.001))
+            return
+        for request in self._embed_held:
+            self.scheduler.add_request(request)
+        self._embed_held = []
+
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self._embed_held:
+            gone = set(request_ids)
+            self._embed_held = [r for r in self._embed_held if r.request_id not in gone]
         for rid in request_ids:
             if self._awaiting_grammar.pop(rid, None) is None:
                 self.scheduler.abort_request(rid)
@@ -169,11 +196,14 @@ class EngineCore:
             self._pending = [o for o in self._pending if o.request_id not in gone]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._awaiting_grammar)
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._awaiting_grammar)
+                or bool(self._embed_held))  # fmt: skip
 
     def step(self) -> list[EngineCoreOutput]:
         if self._awaiting_grammar:
             self._admit_compiled()
+        if self._embed_held:
+            self._release_embeddings()
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -183,6 +213,13 @@ class EngineCore:
         record = StepRecord(0, 0, 0, schedule=t1 - t0)  # the runner fills in the step's shape
         requests, sampled = self.runner.execute(sched, record)
         t2 = time.perf_counter()
+        for request in self.runner.pooled:  # embeddings whose prompt is done: no token, a vector
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=RequestStatus.FINISHED_STOPPED.value,
+                embedding=request.embedding,
+                queue_time=(request.first_scheduled_time or request.arrival_time) - request.arrival_time,
+            ))  # fmt: skip
         for i, request in enumerate(requests):
             tokens, lps = sampled.token_ids[i], sampled.logprobs[i]
             drafts = sched.spec_token_ids.get(request.request_id)

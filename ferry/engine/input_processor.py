@@ -117,6 +117,9 @@ class InputProcessor:
             raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
+        if params.pooling is not None and (params.n != 1 or params.structured_outputs is not None
+                                           or params.logprobs is not None):  # fmt: skip
+            raise InvalidParameterError("pooling", "an embedding request takes n = 1, no grammar and no logprobs")
         if params.stop and self.tokenizer is None:
             raise InvalidParameterError("stop", "stop strings need a tokenizer; use stop_token_ids")
         if params.structured_outputs is not None:

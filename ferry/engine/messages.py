@@ -40,6 +40,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's vector (it has no tokens)
     # Seconds from arrival to first scheduling; set on a request's first output only.
     queue_time: float | None = None
 

@@ -37,6 +37,7 @@ class RequestState:
     params: SamplingParams
     seqs: dict[str, SequenceState]  # core request id -> sequence
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +99,8 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 continue  # a stop string ended it; the core's abort is still on its way
             state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
+            if co.embedding is not None:
+                state.embedding = co.embedding
             for j, tok in enumerate(co.new_token_ids):
                 seq.token_ids.append(tok)
                 if seq.logprobs is not None and co.new_logprobs:
@@ -154,6 +157,5 @@ class OutputProcessor:
             )
         if not completions:
             return None
-        return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, completions, finished, state.num_cached_tokens
-        )
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.num_cached_tokens, state.embedding)  # fmt: skip

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 from ferry.config import EngineArgs
 from ferry.engine.input_processor import PromptType
 from ferry.engine.llm_engine import LLMEngine
-from ferry.outputs import RequestOutput
-from ferry.sampling_params import RequestOutputKind, SamplingParams
+from ferry.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
@@ -71,6 +71,20 @@ class LLM:
             engine.abort_request(ids)  # nothing half-queued survives a bad prompt
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt: the model's final hidden states pooled (PoolingParams; default
+        the engine's --pooling-type, normalised), in prompt order."""
+        params = SamplingParams(max_tokens=1, pooling=pooling_params or PoolingParams())
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding), o.finished)
+                for o in outs]  # fmt: skip
 
     def chat(
         self,

@@ -39,9 +39,9 @@ def _parallel() -> llguidance.LLExecutor | None:
 
 def fill_bitmask(rows: list[tuple[GrammarState, list[int]]], vocab_size: int) -> torch.Tensor:
     """[len(rows), ceil(vocab / 32)] int32 on the CPU: row i's mask for its grammar after the drafts
-    `rows[i][1]`."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
-    plain = [(state.matcher, i) for i, (state, prior) in enumerate(rows) if not prior]
+    `rows[i][1]`. A row whose grammar is still closed there (reasoning) allows everything."""
+    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)  # all allowed
+    plain = [(state.matcher, i) for i, (state, prior) in enumerate(rows) if not prior and state.open]
     executor = _parallel() if len(plain) > 1 else None
     if executor is not None:
         llguidance.torch.fill_next_token_bitmask_par(executor, plain, bitmask)
@@ -50,12 +50,10 @@ def fill_bitmask(rows: list[tuple[GrammarState, list[int]]], vocab_size: int) ->
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
     for i, (state, prior) in enumerate(rows):
         if prior:
-            matcher = state.matcher
-            consumed = matcher.try_consume_tokens(prior)
-            if consumed == len(prior):
-                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
-            if consumed:
-                matcher.rollback(consumed)
+            mark = state.mark()
+            if state.try_consume(prior) and state.open:
+                llguidance.torch.fill_next_token_bitmask(state.matcher, bitmask, i)
+            state.restore(mark)
     return bitmask
 
 

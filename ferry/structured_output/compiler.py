@@ -28,20 +28,66 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    """One request's position in its grammar."""
+    """One request's position in its grammar.
 
-    __slots__ = ("matcher",)
+    With `after` (token ids; a reasoning model's `</think>`), the grammar is closed until the output
+    has produced them: tokens before are free and only watched for the marker, and the matcher
+    starts at the token after it."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    __slots__ = ("matcher", "after", "open", "_before", "_matched")
+
+    def __init__(self, matcher: llguidance.LLMatcher, after: list[int] | None = None) -> None:
         self.matcher = matcher
+        self.after = list(after) if after else None
+        self.open = self.after is None
+        self._before: list[int] = []  # the output's tokens while closed (only their tail is needed)
+        self._matched = 0  # tokens the matcher consumed (for `restore`)
 
     def accept(self, token: int) -> bool:
         """Advance over a kept token; False if the grammar forbids it (the matcher is then in error)."""
-        return self.matcher.consume_token(token)
+        if not self.open:
+            self._watch(token)
+            return True
+        if not self.matcher.consume_token(token):
+            return False
+        self._matched += 1
+        return True
+
+    def _watch(self, token: int) -> None:
+        before, after = self._before, self.after
+        before.append(token)
+        if len(before) >= len(after) and before[-len(after) :] == after:
+            self.open = True
+        elif len(before) > 4 * len(after) + 64:  # keep the tail only: a long reasoning is no memory cost
+            del before[: len(before) - len(after)]
+
+    def mark(self) -> tuple[bool, int, int]:
+        """Where the state is now, for `restore` after trying drafts."""
+        return self.open, len(self._before), self._matched
+
+    def try_consume(self, tokens: list[int]) -> bool:
+        """Advance over drafts while the grammar allows them; False at the first it forbids (which
+        leaves the matcher out of error, unlike `accept`)."""
+        for i, token in enumerate(tokens):
+            if self.open:
+                n = self.matcher.try_consume_tokens(tokens[i:])
+                self._matched += n
+                return n == len(tokens) - i
+            self._watch(token)
+        return True
+
+    def restore(self, mark: tuple[bool, int, int]) -> None:
+        """Back to `mark` (taken by `mark()` before `try_consume`)."""
+        was_open, num_before, matched = mark
+        if self._matched > matched:
+            self.matcher.rollback(self._matched - matched)
+            self._matched = matched
+        del self._before[num_before:]
+        self.open = was_open
 
     def is_stopped(self) -> bool:
         """Nothing may follow but EOS: the output is complete."""
-        return self.matcher.is_stopped()
+        return self.open and self.matcher.is_stopped()
 
     def error(self) -> str:
         return self.matcher.get_error()
@@ -71,13 +117,13 @@ class GrammarCompiler:
                 self._compiled.move_to_end(grammar)
         if template is not None:
             done: Future[GrammarState] = Future()
-            done.set_result(GrammarState(template.deep_copy()))
+            done.set_result(GrammarState(template.deep_copy(), params.after_token_ids))
             return done
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
-        return self._pool.submit(self._compile, grammar)
+        return self._pool.submit(self._compile, grammar, params.after_token_ids)
 
-    def _compile(self, grammar: str) -> GrammarState:
+    def _compile(self, grammar: str, after: list[int] | None = None) -> GrammarState:
         start = time.perf_counter()
         with self._lock:
             template = self._compiled.get(grammar)  # compiled while this one waited in the queue
@@ -91,7 +137,7 @@ class GrammarCompiler:
                     self._compiled.popitem(last=False)
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - start
-        return GrammarState(template.deep_copy())
+        return GrammarState(template.deep_copy(), after)
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer (~0.5 s to build for a 49k vocabulary: once, in the

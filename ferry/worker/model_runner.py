@@ -25,6 +25,7 @@ from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator
 from ferry.worker.cuda_graphs import CUDAGraphRunner
 from ferry.worker.model_loading import LoadedModel, resolve_kv_cache_dtype
+from ferry.worker.pooler import pool_step
 from ferry.worker.sampler import Sampler, VerifiedOutput
 from ferry.worker.step_plan import StepPlan, StepRecord, build_step_plan
 
@@ -80,6 +81,11 @@ class ModelRunner:
         # sampled in it and, per request, the row whose draw is its last token: what Medusa heads
         # draft from (`last_row_of`).
         self.logits_hidden: torch.Tensor | None = None
+        # Embeddings (worker/pooler.py): the last step's hidden states when it had embedding rows,
+        # the requests it finished embedding, and the pooling of requests that name none.
+        self.pool_hidden: torch.Tensor | None = None
+        self.pooled: list[Request] = []
+        self.pooling_type = "last"
         self._sampled: list[Request] = []
         self._sampled_rows: list[int] = []
         self.profile = False  # sync the device between phases for an exact breakdown
@@ -93,7 +99,7 @@ class ModelRunner:
         check_peers: Callable[[], None] | None = None,
     ) -> "ModelRunner":
         """The runner the engine's arguments describe, over an already loaded model."""
-        return cls(
+        runner = cls(
             loaded.model,
             block_size=args.block_size,
             device=loaded.device,
@@ -103,6 +109,8 @@ class ModelRunner:
             tp=tp,
             check_peers=check_peers,
         )
+        runner.pooling_type = args.pooling_type
+        return runner
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors per layer
@@ -149,6 +157,7 @@ class ModelRunner:
             ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
             positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
             hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.pool_hidden = hidden if plan.pool_chunks else None
         if not len(plan.logits_rows):
             self.logits_hidden = None
             return None
@@ -211,6 +220,11 @@ class ModelRunner:
             if parents:
                 self._move_kept_drafts(sched, sampling, out.kept_nodes)
         self._sampled, self._sampled_rows = (sampling, out.last_rows) if out is not None else ([], [])
+        self.pooled = []
+        if plan.pool_chunks:
+            by_id = {r.request_id: r for r, _ in sched.scheduled}
+            self.pooled = pool_step(plan, self.pool_hidden, by_id, self.pooling_type)
+            self.pool_hidden = None
         t3 = time.perf_counter()
         record.num_decodes = plan.num_decodes
         record.num_prefill_tokens = sum(p.length for p in plan.prefills)

@@ -225,7 +225,9 @@ class Sampler:
         params = [r.request.sampling_params for r in rows]
         want = logprobs and any(p.logprobs is not None for p in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want else None
-        constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None]
+        # A grammar still closed (reasoning) constrains only rows whose drafts may open it.
+        constrained = [i for i, r in enumerate(rows) if r.request.grammar is not None
+                       and (r.request.grammar.open or r.prior)]  # fmt: skip
         if constrained:  # structured output: what the grammar forbids is never drawn
             bitmask = fill_bitmask([(rows[i].request.grammar, rows[i].prior) for i in constrained], logits.shape[1])
             logits = apply_bitmask(logits, constrained, bitmask)

@@ -20,7 +20,7 @@ slots afterwards (`ModelRunner`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,8 @@ class StepPlan:
     prefills: list[PrefillHost]
     logits_rows: np.ndarray  # rows of the batch that need logits
     decode_tree: np.ndarray | None = None  # [num_decodes, 2] (AttentionMetadata.decode_tree); None: no tree
+    # Embedding requests' rows: (request id, first row, number of rows); pooled, never sampled.
+    pool_chunks: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -86,6 +88,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
     logits_rows: list[int] = []
     sampling: list[Request] = []
     drafts: list[list[int]] = []
+    pool_chunks: list[tuple[str, int, int]] = []
 
     nd = sum(n for _, n in decodes)  # rows: a verifying request has one per token
     decode_blocks: list[np.ndarray] = []
@@ -111,10 +114,12 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
                 ids.append(r.all_token_ids[p] if j == 0 else draft[j - 1])
                 if tree is not None:
                     tree[i] = (first + 1, ancestor_bits(parents, j)) if depths is not None else (p + 1, 0)
-                if draft or p + 1 == r.num_tokens:
+                if r.sampling_params.pooling is not None:  # an embedding's 1-token chunk
+                    pool_chunks.append((r.request_id, i, 1))
+                elif draft or p + 1 == r.num_tokens:
                     logits_rows.append(i)
                 i += 1
-            if draft or first + 1 == r.num_tokens:
+            if r.sampling_params.pooling is None and (draft or first + 1 == r.num_tokens):
                 sampling.append(r)
                 drafts.append(draft)
         pos_parts.append(dec_pos)
@@ -131,7 +136,9 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         pos_parts.append(pos)
         slot_parts.append(blocks[pos // bs] * bs + pos % bs)
         chunks.append(PrefillHost(start, n, end_ctx, blocks))
-        if end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
+        if r.sampling_params.pooling is not None:  # an embedding: pooled, never sampled
+            pool_chunks.append((r.request_id, start, n))
+        elif end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
             logits_rows.append(start + n - 1)
             sampling.append(r)
             drafts.append([])
@@ -146,6 +153,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         prefills=chunks,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
         decode_tree=tree,
+        pool_chunks=pool_chunks,
     )
     return plan, sampling, drafts
 

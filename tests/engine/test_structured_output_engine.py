@@ -127,10 +127,14 @@ def test_greedy_is_the_same_batched_under_preemption(smollm_gguf, reference):
     assert_no_blocks_referenced(small)
 
 
-def test_greedy_is_the_same_with_speculative_decoding(smollm_gguf, reference):
-    prompts, expected = reference
-    spec = engine_over(smollm_gguf, speculative_config='{"method": "ngram", "num_speculative_tokens": 4, '
+@pytest.fixture(scope="module")
+def spec(smollm_gguf):
+    return engine_over(smollm_gguf, speculative_config='{"method": "ngram", "num_speculative_tokens": 4, '
                                                        '"prompt_lookup_min": 2, "draft_length": "fixed"}')  # fmt: skip
+
+
+def test_greedy_is_the_same_with_speculative_decoding(spec, reference):
+    prompts, expected = reference
     done = run(spec, prompts, greedy())
     assert {name: done[name].outputs[0].token_ids for name in prompts} == expected
     assert spec.get_stats().spec_num_draft_tokens > 0
@@ -190,3 +194,27 @@ def test_a_bad_spec_changes_nothing(engine):
         engine.add_request("bad", {"prompt_token_ids": [1, 2, 3]}, params)
     assert e.value.param == "structured_outputs"
     assert not engine.has_unfinished_requests()
+
+
+def test_a_grammar_opens_after_its_marker(engine, spec):
+    """A reasoning model's grammar applies after `</think>` (after_token_ids): the tokens up to the
+    marker are the free greedy ones, then the answer follows the grammar and ends it. With drafts
+    (n-gram speculation) the output is the same."""
+    ids = chat_ids(engine, "Is the sky blue? Say why, then answer yes or no. The sky, the sky, the sky.")
+    free = run(engine, {"free": ids}, SamplingParams(temperature=0.0, max_tokens=24))["free"].outputs[0].token_ids
+    marker = free[4:6]  # two tokens the model writes unconstrained
+    end = next(i for i in range(len(free)) if free[i : i + 2] == marker) + 2
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(
+        choice=[" yes", " no", " maybe so"], after_token_ids=marker))  # fmt: skip
+    for eng in (engine, spec):
+        out = run(eng, {"gated": ids}, params)["gated"].outputs[0]
+        assert out.token_ids[:end] == free[:end], eng
+        answer = eng.tokenizer.decode(out.token_ids[end:])
+        assert out.finish_reason == "stop" and answer in (" yes", " no", " maybe so"), answer
+        assert_no_blocks_referenced(eng)
+    never = SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        structured_outputs=StructuredOutputsParams(choice=[" yes"], after_token_ids=[engine.tokenizer.vocab_size - 1]),
+    )  # a marker never written: all free
+    assert run(engine, {"never": ids}, never)["never"].outputs[0].token_ids == free

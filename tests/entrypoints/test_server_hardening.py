@@ -47,7 +47,8 @@ def idle(server: ServerProcess) -> bool:
 
 def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
     body = {"prompt": "Hi", "max_tokens": 2}
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/reset_prefix_cache"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/reset_prefix_cache",
+                 "/tokenize", "/detokenize"):  # fmt: skip
         method = httpx.get if path == "/v1/models" else httpx.post
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = method(server.url + path, headers=headers, **({} if method is httpx.get else {"json": body}))
@@ -55,7 +56,8 @@ def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
             assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
     assert post(server, body).status_code == 200
-    for path in ("/health", "/ready", "/metrics"):
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}, headers=AUTH).json()["count"] >= 1
+    for path in ("/health", "/ready", "/metrics", "/version"):
         assert httpx.get(server.url + path).status_code == 200, path
     # Loading took longer than the 5-second stall timeout: no stall for it once ready.
     assert "has not stepped" not in server.logs()

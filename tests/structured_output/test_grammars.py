@@ -116,6 +116,31 @@ def test_bitmask_allows_what_the_grammar_allows_and_drafts_roll_back(compiler, s
     assert state.accept(dog[0]) and state.is_stopped()
 
 
+def test_a_gated_grammar_opens_at_its_marker_and_drafts_across_it_roll_back(compiler, smollm):
+    """after_token_ids (reasoning): closed, every token is free and the mask allows all; drafts that
+    complete the marker give the next row the grammar's mask; nothing moves for drafts."""
+    tok = smollm[1]
+    V = 49152
+    marker = _tokens(tok, "</think>")
+    words = _tokens(tok, " so I think")
+    cat, dog = _tokens(tok, "cat"), _tokens(tok, "dog")
+    state = compiler.submit(StructuredOutputsParams(choice=["cat", "dog"], after_token_ids=marker)).result(timeout=60)
+    assert not state.open and not state.is_stopped()
+    rows = [(state, []), (state, words), (state, words + marker), (state, marker + cat), (state, marker + words)]
+    mask = fill_bitmask(rows, V)
+    out = apply_bitmask(torch.zeros(len(rows), V), list(range(len(rows))), mask)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()  # closed: free
+    assert set(torch.isfinite(out[2]).nonzero().flatten().tolist()) >= {cat[0], dog[0]}
+    assert not torch.isfinite(out[2]).all()  # open after the marker: the grammar's mask
+    assert set(torch.isfinite(out[3]).nonzero().flatten().tolist()) == {tok.eos_token_id}
+    assert torch.isfinite(out[4]).all()  # a draft the grammar forbids after the marker: unused row
+    assert not state.open  # the drafts moved nothing
+    for t in words + marker:
+        assert state.accept(t)
+    assert state.open and not state.is_stopped()
+    assert state.accept(dog[0]) and state.is_stopped()
+
+
 def test_a_json_object_spec_builds_a_json_grammar():
     g = json.loads(check(StructuredOutputsParams(json_object=True)))
     assert "grammars" in g

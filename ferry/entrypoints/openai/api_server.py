@@ -4,6 +4,8 @@ This process validates, tokenizes, detokenizes and streams; the model runs in
 the EngineCore process (see `ferry/engine/core_proc.py`). Probes:
 `/health` (liveness: this process answers and the core answers a ping),
 `/ready` (503 until the model is loaded and warmed, and while draining).
+OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, and vLLM's
+`/tokenize`, `/detokenize` and `/version`.
 SIGTERM drains: readiness turns 503, new requests get 503, in-flight
 requests get `--drain-timeout` seconds to finish, then the server exits 0.
 If the core dies, readiness turns 503 and the server exits non-zero.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -38,19 +41,25 @@ from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.draining_server import DrainingServer, wait_drained
+from ferry.entrypoints.openai import serving_tokenization
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import (
     OFFLOAD_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
     OpenAIError,
     PromptLimits,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     decode_json_object,
     precheck_body,
     precheck_raw,
     read_body,
     validate_body,
 )
+from ferry.entrypoints.openai.reasoning import REASONING_PARSERS
 from ferry.entrypoints.openai.serving import (
     RequestAbortedError,
     RequestTimeoutError,
@@ -60,6 +69,8 @@ from ferry.entrypoints.openai.serving import (
 )
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
+from ferry.entrypoints.openai.serving_embedding import create_embedding
+from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
@@ -67,6 +78,17 @@ from ferry.utils.bearer import key_digest, match_digest
 from ferry.utils.deployment_secret import load_secret
 
 logger = logging.getLogger("ferry.server")
+# Outside /v1/ but behind --api-key too: they cost the server work (probes and /metrics stay open).
+_KEYED_PATHS = frozenset({"/reset_prefix_cache", "/tokenize", "/detokenize"})
+
+
+def _version() -> str:
+    """The installed distribution's version (not `ferry.__version__`: importing the package's
+    root would, to the import linter, pull the engine into this process)."""
+    try:
+        return importlib.metadata.version("ferry")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _error_response(err: OpenAIError) -> JSONResponse:
@@ -95,13 +117,16 @@ class Server:
                  drain_timeout: float, kv_events: KVEventsConfig | None = None,
                  kv_transfer: KVTransferConfig | None = None, api_keys: list[str] | None = None,
                  allow_client_priority: bool = False, request_timeout: float | None = None,
-                 engine_stall_timeout: float | None = None) -> None:  # fmt: skip
+                 engine_stall_timeout: float | None = None, tool_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
         self.kv_events = kv_events
         self.kv_transfer = kv_transfer
         self.api_keys = [key_digest(k) for k in api_keys or []]
         self.engine_stall_timeout = engine_stall_timeout
-        self.state = ServerState(served_model_names, max_queue_len, allow_client_priority, request_timeout)
+        self.state = ServerState(served_model_names, max_queue_len, allow_client_priority, request_timeout,
+                                 tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                                 reasoning_parser=reasoning_parser)  # fmt: skip
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -186,7 +211,7 @@ class Server:
             async def _require_api_key(request: Request, call_next):
                 # Probes, metrics and /ferry/info stay open (kubelets and Prometheus carry no key).
                 path = request.url.path
-                if path.startswith("/v1/") or path == "/v1" or path == "/reset_prefix_cache":
+                if path.startswith("/v1/") or path == "/v1" or path in _KEYED_PATHS:
                     if match_digest(request.headers.get("authorization"), keys) is None:
                         return _error_response(OpenAIError(
                             401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
@@ -302,6 +327,33 @@ class Server:
             # None: the client disconnected; nobody reads this status, nginx's 499 names the case in logs.
             return response if response is not None else Response(status_code=499)
 
+        async def tokenization(request: Request, handler, schema_of) -> Response:
+            engine = ready_engine(state)
+            try:
+                raw = await read_body(request)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            data = await asyncio.to_thread(_decode, raw, state.prompt_limits(engine))
+            body = await asyncio.to_thread(validate_body, data, schema_of(data))
+            return JSONResponse(await handler(state, body))
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> Response:
+            """vLLM's: a prompt's (or chat's) token ids as this server's tokenizer and template make them."""
+
+            def schema(data: dict) -> type:
+                return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+
+            return await tokenization(request, serving_tokenization.tokenize, schema)
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> Response:
+            return await tokenization(request, serving_tokenization.detokenize, lambda d: DetokenizeRequest)
+
+        @app.get("/version")
+        async def version() -> Response:
+            return JSONResponse({"version": _version()})
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await generate(request, CompletionRequest, create_completion)
@@ -310,8 +362,13 @@ class Server:
         async def chat_completions(request: Request) -> Response:
             return await generate(request, ChatCompletionRequest, create_chat_completion)
 
+        @app.post("/v1/embeddings")
+        async def embeddings(request: Request) -> Response:
+            return await generate(request, EmbeddingRequest, create_embedding)
+
         app.openapi = partial(_openapi_with_bodies, app, {"/v1/completions": CompletionRequest,
-                                                          "/v1/chat/completions": ChatCompletionRequest})  # fmt: skip
+                                                          "/v1/chat/completions": ChatCompletionRequest,
+                                                          "/v1/embeddings": EmbeddingRequest})  # fmt: skip
         return app
 
 
@@ -357,6 +414,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds the engine core may go without finishing a step or sending a heartbeat before "
                         "/ready turns 503 and its requests fail with 503 (0: never)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning")
+    g = p.add_argument_group("tools and reasoning")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='take tool_choice "auto" (the default with tools): the model decides, and --tool-call-parser '
+                        "reads its calls out of the text")  # fmt: skip
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format: hermes (<tool_call> JSON: Hermes, Qwen2.5, Qwen3), "
+                        "llama3_json (Llama 3.1+), mistral ([TOOL_CALLS])")  # fmt: skip
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> off into reasoning_content (Qwen3, DeepSeek-R1); structured "
+                        "output and tool grammars then apply after the reasoning")  # fmt: skip
     p.add_argument(
         "--enable-kv-events",
         action="store_true",
@@ -413,6 +480,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"request_timeout must be > 0, got {args.request_timeout}")
     if args.engine_stall_timeout < 0:
         raise ValueError(f"engine_stall_timeout must be >= 0, got {args.engine_stall_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_keys = args.api_key or ([os.environ["FERRY_API_KEY"]] if os.environ.get("FERRY_API_KEY") else None)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
@@ -435,7 +504,9 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
                     kv_events=kv_events, kv_transfer=kv_transfer, api_keys=api_keys,
                     allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,
-                    engine_stall_timeout=args.engine_stall_timeout or None)  # fmt: skip
+                    engine_stall_timeout=args.engine_stall_timeout or None, tool_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    reasoning_parser=args.reasoning_parser)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

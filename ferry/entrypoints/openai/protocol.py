@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI API (with vLLM's extra sampling fields) and the error body.
 
-Unknown fields are ignored, as OpenAI's server does. Validation is strict: a
+Nothing is silently dropped: a field ferry does not implement is a 400 naming it, unless its
+value is null (asks for nothing) or it is one of the accepted no-ops in NO_OP_FIELDS (fields that
+only label or store a request at OpenAI). Validation is strict: a
 number sent as a string (`"n": "64"`) or an integer sent as a float
 (`"max_tokens": 10.0`) is refused rather than coerced, so what a gateway counts
 is what the worker runs. Floats reject NaN and infinity. Everything a client
@@ -14,10 +16,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 
 from ferry.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -39,6 +41,19 @@ FORBIDDEN_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize", "conversatio
                                        "continue_final_message"})  # fmt: skip
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+# Accepted and ignored, as vLLM accepts them: they label a request or ask OpenAI to store it, and
+# change nothing about the tokens it gets. Any other unknown field with a value is a 400.
+NO_OP_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                          "safety_identifier"})  # fmt: skip
+# Fields of older vLLM releases or of OpenAI that ferry does not run, with what to use instead.
+_INSTEAD = {
+    "guided_json": "structured_outputs.json", "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice", "guided_grammar": "structured_outputs.grammar",
+    "guided_decoding_backend": "structured_outputs", "functions": "tools", "function_call": "tool_choice",
+}  # fmt: skip
 
 
 class OpenAIError(Exception):
@@ -91,6 +106,7 @@ class _BodyHead(msgspec.Struct):
 
     model: Any = None
     prompt: msgspec.Raw = msgspec.Raw(b"")  # empty when the body has none
+    input: msgspec.Raw = msgspec.Raw(b"")  # /v1/embeddings' prompt
 
 
 _body_head = msgspec.json.Decoder(_BodyHead)
@@ -111,7 +127,7 @@ def precheck_raw(raw: bytes, limits_of: Callable[[Any], PromptLimits | None]) ->
         head = _body_head.decode(raw)
     except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
         return  # the full decode names what is wrong
-    prompt = bytes(head.prompt)
+    prompt = bytes(head.prompt) or bytes(head.input)
     limits = limits_of(head.model) if prompt else None
     if limits is None or b'"' in prompt:
         return
@@ -135,7 +151,7 @@ def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
     """Bound the prompt's size on the decoded JSON, before the schema walks it: the number of
     prompts and messages, token-id lists against the context and text against `max_chars`."""
     ctx = limits.max_tokens + 1
-    prompt = data.get("prompt")
+    prompt = data.get("prompt", data.get("input"))  # /v1/embeddings calls it input
     if isinstance(prompt, str):
         if len(prompt) > limits.max_chars:
             raise _too_long("prompt", len(prompt), "characters", limits.max_chars, ctx)
@@ -216,12 +232,22 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def _error_text(err: dict) -> str:
+    where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+    if err.get("type") != "extra_forbidden":
+        return f"{where}: {err['msg']}"
+    field = str(err["loc"][-1]) if err.get("loc") else where
+    instead = _INSTEAD.get(field)
+    return f"{where}: ferry does not implement `{field}`" + (f"; use `{instead}`" if instead else "")
+
+
 def validation_error(e: ValidationError) -> OpenAIError:
-    """A schema error as OpenAI's 400, naming the first bad field."""
-    first = e.errors()[0]
+    """A schema error as OpenAI's 400, naming the first bad field (an unimplemented one by name)."""
+    errors = e.errors()
+    first = next((err for err in errors if err.get("type") == "extra_forbidden"), errors[0])
     param = ".".join(str(p) for p in first.get("loc", ())) or None
-    msg = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err['msg']}" for err in e.errors()[:5])
-    return OpenAIError(400, msg, param=param, code=400)
+    rest = [err for err in errors if err is not first][:4]
+    return OpenAIError(400, "; ".join(_error_text(err) for err in [first, *rest]), param=param, code=400)
 
 
 def validate_body(data: dict[str, Any], schema: type[BaseModel]) -> Any:
@@ -234,10 +260,27 @@ def validate_body(data: dict[str, Any], schema: type[BaseModel]) -> Any:
         raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class Strict(BaseModel):
+    """A body part that names what it does not implement: unknown fields with a value are refused
+    (`extra_forbidden`, reported by `validation_error`), null ones dropped."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
+    _no_ops: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_and_no_ops(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields.keys() | {f.alias for f in cls.model_fields.values() if f.alias}
+            unknown = [k for k in data if k not in fields and (data[k] is None or k in cls._no_ops)]
+            if unknown:
+                data = {k: v for k, v in data.items() if k not in unknown}
+        return data
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
+    _no_ops = frozenset({"include_obfuscation"})  # OpenAI's padding against length side channels
 
 
 def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
@@ -250,7 +293,7 @@ def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
     return stop
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(Strict):
     """`response_format.json_schema` (OpenAI): the schema the output must follow."""
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
@@ -261,19 +304,15 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None  # ferry constrains either way, as vLLM does
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Strict):
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -284,8 +323,8 @@ class StructuredOutputs(BaseModel):
     whitespace_pattern: str | None = None
 
 
-class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _GenerationRequest(Strict):
+    _no_ops = NO_OP_FIELDS
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -298,7 +337,6 @@ class _GenerationRequest(BaseModel):
     presence_penalty: Finite = 0.0
     frequency_penalty: Finite = 0.0
     logit_bias: dict[str, Finite] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, le=MAX_INT)
     min_p: Finite | None = None
@@ -396,19 +434,33 @@ class CompletionRequest(_GenerationRequest):
     return_token_ids: bool | None = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ToolCallFunction(Strict):
+    name: str = Field(max_length=64)
+    arguments: str  # JSON text, as the model wrote it
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCall(Strict):
+    """An assistant message's call of a tool, as a client sends it back in the conversation."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Strict):
+    _no_ops = frozenset({"refusal", "annotations"})  # what OpenAI's own answers carry back
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant
+    tool_call_id: str | None = Field(None, max_length=256)  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its reasoning, for templates that render it
 
     def text(self) -> str:
         if self.content is None:
@@ -416,6 +468,29 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: no arguments)
+    strict: bool | None = None  # ferry constrains arguments only under tool_choice required or named
+
+
+class ChatTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    """`tool_choice` naming the function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -427,3 +502,48 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    # Unset: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+class TokenizeCompletionRequest(Strict):
+    """POST /tokenize with a prompt (vLLM's)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Strict):
+    """POST /tokenize with messages: the chat template applied as /v1/chat/completions applies it."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Strict):
+    """POST /detokenize (vLLM's); at most a context's worth of tokens (checked by the handler)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class EmbeddingRequest(Strict):
+    """POST /v1/embeddings: OpenAI's body, with vLLM's `normalize` and `priority`."""
+
+    _no_ops = NO_OP_FIELDS
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    normalize: bool = True
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # its blocks' hashes, as above

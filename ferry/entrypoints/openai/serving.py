@@ -19,7 +19,7 @@ from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits, wait_for_disconnect
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.outputs import RequestOutput
-from ferry.sampling_params import InvalidParameterError
+from ferry.sampling_params import InvalidParameterError, StructuredOutputsParams
 from ferry.structured_output.grammar import check as check_grammar
 
 _DONE = object()
@@ -40,6 +40,9 @@ class ServerState:
     max_queue_len: int
     allow_client_priority: bool = False  # else a request's `priority` must be 0 (the operator's)
     request_timeout: float | None = None  # seconds a request may take, queueing included
+    tool_parser: str | None = None  # --tool-call-parser: reads calls out of text for tool_choice auto
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None  # --reasoning-parser: splits off reasoning_content
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None
@@ -214,10 +217,9 @@ def salted(prompt, cache_salt: str | None):
     return {key: prompt, "cache_salt": cache_salt}
 
 
-async def check_structured_output(body) -> None:
-    """Validate the request's grammar (response_format / structured_outputs) off the event loop: a
-    large schema takes milliseconds to compile. The engine's own check then finds it cached."""
-    params, field = body.structured_output_params()
+async def check_structured_output(params: StructuredOutputsParams | None, field: str) -> None:
+    """Validate a request's grammar (response_format, structured_outputs, a tool's schema) off the
+    event loop: a large schema takes milliseconds to compile. The engine's check then finds it cached."""
     if params is not None:
         await asyncio.to_thread(check_grammar, params, field)
 

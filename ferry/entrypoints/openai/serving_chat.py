@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ferry.entrypoints.openai.assistant_message import DeltaBuilder, finish_reason, message
 from ferry.entrypoints.openai.protocol import FORBIDDEN_TEMPLATE_KWARGS, ChatCompletionRequest, OpenAIError
+from ferry.entrypoints.openai.reasoning import END as REASONING_END
+from ferry.entrypoints.openai.reasoning import reasoning_ended_in_prompt, reasoning_open_in_prompt
 from ferry.entrypoints.openai.serving import (
     SSE_DONE,
     ServerState,
@@ -31,14 +36,51 @@ from ferry.entrypoints.openai.serving import (
     until_disconnect,
     usage,
 )
+from ferry.entrypoints.openai.tool_choice import tool_plan
 from ferry.outputs import CompletionOutput
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as chat templates expect them: the object (its JSON text if it is none)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (HF's conventions for tool calls)."""
+    out = []
+    for i, m in enumerate(body.messages):
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise OpenAIError(400, "a tool message needs the tool_call_id it answers",
+                                  param=f"messages.{i}.tool_call_id", code=400)  # fmt: skip
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise OpenAIError(400, "only assistant messages carry tool_calls", param=f"messages.{i}.tool_calls",
+                                  code=400)  # fmt: skip
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls
+            ]  # fmt: skip
+        if m.reasoning_content is not None:
+            message["reasoning_content"] = m.reasoning_content
+        out.append(message)
+    return out
 
 
 def render_chat_prompt(tokenizer, body: ChatCompletionRequest) -> dict[str, Any]:
     """Apply the model's chat template; the engine gets the text and its token ids."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages", code=400)
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    conversation = _conversation(body)
     kwargs = body.chat_template_kwargs or {}
     forbidden = sorted(FORBIDDEN_TEMPLATE_KWARGS & kwargs.keys())
     if forbidden:
@@ -47,9 +89,11 @@ def render_chat_prompt(tokenizer, body: ChatCompletionRequest) -> dict[str, Any]
         raise OpenAIError(
             400, "continue_final_message needs a final assistant message", param="continue_final_message", code=400
         )
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
             continue_final_message=body.continue_final_message,
@@ -84,6 +128,18 @@ def _logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
     return {"content": content}
 
 
+def _reasoning_open(state: ServerState, engine, prompt: dict[str, Any], params) -> bool | None:
+    """With a reasoning parser: whether the output starts inside the reasoning (None: no parser).
+    A grammar then applies only after `</think>`, unless the prompt already closed it."""
+    if state.reasoning_parser is None:
+        return None
+    text = prompt["prompt"]
+    if params.structured_outputs is not None and not reasoning_ended_in_prompt(text):
+        end = engine.tokenizer.encode(REASONING_END, add_special_tokens=False)
+        params.structured_outputs = dataclasses.replace(params.structured_outputs, after_token_ids=end)
+    return reasoning_open_in_prompt(text)
+
+
 async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
     model = check_model(state, body.model)
     engine = ready_engine(state)
@@ -91,37 +147,42 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code=400)
     top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    tools = tool_plan(body, state.tool_parser, state.enable_auto_tool_choice)
     params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    grammar_field = body.structured_output_params()[1]
+    if tools.grammar is not None:  # tool_choice required or named: the calls follow the tools' schemas
+        params.structured_outputs, grammar_field = tools.grammar, "tools"
     plan = kv_transfer_plan(engine, body, 1, params)
-    await check_structured_output(body)
+    await check_structured_output(params.structured_outputs, grammar_field)
     check_priority(state, body)
     admit(state, engine, params.n)  # before tokenizing; add_requests checks again
     due = deadline(state)
     # Rendering (Jinja) and tokenizing take milliseconds on long conversations: off the event loop.
     prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body)
+    reasoning_open = _reasoning_open(state, engine, prompt, params)
     base_id = random_id("chatcmpl")
     streams = add_requests(state, engine, base_id, [prompt], params, body, plan)
     created = now_s()
     if body.stream:
-        return StreamingResponse(
-            _stream(request, engine, streams, body, model, base_id, created, top, due), media_type="text/event-stream"
-        )
+        builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]
+        return StreamingResponse(_stream(request, engine, streams, body, model, base_id, created, top, due, builders),
+                                 media_type="text/event-stream")  # fmt: skip
     final = None
     async for _, out in until_disconnect(request, merged_outputs(engine, streams), due):
         final = out
     if final is None or not final.finished:
         engine.forget_kv_sent(base_id)
         return None  # the client went away
-    choices = [
-        {
+    choices = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        msg, called = message(c.text, tools, reasoning_open)
+        choices.append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": msg,
             "logprobs": _logprobs(c, top) if body.logprobs else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason(c.finish_reason, called),
             "stop_reason": c.stop_reason,
-        }
-        for c in sorted(final.outputs, key=lambda c: c.index)
-    ]
+        })  # fmt: skip
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     response = {
         "id": base_id,
@@ -136,7 +197,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     return JSONResponse(response)
 
 
-async def _stream(request, engine, streams, body, model, base_id, created, top, due) -> AsyncIterator[bytes]:
+async def _stream(request, engine, streams, body, model, base_id, created, top, due,
+                  builders: list[DeltaBuilder]) -> AsyncIterator[bytes]:  # fmt: skip
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse(
             {
@@ -163,12 +225,16 @@ async def _stream(request, engine, streams, body, model, base_id, created, top, 
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                builder = builders[c.index]
+                delta = builder.delta(c.text, final=c.finish_reason is not None)
+                if not delta and c.finish_reason is None and not body.logprobs:
+                    continue  # text held back (a tag may be starting): nothing to say yet
                 choices.append(
                     {
                         "index": c.index,
-                        "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                        "delta": delta,
                         "logprobs": _logprobs(c, top) if body.logprobs else None,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason(c.finish_reason, builder.called),
                         "stop_reason": c.stop_reason,
                     }
                 )

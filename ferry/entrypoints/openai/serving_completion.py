@@ -34,7 +34,7 @@ from ferry.entrypoints.openai.serving import (
 from ferry.outputs import CompletionOutput
 
 
-def _prompts(prompt: Any) -> list:
+def prompt_list(prompt: Any) -> list:
     """OpenAI's four prompt forms as a list of engine prompts."""
     if isinstance(prompt, str):
         return [prompt]
@@ -47,7 +47,7 @@ def _prompts(prompt: Any) -> list:
     return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
-async def _tokenize(tokenizer, prompts: list) -> list:
+async def tokenize_prompts(tokenizer, prompts: list) -> list:
     """Text prompts tokenized off the event loop (long prompts take milliseconds)."""
     if tokenizer is None or all(not isinstance(p, str) for p in prompts):
         return prompts
@@ -84,14 +84,14 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         raise OpenAIError(400, "suffix is not supported", param="suffix", code=400)
     if body.echo and body.logprobs is not None:
         raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo", code=400)
-    prompts = _prompts(body.prompt)
+    prompts = prompt_list(body.prompt)
     params = body.sampling_params(body.max_tokens, body.logprobs)
     plan = kv_transfer_plan(engine, body, len(prompts), params)
-    await check_structured_output(body)
+    await check_structured_output(params.structured_outputs, body.structured_output_params()[1])
     check_priority(state, body)
     admit(state, engine, len(prompts) * params.n)  # before tokenizing; add_requests checks again
     due = deadline(state)
-    prompts = await _tokenize(engine.tokenizer, prompts)
+    prompts = await tokenize_prompts(engine.tokenizer, prompts)
     base_id = random_id("cmpl")
     streams = add_requests(state, engine, base_id, prompts, params, body, plan)
     n = params.n

@@ -1,0 +1,123 @@
+"""What every tool-call parser shares: the call it finds, and streaming it out of growing text.
+
+A parser finds where a model's tool calls begin in its output (a marker such as `<tool_call>`)
+and reads the calls from there. `extract` splits a finished output into content and calls;
+`ToolCallStream` does the same for a stream: text before the calls streams as content (holding
+back a tail that may be the start of the marker), and each call goes out once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+def parsed_call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    """A call from a decoded JSON object {"name": ..., "arguments" | "parameters": {...}}, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_decoder = json.JSONDecoder()
+
+
+def json_values(text: str, pos: int, separators: str = ",;") -> tuple[list[Any], int]:
+    """The JSON values that follow each other from `text[pos]`, apart by whitespace and any of
+    `separators`; and where the first value that is not (yet) complete JSON starts."""
+    values = []
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
+            pos += 1
+        if pos >= len(text):
+            return values, pos
+        try:
+            value, end = _decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return values, pos
+        values.append(value)
+        pos = end
+
+
+def marker_prefix_len(text: str, marker: str) -> int:
+    """How many of `text`'s last characters are a proper prefix of `marker` (held back while streaming)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """Finds the tool calls in a model's output. Subclasses set `name` and `marker` and read the
+    calls after it (`parse_calls`)."""
+
+    name: ClassVar[str]
+    marker: ClassVar[str]  # what opens the tool calls
+
+    def find_start(self, text: str) -> int | None:
+        """Where the calls begin in `text`, or None (not yet, or never)."""
+        i = text.find(self.marker)
+        return i if i >= 0 else None
+
+    def hold(self, text: str) -> int:
+        """Characters at the end of `text` (no calls found in it yet) that may begin them."""
+        return marker_prefix_len(text, self.marker)
+
+    def parse_calls(self, region: str, final: bool) -> tuple[list[ParsedCall], str]:
+        """The complete calls in `region` (the output from `find_start` on), and the text in it
+        that is not a call (content; only meaningful when `final`)."""
+        raise NotImplementedError
+
+    def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """A finished output as (content, calls); content None when nothing but calls is left."""
+        start = self.find_start(text)
+        if start is None:
+            return text, []
+        calls, rest = self.parse_calls(text[start:], final=True)
+        content = text[:start] + rest
+        return (content if content.strip() else None), calls
+
+
+class ToolCallStream:
+    """One streamed choice's content and calls, from its text deltas."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of `text` sent as content
+        self.start: int | None = None  # where the calls begin, once seen
+        self.num_calls = 0  # calls sent
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
+        """(content to send now, calls completed now) after `delta`; `final` on the last."""
+        self.text += delta
+        text, content = self.text, ""
+        if self.start is None:
+            start = self.parser.find_start(text)
+            if start is None:
+                end = len(text) if final else len(text) - self.parser.hold(text)
+                content, self.sent = text[self.sent : end], max(self.sent, end)
+                return content, []
+            content, self.sent, self.start = text[self.sent : start], start, start
+        elif not final and not any(c in delta for c in "}]>"):  # no call can have closed
+            return content, []
+        calls, rest = self.parser.parse_calls(text[self.start :], final)
+        new, self.num_calls = calls[self.num_calls :], max(self.num_calls, len(calls))
+        if final:
+            content += rest
+        return content, new

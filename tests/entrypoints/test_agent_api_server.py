@@ -1,0 +1,274 @@
+"""The API agents and apps call, through `ferry serve` with the official openai client: `required`
+and named tool choices return calls whose arguments follow the tools' schemas at temperature 0.8;
+`auto` reads hermes `<tool_call>`s out of the text, streamed as `delta.tool_calls`; tool messages
+render; an agent library (openai-agents) runs a tool loop; a reasoning parser splits
+`reasoning_content` off and a grammar waits for the end of the reasoning; unimplemented fields
+are a 400 naming them; /tokenize counts as chat renders; embeddings are the same alone or batched."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Annotated
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+from pydantic import Field
+from server_utils import ServerProcess
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "minLength": 2, "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False},
+    },
+}  # fmt: skip
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+                       "required": ["tz"], "additionalProperties": False},
+    },
+}  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Berlin?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-model-len", "1024", "--max-num-seqs", "16", "--served-model-name", "smol",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.logs()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def check_call(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_tool_choice_returns_valid_calls(client):
+    r = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       n=3, temperature=0.8, max_tokens=200)  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            check_call(call)
+    single = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME],
+                                            tool_choice="required", parallel_tool_calls=False, n=3,
+                                            temperature=0.8, max_tokens=200)  # fmt: skip
+    assert all(len(c.message.tool_calls) == 1 for c in single.choices)
+
+
+def test_a_named_tool_choice_calls_that_tool_streamed_too(client):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                       temperature=0.8, max_tokens=100)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    check_call(call)
+    stream = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                            temperature=0.8, max_tokens=100, stream=True)  # fmt: skip
+    parts, names, finish = [], set(), None
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                assert tc.index == 0
+                names.add(tc.function.name) if tc.function.name else None
+                parts.append(tc.function.arguments or "")
+            finish = c.finish_reason or finish
+    assert names == {"get_time"} and len(parts) > 1 and finish == "tool_calls"  # the arguments stream
+    jsonschema.validate(json.loads("".join(parts)), SCHEMAS["get_time"])
+
+
+# What a hermes-format model writes; the regex makes SmolLM2 write it (it was not trained to).
+HERMES = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+          r'"unit": "celsius"\}\}\n</tool_call>')  # fmt: skip
+
+
+def test_auto_reads_hermes_calls_out_of_the_text_whole_and_streamed(client):
+    extra = {"structured_outputs": {"regex": HERMES}}
+    r = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
+                                       temperature=0.8, extra_body=extra)  # fmt: skip
+    msg = r.choices[0].message
+    assert msg.content.strip() == "Checking." and r.choices[0].finish_reason == "tool_calls"
+    (call,) = msg.tool_calls
+    assert call.function.name == "get_weather"
+    check_call(call)
+    stream = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
+                                            temperature=0.8, extra_body=extra, stream=True)  # fmt: skip
+    content, calls = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            assert "<tool_call>" not in (c.delta.content or "")
+    assert content.strip() == "Checking."
+    (call,) = calls
+    assert call.index == 0 and call.function.name == "get_weather"
+    check_call(call)
+    # Without the regex the model answers in text, which stays content.
+    plain = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER], max_tokens=8,
+                                           temperature=0.0)  # fmt: skip
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def test_a_tool_conversation_renders_and_bad_tool_messages_are_400(client, server):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}  # fmt: skip
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]  # fmt: skip
+    r = client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=8, temperature=0.0)  # fmt: skip
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    bad = [
+        ({"messages": [*ASK, {"role": "tool", "content": "18 C"}]}, "messages.1.tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]}, "messages.0.tool_calls"),
+        ({"messages": ASK, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice"),
+        ({"messages": ASK, "tools": [WEATHER, WEATHER]}, "tools"),
+        ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "get weather"}}]},
+         "tools.0.function.name"),
+        ({"messages": ASK, "functions": [WEATHER["function"]]}, "functions"),
+        ({"messages": ASK, "guided_json": {"type": "object"}}, "guided_json"),
+        ({"messages": ASK, "audio": {"voice": "alloy"}}, "audio"),
+        ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages.0.audio"),
+    ]  # fmt: skip
+    for body, param in bad:
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "smol", "max_tokens": 4, **body},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "best_of": 2, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and "does not implement `best_of`" in r.json()["error"]["message"]
+    # Nulls ask for nothing; labels and storage hints are accepted no-ops.
+    ok = {"model": "smol", "messages": ASK, "max_tokens": 2, "functions": None, "user": "u1", "store": False,
+          "metadata": {"k": "v"}, "stream_options": None, "service_tier": "auto"}  # fmt: skip
+    assert httpx.post(server.url + "/v1/chat/completions", json=ok, timeout=60).status_code == 200
+
+
+def test_an_agent_library_runs_a_tool_loop(server):
+    """openai-agents against ferry: the first turn must call the tool (required, grammar-enforced),
+    the tool's result goes back as a tool message, and the model answers in text."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(min_length=2, max_length=20)]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"It is 18 degrees and sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    agent = Agent(
+        name="weather",
+        instructions="You answer questions about the weather.",
+        model=OpenAIChatCompletionsModel(model="smol", openai_client=client),
+        tools=[get_weather],
+        model_settings=ModelSettings(tool_choice="required", temperature=0.0, max_tokens=48),
+    )
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert len(calls) == 1 and 2 <= len(calls[0]) <= 20  # called once, then the choice reset to auto
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "smol",
+                      "--reasoning-parser", "deepseek_r1")  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.logs()
+
+
+def test_reasoning_is_split_off_and_a_grammar_waits_for_its_end(thinker):
+    c = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def ask(prefix: str, **kw):
+        messages = [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": prefix}]
+        extra = {"continue_final_message": True, "add_generation_prompt": False, **kw.pop("extra_body", {})}
+        return c.chat.completions.create(model="smol", messages=messages, temperature=0.0, extra_body=extra, **kw)
+
+    # The prompt opened <think>: the output continues the reasoning (cut off before </think>).
+    free = ask("<think>", max_tokens=16).choices[0].message
+    assert free.content is None and free.model_extra["reasoning_content"]
+    # A grammar waits for </think>: the reasoning is the same free text as without one.
+    gated = ask("<think>", max_tokens=16, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert gated.choices[0].message.model_extra["reasoning_content"] == free.model_extra["reasoning_content"]
+    # Reasoning closed in the prompt: the grammar applies at once, and the answer is content.
+    done = ask("<think>Clearly.</think>", max_tokens=16, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert done.choices[0].message.content in ("yes", "no")
+    assert done.choices[0].message.model_extra["reasoning_content"] is None
+    # Streamed: reasoning arrives in delta.reasoning_content.
+    parts = [ch.choices[0].delta.model_extra.get("reasoning_content") or ""
+             for ch in ask("<think>", max_tokens=16, stream=True) if ch.choices]  # fmt: skip
+    assert "".join(parts) == free.model_extra["reasoning_content"]
+
+
+def test_tokenize_detokenize_and_version(server, client):
+    url = server.url
+    r = httpx.post(url + "/tokenize", json={"model": "smol", "prompt": "Hello world", "return_token_strs": True})
+    body = r.json()
+    assert r.status_code == 200 and body["count"] == len(body["tokens"]) > 1 and body["max_model_len"] == 1024
+    assert "".join(body["token_strs"]).replace("Ġ", " ") == "Hello world"
+    back = httpx.post(url + "/detokenize", json={"model": "smol", "tokens": body["tokens"]}).json()
+    assert back == {"prompt": "Hello world"}
+    # A chat counts as /v1/chat/completions renders it, tools included.
+    counted = httpx.post(url + "/tokenize", json={"model": "smol", "messages": ASK, "tools": [WEATHER]}).json()
+    r = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=1)
+    assert counted["count"] == r.usage.prompt_tokens
+    for path, body, param in [
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [1] * 1025}, "tokens"),
+        ("/detokenize", {"tokens": ["1"]}, "tokens.0"),
+        ("/tokenize", {"prompt": "x", "messages": ASK}, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+    ]:
+        r = httpx.post(url + path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+    assert httpx.get(url + "/version").json()["version"]
+
+
+def test_embeddings_alone_equal_batched_and_base64(server, client):
+    texts = [f"Note {i}: {'the cat sleeps' if i % 2 else 'stocks fell'} at {i} o'clock." for i in range(32)]
+    batch = client.embeddings.create(model="smol", input=texts)
+    assert [d.index for d in batch.data] == list(range(32)) and batch.usage.prompt_tokens > 32
+
+    async def alone():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        return await asyncio.gather(*(c.embeddings.create(model="smol", input=t) for t in texts[:8]))
+
+    for one, b in zip(asyncio.run(alone()), batch.data[:8]):
+        vec = np.asarray(one.data[0].embedding)
+        assert vec.shape == (576,) and abs(np.linalg.norm(vec) - 1) < 1e-5
+        np.testing.assert_allclose(vec, b.embedding, atol=1e-5)
+    raw = httpx.post(server.url + "/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, batch.data[0].embedding, atol=1e-6)
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": texts[0]}).json()["tokens"]
+    by_ids = httpx.post(server.url + "/v1/embeddings", json={"input": [ids]}).json()
+    np.testing.assert_allclose(by_ids["data"][0]["embedding"], batch.data[0].embedding, atol=1e-5)
+    for body, param in [({"input": []}, "input"), ({"input": "x", "dimensions": 64}, "dimensions"),
+                        ({"input": [1, 10**9]}, "prompt"), ({"input": "x", "encoding_format": "int8"},
+                                                            "encoding_format")]:  # fmt: skip
+        r = httpx.post(server.url + "/v1/embeddings", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
