@@ -39,6 +39,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     embedding: list[float] | None = None  # an embedding request's vector (SamplingParams.pooling)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing before it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -124,6 +124,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # vLLM's: the logprob of every prompt token after the first (and its rank), with this many of
+    # the most likely alternatives; such a request computes its whole prompt (no prefix-cache hits).
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -183,6 +186,8 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             bad("logprobs", "must be a non-negative integer")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "must be a non-negative integer")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - self.n):
             bad("seed", "must be an integer in [-2**63, 2**63 - n)")
         if any(not s for s in self.stop):

@@ -83,6 +83,10 @@ class Request:
         # the chunks computed, for mean pooling; worker/pooler.py), and the finished vector.
         self.pooled: Any = None
         self.embedding: list[float] | None = None
+        # sampling_params.prompt_logprobs: per prompt position from the second, (logprob, rank, top
+        # ids, top logprobs) of its token, filled chunk by chunk (worker/prompt_logprobs.py) and sent
+        # with the first output token.
+        self.prompt_logprobs: list[tuple[float, int, list[int], list[float]]] = []
         self._update_block_hashes()
 
     @property

@@ -128,9 +128,11 @@ class Scheduler:
             cached = self.kv.num_cached_prefix_tokens if self.kv.enable_prefix_caching else None
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting.take_next(cached)
-                # An embedding pools over every prompt position: it computes them all.
-                pooling = request.sampling_params.pooling is not None
-                hits, num_hit_tokens = ([], 0) if pooling else self.kv.get_computed_blocks(request)
+                # An embedding pools over every prompt position, prompt logprobs read every one's
+                # logits: such requests compute them all.
+                p = request.sampling_params
+                every = p.pooling is not None or p.prompt_logprobs is not None
+                hits, num_hit_tokens = ([], 0) if every else self.kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > budget and not self.enable_chunked_prefill:
                     self.waiting.push(request)

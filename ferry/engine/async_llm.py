@@ -222,6 +222,7 @@ class AsyncLLM:
         return (
             len(req.core_requests) == 1
             and req.params.logprobs is None
+            and req.params.prompt_logprobs is None  # computed here, over the whole prompt
             and 0 < len(remote.first_token_ids) <= 1
             and all(type(t) is int and 0 <= t < vocab for t in remote.first_token_ids)
             and remote.prompt_digest == prompt_digest(req.prompt_token_ids)

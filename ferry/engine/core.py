@@ -239,6 +239,10 @@ class EngineCore:
                     break
             if drafts and finish is None:
                 self.kv.cache_verified_blocks(request, first_position)
+            first = request.num_output_tokens == len(tokens)  # this step's tokens are its first
+            prompt_lps = None
+            if first and request.sampling_params.prompt_logprobs is not None:
+                prompt_lps, request.prompt_logprobs = request.prompt_logprobs, []
             out = EngineCoreOutput(
                 request.request_id,
                 tokens,
@@ -249,6 +253,7 @@ class EngineCore:
                 queue_time=(request.first_scheduled_time or request.arrival_time) - request.arrival_time
                 if request.num_output_tokens == 1
                 else None,
+                prompt_logprobs=prompt_lps,
             )
             outputs.append(out)
         if self.proposer is not None:

@@ -115,6 +115,8 @@ class InputProcessor:
             raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be < vocabulary size {vocab}")
         if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
             raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise InvalidParameterError("prompt_logprobs", f"prompt_logprobs must be <= the vocabulary size {vocab}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
         if params.pooling is not None and (params.n != 1 or params.structured_outputs is not None

@@ -41,6 +41,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's vector (it has no tokens)
+    # With the first token, for sampling_params.prompt_logprobs: per prompt token from the second,
+    # as new_logprobs.
+    prompt_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
     # Seconds from arrival to first scheduling; set on a request's first output only.
     queue_time: float | None = None
 

@@ -38,6 +38,7 @@ class RequestState:
     seqs: dict[str, SequenceState]  # core request id -> sequence
     num_cached_tokens: int = 0
     embedding: list[float] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,16 +102,14 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, co.num_cached_tokens)
             if co.embedding is not None:
                 state.embedding = co.embedding
+            if co.prompt_logprobs is not None and state.prompt_logprobs is None:  # n > 1: the same for all
+                state.prompt_logprobs = [None, *(self._entry(tok, e) for tok, e in
+                                                 zip(state.prompt_token_ids[1:], co.prompt_logprobs))]  # fmt: skip
             for j, tok in enumerate(co.new_token_ids):
                 seq.token_ids.append(tok)
                 if seq.logprobs is not None and co.new_logprobs:
-                    lp, rank, top_ids, top_lps = co.new_logprobs[j]
-                    entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
-                    for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
-                        if tid not in entry:
-                            entry[tid] = Logprob(tlp, r, self._decode_one(tid))
-                    seq.logprobs.append(entry)
-                    seq.cumulative_logprob += lp
+                    seq.logprobs.append(self._entry(tok, co.new_logprobs[j]))
+                    seq.cumulative_logprob += co.new_logprobs[j][0]
                 stop = seq.detok.add_token(tok)
                 if stop is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop
@@ -129,6 +128,15 @@ class OutputProcessor:
             if state.finished:
                 self.abort_request(rid)
         return outputs, to_abort
+
+    def _entry(self, tok: int, logprob: tuple[float, int, list[int], list[float]]) -> dict[int, Logprob]:
+        """One position's logprobs: its token's, then the top alternatives (ranked 1..k)."""
+        lp, rank, top_ids, top_lps = logprob
+        entry = {tok: Logprob(lp, rank, self._decode_one(tok))}
+        for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(tlp, r, self._decode_one(tid))
+        return entry
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -158,4 +166,4 @@ class OutputProcessor:
         if not completions:
             return None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             state.num_cached_tokens, state.embedding)  # fmt: skip
+                             state.num_cached_tokens, state.embedding, state.prompt_logprobs)  # fmt: skip

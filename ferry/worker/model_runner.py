@@ -26,6 +26,7 @@ from ferry.worker.cpu_allocator import tune_cpu_allocator
 from ferry.worker.cuda_graphs import CUDAGraphRunner
 from ferry.worker.model_loading import LoadedModel, resolve_kv_cache_dtype
 from ferry.worker.pooler import pool_step
+from ferry.worker.prompt_logprobs import prompt_logprobs
 from ferry.worker.sampler import Sampler, VerifiedOutput
 from ferry.worker.step_plan import StepPlan, StepRecord, build_step_plan
 
@@ -86,6 +87,7 @@ class ModelRunner:
         self.pool_hidden: torch.Tensor | None = None
         self.pooled: list[Request] = []
         self.pooling_type = "last"
+        self.prompt_lps: list = []  # the last step's prompt logprobs (worker/prompt_logprobs.py)
         self._sampled: list[Request] = []
         self._sampled_rows: list[int] = []
         self.profile = False  # sync the device between phases for an exact breakdown
@@ -158,6 +160,8 @@ class ModelRunner:
             positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
             hidden = self.model(ids, positions, self.kv_caches, meta)
         self.pool_hidden = hidden if plan.pool_chunks else None
+        if plan.prompt_logprob_chunks:
+            self.prompt_lps = prompt_logprobs(plan, hidden, self.model.compute_logits)
         if not len(plan.logits_rows):
             self.logits_hidden = None
             return None
@@ -220,6 +224,14 @@ class ModelRunner:
             if parents:
                 self._move_kept_drafts(sched, sampling, out.kept_nodes)
         self._sampled, self._sampled_rows = (sampling, out.last_rows) if out is not None else ([], [])
+        if plan.prompt_logprob_chunks:
+            by_id = {r.request_id: r for r, _ in sched.scheduled}
+            for rid, begin, entries in self.prompt_lps:
+                r = by_id[rid]
+                if begin == 0:  # the prompt's first chunk (again, after a preemption)
+                    r.prompt_logprobs = []
+                r.prompt_logprobs.extend(entries)
+            self.prompt_lps = []
         self.pooled = []
         if plan.pool_chunks:
             by_id = {r.request_id: r for r, _ in sched.scheduled}

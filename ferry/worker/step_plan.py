@@ -44,6 +44,9 @@ class StepPlan:
     decode_tree: np.ndarray | None = None  # [num_decodes, 2] (AttentionMetadata.decode_tree); None: no tree
     # Embedding requests' rows: (request id, first row, number of rows); pooled, never sampled.
     pool_chunks: list[tuple[str, int, int]] = field(default_factory=list)
+    # Prompt-logprob rows: (request id, first row, position of the first row, top-k, the prompt
+    # tokens that follow the rows); row j's logits give the logprob of targets[j].
+    prompt_logprob_chunks: list[tuple[str, int, int, int, list[int]]] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -89,6 +92,16 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
     sampling: list[Request] = []
     drafts: list[list[int]] = []
     pool_chunks: list[tuple[str, int, int]] = []
+    prompt_lp_chunks: list[tuple[str, int, int, int, list[int]]] = []
+
+    def prompt_rows(r: Request, row: int, n: int, begin: int) -> None:
+        """Rows whose next token is a prompt token: logits for prompt_logprobs (not again for a
+        request recomputed after preemption: it sent them with its first token)."""
+        k = r.sampling_params.prompt_logprobs
+        if k is not None and r.num_output_tokens == 0:
+            targets = r.prompt_token_ids[begin + 1 : begin + 1 + n]
+            if targets:
+                prompt_lp_chunks.append((r.request_id, row, begin, k, targets))
 
     nd = sum(n for _, n in decodes)  # rows: a verifying request has one per token
     decode_blocks: list[np.ndarray] = []
@@ -114,6 +127,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
                 ids.append(r.all_token_ids[p] if j == 0 else draft[j - 1])
                 if tree is not None:
                     tree[i] = (first + 1, ancestor_bits(parents, j)) if depths is not None else (p + 1, 0)
+                prompt_rows(r, i, 1, p)
                 if r.sampling_params.pooling is not None:  # an embedding's 1-token chunk
                     pool_chunks.append((r.request_id, i, 1))
                 elif draft or p + 1 == r.num_tokens:
@@ -136,6 +150,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         pos_parts.append(pos)
         slot_parts.append(blocks[pos // bs] * bs + pos % bs)
         chunks.append(PrefillHost(start, n, end_ctx, blocks))
+        prompt_rows(r, start, n, begin)
         if r.sampling_params.pooling is not None:  # an embedding: pooled, never sampled
             pool_chunks.append((r.request_id, start, n))
         elif end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
@@ -154,6 +169,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
         decode_tree=tree,
         pool_chunks=pool_chunks,
+        prompt_logprob_chunks=prompt_lp_chunks,
     )
     return plan, sampling, drafts
 

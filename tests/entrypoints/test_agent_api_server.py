@@ -272,3 +272,25 @@ def test_embeddings_alone_equal_batched_and_base64(server, client):
                                                             "encoding_format")]:  # fmt: skip
         r = httpx.post(server.url + "/v1/embeddings", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(server, client):
+    prompt = "The capital of France is"
+    n_prompt = len(httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"])
+    r = client.completions.create(model="smol", prompt=prompt, max_tokens=3, temperature=0.0,
+                                  extra_body={"prompt_logprobs": 2})  # fmt: skip
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == n_prompt and plp[0] is None and all(len(e) >= 2 for e in plp[1:])
+    echo = client.completions.create(model="smol", prompt=prompt, max_tokens=3, temperature=0.0, echo=True,
+                                     logprobs=2)  # fmt: skip
+    lp = echo.choices[0].logprobs
+    assert echo.choices[0].text.startswith(prompt) and len(lp.tokens) == n_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, n_prompt):  # the echoed prompt's logprobs are the prompt_logprobs
+        mine = [v["logprob"] for v in plp[pos].values() if v["decoded_token"] == lp.tokens[pos]]
+        assert mine and abs(mine[0] - lp.token_logprobs[pos]) < 1e-5
+    body = {"messages": ASK, "max_tokens": 1, "prompt_logprobs": 0}
+    chat = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"]
+    streamed = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"

@@ -147,7 +147,7 @@ def test_fuzzed_bodies_never_5xx_and_leave_the_worker_idle(fuzzed, path):
     served = 0  # bodies that ran (200): the valid ones must not all be refused
     with httpx.Client(timeout=120) as http:
 
-        @settings(max_examples=1500, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))  # fmt: skip
         @given(body=bodies, via_gateway=st.booleans())
         def one(body: bytes, via_gateway: bool) -> None:
@@ -157,7 +157,7 @@ def test_fuzzed_bodies_never_5xx_and_leave_the_worker_idle(fuzzed, path):
             sent["gateway" if via_gateway else "server"] += 1
 
         one()
-    assert min(sent.values()) >= 300 and served >= 25, (sent, served)  # 3,000 bodies over both tests
+    assert min(sent.values()) >= 200 and served >= 16, (sent, served)  # 2,000 bodies over both tests
 
     def idle() -> bool:
         gauges = ("ferry:num_requests_running", "ferry:num_requests_waiting", "ferry:kv_cache_usage_perc")

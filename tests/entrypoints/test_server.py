@@ -229,7 +229,8 @@ def test_prompt_forms_and_extras(client, server):
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": "x", "max_tokens": None, "min_tokens": 600}, 400, "min_tokens"),
         ({"prompt": "x", "min_tokens": 2**64}, 400, "min_tokens"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of"),
         ({"prompt": ["x"] * 1025}, 400, "prompt"),
         ({"prompt": ["x"] * 20, "n": 100}, 400, "n"),  # 2,000 sequences > --max-queue-len 1024
     ],

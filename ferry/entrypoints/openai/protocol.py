@@ -347,6 +347,9 @@ class _GenerationRequest(Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: each prompt token's logprob (and rank) with this many alternatives; the whole prompt is
+    # computed (no prefix-cache hits), so it costs a prefill.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Prefill/decode disaggregation, set by the gateway (vLLM's field name): {"do_remote_decode": true,
     # "decode_receiver": "tcp://..."} to a prefill worker; {"do_remote_prefill": true, "first_token_ids":
     # [...], "prompt_digest": "..."} to a decode worker (entrypoints/openai/serving.py).
@@ -412,6 +415,7 @@ class _GenerationRequest(Strict):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,

@@ -333,3 +333,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def finite(x: float) -> float:
     """JSON has no -inf; a token with probability 0 gets a very negative number."""
     return x if x > -9999.0 else -9999.0
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob,
+    rank, decoded_token}} for its token and the top alternatives."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in entry.items()}
+            for entry in out.prompt_logprobs]  # fmt: skip

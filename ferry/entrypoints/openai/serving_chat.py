@@ -30,6 +30,7 @@ from ferry.entrypoints.openai.serving import (
     kv_transfer_plan,
     merged_outputs,
     now_s,
+    prompt_logprobs_json,
     random_id,
     ready_engine,
     sse,
@@ -143,6 +144,9 @@ def _reasoning_open(state: ServerState, engine, prompt: dict[str, Any], params) 
 async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
     model = check_model(state, body.model)
     engine = ready_engine(state)
+    if body.prompt_logprobs is not None and body.stream:
+        raise OpenAIError(400, "prompt_logprobs comes back in whole responses only: send stream false",
+                          param="prompt_logprobs", code=400)  # fmt: skip
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs", code=400)
     top = body.top_logprobs or 0
@@ -192,6 +196,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
         "choices": choices,
         "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
     }
+    if body.prompt_logprobs is not None:  # vLLM's place for it in a chat response
+        response["prompt_logprobs"] = prompt_logprobs_json(final)
     if plan.export_to is not None:
         response["kv_transfer_params"] = await kv_sent_params(engine, plan, base_id, final)
     return JSONResponse(response)

@@ -25,6 +25,7 @@ from ferry.entrypoints.openai.serving import (
     kv_transfer_plan,
     merged_outputs,
     now_s,
+    prompt_logprobs_json,
     random_id,
     ready_engine,
     sse,
@@ -58,6 +59,27 @@ async def tokenize_prompts(tokenizer, prompts: list) -> list:
     return await asyncio.to_thread(run)
 
 
+def echo_logprobs(out, top: int, completion: dict[str, Any], tokenizer) -> dict[str, Any]:
+    """OpenAI's legacy `echo` with `logprobs`: the prompt's tokens come first in the logprobs object,
+    the first with null logprobs (nothing precedes it), then the completion's (offsets from 0)."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        if entry is None:  # the first token: its text, no logprob
+            text, lp, alternatives = tokenizer.decode([tok]) if tokenizer is not None else "", None, None
+        else:
+            text, lp = entry[tok].decoded_token or "", finite(entry[tok].logprob)
+            alternatives = {(e.decoded_token or ""): finite(e.logprob) for e in entry.values() if e.rank <= top}
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append(alternatives)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens + completion["tokens"],
+            "token_logprobs": token_lps + completion["token_logprobs"],
+            "top_logprobs": tops + completion["top_logprobs"],
+            "text_offset": offsets + completion["text_offset"]}  # fmt: skip
+
+
 class LogprobsBuilder:
     """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
 
@@ -82,10 +104,10 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     engine = ready_engine(state)
     if body.suffix:
         raise OpenAIError(400, "suffix is not supported", param="suffix", code=400)
-    if body.echo and body.logprobs is not None:
-        raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo", code=400)
     prompts = prompt_list(body.prompt)
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
     plan = kv_transfer_plan(engine, body, len(prompts), params)
     await check_structured_output(params.structured_outputs, body.structured_output_params()[1])
     check_priority(state, body)
@@ -125,7 +147,11 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         prefix = echo_text(i) if body.echo else ""
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
-            lp = LogprobsBuilder(len(prefix)).build(c) if body.logprobs is not None else None
+            lp = None
+            if body.logprobs is not None:
+                lp = LogprobsBuilder(len(prefix)).build(c)
+                if body.echo:
+                    lp = echo_logprobs(out, body.logprobs, lp, tokenizer)
             choice = {
                 "index": i * n + c.index,
                 "text": prefix + c.text,
@@ -133,6 +159,8 @@ async def create_completion(request: Request, state: ServerState, body: Completi
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out)
             if with_ids:
                 choice["prompt_token_ids"] = list(out.prompt_token_ids)
                 choice["token_ids"] = list(c.token_ids)
@@ -172,10 +200,12 @@ async def _stream(
                     echoed.add(index)
                     text = echo_text(i) + text
                 completion_tokens += len(c.token_ids)
-                lp = None
-                if body.logprobs is not None:
+                lp, first = None, index not in lp_builders
+                if body.logprobs is not None or body.prompt_logprobs is not None:
                     builder = lp_builders.setdefault(index, LogprobsBuilder(len(echo_text(i)) if body.echo else 0))
-                    lp = builder.build(c)
+                    lp = builder.build(c) if body.logprobs is not None else None
+                    if first and body.echo and lp is not None:
+                        lp = echo_logprobs(out, body.logprobs, lp, engine.tokenizer)
                 choice = {
                     "index": index,
                     "text": text,
@@ -183,6 +213,8 @@ async def _stream(
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
+                if first and body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 if with_ids:  # as vLLM: the prompt's ids in a choice's first chunk, then the new ids
                     if index not in ids_sent:
                         ids_sent.add(index)
