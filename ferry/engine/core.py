@@ -217,8 +217,7 @@ class EngineCore:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
             outputs.append(EngineCoreOutput(
                 request.request_id, [], finish_reason=RequestStatus.FINISHED_STOPPED.value,
-                embedding=request.embedding,
-                queue_time=(request.first_scheduled_time or request.arrival_time) - request.arrival_time,
+                embedding=request.embedding, queue_time=_queue_time(request),
             ))  # fmt: skip
         for i, request in enumerate(requests):
             tokens, lps = sampled.token_ids[i], sampled.logprobs[i]
@@ -250,9 +249,7 @@ class EngineCore:
                 finish_reason=finish,
                 stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
-                queue_time=(request.first_scheduled_time or request.arrival_time) - request.arrival_time
-                if request.num_output_tokens == 1
-                else None,
+                queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
                 prompt_logprobs=prompt_lps,
             )
             outputs.append(out)
@@ -314,3 +311,8 @@ class EngineCore:
             spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
         )
+
+
+def _queue_time(request: Request) -> float:
+    """Seconds from arrival to first scheduling (sent with a request's first output)."""
+    return (request.first_scheduled_time or request.arrival_time) - request.arrival_time

@@ -224,8 +224,8 @@ class ModelRunner:
             if parents:
                 self._move_kept_drafts(sched, sampling, out.kept_nodes)
         self._sampled, self._sampled_rows = (sampling, out.last_rows) if out is not None else ([], [])
+        by_id = {r.request_id: r for r, _ in sched.scheduled} if plan.prompt_logprob_chunks or plan.pool_chunks else {}
         if plan.prompt_logprob_chunks:
-            by_id = {r.request_id: r for r, _ in sched.scheduled}
             for rid, begin, entries in self.prompt_lps:
                 r = by_id[rid]
                 if begin == 0:  # the prompt's first chunk (again, after a preemption)
@@ -234,7 +234,6 @@ class ModelRunner:
             self.prompt_lps = []
         self.pooled = []
         if plan.pool_chunks:
-            by_id = {r.request_id: r for r, _ in sched.scheduled}
             self.pooled = pool_step(plan, self.pool_hidden, by_id, self.pooling_type)
             self.pool_hidden = None
         t3 = time.perf_counter()

@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 import torch
 
+from ferry.worker.sampler import Logprob as Entry
+from ferry.worker.sampler import ranked_logprobs
 from ferry.worker.step_plan import StepPlan
 
 SLICE_ROWS = 256
-Entry = tuple[float, int, list[int], list[float]]  # (logprob, rank, top ids, top logprobs)
 
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
@@ -28,11 +29,6 @@ def prompt_logprobs(plan: StepPlan, hidden: torch.Tensor, compute_logits: Logits
         for s in range(0, len(targets), SLICE_ROWS):
             tgt = targets[s : s + SLICE_ROWS]
             logprobs = compute_logits(hidden[row + s : row + s + len(tgt)]).float().log_softmax(dim=-1)
-            ids = torch.tensor(tgt, device=logprobs.device).unsqueeze(1)
-            chosen = logprobs.gather(1, ids)
-            ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-            top_vals, top_idx = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long())
-            for lp, rank, ti, tv in zip(chosen.squeeze(1).tolist(), ranks, top_idx.tolist(), top_vals.tolist()):
-                entries.append((lp, rank, ti, tv))
+            entries += ranked_logprobs(logprobs, tgt, k)
         out.append((rid, begin, entries))
     return out

@@ -43,6 +43,15 @@ from ferry.worker.step_plan import tree_paths
 Logprob = tuple[float, int, list[int], list[float]]  # (sampled logprob, its rank, top ids, top logprobs)
 
 
+def ranked_logprobs(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[Logprob]:
+    """Per row of `logprobs` [rows, vocab]: the logprob of `tokens[row]`, its rank (1: the most
+    likely) and the row's `k` most likely tokens with their logprobs."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_vals, top_idx = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+    return list(zip(chosen.squeeze(1).tolist(), ranks.tolist(), top_idx.tolist(), top_vals.tolist()))
+
+
 def _logit_bias_tensors(request: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's logit_bias as (token ids, biases) on `device`, built on its first step only: up
     to 300 entries a request, which a Python loop per step would walk again every token."""
@@ -265,17 +274,11 @@ class Sampler:
         distribution, with each row's request's number of top logprobs."""
         if not rows:
             return []
-        k = max(params[i].logprobs for i in rows)
-        sub = raw_logprobs[rows]
-        chosen = sub.gather(1, torch.tensor(tokens, device=sub.device).unsqueeze(1))
-        ranks = (sub > chosen).sum(dim=-1) + 1
-        top_vals, top_idx = sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long())
-        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-        top_vals_l, top_idx_l = top_vals.tolist(), top_idx.tolist()
+        ranked = ranked_logprobs(raw_logprobs[rows], tokens, max(params[i].logprobs for i in rows))
         out = []
-        for j, i in enumerate(rows):
+        for (lp, rank, top_ids, top_lps), i in zip(ranked, rows):
             n = params[i].logprobs
-            out.append((chosen_l[j], ranks_l[j], top_idx_l[j][:n], top_vals_l[j][:n]))
+            out.append((lp, rank, top_ids[:n], top_lps[:n]))
         return out
 
     def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, sample_rows: list[_Row]) -> torch.Tensor:

@@ -13,6 +13,7 @@ lengths against the model's context before any per-token work.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -260,6 +261,12 @@ def validate_body(data: dict[str, Any], schema: type[BaseModel]) -> Any:
         raise OpenAIError(400, "the request body is nested too deeply", code=400) from None
 
 
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """A body model's field names and aliases (once per class: validation runs per message)."""
+    return frozenset(model.model_fields.keys() | {f.alias for f in model.model_fields.values() if f.alias})
+
+
 class Strict(BaseModel):
     """A body part that names what it does not implement: unknown fields with a value are refused
     (`extra_forbidden`, reported by `validation_error`), null ones dropped."""
@@ -271,7 +278,7 @@ class Strict(BaseModel):
     @classmethod
     def _drop_nulls_and_no_ops(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            fields = cls.model_fields.keys() | {f.alias for f in cls.model_fields.values() if f.alias}
+            fields = _field_names(cls)
             unknown = [k for k in data if k not in fields and (data[k] is None or k in cls._no_ops)]
             if unknown:
                 data = {k: v for k, v in data.items() if k not in unknown}
@@ -497,16 +504,22 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatPrompt(Strict):
+    """What the chat template renders (serving_chat.render_chat_prompt): chat completions and
+    /tokenize take the same fields."""
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # deprecated by OpenAI, still sent by many clients
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+
+
+class ChatCompletionRequest(_GenerationRequest, ChatPrompt):
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Unset: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -521,15 +534,10 @@ class TokenizeCompletionRequest(Strict):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(Strict):
+class TokenizeChatRequest(ChatPrompt):
     """POST /tokenize with messages: the chat template applied as /v1/chat/completions applies it."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     return_token_strs: bool = False
 
 

@@ -12,7 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ferry.entrypoints.openai.assistant_message import DeltaBuilder, finish_reason, message
-from ferry.entrypoints.openai.protocol import FORBIDDEN_TEMPLATE_KWARGS, ChatCompletionRequest, OpenAIError
+from ferry.entrypoints.openai.protocol import (
+    FORBIDDEN_TEMPLATE_KWARGS,
+    ChatCompletionRequest,
+    ChatPrompt,
+    OpenAIError,
+)
 from ferry.entrypoints.openai.reasoning import END as REASONING_END
 from ferry.entrypoints.openai.reasoning import reasoning_ended_in_prompt, reasoning_open_in_prompt
 from ferry.entrypoints.openai.serving import (
@@ -50,7 +55,7 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-def _conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _conversation(body: ChatPrompt) -> list[dict[str, Any]]:
     """The messages as the chat template takes them (HF's conventions for tool calls)."""
     out = []
     for i, m in enumerate(body.messages):
@@ -77,7 +82,7 @@ def _conversation(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat_prompt(tokenizer, body: ChatCompletionRequest) -> dict[str, Any]:
+def render_chat_prompt(tokenizer, body: ChatPrompt) -> dict[str, Any]:
     """Apply the model's chat template; the engine gets the text and its token ids."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages", code=400)

@@ -74,7 +74,7 @@ def tool_plan(body: ChatCompletionRequest, tool_parser: str | None, auto_tool_ch
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise OpenAIError(400, "tools must have distinct function names", param="tools", code=400)
-    if choice in ("required",) or isinstance(choice, NamedToolChoice):
+    if choice == "required" or isinstance(choice, NamedToolChoice):
         if body.response_format is not None or body.structured_outputs is not None:
             raise OpenAIError(400, f"tool_choice {_label(choice)} constrains the output itself: send it without "
                               "response_format or structured_outputs", param="tool_choice", code=400)  # fmt: skip
