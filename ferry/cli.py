@@ -107,6 +107,8 @@ BENCHMARKS = (
      "JSON-schema requests against the same unconstrained, and grammar compile times"),
     ("embeddings", "ferry.bench.embeddings", True,
      "/v1/embeddings requests/s and p99 at a concurrency, dynamic batching off and on"),
+    ("moe", "ferry.bench.moe", False,
+     "mixture-of-experts decode time per token against a dense model with the same active parameters"),
     ("abuse", "ferry.bench.abuse", False,
      "/health and a client's latency while other clients send hostile bodies, server and gateway"),
 )  # fmt: skip

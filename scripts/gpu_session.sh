@@ -66,5 +66,10 @@ bench)
     --input-len 100 1024 --output-len 100 1024 --hf-num-prompts 32 --json $OUT/qwen3.json"
   step throughput-llama 280 bash -c "ferry bench throughput --model llama-3.1-8b --load-format dummy \
     --dataset sharegpt-like --no-hf --json $OUT/sharegpt.json"
+  # issue 19: Qwen3-30B-A3B's shape (61 GB of bf16 weights: the H200 leaves room for KV), grouped experts
+  # (no fused-MoE kernel yet, so no CUDA graphs); vLLM publishes figures for this model to set beside it
+  step throughput-qwen3-moe 400 bash -c "ferry bench throughput --model qwen3-30b-a3b --load-format dummy \
+    --dataset sharegpt-like --no-hf --json $OUT/sharegpt-moe.json"
+  step moe-vs-dense 300 bash -c "ferry bench moe --device cuda --dtype bfloat16 --json $OUT/moe-vs-dense.json"
   ;;
 esac

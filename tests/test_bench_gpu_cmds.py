@@ -142,3 +142,32 @@ def test_hf_reference_runs_the_same_dummy_weights(tmp_path):
     hf = load_hf_model(str(tmp_path), torch.float32, "cpu", dummy_config=llm.llm_engine.model_config, seed=5)
     theirs = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids) :].tolist()
     assert ours == theirs and len(set(ours)) > 1
+
+
+def test_bench_moe_against_its_dense_twin(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    argv = ["bench", "moe", "--hidden-size", "64", "--layers", "2", "--experts", "8", "--top-k", "2",
+            "--moe-intermediate-size", "32", "--batch-sizes", "1", "8", "--input-len", "8", "--output-len", "5",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "vs dense twin" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert [r["batch_size"] for r in rows] == [1, 8]
+    for r in rows:
+        moe, dense = r["moe"], r["dense"]
+        # The twin has the same parameters per token, the routers (experts x hidden per layer) aside.
+        assert moe["params_active"] - dense["params_active"] == 2 * 8 * 64
+        assert moe["params_total"] > dense["params_total"] and moe["decode_steps"] == dense["decode_steps"] == 4
+        assert r["tpot_ratio"] == pytest.approx(moe["tpot_ms"] / dense["tpot_ms"])
+    assert rows[0]["moe"]["experts_touched_per_layer"] == 2  # one token: exactly its top-2
+    assert 2 < rows[1]["moe"]["experts_touched_per_layer"] <= 8
+
+
+def test_moe_bytes_per_step_count_the_experts_a_batch_can_touch():
+    moe = ModelConfig.from_hf_dict({**TINY, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                                    "num_experts_per_tok": 2})  # fmt: skip
+    one, four, many = (weight_bytes_per_step(moe, torch.float32, b) for b in (1, 4, 64))
+    expert_bytes = 3 * 64 * 128 * 4  # gate, up, down of one expert in one layer
+    # 8 experts touched, not 2: six more in each of the two layers, and three more embedding rows.
+    assert four - one == 6 * 2 * expert_bytes + 3 * 64 * 4
+    assert many - four == 60 * 64 * 4  # all 8 experts touched either way: only the embedding rows grow

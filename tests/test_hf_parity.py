@@ -130,6 +130,18 @@ def _tiny_config(arch: str):
         return transformers.Qwen2Config(**common)
     if arch == "mistral":
         return transformers.MistralConfig(sliding_window=None, **common)
+    # Mixtures of experts: every expert's weights random, so routing differs token to token.
+    if arch == "mixtral":
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+    if arch == "qwen2moe":  # with the sigmoid-gated shared expert, top-k weights not renormalised
+        return transformers.Qwen2MoeConfig(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=96, **common
+        )
+    if arch == "qwen3moe":  # layer 1 dense (mlp_only_layers), top-3 renormalised
+        return transformers.Qwen3MoeConfig(
+            num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[1], head_dim=16, **common,
+        )  # fmt: skip
     if arch == "llama3":  # Llama with llama3 RoPE scaling and tied embeddings
         common.update(tie_word_embeddings=True, num_key_value_heads=1)
         return transformers.LlamaConfig(
@@ -145,7 +157,7 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "mistral", "llama3"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "mistral", "llama3", "mixtral", "qwen2moe", "qwen3moe"])
 def tiny_model(request, tmp_path_factory):
     """A random-weight model saved as safetensors, HF's greedy outputs, and our loaded model."""
     import transformers
@@ -161,6 +173,23 @@ def tiny_model(request, tmp_path_factory):
     expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts_ids]
     loaded = load_model(EngineArgs(model=str(path), device="cpu", dtype="float32"))
     return loaded, prompts_ids, expected
+
+
+def test_moe_configs_build_the_sparse_layers_hf_has(tiny_model):
+    """The tiny MoE configs exercise what they claim: sparse layers where HF has them, experts packed."""
+    from ferry.layers.moe import FusedMoE
+    from ferry.models.llama import SparseMoeBlock
+
+    loaded = tiny_model[0]
+    cfg = loaded.model.config
+    sparse = [i for i, layer in enumerate(loaded.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+    assert sparse == list(cfg.moe_layers)
+    expected = {"MixtralForCausalLM": [0, 1], "Qwen2MoeForCausalLM": [0, 1], "Qwen3MoeForCausalLM": [0]}
+    assert sparse == expected.get(cfg.architecture, [])
+    for i in sparse:
+        block = loaded.model.layers[i].mlp
+        assert isinstance(block.experts, FusedMoE) and block.experts.packed13 is not None  # oneDNN on the CPU
+        assert (block.shared_expert is not None) == (cfg.architecture == "Qwen2MoeForCausalLM")
 
 
 def _tiny_engine(loaded, **kwargs) -> LLMEngine:

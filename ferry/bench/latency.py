@@ -61,13 +61,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def weight_bytes_per_step(cfg: ModelConfig, dtype: torch.dtype, batch: int, quantization: str | None = None) -> int:
     """Bytes of parameters one decode step of `batch` rows reads: every weight once, the input
-    embedding only for the rows gathered, the output head (the embedding, if tied) in full."""
+    embedding only for the rows gathered, the output head (the embedding, if tied) in full; of a
+    mixture of experts' routed experts at most batch x top_k per layer (the bound: tokens that
+    share an expert read it once)."""
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
+    touched = min(1.0, batch * cfg.num_experts_per_tok / cfg.num_experts) if cfg.num_experts else 1.0
     for name, shape in weight_shapes(cfg):
         numel = 1
         for s in shape:
             numel *= s
+        if ".mlp.experts." in name:
+            numel = int(numel * touched)
         # int8 quantizes every projection and the output head (not the embedding lookup or norms).
         size = 1 if quantization == "int8" and len(shape) == 2 and name != "model.embed_tokens.weight" else elem
         if name == "model.embed_tokens.weight":

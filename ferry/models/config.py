@@ -10,6 +10,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # Mixtures of experts: the same decoder with a sparse MLP block (layers/moe.py).
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 # config.json keys without a sensible default.
@@ -76,9 +80,29 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int]
     dtype: str
+    # Mixture of experts (num_experts 0: a dense model). The layers in moe_layers replace the MLP by
+    # num_experts routed experts of moe_intermediate_size, num_experts_per_tok per token, their
+    # softmax weights renormalised over the chosen ones when norm_topk_prob; Qwen2-MoE adds one
+    # sigmoid-gated shared expert of shared_expert_intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
+        self.moe_layers = tuple(self.moe_layers)
+        if self.moe_layers:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts ({self.num_experts})]"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if not all(0 <= i < self.num_hidden_layers for i in self.moe_layers):
+                raise ValueError(f"moe_layers {self.moe_layers} name layers outside [0, {self.num_hidden_layers})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -109,8 +133,8 @@ class ModelConfig:
             rope_theta = (rope or {}).get("rope_theta", 10000.0)
 
         sliding_window = d.get("sliding_window")
-        # Qwen2/Qwen3 configs carry a sliding_window value even when it is switched off.
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
+        # Qwen configs carry a sliding_window value even when it is switched off.
+        if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
             sliding_window = None
 
         return cls(
@@ -127,11 +151,43 @@ class ModelConfig:
             rope_scaling=normalize_rope_scaling(rope),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; its config leaves attention_bias unset.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            # Qwen2 always has q/k/v biases; its config leaves attention_bias unset. Qwen2-MoE says qkv_bias.
+            attention_bias=(
+                arch == "Qwen2ForCausalLM"
+                or (arch == "Qwen2MoeForCausalLM" and d.get("qkv_bias", True))
+                or bool(d.get("attention_bias", False))
+            ),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding_window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids(d.get("eos_token_id")),
             dtype=d.get("dtype") or d.get("torch_dtype") or "float32",
+            **_moe_fields(arch, d),
         )
+
+
+def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from an HF config.json (none for a dense architecture)."""
+    if arch == "MixtralForCausalLM":  # every layer sparse; experts as wide as the dense MLP; always renormalised
+        return dict(
+            num_experts=d.get("num_local_experts", 8),
+            num_experts_per_tok=d.get("num_experts_per_tok", 2),
+            moe_intermediate_size=d["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layers=tuple(range(d["num_hidden_layers"])),
+        )
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        # transformers 5 writes num_local_experts where Qwen's own configs say num_experts.
+        experts = d.get("num_experts") or d.get("num_local_experts") or 0
+        step, dense = d.get("decoder_sparse_step", 1) or 1, set(d.get("mlp_only_layers") or ())
+        layers = range(d["num_hidden_layers"])
+        shared = d.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0),
+            moe_intermediate_size=d.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=shared or 0,
+            moe_layers=tuple(i for i in layers if experts > 0 and i not in dense and (i + 1) % step == 0),
+        )
+    return {}

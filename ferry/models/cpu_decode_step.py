@@ -67,6 +67,8 @@ class CPUDecodeStep:
             return "the C++ decode step runs GGUF-quantized weights only"
         if model.tp.size > 1:
             return "tensor parallelism"
+        if model.config.moe_layers:
+            return "mixture-of-experts layers run their experts grouped in Python"
         if cpu_kernels() is None or not hasattr(cpu_kernels(), "DecodeStep"):
             return "ferry's CPU kernels are unavailable"
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,

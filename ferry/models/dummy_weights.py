@@ -40,11 +40,33 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         if cfg.qk_norm:
             shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
-        shapes += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h))]
-        shapes.append((p + "mlp.down_proj.weight", (h, inter)))
+        if i in cfg.moe_layers:
+            shapes += _moe_shapes(cfg, p + "mlp.")
+        else:
+            shapes += _mlp_shapes(p + "mlp.", h, inter)
     shapes.append(("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         shapes.append(("lm_head.weight", (cfg.vocab_size, h)))
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, inter: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [
+        (prefix + "gate_proj.weight", (inter, hidden)),
+        (prefix + "up_proj.weight", (inter, hidden)),
+        (prefix + "down_proj.weight", (hidden, inter)),
+    ]
+
+
+def _moe_shapes(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A sparse block's tensors under Qwen-MoE's names (the loader reads Mixtral's too)."""
+    h = cfg.hidden_size
+    shapes = [(prefix + "gate.weight", (cfg.num_experts, h))]
+    for e in range(cfg.num_experts):
+        shapes += _mlp_shapes(f"{prefix}experts.{e}.", h, cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        shapes += _mlp_shapes(prefix + "shared_expert.", h, cfg.shared_expert_intermediate_size)
+        shapes.append((prefix + "shared_expert_gate.weight", (1, h)))
     return shapes
 
 

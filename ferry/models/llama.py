@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and their mixtures of
+experts: Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE (layers/moe.py runs the experts).
 
 Inputs are one flat batch of tokens (no padding) with their positions and
 the attention metadata; K/V go through the paged cache. q/k/v and gate/up
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import re
 from collections import Counter
 from typing import Iterable
 
@@ -39,6 +41,7 @@ from ferry.layers.gguf_linear import (
 )
 from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
+from ferry.layers.moe import FusedMoE, select_experts
 from ferry.layers.rotary import RotaryEmbedding
 from ferry.layers.smoothquant import (
     DEFAULT_ALPHA,
@@ -50,6 +53,11 @@ from ferry.layers.smoothquant import (
 from ferry.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+# An expert's projection: `layers.L.mlp.experts.E.<part>.weight` (HF; Mixtral says w1/w3/w2), or all of a
+# layer's experts stacked [E, ...] without the index (GGUF's ffn_*_exps).
+_EXPERT_WEIGHT = re.compile(r"layers\.(?P<layer>\d+)\.mlp\.experts\.(?:(?P<expert>\d+)\.)?(?P<part>\w+)\.weight")
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 class RMSNorm(nn.Module):
@@ -106,17 +114,45 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """gate/up column-parallel, down row-parallel."""
+    """gate/up column-parallel, down row-parallel. `reduce=False` leaves the partial sums to the caller."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, intermediate_size: int | None = None,
+                 reduce: bool = True) -> None:  # fmt: skip
         super().__init__()
         self.tp = tp
-        self.intermediate = tp.shard(cfg.intermediate_size, "intermediate_size")
+        self.reduce = reduce
+        self.intermediate = tp.shard(intermediate_size or cfg.intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(out) if self.reduce else out
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a mixture-of-experts layer (Mixtral's block_sparse_moe, Qwen-MoE's mlp): a router
+    (`gate`, replicated), the routed experts, and Qwen2-MoE's shared expert, which every token takes,
+    scaled by a sigmoid gate. The ranks' partial sums of both are all-reduced once."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, tp, cfg.shared_expert_intermediate_size, reduce=False)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            # The gate is replicated, so scaling each rank's partial sum scales the reduced one.
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -148,12 +184,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = SparseMoeBlock(cfg, tp) if index in cfg.moe_layers else MLP(cfg, tp)
 
     def forward(self, x, residual, positions, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output, not yet added to `residual` (None for the first
@@ -175,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab_rows = self.embed_tokens.rows  # the output head is vocab-parallel like the embedding
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
@@ -255,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
         """Switch every projection (and the output head) to oneDNN-packed fp32 weights (CPU);
         GGUF-quantized ones to the CPU kernel's layout (Linear.pack)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedMoE)):
                 module.pack()
         if self._gguf_lm_head is None:
             if self._packed_lm_head is None:
@@ -411,6 +447,18 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and self.embed_tokens.gguf is not None:
             self._gguf_lm_head = self.embed_tokens.gguf  # tied: one quantized copy serves both
 
+    def _load_expert_weight(self, match: re.Match, tensor: torch.Tensor | GGUFWeight) -> list[str]:
+        """Copy one expert's projection (or every expert's, stacked) into its layer's FusedMoE."""
+        layer, expert, part = int(match["layer"]), match["expert"], _EXPERT_PARTS.get(match["part"])
+        experts = self.layers[layer].mlp.experts if layer < len(self.layers) else None
+        if part is None or not isinstance(experts, FusedMoE):
+            raise ValueError(f"checkpoint tensor {match.string!r} has no place in {type(self).__name__}")
+        if isinstance(tensor, GGUFWeight):  # experts run in float: their blocks are dequantized here
+            tensor = tensor.dequantize()
+        experts.load(part, None if expert is None else int(expert), tensor.to(self.norm.weight.device))
+        indices = range(experts.num_experts) if expert is None else [int(expert)]
+        return [f"layers.{layer}.mlp.experts.{part}#{e}" for e in indices]
+
     _FUSED = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
@@ -481,13 +529,18 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         gguf_parts: dict[str, dict[int, GGUFWeight]] = {}  # module name -> shard -> weight
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp  # this rank's sizes
+        attn = self.layers[0].self_attn  # this rank's sizes
         q, kv = attn.q_size, attn.kv_size
-        shard_offsets = {"qkv_proj": [0, q, q + kv], "gate_up_proj": [0, mlp.intermediate]}
+        qkv_offsets = [0, q, q + kv]
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]
             if "rotary_emb" in name:
+                continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the sparse block
+            expert = _EXPERT_WEIGHT.fullmatch(name)
+            if expert is not None:
+                loaded.update(self._load_expert_weight(expert, tensor))
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the output projection
@@ -515,12 +568,18 @@ class LlamaForCausalLM(nn.Module):
                     param.copy_(tensor)
                 else:
                     fused = target.split(".")[-2]
-                    start = shard_offsets[fused][shard]
+                    # gate/up: halves of this module's rows (dense, shared-expert MLPs differ in width)
+                    start = qkv_offsets[shard] if fused == "qkv_proj" else shard * param.shape[0] // 2
                     param.narrow(0, start, tensor.shape[0]).copy_(tensor)
             loaded.add(f"{target}#{shard}")
         self._set_gguf_weights(gguf_parts)
         expected = {f"{m}.weight#{i if len(parts) > 1 else None}" for m, parts in gguf_parts.items() for i in parts}
+        for i in self.config.moe_layers:
+            for part in ("gate", "up", "down"):
+                expected.update(f"layers.{i}.mlp.experts.{part}#{e}" for e in range(self.config.num_experts))
         for pname in params:
+            if ".mlp.experts." in pname:
+                continue  # stacked expert weights: counted per expert above
             fused = pname.split(".")[-2] if "." in pname else ""
             n = self._FUSED_PARTS.get(fused)
             if n is None:

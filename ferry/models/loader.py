@@ -33,10 +33,15 @@ logger = logging.getLogger(__name__)
 
 # GGUF architecture -> HF class. llama.cpp also files Mistral under "llama" (see _gguf_architecture).
 _GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # Mixtral too, when it has experts
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# Whether llama.cpp renormalises the chosen experts' weights, where the GGUF does not say
+# ({arch}.expert_weights_norm): its graphs hard-code it per architecture.
+_GGUF_NORM_TOPK = {"MixtralForCausalLM": True, "Qwen2MoeForCausalLM": False, "Qwen3MoeForCausalLM": True}
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -56,6 +61,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture-of-experts blocks: the router, every expert stacked [E, ...], the shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 
 # GGUF rope.scaling.* metadata -> keys of HF's rope_scaling dict.
@@ -184,7 +198,7 @@ class Checkpoint:
         reader = self._reader()
         cfg = self.config
         # Mistral shares llama.cpp's "llama" architecture and therefore its Q/K permutation.
-        permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+        permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
         for tensor in reader.tensors:
             name = _hf_name(tensor.name)
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -207,6 +221,8 @@ class Checkpoint:
             # F32 tensors come back as read-only views of the file's memory map; torch wants its own copy.
             if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
                 w = np.array(w, dtype=np.float32, order="C")
+            if name.endswith(".shared_expert_gate.weight"):
+                w = w.reshape(1, -1)  # llama.cpp stores the [1, hidden] gate as a vector
             yield name, torch.from_numpy(w)
 
 
@@ -253,7 +269,9 @@ def _gguf_architecture(reader: Any) -> tuple[str, str]:
         )
     hf_arch = _GGUF_ARCHITECTURES[arch]
     # Same rule as transformers' GGUF loader: llama.cpp writes Mistral models as "llama".
-    if arch == "llama" and "mistral" in str(_gguf_value(reader, "general.name", "")).lower():
+    if arch == "llama" and (_gguf_value(reader, "llama.expert_count") or 0) > 0:
+        hf_arch = "MixtralForCausalLM"
+    elif arch == "llama" and "mistral" in str(_gguf_value(reader, "general.name", "")).lower():
         hf_arch = "MistralForCausalLM"
     return arch, hf_arch
 
@@ -312,6 +330,24 @@ def _gguf_config(reader: Any) -> ModelConfig:
         eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
         # Weights are dequantized to float32 whatever their storage type.
         dtype="float32",
+        **_gguf_moe_fields(hf_arch, meta, int(need("block_count")), tensor_names),
+    )
+
+
+def _gguf_moe_fields(hf_arch: str, meta: Any, layers: int, tensor_names: set[str]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from llama.cpp's metadata (none for a dense model)."""
+    experts = int(meta("expert_count") or 0)
+    if experts == 0:
+        return {}
+    norm = meta("expert_weights_norm")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(meta("expert_used_count") or 0),
+        moe_intermediate_size=int(meta("expert_feed_forward_length") or meta("feed_forward_length")),
+        norm_topk_prob=_GGUF_NORM_TOPK[hf_arch] if norm is None else bool(norm),
+        shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length") or 0),
+        # Layers with a router are sparse (Qwen's mlp_only_layers / decoder_sparse_step leave the others dense).
+        moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
     )
 
 

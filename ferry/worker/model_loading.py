@@ -168,6 +168,9 @@ def _load_model(args: EngineArgs, tp: TensorParallel) -> LoadedModel:
     device = resolve_device(args.device, tp.rank, tp.size)
     dtype = resolve_dtype(args.dtype, device, ckpt.config)
     quantization = resolve_quantization(args.quantization, ckpt, device, dtype, tp)
+    if quantization == "int8" and ckpt.config.moe_layers:
+        raise ValueError("--quantization int8 does not cover mixture-of-experts layers yet; run the experts "
+                         "in the model dtype (no --quantization) or from a GGUF")  # fmt: skip
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp)

@@ -134,6 +134,10 @@ class ModelRunner:
         """Allocate the KV cache, then capture CUDA graphs for decode-only batches (on CUDA with
         the Triton backend, unless `enforce_eager`); every rank does this together."""
         self.allocate_kv_cache(num_blocks)
+        if self.model.config.moe_layers and not enforce_eager and self.device.type == "cuda":
+            # The grouped experts size their GEMMs on the host (layers/moe.py): nothing to replay.
+            logger.info("no CUDA graphs: mixture-of-experts layers group their tokens on the host")
+            enforce_eager = True
         if not enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton":
             self.graphs = CUDAGraphRunner(
                 self.model, self.attn_backend, self.kv_caches, self.block_size, self.device, max_num_seqs, max_model_len

@@ -42,6 +42,8 @@ SHIPPED = {
     "qwen3-0.6b": ("Qwen3ForCausalLM", 28, 16, 8, 128, 1024, 151936, True, 596_049_920),
     "llama-3.1-8b": ("LlamaForCausalLM", 32, 32, 8, 128, 4096, 128256, False, 8_030_261_248),
     "qwen2.5-7b": ("Qwen2ForCausalLM", 28, 28, 4, 128, 3584, 152064, False, 7_615_616_512),
+    # 30.5B parameters, as Qwen's model card says; 128 experts of 768, 8 per token, in all 48 layers.
+    "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", 48, 32, 4, 128, 2048, 151936, False, 30_532_122_624),
 }
 
 
@@ -90,6 +92,9 @@ def test_shipped_configs_parse():
     assert llama.rope_theta == 500000.0 and llama.eos_token_ids == [128001, 128008, 128009]
     assert load_checkpoint("qwen2.5-7b", "dummy").config.attention_bias  # Qwen2's q/k/v biases
     assert load_checkpoint("qwen3-0.6b", "dummy").config.qk_norm
+    moe = load_checkpoint("qwen3-30b-a3b", "dummy").config
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+    assert moe.moe_layers == tuple(range(48)) and moe.norm_topk_prob and moe.qk_norm
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))

@@ -80,6 +80,28 @@ def test_tp2_matches_tp1_greedy(checkpoint):
     assert len(set(map(tuple, ref))) == len(PROMPTS)  # the outputs differ: not a degenerate model
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """Qwen2-MoE: experts sharded by their intermediate, the gated shared expert too, the router replicated."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-moe")
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=64, max_position_embeddings=256,
+                         initializer_range=0.2, tie_word_embeddings=False)  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def test_moe_tp2_matches_tp1_greedy(moe_checkpoint):
+    ref, engine = generate_with_engine(moe_checkpoint, 1)
+    assert engine.model.config.moe_layers == (0, 1)
+    assert generate(moe_checkpoint, 2) == ref
+    assert len(set(map(tuple, ref))) == len(PROMPTS)
+
+
 def next_tokens(path: str, tp: int, prompts: list[list[int]], **kwargs) -> list[tuple[int, float]]:
     """Teacher-forced: each prompt's greedy next token and its logprob (one engine, one token each)."""
     args = EngineArgs(model=path, device="cpu", dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64,

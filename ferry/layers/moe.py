@@ -1,0 +1,117 @@
+"""Mixture-of-experts layers: the router's top-k choice, and the chosen experts run grouped.
+
+A sparse block replaces the dense MLP by E experts (each a SwiGLU MLP) of which the router picks k
+per token. `grouped_experts` sorts the (token, choice) pairs by expert, so each expert runs one GEMM
+over all of its tokens, and sums the weighted outputs back per token: a step reads and multiplies
+only the experts its tokens chose, so the cost per token follows the active parameters, not the
+total. (A dense evaluation of every expert would cost E/k times more; HF's reference loops over
+experts the same way.)
+
+Under tensor parallelism every rank holds every expert, sharded as a dense MLP is: a slice of each
+expert's intermediate (gate/up rows, down columns), so the block's output on a rank is a partial
+sum that the caller all-reduces, with the shared expert's, in one collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferry.distributed.parallel_state import TensorParallel
+from ferry.layers.fused import silu_and_mul
+from ferry.layers.linear import pack_weight, packed_linear
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k]): softmax over the experts in fp32, the top k, their
+    weights renormalised to sum to one when `renormalize` (Mixtral; Qwen-MoE's norm_topk_prob)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    w13: list[torch.Tensor] | torch.Tensor,
+    w2: list[torch.Tensor] | torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    packed: bool = False,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one GEMM pair per chosen expert.
+
+    w13[e]: expert e's gate rows then up rows [2I, H]; w2[e]: its down projection [H, I] (oneDNN-packed
+    copies when `packed`). x: [T, H]; weights, ids: [T, k]."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()  # host sync (CUDA graphs need the kernel)
+    token = order // k
+    rows = x.index_select(0, token)
+    out = torch.empty_like(rows)
+    linear = packed_linear if packed else F.linear
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            end = start + n
+            h = silu_and_mul(linear(rows[start:end], w13[e], None))
+            out[start:end] = linear(h, w2[e], None)
+            start = end
+    out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype).unsqueeze(1))
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+class FusedMoE(nn.Module):
+    """One layer's routed experts, stacked: w13 [E, 2 I, H] (each expert's gate rows, then its up
+    rows) and w2 [E, H, I], I being this rank's slice of moe_intermediate_size. `forward` returns
+    this rank's partial sum (the caller all-reduces)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.intermediate = tp.shard(intermediate_size, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
+        # pack(): per-expert oneDNN copies, then the only copies (the stacked parameters are freed).
+        self.packed13: list[torch.Tensor] | None = None
+        self.packed2: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed13 is not None:
+            return grouped_experts(x, self.packed13, self.packed2, weights, ids, packed=True)
+        return grouped_experts(x, self.w13, self.w2, weights, ids)
+
+    def pack(self) -> None:
+        """oneDNN-packed fp32 copies of every expert's matrices (CPU), as Linear.pack does for dense ones."""
+        if self.packed13 is not None:
+            return
+        self.packed13 = [pack_weight(w) for w in self.w13]
+        self.packed2 = [pack_weight(w) for w in self.w2]
+        self.w13 = self.w2 = None
+
+    @torch.no_grad()
+    def load(self, part: str, expert: int | None, tensor: torch.Tensor) -> None:
+        """Copy in one checkpoint tensor, full size (this rank takes its slice): `part` is "gate", "up"
+        or "down"; `expert` its index, or None for all experts stacked [E, ...] (GGUF's *_exps)."""
+        tensor = tensor if expert is None else tensor.unsqueeze(0)
+        experts = slice(None) if expert is None else slice(expert, expert + 1)
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range: the layer has {self.num_experts}")
+        n, rank, inter = self.tp.size, self.tp.rank, self.intermediate
+        if part in ("gate", "up"):
+            want = (self.w13.shape[0] if expert is None else 1, inter * n, self.w13.shape[2])
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"expert {part} projection: shape {tuple(tensor.shape)} != expected {want}")
+            offset = 0 if part == "gate" else inter
+            self.w13[experts, offset : offset + inter].copy_(tensor[:, rank * inter : (rank + 1) * inter])
+        elif part == "down":
+            want = (self.w2.shape[0] if expert is None else 1, self.w2.shape[1], inter * n)
+            if tuple(tensor.shape) != want:
+                raise ValueError(f"expert down projection: shape {tuple(tensor.shape)} != expected {want}")
+            self.w2[experts].copy_(tensor[:, :, rank * inter : (rank + 1) * inter])
+        else:
+            raise ValueError(f"unknown expert projection {part!r}")

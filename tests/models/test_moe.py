@@ -1,0 +1,235 @@
+"""Mixture-of-experts: routing, the grouped experts, configs, and GGUF loading (llama.cpp's names).
+
+Token-exact parity of whole MoE models with HF transformers is in tests/test_hf_parity.py, tensor
+parallelism in tests/worker/test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import engine_over
+from test_hf_parity import ferry_greedy, hf_greedy
+
+from ferry.config import EngineArgs
+from ferry.distributed.parallel_state import SINGLE
+from ferry.layers.moe import FusedMoE, grouped_experts, select_experts
+from ferry.models.config import ModelConfig
+from ferry.models.loader import load_checkpoint
+from ferry.worker.model_loading import load_model
+
+
+def dense_reference(x, w13, w2, weights, ids):
+    """Every token through each of its chosen experts, one at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_grouped_experts_equal_each_token_through_its_experts(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    E, k, H, inter = 6, 2, 32, 24
+    x = torch.randn(tokens, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=g), torch.randn(E, H, inter, generator=g)
+    weights, ids = select_experts(torch.randn(tokens, E, generator=g), k, renormalize=True)
+    expected = dense_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-4)
+    moe = FusedMoE(E, H, inter, SINGLE)
+    for e in range(E):
+        moe.load("gate", e, w13[e, :inter])
+        moe.load("up", e, w13[e, inter:])
+        moe.load("down", e, w2[e])
+    moe.pack()  # oneDNN copies per expert (the CPU path)
+    assert moe.w13 is None and len(moe.packed13) == E
+    torch.testing.assert_close(moe(x, weights, ids), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_select_experts_softmax_top_k():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    probs = torch.softmax(logits, -1)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, probs[:, [1, 2]])
+    weights, _ = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+
+
+def test_expert_loading_rejects_wrong_shapes_and_indices():
+    moe = FusedMoE(4, 16, 8, SINGLE)
+    with pytest.raises(ValueError, match="expected"):
+        moe.load("gate", 0, torch.zeros(9, 16))
+    with pytest.raises(ValueError, match="out of range"):
+        moe.load("down", 4, torch.zeros(16, 8))
+    with pytest.raises(ValueError, match="unknown expert projection"):
+        moe.load("side", 0, torch.zeros(8, 16))
+
+
+def _hf_dict(arch: str, **extra) -> dict:
+    d = dict(architectures=[arch], vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return {**d, **extra}
+
+
+def test_qwen_moe_config_places_sparse_layers_like_hf():
+    d = _hf_dict("Qwen2MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                 shared_expert_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
+    cfg = ModelConfig.from_hf_dict(d)
+    hf = transformers.Qwen2MoeConfig(**{k: v for k, v in d.items() if k != "architectures"})
+    hf_sparse = [i for i in range(4) if transformers.Qwen2MoeForCausalLM(hf).model.layers[i].mlp.__class__.__name__
+                 == "Qwen2MoeSparseMoeBlock"]  # fmt: skip
+    assert cfg.moe_layers == tuple(hf_sparse) == (1,)
+    assert cfg.attention_bias and not cfg.norm_topk_prob and cfg.shared_expert_intermediate_size == 32
+    mixtral = ModelConfig.from_hf_dict(_hf_dict("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2))
+    assert mixtral.moe_layers == (0, 1, 2, 3) and mixtral.moe_intermediate_size == 64 and mixtral.norm_topk_prob
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict(_hf_dict("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=5,
+                                          moe_intermediate_size=16))  # fmt: skip
+
+
+def test_int8_weights_are_refused_for_moe_models(tmp_path):
+    cfg = transformers.Qwen3MoeConfig(**_common(), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="int8 does not cover mixture-of-experts"):
+        load_model(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32", quantization="int8"))
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's MoE tensors)
+
+
+def _common() -> dict:
+    return dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+                tie_word_embeddings=False)  # fmt: skip
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # As llama.cpp's convert_hf_to_gguf.py does for the "llama" architecture (Mixtral included).
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def _write_moe_gguf(path: str, arch: str, model, expert_type: gguf.GGMLQuantizationType) -> None:
+    """`model` as llama.cpp's converter writes it: experts stacked per layer (ffn_*_exps), Q/K permuted
+    for "llama" (Mixtral), the shared expert's gate a vector; expert tensors stored as `expert_type`."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(2)
+    w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    for name, t in model.state_dict().items():
+        a = t.numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]  # fmt: skip
+            w.add_tensor(gname, np.ascontiguousarray(a))
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # transformers 5 holds them fused: [E, 2I, H]
+            gate, up = np.split(a, 2, axis=1)
+            for gname, part in (("ffn_gate_exps.weight", gate), ("ffn_up_exps.weight", up)):
+                w.add_tensor(blk + gname, gguf.quants.quantize(np.ascontiguousarray(part), expert_type),
+                             raw_dtype=expert_type)  # fmt: skip
+        elif rest == "mlp.experts.down_proj":
+            w.add_tensor(blk + "ffn_down_exps.weight", gguf.quants.quantize(np.ascontiguousarray(a), expert_type),
+                         raw_dtype=expert_type)  # fmt: skip
+        elif rest == "mlp.shared_expert_gate.weight":
+            w.add_tensor(blk + "ffn_gate_inp_shexp.weight", np.ascontiguousarray(a.reshape(-1)))
+        else:
+            if arch == "llama" and rest == "self_attn.q_proj.weight":
+                a = _llama_cpp_permute(a, cfg.num_attention_heads)
+            elif arch == "llama" and rest == "self_attn.k_proj.weight":
+                a = _llama_cpp_permute(a, cfg.num_key_value_heads)
+            w.add_tensor(blk + _LAYER[rest], np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_MOE_GGUF = {
+    "llama": lambda: transformers.MixtralConfig(**_common(), num_local_experts=4, num_experts_per_tok=2),
+    "qwen2moe": lambda: transformers.Qwen2MoeConfig(**_common(), num_experts=6, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(**_common(), num_experts=6, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(_MOE_GGUF))
+def test_moe_gguf_matches_hf_greedy(tmp_path, arch):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_MOE_GGUF[arch](), dtype=torch.float32).eval()
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    _write_moe_gguf(path, arch, hf, gguf.GGMLQuantizationType.F32)
+    cfg = load_checkpoint(path).config
+    assert cfg.architecture == type(hf).__name__ and cfg.moe_layers == (0, 1)
+    assert cfg.norm_topk_prob is (arch != "qwen2moe")  # llama.cpp's per-architecture choice
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (6, 23)]
+    expected = [hf_greedy(hf, ids, 12) for ids in prompts]
+    # No vocabulary in the file: token ids in, token ids out (the tokenizer path has no tokenizer files).
+    args = EngineArgs(model=path, tokenizer=str(tmp_path), device="cpu", dtype="float32")
+    engine = engine_over(load_model(args), num_kv_blocks=32)
+    assert ferry_greedy(engine, prompts, 12) == expected
+
+
+def test_quantized_gguf_experts_are_dequantized_exactly(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_MOE_GGUF["qwen3moe"](), dtype=torch.float32)
+    path = str(tmp_path / "q8-experts.gguf")
+    _write_moe_gguf(path, "qwen3moe", hf, gguf.GGMLQuantizationType.Q8_0)
+    model = load_model(EngineArgs(model=path, tokenizer=str(tmp_path), device="cpu", dtype="float32")).model
+    experts = model.layers[1].mlp.experts
+    ref = hf.state_dict()["model.layers.1.mlp.experts.down_proj"].numpy()
+    want = gguf.quants.dequantize(gguf.quants.quantize(ref, gguf.GGMLQuantizationType.Q8_0),
+                                  gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    got = torch.stack([p.to_dense() for p in experts.packed2]) if experts.w2 is None else experts.w2
+    assert not np.array_equal(want, ref)  # Q8_0 rounds: the check below tells the two apart
+    np.testing.assert_array_equal(got.detach().numpy(), want)
