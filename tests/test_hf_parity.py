@@ -130,6 +130,8 @@ def _tiny_config(arch: str):
         return transformers.Qwen2Config(**common)
     if arch == "mistral":
         return transformers.MistralConfig(sliding_window=None, **common)
+    if arch == "mistral_window":  # a 16-token window: prompts of 17-40 tokens and 24 more reach past it
+        return transformers.MistralConfig(sliding_window=16, **common)
     # Mixtures of experts: every expert's weights random, so routing differs token to token.
     if arch == "mixtral":
         return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
@@ -157,7 +159,10 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "mistral", "llama3", "mixtral", "qwen2moe", "qwen3moe"])
+TINY_ARCHS = ["qwen3", "qwen2", "mistral", "mistral_window", "llama3", "mixtral", "qwen2moe", "qwen3moe"]
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
 def tiny_model(request, tmp_path_factory):
     """A random-weight model saved as safetensors, HF's greedy outputs, and our loaded model."""
     import transformers
@@ -228,3 +233,84 @@ def test_tiny_models_match_hf_on_cuda(tiny_model):
         dtype=dtype,
     )
     assert ferry_greedy(engine, prompts_ids, MAX_TOKENS) == expected
+
+
+# ---------------------------------------------------------------- sliding window
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A Mistral with an 8-token window, HF's greedy tokens for prompts far longer than it, and the
+    same weights' greedy tokens without the window (HF), to show the window changes them."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = _tiny_config("mistral")
+    cfg.sliding_window = 8
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("mistral-window8")
+    hf.save_pretrained(path)
+    g = torch.Generator().manual_seed(3)
+    prompts_ids = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (150, 61)]
+    expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts_ids]
+    hf.config.sliding_window = None
+    for layer in hf.model.layers:
+        layer.self_attn.sliding_window = None
+    full = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts_ids]
+    return load_model(EngineArgs(model=str(path), device="cpu", dtype="float32")), prompts_ids, expected, full
+
+
+def test_sliding_window_frees_blocks_and_matches_hf(windowed):
+    """A 150-token prompt and 24 more tokens in a cache of 12 four-token blocks (48 tokens): the blocks
+    that fall out of the 8-token window are released as the request runs, so it never holds more
+    than the window and a step's chunk, and max_model_len is not capped to the cache or the window."""
+    loaded, prompts_ids, expected, full = windowed
+    assert expected[0] != full[0]  # the window changes the continuation: not a vacuous match
+    engine = _tiny_engine(loaded, block_size=4, num_kv_blocks=12, max_num_batched_tokens=8)
+    assert engine.max_model_len == 512
+    kv = engine.kv
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("long", {"prompt_token_ids": prompts_ids[0]}, params)
+    held, done = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+        held.append(kv.num_blocks_held("long"))
+        assert kv.pool.num_referenced() == held[-1]
+    # 8 tokens of window before the chunk, 8 chunk tokens, partial blocks at both ends: <= 5 blocks.
+    assert max(held[:-1]) <= 5 and len(held) > 150 // 8
+    assert done["long"].outputs[0].token_ids == expected[0]
+    assert_no_blocks_referenced(engine)
+
+
+def test_sliding_window_with_prefix_cache_and_preemption(windowed):
+    loaded, prompts_ids, expected, _ = windowed
+    engine = _tiny_engine(loaded, block_size=4, num_kv_blocks=7, max_num_batched_tokens=8)
+    assert ferry_greedy(engine, prompts_ids, MAX_TOKENS) == expected  # two requests of up to 5 blocks in 7
+    assert engine.get_stats().num_preemptions > 0
+    # The same prompts again: their cached blocks (released out of the window, still cached) hit or are
+    # recomputed; the output cannot change either way.
+    warm = _tiny_engine(loaded, block_size=4, num_kv_blocks=64, max_num_batched_tokens=8)
+    ferry_greedy(warm, prompts_ids[1:], MAX_TOKENS)
+    hits = warm.get_stats().prefix_cache_hits
+    assert ferry_greedy(warm, prompts_ids, MAX_TOKENS) == expected
+    assert warm.get_stats().prefix_cache_hits > hits
+
+
+def test_local_global_window_mix_is_capped_to_the_window(tmp_path):
+    """Qwen2 windows only the layers from max_window_layers on: a mix the attention does not run
+    yet, so the context is capped to the window (where every layer sees all of it) and stays exact."""
+    import transformers
+
+    torch.manual_seed(0)
+    window = {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1, "layer_types": None}
+    cfg = transformers.Qwen2Config(**{**_tiny_config("qwen2").to_dict(), **window})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32"))
+    assert loaded.model.config.full_attention_layers == (0,)
+    engine = _tiny_engine(loaded)
+    assert engine.max_model_len == 16
+    ids = list(range(100, 108))
+    assert ferry_greedy(engine, [ids], 8) == [hf_greedy(hf, ids, 8)]

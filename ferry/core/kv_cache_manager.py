@@ -1,4 +1,11 @@
-"""Per-request KV blocks on top of the BlockPool: prefix lookup, allocation, freeing."""
+"""Per-request KV blocks on top of the BlockPool: prefix lookup, allocation, freeing.
+
+With a sliding window W (every layer windowed, as in Mistral), a block whose tokens all lie before
+the next query's window is released while its request runs (vLLM's sliding-window manager): its
+entry in the request's table becomes OUT_OF_WINDOW (block id 0, never read: attention gathers
+from the window's first block), and the block goes back to the free queue, still in the prefix
+cache until reused. A long request then holds about W tokens of KV, not its whole context.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,16 @@ from ferry.core.block_pool import BlockPool, KVCacheBlock
 from ferry.core.request import Request
 from ferry.utils.math import cdiv
 
+# The table entry of a block released because it fell out of the sliding window (not in the pool).
+OUT_OF_WINDOW = KVCacheBlock(0, ref_cnt=-1)
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         # The deployment's salt of every block hash (core/block_hash.py), set by a serving process
         # with a deployment secret; requests made for this cache hash with it.
         self.block_hash_salt: bytes | None = None
@@ -55,6 +68,8 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        if blocks and self.sliding_window is not None:
+            self._release_out_of_window(request.request_id, blocks, num_computed)
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Hits on free blocks leave the free queue, so they use up free capacity too.
         hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -65,11 +80,29 @@ class KVCacheManager:
         if needed > 0:
             blocks += self.pool.allocate(needed)
         self.req_blocks[request.request_id] = blocks
+        if new_computed_blocks and self.sliding_window is not None:  # prefix hits before the window
+            self._release_out_of_window(request.request_id, blocks, num_computed)
         # Blocks that will be full once this step's tokens are written get published
         # now, so that a request scheduled later in this same step can share them.
         bs = self.block_size
         self._publish(request, blocks, num_computed // bs, (num_computed + num_new_tokens) // bs)
         return True
+
+    def _release_out_of_window(self, request_id: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Free the blocks no query from position `num_computed` on can see: all of whose tokens are
+        at or before num_computed - W (the window of query i is i - W < j <= i), oldest first."""
+        end = min(max(0, num_computed - self.sliding_window + 1) // self.block_size, len(blocks))
+        released = []
+        for i in range(end):
+            if blocks[i] is not OUT_OF_WINDOW:
+                released.append(blocks[i])
+                blocks[i] = OUT_OF_WINDOW
+        if released:
+            self.pool.free(released)
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """The pool blocks a request references (its table minus entries released out of the window)."""
+        return sum(1 for b in self.req_blocks.get(request_id, ()) if b is not OUT_OF_WINDOW)
 
     def _publish(self, request: Request, blocks: list[KVCacheBlock], first: int, end: int) -> None:
         """Put the request's blocks first..end-1 (as far as its tokens have hashes) in the prefix cache."""
@@ -77,13 +110,14 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         for i in range(first, min(end, len(hashes), len(blocks))):
-            self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
+            if blocks[i] is not OUT_OF_WINDOW:
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix is evicted last."""
         blocks = self.req_blocks.pop(request.request_id, None)
         if blocks:
-            self.pool.free(list(reversed(blocks)))
+            self.pool.free([b for b in reversed(blocks) if b is not OUT_OF_WINDOW])
 
     def cache_verified_blocks(self, request: Request, first_position: int) -> None:
         """Publish the blocks that a speculative step filled with drafts the model then kept:

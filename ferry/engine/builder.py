@@ -74,12 +74,12 @@ def _build(
     if draft_runner is not None:  # the draft's cache has as many blocks as the target's
         block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
     num_blocks = args.num_kv_blocks or blocks_in_budget(_kv_budget_bytes(args, runner, tp_workers), block_bytes)
-    max_len = _max_model_len(args, cfg, num_blocks)
+    max_len = _max_model_len(args, cfg, num_blocks, runner.sliding_window)
     eos_token_ids = set(cfg.eos_token_ids)
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         eos_token_ids.add(loaded.tokenizer.eos_token_id)
 
-    kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
+    kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching, sliding_window=runner.sliding_window)
     scheduler = Scheduler(
         kv,
         max_num_seqs=args.max_num_seqs,
@@ -176,14 +176,21 @@ def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorPa
     return gpu_kv_budget(runner, args)
 
 
-def _max_model_len(args: EngineArgs, cfg: ModelConfig, num_blocks: int) -> int:
+def _max_model_len(args: EngineArgs, cfg: ModelConfig, num_blocks: int, window: int | None) -> int:
     """The model's context (or --max-model-len), capped to what this engine can hold: a lone
-    request always fits, so the scheduler always makes progress."""
+    request always fits, so the scheduler always makes progress. `window`: the sliding window the
+    attention applies (its requests hold about a window of blocks, whatever their length)."""
     capacity = num_blocks * args.block_size
     max_len = args.max_model_len or cfg.max_position_embeddings
-    if cfg.sliding_window is not None and cfg.sliding_window < max_len:
-        logger.warning("sliding-window attention is not implemented; capping max_model_len to %d", cfg.sliding_window)
+    if cfg.sliding_window is not None and window is None and cfg.sliding_window < max_len:
+        logger.warning("the %s attention backend has no sliding window; capping max_model_len to the window, %d",
+                       args.attention_backend, cfg.sliding_window)  # fmt: skip
         max_len = cfg.sliding_window
+    if window is not None:
+        # A request holds at most the window before a step's first token plus the step's tokens (and a
+        # partial block at each end) at once, whatever its length.
+        if cdiv(window + args.max_num_batched_tokens, args.block_size) + 2 <= num_blocks:
+            return max_len
     if max_len > capacity:
         if args.max_model_len is not None:
             raise ValueError(

@@ -90,6 +90,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
+    # Layers that attend to the whole context although the model has a sliding_window (Qwen2/Qwen3
+    # window only the layers from max_window_layers on): a local/global mix, which the attention
+    # does not run yet, so the engine then caps max_model_len to the window.
+    full_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -136,6 +140,16 @@ class ModelConfig:
         # Qwen configs carry a sliding_window value even when it is switched off.
         if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
             sliding_window = None
+        full_layers: tuple[int, ...] = ()
+        if sliding_window is not None and arch.startswith("Qwen"):  # Mistral's window covers every layer
+            layers = range(d["num_hidden_layers"])
+            types = d.get("layer_types")
+            if types:
+                full_layers = tuple(i for i in layers if types[i] != "sliding_attention")
+            else:  # HF's rule: the window from layer max_window_layers on
+                full_layers = tuple(i for i in layers if i < d.get("max_window_layers", 28))
+            if len(full_layers) == d["num_hidden_layers"]:
+                sliding_window, full_layers = None, ()
 
         return cls(
             architecture=arch,
@@ -159,6 +173,7 @@ class ModelConfig:
             ),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding_window,
+            full_attention_layers=full_layers,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids(d.get("eos_token_id")),
             dtype=d.get("dtype") or d.get("torch_dtype") or "float32",

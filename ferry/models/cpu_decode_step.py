@@ -67,6 +67,8 @@ class CPUDecodeStep:
             return "the C++ decode step runs GGUF-quantized weights only"
         if model.tp.size > 1:
             return "tensor parallelism"
+        if model.config.sliding_window is not None:
+            return "sliding-window attention (its C++ attention reads whole contexts)"
         if model.config.moe_layers:
             return "mixture-of-experts layers run their experts grouped in Python"
         if cpu_kernels() is None or not hasattr(cpu_kernels(), "DecodeStep"):

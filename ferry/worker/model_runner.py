@@ -76,7 +76,11 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             dtype=dtype,
             cache_dtype=self.cache_dtype,
+            # A local/global mix is not run yet (the builder caps max_model_len to the window instead).
+            sliding_window=None if cfg.full_attention_layers else cfg.sliding_window,
         )
+        # The window this runner's attention applies (None: full attention, or a backend without windows).
+        self.sliding_window: int | None = getattr(self.attn_backend, "sliding_window", None)
         self.graphs: CUDAGraphRunner | None = None
         # The last step's hidden states (the LM head's input) of its logits rows, the requests that
         # sampled in it and, per request, the row whose draw is its last token: what Medusa heads

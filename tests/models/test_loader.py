@@ -345,9 +345,20 @@ def test_from_hf_dict_sliding_window() -> None:
     qwen2 = Qwen2Config(**TINY).to_dict() | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
     assert ModelConfig.from_hf_dict(qwen2).sliding_window is None  # use_sliding_window is off
     qwen2["use_sliding_window"] = True
-    assert ModelConfig.from_hf_dict(qwen2).sliding_window == 4096
+    del qwen2["layer_types"]  # as in a transformers 4 config.json: windowed from max_window_layers on
+    qwen2["max_window_layers"] = 0
+    cfg = ModelConfig.from_hf_dict(qwen2)
+    assert cfg.sliding_window == 4096 and cfg.full_attention_layers == ()
+    qwen2["max_window_layers"] = 1  # layer 0 full, layer 1 windowed: a local/global mix
+    cfg = ModelConfig.from_hf_dict(qwen2)
+    assert cfg.sliding_window == 4096 and cfg.full_attention_layers == (0,)
+    qwen2["max_window_layers"] = 28  # the default: no layer windowed
+    assert ModelConfig.from_hf_dict(qwen2).sliding_window is None
+    qwen2["layer_types"] = ["full_attention", "sliding_attention"]  # transformers 5 writes the types out
+    assert ModelConfig.from_hf_dict(qwen2).full_attention_layers == (0,)
     mistral = {**qwen2, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
-    assert ModelConfig.from_hf_dict(mistral).sliding_window == 4096
+    cfg = ModelConfig.from_hf_dict(mistral)
+    assert cfg.sliding_window == 4096 and cfg.full_attention_layers == ()  # Mistral windows every layer
 
 
 def test_from_hf_dict_errors() -> None:

@@ -71,7 +71,11 @@ def select_attention_backend(
     head_dim: int,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
+    sliding_window: int | None = None,
 ) -> AttentionBackend:
+    """The backend for this engine. `sliding_window`: the model's, which only the torch backend
+    applies so far (its `sliding_window` attribute says so; the others have none, and the engine
+    then caps max_model_len to the window)."""
     name = resolve_attention_backend(name, device, cache_dtype)
     if name == "triton":
         from ferry.layers.attention.triton_backend import TritonAttentionBackend
@@ -83,4 +87,4 @@ def select_attention_backend(
         return FlashInferAttentionBackend(device, num_heads, num_kv_heads, head_dim, dtype, cache_dtype,
                                           head_dim**-0.5)  # fmt: skip
     use_kernel = cpu_decode_kernel_usable(device, cache_dtype) and dtype == torch.float32
-    return TorchAttentionBackend(device, use_cpu_kernel=use_kernel)
+    return TorchAttentionBackend(device, use_cpu_kernel=use_kernel, sliding_window=sliding_window)

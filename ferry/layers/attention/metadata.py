@@ -74,7 +74,8 @@ class AttentionBackend(Protocol):
         """Store k/v ([T, KVH, D]) through the slot mapping, then attend; q: [T, H, D] -> [T, H, D]."""
 
 
-def _padded_table(rows: list[np.ndarray]) -> np.ndarray:
+def padded_table(rows: list[np.ndarray]) -> np.ndarray:
+    """Rows of block ids as one [len(rows), longest] table, padded with block 0."""
     width = max((len(r) for r in rows), default=0)
     table = np.zeros((len(rows), max(width, 1)), dtype=np.int64)
     for i, r in enumerate(rows):
@@ -100,7 +101,7 @@ def build_metadata(
     nd = len(decode_blocks)
     if nd:
         meta.num_decodes = nd
-        meta.decode_block_tables = torch.from_numpy(_padded_table(decode_blocks)).to(device, non_blocking=True)
+        meta.decode_block_tables = torch.from_numpy(padded_table(decode_blocks)).to(device, non_blocking=True)
         meta.decode_seq_lens = torch.from_numpy(decode_seq_lens).to(device, non_blocking=True)
         meta.decode_seq_lens_host = decode_seq_lens
         meta.decode_blocks_host = decode_blocks
@@ -116,7 +117,7 @@ def build_metadata(
         lens = np.array([p.context_len for p in prefills], dtype=np.int64)
         meta.prefill_seq_lens = torch.from_numpy(lens).to(device, non_blocking=True)
         tables = [p.block_ids[: -(-p.context_len // block_size)] for p in prefills]
-        meta.prefill_block_tables = torch.from_numpy(_padded_table(tables)).to(device, non_blocking=True)
+        meta.prefill_block_tables = torch.from_numpy(padded_table(tables)).to(device, non_blocking=True)
         meta.max_prefill_len = max(p.length for p in prefills)
     meta.backend = backend
     backend.prepare(meta)

@@ -6,6 +6,11 @@
 - each prefill chunk on its own: SDPA over its cached prefix (gathered from the cache)
   plus its own tokens, causally. With a quantized cache the chunk's own tokens are read
   back from the cache too (what decode and the Triton kernels see).
+
+With a sliding window W (Mistral), query position i attends to keys i - W < j <= i, as HF's
+sliding-window mask does. Only the window's blocks are gathered (the cache manager frees the
+blocks before it, and their table entries then point at a stand-in block), and the C++ decode
+kernel, which reads whole contexts, is not used.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
-from ferry.layers.attention.metadata import AttentionMetadata
+from ferry.layers.attention.metadata import AttentionMetadata, padded_table
 
 
 @dataclass
@@ -32,6 +37,8 @@ class TorchChunk:
 class TorchState:
     use_cpu_kernel: bool
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    # Sliding window: each decode row's blocks from its window's first one (else the full tables).
+    decode_tables: torch.Tensor | None = None
     chunks: list[TorchChunk] = field(default_factory=list)
 
 
@@ -47,17 +54,28 @@ class TorchAttentionBackend:
     name = "torch"
     supports_tree = True  # decode rows with an ancestor mask (tree verification)
 
-    def __init__(self, device: torch.device, use_cpu_kernel: bool = False) -> None:
+    def __init__(self, device: torch.device, use_cpu_kernel: bool = False, sliding_window: int | None = None) -> None:
         self.device = device
-        self.use_cpu_kernel = use_cpu_kernel
+        self.sliding_window = sliding_window
+        self.use_cpu_kernel = use_cpu_kernel and sliding_window is None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         state = TorchState(use_cpu_kernel=self.use_cpu_kernel)
-        bs = meta.block_size
+        bs, window = meta.block_size, self.sliding_window
         if meta.num_decodes and not self.use_cpu_kernel:
-            max_len = meta.decode_block_tables.shape[1] * bs
-            pos = np.arange(max_len)[None, :]
-            mask = pos < meta.decode_seq_lens_host[:, None]
+            lens = meta.decode_seq_lens_host[:, None]
+            if window is None:
+                max_len = meta.decode_block_tables.shape[1] * bs
+                pos = np.arange(max_len)[None, :]
+            else:  # gather from the block holding the window's first key on
+                first = np.maximum(meta.decode_seq_lens_host - window, 0) // bs
+                rows = [blocks[f:] for blocks, f in zip(meta.decode_blocks_host, first)]
+                table = padded_table(rows)
+                state.decode_tables = torch.from_numpy(table).to(self.device)
+                pos = first[:, None] * bs + np.arange(table.shape[1] * bs)[None, :]
+            mask = pos < lens
+            if window is not None:
+                mask &= pos >= lens - window
             if meta.decode_tree_host is not None:
                 start, bits = meta.decode_tree_host[:, :1], meta.decode_tree_host[:, 1:].view(np.uint64)
                 offset = np.clip(pos - start, 0, 63).astype(np.uint64)
@@ -65,12 +83,16 @@ class TorchAttentionBackend:
             state.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
         for p in meta.prefills:
             begin = p.context_len - p.length
-            if begin == 0:
+            if begin == 0 and (window is None or p.length <= window):
                 state.chunks.append(TorchChunk(p.start, p.length, None, None))
                 continue
-            ctx_pos = np.arange(p.context_len, dtype=np.int64)
+            lo = 0 if window is None else max(0, begin - window + 1)  # the first query's first key
+            ctx_pos = np.arange(lo, p.context_len, dtype=np.int64)
             ctx_slots = p.block_ids[ctx_pos // bs] * bs + ctx_pos % bs
-            mask = ctx_pos[None, :] <= np.arange(begin, p.context_len)[:, None]
+            q_pos = np.arange(begin, p.context_len)[:, None]
+            mask = ctx_pos[None, :] <= q_pos
+            if window is not None:
+                mask &= ctx_pos[None, :] > q_pos - window
             chunk = TorchChunk(p.start, p.length, torch.from_numpy(ctx_slots).to(self.device),
                                torch.from_numpy(mask).to(self.device))  # fmt: skip
             state.chunks.append(chunk)
@@ -104,9 +126,9 @@ class TorchAttentionBackend:
                 meta.decode_tree,
             )
         elif nd:
-            max_blocks = meta.decode_block_tables.shape[1]
-            length = max_blocks * block_size
-            ids = meta.decode_block_tables.reshape(-1)
+            tables = meta.decode_block_tables if state.decode_tables is None else state.decode_tables
+            length = tables.shape[1] * block_size
+            ids = tables.reshape(-1)
             kd = read(k_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             vd = read(v_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
