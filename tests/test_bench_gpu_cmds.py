@@ -171,3 +171,16 @@ def test_moe_bytes_per_step_count_the_experts_a_batch_can_touch():
     # 8 experts touched, not 2: six more in each of the two layers, and three more embedding rows.
     assert four - one == 6 * 2 * expert_bytes + 3 * 64 * 4
     assert many - four == 60 * 64 * 4  # all 8 experts touched either way: only the embedding rows grow
+
+
+def test_bench_window_runs_a_request_longer_than_its_cache(tmp_path, capsys):
+    out = tmp_path / "window.json"
+    argv = ["bench", "window", "--window", "32", "--input-len", "300", "--output-len", "6", "--cache-tokens", "96",
+            "--block-size", "4", "--max-num-batched-tokens", "16", "--hidden-size", "64", "--layers", "2",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "peak held" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    # The window, one 16-token chunk and a partial block at each end, in a 96-token cache: not 306 tokens.
+    assert 32 < r["peak_tokens_held"] <= 32 + 16 + 8 and r["peak_tokens_held"] < r["cache_tokens"]
+    assert r["prefill_tok_per_s"] > 0 and r["tpot_ms"] > 0
