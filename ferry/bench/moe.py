@@ -30,7 +30,7 @@ from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.moe import FusedMoE
 from ferry.models.config import ModelConfig
-from ferry.models.dummy_weights import weight_shapes
+from ferry.models.dummy_weights import weight_shapes, write_config_dir
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -146,12 +146,11 @@ def main(args: argparse.Namespace) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for experts, top_k, inter in zip(args.experts, args.top_k, args.moe_intermediate_size):
-            paths = {}
-            for kind in ("moe", "dense"):
-                paths[kind] = os.path.join(tmp, f"{kind}-{experts}x{inter}-top{top_k}")
-                os.makedirs(paths[kind], exist_ok=True)
-                with open(os.path.join(paths[kind], "config.json"), "w") as f:
-                    json.dump(_config(args, experts, top_k, inter, dense=kind == "dense"), f)
+            paths = {
+                kind: write_config_dir(os.path.join(tmp, f"{kind}-{experts}x{inter}-top{top_k}"),
+                                       _config(args, experts, top_k, inter, dense=kind == "dense"))
+                for kind in ("moe", "dense")
+            }  # fmt: skip
             measured = {kind: _measure(args, path) for kind, path in paths.items()}
             for batch in args.batch_sizes:
                 moe, dense = measured["moe"][batch], measured["dense"][batch]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ import time
 from ferry.bench.latency import _requests
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
+from ferry.models.dummy_weights import write_config_dir
 from ferry.sampling_params import SamplingParams
 
 
@@ -60,9 +60,8 @@ def _config(args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(_config(args), f)
-        eargs = EngineArgs(model=tmp, load_format="dummy", device=args.device, dtype=args.dtype,
+        eargs = EngineArgs(model=write_config_dir(tmp, _config(args)), load_format="dummy", device=args.device,
+                           dtype=args.dtype,
                            block_size=args.block_size, num_kv_blocks=args.cache_tokens // args.block_size,
                            max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)  # fmt: skip
         engine = LLMEngine(eargs)
@@ -71,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
             if engine.max_model_len < context:
                 raise ValueError(f"max_model_len is {engine.max_model_len}, below the request's {context} tokens: "
                                  "the cache cannot hold a window plus a step")  # fmt: skip
-            prompt = _requests(random.Random(0), 1, args.input_len, 32000)[0]
+            prompt = _requests(random.Random(0), 1, args.input_len, engine.model_config.vocab_size)[0]
             params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
             engine.add_request("long", {"prompt_token_ids": prompt}, params)
             held, timed, records = [], [], []

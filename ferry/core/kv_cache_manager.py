@@ -68,32 +68,34 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        if blocks and self.sliding_window is not None:
-            self._release_out_of_window(request.request_id, blocks, num_computed)
+        if self.sliding_window is not None:
+            # No query from num_computed on sees the blocks before `end`: the held ones are released
+            # (room for this step), and prefix hits among them are never taken.
+            end = max(0, num_computed - self.sliding_window + 1) // self.block_size
+            self._release_out_of_window(blocks, end)
+            new_computed_blocks = [OUT_OF_WINDOW if len(blocks) + i < end else b
+                                   for i, b in enumerate(new_computed_blocks)]  # fmt: skip
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Hits on free blocks leave the free queue, so they use up free capacity too.
         hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(needed, 0) + hits_on_free > self.pool.num_free_blocks:
             return False
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch([b for b in new_computed_blocks if b is not OUT_OF_WINDOW])
         blocks = blocks + new_computed_blocks
         if needed > 0:
             blocks += self.pool.allocate(needed)
         self.req_blocks[request.request_id] = blocks
-        if new_computed_blocks and self.sliding_window is not None:  # prefix hits before the window
-            self._release_out_of_window(request.request_id, blocks, num_computed)
         # Blocks that will be full once this step's tokens are written get published
         # now, so that a request scheduled later in this same step can share them.
         bs = self.block_size
         self._publish(request, blocks, num_computed // bs, (num_computed + num_new_tokens) // bs)
         return True
 
-    def _release_out_of_window(self, request_id: str, blocks: list[KVCacheBlock], num_computed: int) -> None:
-        """Free the blocks no query from position `num_computed` on can see: all of whose tokens are
-        at or before num_computed - W (the window of query i is i - W < j <= i), oldest first."""
-        end = min(max(0, num_computed - self.sliding_window + 1) // self.block_size, len(blocks))
+    def _release_out_of_window(self, blocks: list[KVCacheBlock], end: int) -> None:
+        """Free the request's blocks before index `end`, all of whose tokens are out of every coming
+        query's window (query i sees keys i - W < j <= i), oldest first."""
         released = []
-        for i in range(end):
+        for i in range(min(end, len(blocks))):
             if blocks[i] is not OUT_OF_WINDOW:
                 released.append(blocks[i])
                 blocks[i] = OUT_OF_WINDOW

@@ -45,7 +45,7 @@ def grouped_experts(
 
     w13[e]: expert e's gate rows then up rows [2I, H]; w2[e]: its down projection [H, I] (oneDNN-packed
     copies when `packed`). x: [T, H]; weights, ids: [T, k]."""
-    T, k = ids.shape
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
     counts = torch.bincount(flat, minlength=len(w13)).tolist()  # host sync (CUDA graphs need the kernel)

@@ -11,6 +11,8 @@ ones, biases zeros: every activation stays small and the logits finite in bf16 a
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Iterator
 
 import torch
@@ -68,6 +70,14 @@ def _moe_shapes(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...
         shapes += _mlp_shapes(prefix + "shared_expert.", h, cfg.shared_expert_intermediate_size)
         shapes.append((prefix + "shared_expert_gate.weight", (1, h)))
     return shapes
+
+
+def write_config_dir(directory: str, config: dict) -> str:
+    """Make `directory` a model for `--load-format dummy`: a config.json and nothing else."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return directory
 
 
 def _tensor_seed(seed: int, name: str) -> int:

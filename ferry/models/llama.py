@@ -447,14 +447,13 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and self.embed_tokens.gguf is not None:
             self._gguf_lm_head = self.embed_tokens.gguf  # tied: one quantized copy serves both
 
-    def _load_expert_weight(self, match: re.Match, tensor: torch.Tensor | GGUFWeight) -> list[str]:
-        """Copy one expert's projection (or every expert's, stacked) into its layer's FusedMoE."""
+    def _load_expert_weight(self, match: re.Match, tensor: torch.Tensor) -> list[str]:
+        """Copy one expert's projection (or every expert's, stacked) into its layer's FusedMoE. Always
+        float: `plan_gguf` keeps no expert tensor quantized (FusedMoE is not a Linear)."""
         layer, expert, part = int(match["layer"]), match["expert"], _EXPERT_PARTS.get(match["part"])
         experts = self.layers[layer].mlp.experts if layer < len(self.layers) else None
         if part is None or not isinstance(experts, FusedMoE):
             raise ValueError(f"checkpoint tensor {match.string!r} has no place in {type(self).__name__}")
-        if isinstance(tensor, GGUFWeight):  # experts run in float: their blocks are dequantized here
-            tensor = tensor.dequantize()
         experts.load(part, None if expert is None else int(expert), tensor.to(self.norm.weight.device))
         indices = range(experts.num_experts) if expert is None else [int(expert)]
         return [f"layers.{layer}.mlp.experts.{part}#{e}" for e in indices]

@@ -130,9 +130,9 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
-    """Write `model` the way llama.cpp's converter would (F32, GGUF names, llama Q/K permuted)."""
-    cfg = model.config
+def gguf_writer_with_header(path: str, arch: str, cfg) -> gguf.GGUFWriter:
+    """A GGUF writer holding the metadata llama.cpp's converter writes for HF config `cfg`."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -140,14 +140,21 @@ def _write_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_eot_token_id(3)
+    return w
+
+
+def _write_gguf(path: str, arch: str, model: torch.nn.Module) -> None:
+    """Write `model` the way llama.cpp's converter would (F32, GGUF names, llama Q/K permuted)."""
+    cfg = model.config
+    w = gguf_writer_with_header(path, arch, cfg)
     for name, t in model.state_dict().items():
         a = t.numpy()
         if name == "model.embed_tokens.weight":

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import engine_over
 from test_hf_parity import ferry_greedy, hf_greedy
+from test_loader import _llama_cpp_permute, gguf_writer_with_header  # llama.cpp's converter, as the tests write it
 
 from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import SINGLE
@@ -111,11 +112,6 @@ def _common() -> dict:
                 tie_word_embeddings=False)  # fmt: skip
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # As llama.cpp's convert_hf_to_gguf.py does for the "llama" architecture (Mixtral included).
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -142,20 +138,7 @@ def _write_moe_gguf(path: str, arch: str, model, expert_type: gguf.GGMLQuantizat
     """`model` as llama.cpp's converter writes it: experts stacked per layer (ffn_*_exps), Q/K permuted
     for "llama" (Mixtral), the shared expert's gate a vector; expert tensors stored as `expert_type`."""
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_eos_token_id(2)
+    w = gguf_writer_with_header(path, arch, cfg)
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch != "llama":
