@@ -109,6 +109,8 @@ BENCHMARKS = (
      "/v1/embeddings requests/s and p99 at a concurrency, dynamic batching off and on"),
     ("moe", "ferry.bench.moe", False,
      "mixture-of-experts decode time per token against a dense model with the same active parameters"),
+    ("mla", "ferry.bench.mla", False,
+     "multi-head latent attention's KV bytes per token and batch decode tok/s at long context against GQA"),
     ("window", "ferry.bench.window", False,
      "a request far longer than its sliding window, in a KV cache sized for a little more than the window"),
     ("abuse", "ferry.bench.abuse", False,

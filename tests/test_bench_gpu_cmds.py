@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from ferry.bench.hardware import known_peak_bandwidth
-from ferry.bench.latency import kv_bytes_per_token, weight_bytes_per_step
+from ferry.bench.latency import weight_bytes_per_step
 from ferry.bench.throughput import SHAREGPT_LIKE_CLIP, sharegpt_like_requests
 from ferry.cli import main
 from ferry.models.config import ModelConfig
+from ferry.worker.memory import kv_bytes_per_token
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -171,6 +172,22 @@ def test_moe_bytes_per_step_count_the_experts_a_batch_can_touch():
     # 8 experts touched, not 2: six more in each of the two layers, and three more embedding rows.
     assert four - one == 6 * 2 * expert_bytes + 3 * 64 * 4
     assert many - four == 60 * 64 * 4  # all 8 experts touched either way: only the embedding rows grow
+
+
+def test_bench_mla_against_its_gqa_twin(tmp_path, capsys):
+    out = tmp_path / "mla.json"
+    argv = ["bench", "mla", "--hidden-size", "64", "--layers", "2", "--intermediate-size", "128", "--heads", "4",
+            "--kv-lora-rank", "32", "--gqa-kv-heads", "2", "--gqa-head-dim", "16", "--batch-size", "4",
+            "--context", "24", "--output-len", "5", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "decode tok/s MLA / GQA" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    mla, gqa = r["mla"], r["gqa"]
+    assert mla["kv_bytes_per_token"] == 2 * (32 + 64) * 4  # layers x (latent + rotary key) x fp32
+    assert mla["expanded_kv_bytes_per_token"] == 2 * 4 * (128 + 64 + 128) * 4  # every head's K and V
+    assert gqa["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert mla["decode_steps"] == gqa["decode_steps"] >= 5 and mla["tok_per_s"] > 0 and gqa["tok_per_s"] > 0
+    assert r["deepseek_v2_lite_bf16"] == [27 * 576 * 2, 27 * 16 * 320 * 2]
 
 
 def test_bench_window_runs_a_request_longer_than_its_cache(tmp_path, capsys):

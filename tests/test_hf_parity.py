@@ -144,6 +144,44 @@ def _tiny_config(arch: str):
             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
             mlp_only_layers=[1], head_dim=16, **common,
         )  # fmt: skip
+    # Multi-head latent attention (a 32-wide latent + 8-wide rotary key cached per token) with DeepSeek's
+    # routing: V2 softmax-scored, top 2 of the best 2 of 4 expert groups, weights x 2.5, YaRN rotary
+    # with mscale in the softmax scale; V3 a q_lora bottleneck, sigmoid scores with a per-expert bias
+    # on the choice (randomised in the fixture: HF starts it at zero), renormalised.
+    mla = dict(
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        **{**common, "num_key_value_heads": 4},
+    )  # HF's MLA repeats K/V by heads / kv_heads
+    if arch == "deepseek_v2":
+        yarn = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        }
+        return transformers.DeepseekV2Config(
+            q_lora_rank=None,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            rope_parameters=yarn,
+            **mla,
+        )
+    if arch == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            q_lora_rank=24, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, **mla
+        )
     if arch == "llama3":  # Llama with llama3 RoPE scaling and tied embeddings
         common.update(tie_word_embeddings=True, num_key_value_heads=1)
         return transformers.LlamaConfig(
@@ -159,7 +197,18 @@ def _tiny_config(arch: str):
     raise ValueError(arch)
 
 
-TINY_ARCHS = ["qwen3", "qwen2", "mistral", "mistral_window", "llama3", "mixtral", "qwen2moe", "qwen3moe"]
+TINY_ARCHS = [
+    "qwen3",
+    "qwen2",
+    "mistral",
+    "mistral_window",
+    "llama3",
+    "mixtral",
+    "qwen2moe",
+    "qwen3moe",
+    "deepseek_v2",
+    "deepseek_v3",
+]
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)
@@ -170,6 +219,10 @@ def tiny_model(request, tmp_path_factory):
     torch.manual_seed(0)
     cfg = _tiny_config(request.param)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    for layer in hf.model.layers:
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.normal_(0, 0.3)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     g = torch.Generator().manual_seed(1)
@@ -189,12 +242,39 @@ def test_moe_configs_build_the_sparse_layers_hf_has(tiny_model):
     cfg = loaded.model.config
     sparse = [i for i, layer in enumerate(loaded.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
     assert sparse == list(cfg.moe_layers)
-    expected = {"MixtralForCausalLM": [0, 1], "Qwen2MoeForCausalLM": [0, 1], "Qwen3MoeForCausalLM": [0]}
+    expected = {"MixtralForCausalLM": [0, 1], "Qwen2MoeForCausalLM": [0, 1], "Qwen3MoeForCausalLM": [0],
+                "DeepseekV2ForCausalLM": [1], "DeepseekV3ForCausalLM": [1]}  # fmt: skip
     assert sparse == expected.get(cfg.architecture, [])
     for i in sparse:
         block = loaded.model.layers[i].mlp
         assert isinstance(block.experts, FusedMoE) and block.experts.packed13 is not None  # oneDNN on the CPU
-        assert (block.shared_expert is not None) == (cfg.architecture == "Qwen2MoeForCausalLM")
+        assert (block.shared_expert is not None) == (cfg.architecture in ("Qwen2MoeForCausalLM", *DEEPSEEK))
+        assert (block.shared_expert_gate is not None) == (cfg.architecture == "Qwen2MoeForCausalLM")
+
+
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+def test_kv_cache_rows_per_architecture(tiny_model):
+    """The DeepSeek configs run latent attention: one row of latent + rotary key per token and layer
+    (40 values, against 4 heads x (24 + 16) expanded), counted so by the KV budget; the others a K and
+    a V row per KV head."""
+    from ferry.layers.mla import MLAAttention
+    from ferry.worker.memory import kv_bytes_per_token
+
+    loaded = tiny_model[0]
+    cfg = loaded.model.config
+    mla = cfg.architecture in DEEPSEEK
+    assert cfg.is_mla == mla
+    assert all(isinstance(layer.self_attn, MLAAttention) == mla for layer in loaded.model.layers)
+    k, v = _tiny_engine(loaded).runner.kv_caches[0]
+    if mla:
+        assert k is v and tuple(k.shape) == (64, 16, 1, 40)
+        assert kv_bytes_per_token(cfg, torch.float32) == 2 * 40 * 4
+    else:
+        kvh, d = cfg.num_key_value_heads, cfg.head_dim
+        assert k is not v and tuple(k.shape) == tuple(v.shape) == (64, 16, kvh, d)
+        assert kv_bytes_per_token(cfg, torch.float32) == 2 * 2 * kvh * d * 4
 
 
 def _tiny_engine(loaded, **kwargs) -> LLMEngine:

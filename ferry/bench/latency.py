@@ -32,12 +32,12 @@ import torch
 from ferry.bench.hardware import device_name, known_peak_bandwidth, measure_cpu_read_bandwidth, synchronize
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.kv_quant import kv_cache_bytes_per_token
 from ferry.layers.linear import Linear
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import weight_shapes
 from ferry.models.weight_memory import held_weight_bytes, process_rss_bytes
 from ferry.sampling_params import SamplingParams
+from ferry.worker.memory import kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +102,6 @@ def model_weight_bytes_per_step(model, batch: int) -> int:
     elif model._gguf_lm_head is not None:
         total += model._gguf_lm_head.nbytes
     return total
-
-
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
-    """K and V of one token over all layers; a quantized cache's scales included."""
-    return kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
 
 
 def _requests(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:

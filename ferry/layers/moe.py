@@ -23,13 +23,44 @@ from ferry.layers.fused import silu_and_mul
 from ferry.layers.linear import pack_weight, packed_linear
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k]): softmax over the experts in fp32, the top k, their
-    weights renormalised to sum to one when `renormalize` (Mixtral; Qwen-MoE's norm_topk_prob)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    scoring: str = "softmax",
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    group_score: str = "max",
+    score_bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k]): the experts' scores in fp32 (softmax, or DeepSeek-V3's
+    sigmoid), the top k, their weights renormalised to sum to one when `renormalize` (Mixtral;
+    Qwen-MoE's norm_topk_prob), then times `scale` (DeepSeek's routed_scaling_factor).
+
+    DeepSeek's grouped routing: the experts form `num_groups` groups, each scored by its best expert
+    ("max", V2) or its best two summed ("top2_sum", V3), and a token picks its top k among the
+    `topk_groups` best groups only. `score_bias` (V3's e_score_correction_bias) shifts the scores the
+    choice is made on, not the weights."""
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if num_groups > 1:
+        grouped = choice.view(choice.shape[0], num_groups, -1)
+        if group_score == "max":
+            per_group = grouped.amax(dim=-1)
+        else:
+            per_group = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = per_group.topk(topk_groups, dim=-1).indices
+        keep = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if scale != 1.0:
+        weights = weights * scale
     return weights, ids
 
 

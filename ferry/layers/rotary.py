@@ -18,6 +18,20 @@ def _default_inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def attention_scale(head_dim: int, scaling: dict | None) -> float:
+    """Softmax scale for q.k of width `head_dim`: 1/sqrt(head_dim), times YaRN's mscale squared where
+    the config names `mscale_all_dim` (DeepSeek: the temperature goes into the scores, not cos/sin)."""
+    scale = head_dim**-0.5
+    if scaling and scaling.get("rope_type") not in (None, "default") and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(scaling["factor"]), scaling["mscale_all_dim"]) ** 2
+    return scale
+
+
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
     """Return (inverse frequencies [head_dim/2], attention scaling for cos/sin)."""
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
@@ -48,13 +62,19 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position
         beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
         mscale = scaling.get("attention_factor")
         if mscale is None:
-            mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+            # DeepSeek's configs name both: their ratio scales cos/sin (1 when equal, as in V2-Lite's).
+            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+                mscale = yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+            else:
+                mscale = yarn_mscale(factor)
 
         def correction_dim(rot: float) -> float:
             return (head_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

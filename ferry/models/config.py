@@ -14,7 +14,11 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    # Multi-head latent attention (layers/mla.py) with DeepSeek's routed + shared experts.
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 # config.json keys without a sensible default.
 _REQUIRED_KEYS = (
@@ -94,6 +98,34 @@ class ModelConfig:
     # window only the layers from max_window_layers on): a local/global mix, which the attention
     # does not run yet, so the engine then caps max_model_len to the window.
     full_attention_layers: tuple[int, ...] = ()
+    # DeepSeek's routing (layers/moe.py `select_experts`): softmax or sigmoid scores, the top k taken
+    # within the topk_group best of n_group expert groups (V3 adds a per-expert score bias for the
+    # choice only), weights times routed_scaling_factor. Its shared experts are ungated.
+    moe_scoring: str = "softmax"
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_group_score: str = "max"  # a group's score: its best expert (V2), or its best two summed (V3)
+    moe_score_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
+    # Multi-head latent attention (kv_lora_rank > 0): the cache holds one compressed latent of
+    # kv_lora_rank plus a shared rotary key of qk_rope_head_dim per token (head_dim is that rotary
+    # width); queries go through a q_lora_rank bottleneck unless it is 0. rope_interleave: the rotary
+    # pairs are adjacent dimensions (DeepSeek's layout).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Values per cached row: a head's K (and V) of head_dim, or MLA's latent and rotary key."""
+        return self.kv_lora_rank + self.head_dim if self.is_mla else self.head_dim
 
     def __post_init__(self) -> None:
         check_architecture(self.architecture)
@@ -158,8 +190,10 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            # MLA has no KV heads of its own (its one latent row serves every head).
+            num_key_value_heads=heads if arch in _DEEPSEEK else d.get("num_key_value_heads") or heads,
+            # MLA: the rotary key's width (the one per-head size of the cache that is a head's)
+            head_dim=d["qk_rope_head_dim"] if arch in _DEEPSEEK else d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=normalize_rope_scaling(rope),
@@ -178,6 +212,7 @@ class ModelConfig:
             eos_token_ids=eos_ids(d.get("eos_token_id")),
             dtype=d.get("dtype") or d.get("torch_dtype") or "float32",
             **_moe_fields(arch, d),
+            **_mla_fields(arch, d),
         )
 
 
@@ -205,4 +240,46 @@ def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             shared_expert_intermediate_size=shared or 0,
             moe_layers=tuple(i for i in layers if experts > 0 and i not in dense and (i + 1) % step == 0),
         )
+    if arch in _DEEPSEEK:
+        experts = d.get("n_routed_experts") or 0
+        first_dense, freq = d.get("first_k_dense_replace", 0) or 0, d.get("moe_layer_freq", 1) or 1
+        v3 = arch == "DeepseekV3ForCausalLM"
+        method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"{arch}: unsupported topk_method {method!r}")
+        grouped = method != "greedy"
+        scoring = d.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"{arch}: unsupported scoring_func {scoring!r}")
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=d.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=d.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=(d.get("n_shared_experts") or 0) * d.get("moe_intermediate_size", 0),
+            shared_expert_gated=False,
+            moe_layers=tuple(
+                i for i in range(d["num_hidden_layers"]) if experts > 0 and i >= first_dense and i % freq == 0
+            ),
+            moe_scoring=scoring,
+            moe_n_group=(d.get("n_group") or 1) if grouped else 1,
+            moe_topk_group=(d.get("topk_group") or 1) if grouped else 1,
+            moe_group_score="top2_sum" if method == "noaux_tc" else "max",
+            moe_score_bias=method == "noaux_tc",
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0) or 1.0),
+        )
     return {}
+
+
+def _mla_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's fields (DeepSeek-V2/V3)."""
+    if arch not in _DEEPSEEK:
+        return {}
+    return dict(
+        kv_lora_rank=d["kv_lora_rank"],
+        q_lora_rank=d.get("q_lora_rank") or 0,
+        qk_nope_head_dim=d["qk_nope_head_dim"],
+        v_head_dim=d["v_head_dim"],
+        # DeepSeek-V2's rotary always pairs adjacent dimensions; V3 says so in rope_interleave.
+        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(d.get("rope_interleave", True)),
+    )

@@ -71,6 +71,8 @@ class CPUDecodeStep:
             return "sliding-window attention (its C++ attention reads whole contexts)"
         if model.config.moe_layers:
             return "mixture-of-experts layers run their experts grouped in Python"
+        if model.config.is_mla:
+            return "multi-head latent attention"
         if cpu_kernels() is None or not hasattr(cpu_kernels(), "DecodeStep"):
             return "ferry's CPU kernels are unavailable"
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,

@@ -32,15 +32,18 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes.append((p + "input_layernorm.weight", (h,)))
-        for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes.append((f"{p}self_attn.{name}.weight", (out, h)))
-            if cfg.attention_bias:
-                shapes.append((f"{p}self_attn.{name}.bias", (out,)))
-        shapes.append((p + "self_attn.o_proj.weight", (h, q)))
-        if o_bias:
-            shapes.append((p + "self_attn.o_proj.bias", (h,)))
-        if cfg.qk_norm:
-            shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+        if cfg.is_mla:
+            shapes += _mla_shapes(cfg, p + "self_attn.")
+        else:
+            for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                shapes.append((f"{p}self_attn.{name}.weight", (out, h)))
+                if cfg.attention_bias:
+                    shapes.append((f"{p}self_attn.{name}.bias", (out,)))
+            shapes.append((p + "self_attn.o_proj.weight", (h, q)))
+            if o_bias:
+                shapes.append((p + "self_attn.o_proj.bias", (h,)))
+            if cfg.qk_norm:
+                shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
         if i in cfg.moe_layers:
             shapes += _moe_shapes(cfg, p + "mlp.")
@@ -60,15 +63,37 @@ def _mlp_shapes(prefix: str, hidden: int, inter: int) -> list[tuple[str, tuple[i
     ]
 
 
+def _mla_shapes(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Multi-head latent attention's tensors (DeepSeek-V2/V3 names)."""
+    h, heads, qk = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.head_dim
+    if cfg.q_lora_rank:
+        shapes = [
+            (prefix + "q_a_proj.weight", (cfg.q_lora_rank, h)),
+            (prefix + "q_a_layernorm.weight", (cfg.q_lora_rank,)),
+            (prefix + "q_b_proj.weight", (heads * qk, cfg.q_lora_rank)),
+        ]
+    else:
+        shapes = [(prefix + "q_proj.weight", (heads * qk, h))]
+    return shapes + [
+        (prefix + "kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.head_dim, h)),
+        (prefix + "kv_a_layernorm.weight", (cfg.kv_lora_rank,)),
+        (prefix + "kv_b_proj.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)),
+        (prefix + "o_proj.weight", (h, heads * cfg.v_head_dim)),
+    ]
+
+
 def _moe_shapes(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
-    """A sparse block's tensors under Qwen-MoE's names (the loader reads Mixtral's too)."""
+    """A sparse block's tensors under Qwen-MoE's names (the loader reads Mixtral's and DeepSeek's too)."""
     h = cfg.hidden_size
     shapes = [(prefix + "gate.weight", (cfg.num_experts, h))]
+    if cfg.moe_score_bias:
+        shapes.append((prefix + "gate.e_score_correction_bias", (cfg.num_experts,)))
     for e in range(cfg.num_experts):
         shapes += _mlp_shapes(f"{prefix}experts.{e}.", h, cfg.moe_intermediate_size)
     if cfg.shared_expert_intermediate_size:
         shapes += _mlp_shapes(prefix + "shared_expert.", h, cfg.shared_expert_intermediate_size)
-        shapes.append((prefix + "shared_expert_gate.weight", (1, h)))
+        if cfg.shared_expert_gated:
+            shapes.append((prefix + "shared_expert_gate.weight", (1, h)))
     return shapes
 
 

@@ -1,5 +1,6 @@
 """The Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and their mixtures of
-experts: Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE (layers/moe.py runs the experts).
+experts: Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE (layers/moe.py runs the experts); and
+DeepSeek-V2/V3, the same decoder with multi-head latent attention (layers/mla.py) and grouped routing.
 
 Inputs are one flat batch of tokens (no padding) with their positions and
 the attention metadata; K/V go through the paged cache. q/k/v and gate/up
@@ -30,7 +31,7 @@ from ferry.layers.attention import (
     build_metadata,
     paged_attention,
 )
-from ferry.layers.fused import add_rms_norm, rms_norm, silu_and_mul
+from ferry.layers.fused import silu_and_mul
 from ferry.layers.gguf_linear import (
     GGUF_QUANT_TYPES,
     GGUFWeight,
@@ -41,7 +42,9 @@ from ferry.layers.gguf_linear import (
 )
 from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
+from ferry.layers.mla import MLAAttention
 from ferry.layers.moe import FusedMoE, select_experts
+from ferry.layers.norm import RMSNorm
 from ferry.layers.rotary import RotaryEmbedding
 from ferry.layers.smoothquant import (
     DEFAULT_ALPHA,
@@ -58,20 +61,6 @@ logger = logging.getLogger(__name__)
 # layer's experts stacked [E, ...] without the index (GGUF's ffn_*_exps).
 _EXPERT_WEIGHT = re.compile(r"layers\.(?P<layer>\d+)\.mlp\.experts\.(?:(?P<expert>\d+)\.)?(?P<part>\w+)\.weight")
 _EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += x (in place), then normalise it (one fused pass on a GPU)."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -130,28 +119,48 @@ class MLP(nn.Module):
         return self.tp.all_reduce(out) if self.reduce else out
 
 
+class Router(nn.Module):
+    """A sparse block's router: one logit per expert (replicated under TP), and DeepSeek-V3's
+    per-expert bias on the scores the choice is made on."""
+
+    def __init__(self, hidden_size: int, num_experts: int, score_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if score_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class SparseMoeBlock(nn.Module):
-    """The MLP of a mixture-of-experts layer (Mixtral's block_sparse_moe, Qwen-MoE's mlp): a router
-    (`gate`, replicated), the routed experts, and Qwen2-MoE's shared expert, which every token takes,
-    scaled by a sigmoid gate. The ranks' partial sums of both are all-reduced once."""
+    """The MLP of a mixture-of-experts layer (Mixtral's block_sparse_moe, Qwen-MoE's and DeepSeek's
+    mlp): a router (`gate`), the routed experts, and the shared experts every token takes: Qwen2-MoE's
+    one, scaled by a sigmoid gate, or DeepSeek's ungated ones (one MLP as wide as all of them). The
+    ranks' partial sums of both are all-reduced once."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.routing = dict(scoring=cfg.moe_scoring, num_groups=cfg.moe_n_group, topk_groups=cfg.moe_topk_group,
+                            group_score=cfg.moe_group_score, scale=cfg.routed_scaling_factor)  # fmt: skip
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_score_bias)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, tp, cfg.shared_expert_intermediate_size, reduce=False)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize,
+                                      score_bias=self.gate.e_score_correction_bias, **self.routing)  # fmt: skip
         out = self.experts(x, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             # The gate is replicated, so scaling each rank's partial sum scales the reduced one.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return self.tp.all_reduce(out)
 
 
@@ -187,7 +196,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, tp)
+        self.self_attn = MLAAttention(cfg, rotary, tp) if cfg.is_mla else Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg, tp) if index in cfg.moe_layers else MLP(cfg, tp)
 
@@ -400,20 +409,27 @@ class LlamaForCausalLM(nn.Module):
         self.norm.weight.div_(s)
         return head * s
 
+    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """A zeroed paged KV cache for this rank: per layer a (K, V) pair of [num_blocks, block_size,
+        kv_heads, width] tensors (width + 4 when quantized: each row's fp32 scale follows its values).
+        MLA caches one row per token (latent and rotary key), its pair being that one tensor twice."""
+        attn = self.layers[0].self_attn
+        shape = (num_blocks, block_size, attn.num_kv_heads, row_width(self.config.kv_cache_width, dtype))
+        caches = []
+        for _ in self.layers:
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            caches.append((k, k if self.config.is_mla else torch.zeros(shape, dtype=dtype, device=device)))
+        return caches
+
     @torch.no_grad()
     def _forward_prompt(self, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Final hidden states [T, hidden] of one prompt, with a throwaway KV cache (calibration; `ferry bench
         quality`, where a quantized `kv_cache_dtype` makes every position attend to quantized K/V)."""
-        cfg = self.config
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         cache_dtype = kv_cache_dtype or dtype
         T = len(token_ids)
-        kv_heads = self.layers[0].self_attn.num_kv_heads  # this rank's (tensor parallel)
-        shape = (T, 1, kv_heads, row_width(cfg.head_dim, cache_dtype))  # T blocks of one slot each
-        kv = [
-            (torch.zeros(shape, device=device, dtype=cache_dtype), torch.zeros(shape, device=device, dtype=cache_dtype))
-            for _ in self.layers
-        ]
+        kv = self.new_kv_cache(T, 1, cache_dtype, device)  # T blocks of one slot each
         slots = np.arange(T, dtype=np.int64)
         meta = build_metadata(slot_mapping=slots, block_size=1, decode_blocks=[], decode_seq_lens=slots[:0],
                               prefills=[PrefillHost(0, T, T, slots)], device=device,
@@ -477,6 +493,10 @@ class LlamaForCausalLM(nn.Module):
         "down_proj": "row",
         "embed_tokens": "vocab",  # ceil(V / N) rows per rank, the last shard zero-padded
         "lm_head": "vocab",
+        # MLA: its heads' query and kv_b rows split (whole heads), the latent's projections replicated.
+        "q_proj": "column",
+        "q_b_proj": "column",
+        "kv_b_proj": "column",
     }
 
     def _shards_into_blocks(self, module: Linear, type_name: str) -> bool:
@@ -523,20 +543,42 @@ class LlamaForCausalLM(nn.Module):
             return part
         return tensor  # norms: replicated
 
+    def _deinterleave_rope(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """DeepSeek rotates adjacent pairs of the rotary dimensions (x0, x1), (x2, x3), ...; the rotary
+        kernels here rotate halves (x_i with x_{i + d/2}). Permuting the rows that produce q_pe and
+        k_pe to evens then odds makes one the other: the scores are unchanged (q_pe and k_pe are
+        only ever dotted with each other), so the cache holds k_pe in the half-split order."""
+        cfg = self.config
+        if not name.endswith((".q_proj.weight", ".q_b_proj.weight", ".kv_a_proj_with_mqa.weight",
+                              ".kv_a_proj_with_mqa.bias")):  # fmt: skip
+            return tensor
+        rope = cfg.head_dim
+        perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+        if ".kv_a_proj_with_mqa." in name:  # rows: the latent, then k_pe
+            order = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + perm])
+        else:  # rows per head: q_nope, then q_pe
+            qk = cfg.qk_nope_head_dim + rope
+            head = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + perm])
+            order = (torch.arange(tensor.shape[0] // qk)[:, None] * qk + head).reshape(-1)
+        return tensor.index_select(0, order)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        cfg = self.config
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         gguf_parts: dict[str, dict[int, GGUFWeight]] = {}  # module name -> shard -> weight
         attn = self.layers[0].self_attn  # this rank's sizes
-        q, kv = attn.q_size, attn.kv_size
-        qkv_offsets = [0, q, q + kv]
+        qkv_offsets = [0, attn.q_size, attn.q_size + attn.kv_size] if isinstance(attn, Attention) else []
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]
             if "rotary_emb" in name:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the sparse block
+            name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
+            if cfg.rope_interleave:
+                tensor = self._deinterleave_rope(name, tensor)
             expert = _EXPERT_WEIGHT.fullmatch(name)
             if expert is not None:
                 loaded.update(self._load_expert_weight(expert, tensor))
@@ -546,7 +588,7 @@ class LlamaForCausalLM(nn.Module):
             parts = name.split(".")
             target, shard = name, None
             for i, part in enumerate(parts):
-                if part in self._FUSED:
+                if part in self._FUSED and not (cfg.is_mla and part == "q_proj"):  # MLA's q_proj stands alone
                     fused, shard = self._FUSED[part]
                     target = ".".join(parts[:i] + [fused] + parts[i + 1 :])
                     break

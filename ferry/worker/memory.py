@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ferry.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
-from ferry.kv_quant import kv_cache_bytes_per_token
+from ferry.kv_quant import kv_cache_bytes_per_token, row_bytes
 from ferry.models.config import ModelConfig
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.step_plan import profiling_blocks, profiling_plan
@@ -26,8 +26,15 @@ CUDA_GRAPH_RESERVE_BYTES = 1 << 30
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of one block on one rank (its share of the KV heads), the scales of a quantized cache included."""
-    kvh = cfg.num_key_value_heads // tp_size
-    return block_size * kv_cache_bytes_per_token(cfg.num_hidden_layers, kvh, cfg.head_dim, dtype)
+    return block_size * kv_bytes_per_token(cfg, dtype, tp_size)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """One token's cache over all layers on one rank: its share of the K and V heads, or MLA's one
+    latent row (latent and rotary key), which every rank holds whole."""
+    if cfg.is_mla:
+        return cfg.num_hidden_layers * row_bytes(cfg.kv_cache_width, dtype)
+    return kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype)
 
 
 @torch.inference_mode()

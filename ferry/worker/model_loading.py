@@ -171,6 +171,9 @@ def _load_model(args: EngineArgs, tp: TensorParallel) -> LoadedModel:
     if quantization == "int8" and ckpt.config.moe_layers:
         raise ValueError("--quantization int8 does not cover mixture-of-experts layers yet; run the experts "
                          "in the model dtype (no --quantization) or from a GGUF")  # fmt: skip
+    if quantization is not None and ckpt.config.is_mla:
+        raise ValueError(f"--quantization {quantization} does not cover multi-head latent attention yet; "
+                         "run the model in its dtype")  # fmt: skip
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp)

@@ -19,7 +19,6 @@ from ferry.config import EngineArgs
 from ferry.core.request import Request
 from ferry.core.scheduler import SchedulerOutput
 from ferry.distributed.parallel_state import SINGLE, TensorParallel
-from ferry.kv_quant import row_width
 from ferry.layers.attention import AttentionBackend, build_metadata, select_attention_backend
 from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator
@@ -78,6 +77,7 @@ class ModelRunner:
             cache_dtype=self.cache_dtype,
             # A local/global mix is not run yet (the builder caps max_model_len to the window instead).
             sliding_window=None if cfg.full_attention_layers else cfg.sliding_window,
+            latent=cfg.is_mla,
         )
         # The window this runner's attention applies (None: full attention, or a backend without windows).
         self.sliding_window: int | None = getattr(self.attn_backend, "sliding_window", None)
@@ -119,15 +119,9 @@ class ModelRunner:
         return runner
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors per layer
-        (head_dim + 4 for a quantized cache: each row's fp32 scale follows its values)."""
-        cfg = self.model.config
-        shape = (num_blocks, self.block_size, self.num_kv_heads, row_width(cfg.head_dim, self.cache_dtype))
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
-        ]  # fmt: skip
+        """Per layer, a (K, V) pair of [num_blocks, block_size, kv_heads, head_dim] tensors (head_dim + 4
+        for a quantized cache: each row's fp32 scale follows its values); MLA's one latent tensor."""
+        self.kv_caches = self.model.new_kv_cache(num_blocks, self.block_size, self.cache_dtype, self.device)
 
     def free_kv_cache(self) -> None:
         """Drop the cache and the CUDA graphs captured over it (their memory goes with them)."""

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -14,11 +16,22 @@ CASES = [
         "original_max_position_embeddings": 8192,
     },
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    # DeepSeek's: mscale and mscale_all_dim (their ratio scales cos/sin), an unequal pair to see it
+    {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 1024,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "truncate": False},
     {"rope_type": "dynamic", "factor": 2.0},
 ]
 
 
-@pytest.mark.parametrize("scaling", CASES, ids=lambda c: (c or {}).get("rope_type", "default"))
+@pytest.mark.parametrize("scaling", CASES, ids=lambda c: "-".join(map(str, (c or {"default": 1}).values())))
 def test_inv_freq_matches_transformers(scaling):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -42,6 +55,15 @@ def test_inv_freq_matches_transformers(scaling):
         ref, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
     torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
     assert scale == pytest.approx(ref_scale)
+
+
+def test_deepseek_softmax_scale_takes_mscale_all_dim_squared():
+    from ferry.layers.rotary import attention_scale, yarn_mscale
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+    assert attention_scale(192, yarn) == pytest.approx(192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2)
+    assert attention_scale(192, None) == attention_scale(192, {"rope_type": "yarn", "factor": 40.0}) == 192**-0.5
+    assert yarn_mscale(1.0, 0.707) == 1.0
 
 
 def test_rotation_preserves_norm_and_relative_position():

@@ -44,6 +44,9 @@ SHIPPED = {
     "qwen2.5-7b": ("Qwen2ForCausalLM", 28, 28, 4, 128, 3584, 152064, False, 7_615_616_512),
     # 30.5B parameters, as Qwen's model card says; 128 experts of 768, 8 per token, in all 48 layers.
     "qwen3-30b-a3b": ("Qwen3MoeForCausalLM", 48, 32, 4, 128, 2048, 151936, False, 30_532_122_624),
+    # 15.7B, as DeepSeek's card says: MLA (head_dim is the 64-wide rotary key; the latent is one row, so
+    # kv heads = heads), 64 experts of 1408, 6 per token, plus 2 shared, in layers 1-26.
+    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", 27, 16, 16, 64, 2048, 102400, False, 15_706_484_224),
 }
 
 
@@ -95,6 +98,12 @@ def test_shipped_configs_parse():
     moe = load_checkpoint("qwen3-30b-a3b", "dummy").config
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
     assert moe.moe_layers == tuple(range(48)) and moe.norm_topk_prob and moe.qk_norm
+    lite = load_checkpoint("deepseek-v2-lite", "dummy").config
+    assert (lite.kv_lora_rank, lite.q_lora_rank, lite.qk_nope_head_dim, lite.v_head_dim) == (512, 0, 128, 128)
+    assert lite.kv_cache_width == 576 and lite.rope_interleave and lite.rope_scaling["rope_type"] == "yarn"
+    assert lite.moe_layers == tuple(range(1, 27)) and lite.shared_expert_intermediate_size == 2 * 1408
+    routing = (lite.moe_scoring, lite.moe_n_group, lite.routed_scaling_factor, lite.norm_topk_prob)
+    assert routing == ("softmax", 1, 1.0, False)
 
 
 @pytest.mark.parametrize("name", list(SHIPPED))

@@ -102,6 +102,30 @@ def test_moe_tp2_matches_tp1_greedy(moe_checkpoint):
     assert len(set(map(tuple, ref))) == len(PROMPTS)
 
 
+@pytest.fixture(scope="module")
+def mla_checkpoint(tmp_path_factory) -> str:
+    """A tiny DeepSeek-V2: latent attention (heads split across ranks, the latent cached whole on each)
+    and its MoE with two ungated shared experts, layer 0 dense."""
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-deepseek-v2")
+    cfg = DeepseekV2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=256, initializer_range=0.2,
+                           q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                           first_k_dense_replace=1, tie_word_embeddings=False)  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def test_mla_tp2_matches_tp1_greedy(mla_checkpoint):
+    ref, engine = generate_with_engine(mla_checkpoint, 1)
+    assert engine.model.config.is_mla and engine.model.config.moe_layers == (1,)
+    assert generate(mla_checkpoint, 2) == ref
+    assert len(set(map(tuple, ref))) == len(PROMPTS)
+
+
 def next_tokens(path: str, tp: int, prompts: list[list[int]], **kwargs) -> list[tuple[int, float]]:
     """Teacher-forced: each prompt's greedy next token and its logprob (one engine, one token each)."""
     args = EngineArgs(model=path, device="cpu", dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64,

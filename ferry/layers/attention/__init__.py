@@ -72,10 +72,16 @@ def select_attention_backend(
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
     sliding_window: int | None = None,
+    latent: bool = False,
 ) -> AttentionBackend:
     """The backend for this engine. `sliding_window`: the model's, which only the torch backend
     applies so far (its `sliding_window` attribute says so; the others have none, and the engine
-    then caps max_model_len to the window)."""
+    then caps max_model_len to the window). `latent`: multi-head latent attention, which only the
+    torch backend runs so far (`latent_decode`), on any device."""
+    if latent:
+        if name not in ("auto", "torch"):
+            raise ValueError(f"--attention-backend {name} does not run multi-head latent attention yet; use torch")
+        return TorchAttentionBackend(device)
     name = resolve_attention_backend(name, device, cache_dtype)
     if name == "triton":
         from ferry.layers.attention.triton_backend import TritonAttentionBackend

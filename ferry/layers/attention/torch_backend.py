@@ -11,6 +11,10 @@ With a sliding window W (Mistral), query position i attends to keys i - W < j <=
 sliding-window mask does. Only the window's blocks are gathered (the cache manager frees the
 blocks before it, and their table entries then point at a stand-in block), and the C++ decode
 kernel, which reads whole contexts, is not used.
+
+Multi-head latent attention (layers/mla.py) runs on this backend only: one shared row per token
+(`latent_decode` reads it for the absorbed decode; the layer expands the prefill chunks' rows,
+`TorchState.chunks`, itself).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class TorchAttentionBackend:
         self.device = device
         self.sliding_window = sliding_window
         self.use_cpu_kernel = use_cpu_kernel and sliding_window is None
+        self._latent_rows: torch.Tensor | None = None  # latent_decode's gather buffer
 
     def prepare(self, meta: AttentionMetadata) -> None:
         state = TorchState(use_cpu_kernel=self.use_cpu_kernel)
@@ -154,3 +159,29 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def latent_decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      v_width: int) -> torch.Tensor:  # fmt: skip
+        """MLA's absorbed decode: the decode rows' queries q [B, H, D] all attend to one shared row per
+        token of `cache` (the latent then the rotary key, D wide), whose first `v_width` values are
+        also the value. Returns [B, H, v_width]. The rows are already stored.
+
+        The heads are one KV head's query rows, so each row is gathered once and read by every head
+        (no copy per head), with two batched matmuls; the gathered rows go into a buffer kept across
+        layers and steps (a fresh one of this size costs more in page faults than the copy itself)."""
+        nd, block_size = meta.num_decodes, cache.shape[1]
+        state: TorchState = meta.state
+        tables = meta.decode_block_tables if state.decode_tables is None else state.decode_tables
+        length = tables.shape[1] * block_size
+        ids = tables.reshape(-1)
+        if self._latent_rows is None or self._latent_rows.numel() < ids.numel() * cache[0].numel() \
+                or self._latent_rows.dtype != cache.dtype or self._latent_rows.device != cache.device:  # fmt: skip
+            self._latent_rows = torch.empty(ids.numel() * cache[0].numel(), dtype=cache.dtype, device=cache.device)
+        rows = self._latent_rows[: ids.numel() * cache[0].numel()].view(ids.numel(), *cache.shape[1:])
+        torch.index_select(cache, 0, ids, out=rows)
+        rows = dequantize_rows(rows, q.dtype) if is_quantized(cache.dtype) else rows.to(q.dtype)
+        rows = rows.view(nd, length, -1)  # [B, L, D]
+        scores = torch.bmm(q * scale, rows.transpose(1, 2))  # [B, H, L]
+        scores.masked_fill_(~state.decode_mask.view(nd, 1, length), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, rows[..., :v_width])

@@ -1,0 +1,122 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one compressed row per token.
+
+Each token's K and V come from a shared latent c (kv_lora_rank wide, RMS-normalised) through
+kv_b_proj, plus one rotary key k_pe (qk_rope_head_dim) shared by all heads. The paged cache stores
+[c, k_pe] (576 values for DeepSeek-V2/V3: 1,152 bytes in bf16 a token and layer, against 32,768 for
+their 128 heads' expanded K/V) in one tensor, as MQA with one KV "head".
+
+- Decode rows use the absorbed form: q_nope is projected into the latent space through each head's
+  W_UK (kv_b_proj's key rows), so every head attends to the cached rows directly: q = [q_nope W_UK,
+  q_pe] against K = [c, k_pe], V = c, then each head's output goes back through its W_UV. No K/V is
+  ever expanded; a step reads 576 values per cached token, whatever the head count.
+- Prefill chunks use the expanded form: the chunk's context rows (its cached prefix, then itself)
+  go through kv_b_proj into per-head K/V of qk_nope + qk_rope and v_head_dim, and attend as
+  ordinary multi-head attention, which costs fewer FLOPs when many queries share the context.
+
+Under tensor parallelism the heads are sharded (q and kv_b_proj by output rows, o_proj by input
+columns); the latent is computed and cached whole on every rank (it has no head dimension).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferry.distributed.parallel_state import TensorParallel
+from ferry.kv_quant import dequantize_rows, is_quantized, store_rows
+from ferry.layers.attention import AttentionMetadata
+from ferry.layers.linear import Linear
+from ferry.layers.norm import RMSNorm
+from ferry.layers.rotary import RotaryEmbedding, attention_scale
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+        """cfg: the model's ModelConfig (its MLA fields; models/ sits above this package)."""
+        super().__init__()
+        self.tp = tp
+        self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = 1  # the cache's one shared row per token
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        h = cfg.hidden_size
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * qk, bias=False)
+        else:
+            self.q_proj = Linear(h, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        # A plain matrix, never packed: the absorbed decode reads it per head (W_UK, W_UV).
+        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=cfg.attention_bias)
+        self.rotary = rotary
+        self.scale = attention_scale(qk, cfg.rope_scaling)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        T, H = x.shape[0], self.num_heads
+        q = self._queries(x).view(T, H, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :].contiguous()
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        k_pe = k_pe.unsqueeze(1).contiguous()  # [T, 1, rope]
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        rows = torch.cat([latent, k_pe.squeeze(1)], dim=-1)  # [T, rank + rope]: what the cache keeps
+        cache = kv_cache[0]  # the same tensor as kv_cache[1]: MLA caches no separate V
+        store_rows(cache, meta.slot_mapping, rows.unsqueeze(1))
+        out = torch.empty(T, H, self.v_dim, dtype=x.dtype, device=x.device)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._absorbed_decode(q_nope[:nd], q_pe[:nd], cache, meta)
+        self._expanded_prefill(q_nope, q_pe, rows, cache, meta, out)
+        return self.tp.all_reduce(self.o_proj(out.reshape(T, H * self.v_dim)))
+
+    def _head_matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, rank], W_UV [H, v, rank]): kv_b_proj's rows per head."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def _absorbed_decode(self, q_nope, q_pe, cache, meta) -> torch.Tensor:
+        w_uk, w_uv = self._head_matrices()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, rank]
+        q = torch.cat([q_latent, q_pe], dim=-1)
+        o_latent = meta.backend.latent_decode(q, cache, meta, self.scale, self.rank)  # [B, H, rank]
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
+
+    def _expanded_prefill(self, q_nope, q_pe, rows, cache, meta, out: torch.Tensor) -> None:
+        """Each prefill chunk as multi-head attention over its context's expanded K/V, into its rows of out."""
+        H = q_nope.shape[1]
+        flat = cache.view(-1, cache.shape[-1])
+        quantized = is_quantized(cache.dtype)
+        for chunk in meta.state.chunks:
+            s, n = chunk.start, chunk.length
+            if chunk.context_slots is not None:
+                ctx = flat.index_select(0, chunk.context_slots)
+            elif quantized:  # attend to the stored rows, as decode will
+                ctx = flat.index_select(0, meta.slot_mapping[s : s + n])
+            else:
+                ctx = rows[s : s + n]
+            if quantized:
+                ctx = dequantize_rows(ctx, q_nope.dtype)
+            ctx = ctx.to(q_nope.dtype)
+            kv = F.linear(ctx[:, : self.rank], self.kv_b_proj.weight).view(-1, H, self.nope + self.v_dim)
+            k_pe = ctx[:, None, self.rank :].expand(-1, H, -1)
+            k = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, L, qk]
+            v = kv[..., self.nope :].transpose(0, 1).unsqueeze(0)
+            q = torch.cat([q_nope[s : s + n], q_pe[s : s + n]], dim=-1).transpose(0, 1).unsqueeze(0)
+            if chunk.context_slots is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=self.scale)
+            out[s : s + n] = o.squeeze(0).transpose(0, 1)
