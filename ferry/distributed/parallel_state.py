@@ -59,6 +59,20 @@ class TensorParallel:
             raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({self.size})")
         return n // self.size
 
+    def kv_heads(self, n: int) -> int:
+        """This rank's KV heads of n: its share, or one replicated head when there are fewer heads
+        than ranks (each of the n heads then serves size / n ranks' query heads, as in vLLM)."""
+        if n >= self.size:
+            return self.shard(n, "num_key_value_heads")
+        if self.size % n:
+            raise ValueError(f"tensor_parallel_size ({self.size}) must be a multiple of num_key_value_heads ({n}) "
+                             "to replicate the KV heads")  # fmt: skip
+        return 1
+
+    def kv_head_index(self, n: int) -> int:
+        """The first of n KV heads this rank holds."""
+        return self.rank * n // self.size if n < self.size else self.rank * (n // self.size)
+
 
 SINGLE = TensorParallel()
 

@@ -70,7 +70,7 @@ class Attention(nn.Module):
         super().__init__()
         self.tp = tp
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
-        self.num_kv_heads = tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
+        self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)  # replicated when fewer than the ranks
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -504,13 +504,25 @@ class LlamaForCausalLM(nn.Module):
         block = GGUF_QUANT_TYPES[type_name][1] if type_name in GGUF_QUANT_TYPES else None
         return self.tp.size == 1 or (block is not None and module.in_features % block == 0)
 
-    def _tensor_parallel_slice_gguf(self, target: str, w: GGUFWeight) -> GGUFWeight:
+    def _kv_rows(self, target: str, shard: int | None) -> slice | None:
+        """This rank's rows of a k_proj / v_proj tensor (its KV heads, replicated when there are fewer
+        heads than ranks); None for any other tensor."""
+        if shard not in (1, 2) or target.split(".")[-2] != "qkv_proj":
+            return None
+        cfg, d = self.config, self.config.head_dim
+        first = self.tp.kv_head_index(cfg.num_key_value_heads)
+        return slice(first * d, (first + self.layers[0].self_attn.num_kv_heads) * d)
+
+    def _tensor_parallel_slice_gguf(self, target: str, w: GGUFWeight, shard: int | None = None) -> GGUFWeight:
         """This rank's part of a full checkpoint tensor still in blocks, sharded as the float path does
         (`_tensor_parallel_slice`): output rows, whole blocks of input columns, or vocab rows."""
         tp = self.tp
         if tp.size == 1:
             return w
         sharding = self._SHARDING.get(target.split(".")[-2])
+        kv_rows = self._kv_rows(target, shard)
+        if kv_rows is not None:
+            return w.rows(kv_rows)
         if sharding == "column":
             rows = w.out_features // tp.size
             return w.rows(slice(tp.rank * rows, (tp.rank + 1) * rows))
@@ -522,13 +534,16 @@ class LlamaForCausalLM(nn.Module):
             return w.rows(slice(tp.rank * rows, (tp.rank + 1) * rows)).padded_rows(rows)
         raise ValueError(f"no tensor-parallel sharding for quantized {target}")
 
-    def _tensor_parallel_slice(self, target: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _tensor_parallel_slice(self, target: str, tensor: torch.Tensor, shard: int | None = None) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (Megatron-style sharding)."""
         tp = self.tp
         if tp.size == 1:
             return tensor
         module, kind = target.split(".")[-2:]
         sharding = self._SHARDING.get(module)
+        kv_rows = self._kv_rows(target, shard)
+        if kv_rows is not None:
+            return tensor[kv_rows]
         if sharding == "column":
             return tensor.chunk(tp.size, dim=0)[tp.rank]
         if sharding == "row":
@@ -594,13 +609,13 @@ class LlamaForCausalLM(nn.Module):
                     break
             if isinstance(tensor, GGUFWeight):
                 # Checkpoint blocks come from the host: onto the model's device (CUDA: Triton kernels).
-                tensor = self._tensor_parallel_slice_gguf(target, tensor).to(self.norm.weight.device)
+                tensor = self._tensor_parallel_slice_gguf(target, tensor, shard).to(self.norm.weight.device)
                 gguf_parts.setdefault(target.removesuffix(".weight"), {})[shard or 0] = tensor
                 loaded.add(f"{target}#{shard}")
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            tensor = self._tensor_parallel_slice(target, tensor)
+            tensor = self._tensor_parallel_slice(target, tensor, shard)
             param = params[target]
             with torch.no_grad():
                 if shard is None:

@@ -34,7 +34,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -
     latent row (latent and rotary key), which every rank holds whole."""
     if cfg.is_mla:
         return cfg.num_hidden_layers * row_bytes(cfg.kv_cache_width, dtype)
-    return kv_cache_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads // tp_size, cfg.head_dim, dtype)
+    return kv_cache_bytes_per_token(cfg.num_hidden_layers, max(1, cfg.num_key_value_heads // tp_size),
+                                    cfg.head_dim, dtype)  # fmt: skip
 
 
 @torch.inference_mode()

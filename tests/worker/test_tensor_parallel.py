@@ -32,21 +32,24 @@ CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def write_checkpoint(path, config: dict) -> str:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "architectures"}))
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:  # larger than HF's init, and a sharp head: logits far from ties
                 p.normal_(0, 1.0 if "lm_head" in name else 0.2)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(CONFIG))
+    (path / "config.json").write_text(json.dumps(config))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama"), CONFIG)
 
 
 PROMPTS = [[5, 17, 33, 2, 99, 100, 7], [250, 1, 2, 3], list(range(40, 75))]
@@ -78,6 +81,18 @@ def test_tp2_matches_tp1_greedy(checkpoint):
     ref = generate(checkpoint, 1)
     assert generate(checkpoint, 2) == ref
     assert len(set(map(tuple, ref))) == len(PROMPTS)  # the outputs differ: not a degenerate model
+
+
+def test_one_kv_head_is_replicated_on_both_ranks(tmp_path):
+    """Multi-query attention (1 KV head, with biases) under TP=2: each rank holds the KV head whole
+    beside its half of the query heads, and the tokens are TP=1's."""
+    path = write_checkpoint(tmp_path, {**CONFIG, "num_key_value_heads": 1})
+    ref = generate(path, 1)
+    tokens, engine = generate_with_engine(path, 2)
+    assert tokens == ref and len(set(map(tuple, ref))) == len(PROMPTS)
+    attn = engine.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+    assert engine.runner.kv_caches[0][0].shape[2] == 1
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +226,17 @@ def test_min_across_ranks_is_what_every_rank_sizes_its_kv_cache_by():
     for p in procs:
         p.join(timeout=30)
     assert got == {0: 5 << 33, 1: 5 << 33}  # int64: budgets above 4 GiB survive
+
+
+def test_kv_heads_per_rank_shard_or_replicate():
+    from ferry.distributed.parallel_state import TensorParallel
+
+    # 8 heads over 4 ranks: two each; 2 heads over 4 ranks: ranks 0-1 hold head 0, ranks 2-3 head 1.
+    assert [(TensorParallel(r, 4).kv_heads(8), TensorParallel(r, 4).kv_head_index(8)) for r in range(4)] == [
+        (2, 0), (2, 2), (2, 4), (2, 6)]  # fmt: skip
+    assert [(TensorParallel(r, 4).kv_heads(2), TensorParallel(r, 4).kv_head_index(2)) for r in range(4)] == [
+        (1, 0), (1, 0), (1, 1), (1, 1)]  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        TensorParallel(0, 4).kv_heads(3)
+    with pytest.raises(ValueError, match="divisible"):
+        TensorParallel(0, 4).kv_heads(6)
