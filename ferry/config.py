@@ -58,6 +58,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     enforce_eager: bool = False  # no CUDA graphs
     tensor_parallel_size: int = 1
+    # Under TP, MoE experts placed whole across the ranks (num_experts / N each), not sliced.
+    enable_expert_parallel: bool = False
     # vLLM's --speculative-config: JSON text (or, from Python, a dict), e.g.
     # '{"method": "ngram", "num_speculative_tokens": 4}'; see SpeculativeConfig.
     speculative_config: str | None = None

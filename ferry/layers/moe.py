@@ -9,7 +9,11 @@ experts the same way.)
 
 Under tensor parallelism every rank holds every expert, sharded as a dense MLP is: a slice of each
 expert's intermediate (gate/up rows, down columns), so the block's output on a rank is a partial
-sum that the caller all-reduces, with the shared expert's, in one collective.
+sum that the caller all-reduces, with the shared expert's, in one collective. With expert
+parallelism (`--enable-expert-parallel`) a rank holds num_experts / N whole experts instead (whole
+GEMMs, no intermediate sliced thin) and runs the (token, choice) pairs routed to them: the tokens
+are already on every rank (the attention is tensor-parallel), so the dispatch is a local selection
+and the combine the same all-reduce; no all-to-all is needed while activations are replicated.
 """
 
 from __future__ import annotations
@@ -75,17 +79,20 @@ def grouped_experts(
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one GEMM pair per chosen expert.
 
     w13[e]: expert e's gate rows then up rows [2I, H]; w2[e]: its down projection [H, I] (oneDNN-packed
-    copies when `packed`). x: [T, H]; weights, ids: [T, k]."""
-    k = ids.shape[1]
+    copies when `packed`). x: [T, H]; weights, ids: [T, k]. Ids outside [0, len(w13)) are skipped (under
+    expert parallelism: experts another rank holds)."""
+    k, num = ids.shape[1], len(w13)
     flat = ids.reshape(-1)
+    flat = torch.where((flat >= 0) & (flat < num), flat, num)  # another rank's experts: sorted last, dropped
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=len(w13)).tolist()  # host sync (CUDA graphs need the kernel)
+    counts = torch.bincount(flat, minlength=num + 1).tolist()  # host sync (CUDA graphs need the kernel)
+    order = order[: len(order) - counts[num]]
     token = order // k
     rows = x.index_select(0, token)
     out = torch.empty_like(rows)
     linear = packed_linear if packed else F.linear
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts[:num]):
         if n:
             end = start + n
             h = silu_and_mul(linear(rows[start:end], w13[e], None))
@@ -97,21 +104,32 @@ def grouped_experts(
 
 class FusedMoE(nn.Module):
     """One layer's routed experts, stacked: w13 [E, 2 I, H] (each expert's gate rows, then its up
-    rows) and w2 [E, H, I], I being this rank's slice of moe_intermediate_size. `forward` returns
-    this rank's partial sum (the caller all-reduces)."""
+    rows) and w2 [E, H, I]. Under tensor parallelism, I is this rank's slice of moe_intermediate_size
+    and E every expert; with `expert_parallel`, E is this rank's num_experts / N whole experts
+    (from `first_expert` on) and I the whole width. `forward` returns this rank's partial sum (the
+    caller all-reduces): the tokens are on every rank, so each runs the pairs routed to its experts."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
+                 expert_parallel: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.tp = tp
-        self.num_experts = num_experts
-        self.intermediate = tp.shard(intermediate_size, "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate))
+        self.num_experts = num_experts  # in the layer, on all ranks
+        self.expert_parallel = expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            local = tp.shard(num_experts, "num_experts (expert parallel)")
+            self.first_expert, self.intermediate = tp.rank * local, intermediate_size
+        else:
+            local, self.first_expert = num_experts, 0
+            self.intermediate = tp.shard(intermediate_size, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, self.intermediate))
         # pack(): per-expert oneDNN copies, then the only copies (the stacked parameters are freed).
         self.packed13: list[torch.Tensor] | None = None
         self.packed2: list[torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.first_expert:
+            ids = ids - self.first_expert  # this rank's experts from 0; the others fall outside and are skipped
         if self.packed13 is not None:
             return grouped_experts(x, self.packed13, self.packed2, weights, ids, packed=True)
         return grouped_experts(x, self.w13, self.w2, weights, ids)
@@ -127,20 +145,33 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def load(self, part: str, expert: int | None, tensor: torch.Tensor) -> None:
         """Copy in one checkpoint tensor, full size (this rank takes its slice): `part` is "gate", "up"
-        or "down"; `expert` its index, or None for all experts stacked [E, ...] (GGUF's *_exps)."""
-        tensor = tensor if expert is None else tensor.unsqueeze(0)
-        experts = slice(None) if expert is None else slice(expert, expert + 1)
+        or "down"; `expert` its index, or None for all experts stacked [E, ...] (GGUF's *_exps). Under
+        expert parallelism another rank's expert is passed over."""
         if expert is not None and not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range: the layer has {self.num_experts}")
-        n, rank, inter = self.tp.size, self.tp.rank, self.intermediate
+        local = self.w13.shape[0]
+        if expert is None:
+            if tensor.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"stacked expert {part} projection: {tensor.shape[0]} experts, expected {self.num_experts}"
+                )
+            tensor, experts = tensor[self.first_expert : self.first_expert + local], slice(None)
+        else:
+            expert -= self.first_expert
+            if not 0 <= expert < local:
+                return  # another rank's
+            tensor, experts = tensor.unsqueeze(0), slice(expert, expert + 1)
+        # Tensor parallelism slices every expert's intermediate; expert parallelism keeps it whole.
+        n, rank = (1, 0) if self.expert_parallel else (self.tp.size, self.tp.rank)
+        inter = self.intermediate
         if part in ("gate", "up"):
-            want = (self.w13.shape[0] if expert is None else 1, inter * n, self.w13.shape[2])
+            want = (tensor.shape[0], inter * n, self.w13.shape[2])
             if tuple(tensor.shape) != want:
                 raise ValueError(f"expert {part} projection: shape {tuple(tensor.shape)} != expected {want}")
             offset = 0 if part == "gate" else inter
             self.w13[experts, offset : offset + inter].copy_(tensor[:, rank * inter : (rank + 1) * inter])
         elif part == "down":
-            want = (self.w2.shape[0] if expert is None else 1, self.w2.shape[1], inter * n)
+            want = (tensor.shape[0], self.w2.shape[1], inter * n)
             if tuple(tensor.shape) != want:
                 raise ValueError(f"expert down projection: shape {tuple(tensor.shape)} != expected {want}")
             self.w2[experts].copy_(tensor[:, :, rank * inter : (rank + 1) * inter])

@@ -138,14 +138,14 @@ class SparseMoeBlock(nn.Module):
     one, scaled by a sigmoid gate, or DeepSeek's ungated ones (one MLP as wide as all of them). The
     ranks' partial sums of both are all-reduced once."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, expert_parallel: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.routing = dict(scoring=cfg.moe_scoring, num_groups=cfg.moe_n_group, topk_groups=cfg.moe_topk_group,
                             group_score=cfg.moe_group_score, scale=cfg.routed_scaling_factor)  # fmt: skip
         self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_score_bias)
-        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp, expert_parallel)
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, tp, cfg.shared_expert_intermediate_size, reduce=False)
@@ -193,12 +193,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, index: int,
+                 expert_parallel: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg, rotary, tp) if cfg.is_mla else Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(cfg, tp) if index in cfg.moe_layers else MLP(cfg, tp)
+        self.mlp = SparseMoeBlock(cfg, tp, expert_parallel) if index in cfg.moe_layers else MLP(cfg, tp)
 
     def forward(self, x, residual, positions, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous sublayer's output, not yet added to `residual` (None for the first
@@ -213,14 +214,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel = SINGLE,
+                 expert_parallel: bool = False) -> None:  # fmt: skip
+        """`expert_parallel`: under TP, each rank holds whole experts, num_experts / N of them
+        (layers/moe.py), instead of a slice of every one."""
         super().__init__()
         self.config = cfg
         self.max_position = max_position
         self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, i, expert_parallel)
+                                    for i in range(cfg.num_hidden_layers))  # fmt: skip
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab_rows = self.embed_tokens.rows  # the output head is vocab-parallel like the embedding
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)

@@ -176,7 +176,8 @@ def _load_model(args: EngineArgs, tp: TensorParallel) -> LoadedModel:
                          "run the model in its dtype")  # fmt: skip
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp)
+        model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp,
+                                 expert_parallel=args.enable_expert_parallel)  # fmt: skip
         # GGUF: the quantized blocks are the only copy; those modules never get an fp32 weight.
         keep_quantized = model.plan_gguf(ckpt.quantized_tensors()) if quantization == "gguf" else frozenset()
     # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32

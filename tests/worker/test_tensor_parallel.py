@@ -141,6 +141,16 @@ def test_mla_tp2_matches_tp1_greedy(mla_checkpoint):
     assert len(set(map(tuple, ref))) == len(PROMPTS)
 
 
+def test_moe_expert_parallel_2_matches_tp1_greedy(moe_checkpoint):
+    """--enable-expert-parallel: each rank holds 3 of the 6 experts whole, runs the pairs routed to
+    them, and the partial sums all-reduce to TP=1's tokens."""
+    ref = generate(moe_checkpoint, 1)
+    tokens, engine = generate_with_engine(moe_checkpoint, 2, enable_expert_parallel=True)
+    assert tokens == ref
+    experts = engine.model.layers[0].mlp.experts
+    assert (experts.first_expert, len(experts.packed13), experts.intermediate) == (0, 3, 32)
+
+
 def next_tokens(path: str, tp: int, prompts: list[list[int]], **kwargs) -> list[tuple[int, float]]:
     """Teacher-forced: each prompt's greedy next token and its logprob (one engine, one token each)."""
     args = EngineArgs(model=path, device="cpu", dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64,
