@@ -71,5 +71,9 @@ bench)
   step throughput-qwen3-moe 400 bash -c "ferry bench throughput --model qwen3-30b-a3b --load-format dummy \
     --dataset sharegpt-like --no-hf --json $OUT/sharegpt-moe.json"
   step moe-vs-dense 300 bash -c "ferry bench moe --device cuda --dtype bfloat16 --json $OUT/moe-vs-dense.json"
+  # DeepSeek-V2-Lite's shape (31 GB of bf16 weights): MLA on the torch backend (no Triton MLA kernel yet)
+  step throughput-deepseek-v2-lite 400 bash -c "ferry bench throughput --model deepseek-v2-lite --load-format dummy \
+    --dataset sharegpt-like --no-hf --json $OUT/sharegpt-deepseek-v2-lite.json"
+  step mla-vs-gqa 300 bash -c "ferry bench mla --device cuda --dtype bfloat16 --context 4096 --json $OUT/mla-vs-gqa.json"
   ;;
 esac
