@@ -111,6 +111,8 @@ BENCHMARKS = (
      "mixture-of-experts decode time per token against a dense model with the same active parameters"),
     ("mla", "ferry.bench.mla", False,
      "multi-head latent attention's KV bytes per token and batch decode tok/s at long context against GQA"),
+    ("pipeline", "ferry.bench.pipeline", True,
+     "pipeline-parallel tok/s, stages overlapped by micro-batches or taking turns, beside one process"),
     ("window", "ferry.bench.window", False,
      "a request far longer than its sliding window, in a KV cache sized for a little more than the window"),
     ("abuse", "ferry.bench.abuse", False,

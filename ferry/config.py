@@ -58,6 +58,9 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     enforce_eager: bool = False  # no CUDA graphs
     tensor_parallel_size: int = 1
+    # Decoder layers split into this many stages, one after another, each tensor_parallel_size ranks;
+    # micro-batches in flight keep the stages busy together (ferry/worker/tp_worker.py).
+    pipeline_parallel_size: int = 1
     # Under TP, MoE experts placed whole across the ranks (num_experts / N each), not sliced.
     enable_expert_parallel: bool = False
     # vLLM's --speculative-config: JSON text (or, from Python, a dict), e.g.
@@ -96,6 +99,11 @@ class EngineArgs:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding does not run under pipeline parallelism yet: "
+                             "drop --speculative-config or use --pipeline-parallel-size 1")  # fmt: skip
         if self.pooling_type not in ("last", "mean", "cls"):  # sampling_params.POOLING_TYPES (a layer apart)
             raise ValueError(f"pooling_type must be last, mean or cls, got {self.pooling_type!r}")
         if self.embed_max_batch < 1:
@@ -104,6 +112,11 @@ class EngineArgs:
             raise ValueError(f"embed_max_delay_ms must be in [0, 10000], got {self.embed_max_delay_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, GPUs) the engine runs on: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -88,14 +88,22 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_requests: int | None = None) -> SchedulerOutput:
+        """One step's batch. `max_requests` caps the requests in it (pipeline parallelism splits the
+        requests over the micro-batches in flight). A running request with nothing left to compute
+        is in a step still in flight (pipeline parallelism: its next token is not back yet) and
+        waits for it."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        cap = max_requests if max_requests is not None else len(self.running) + len(self.waiting)
         self.running.sort(key=Request.sort_key)
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             request = self.running[i]
+            if request.num_tokens == request.num_computed_tokens:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = request.spec_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
@@ -126,7 +134,7 @@ class Scheduler:
         # New work only when nothing was preempted: the freed blocks belong to the victims.
         if not out.preempted:
             cached = self.kv.num_cached_prefix_tokens if self.kv.enable_prefix_caching else None
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.scheduled) < cap:
                 request = self.waiting.take_next(cached)
                 # An embedding pools over every prompt position, prompt logprobs read every one's
                 # logits: such requests compute them all.

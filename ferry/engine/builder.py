@@ -15,7 +15,7 @@ import torch
 from ferry.config import EngineArgs
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.scheduler import Scheduler
-from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, TensorParallel
 from ferry.engine.core import EngineCore
 from ferry.engine.messages import EngineInfo
 from ferry.models.config import ModelConfig
@@ -37,18 +37,18 @@ def build_engine_core(
     args: EngineArgs, loaded: LoadedModel | None = None, draft: LoadedModel | None = None
 ) -> EngineCore:
     """Load the model (unless `loaded` is given: tests share one) and any draft model (unless
-    `draft` is given), start the other tensor-parallel ranks, size and allocate the KV caches, and
-    return the core, ready to step."""
+    `draft` is given), start the other tensor- and pipeline-parallel ranks, size and allocate the KV
+    caches, and return the core, ready to step."""
     tp_workers: TensorParallelWorkers | None = None
-    tp = SINGLE
-    if args.tensor_parallel_size > 1:
+    tp, pp = SINGLE, SINGLE_STAGE
+    if args.world_size > 1:
         if loaded is not None:
-            raise ValueError("tensor parallelism loads the model in every rank; do not pass a loaded model")
+            raise ValueError("tensor/pipeline parallelism loads the model in every rank; do not pass a loaded model")
         tp_workers = TensorParallelWorkers(args)  # ranks 1..N-1 load their shards meanwhile
         atexit.register(tp_workers.shutdown)  # LLM users rarely shut down; tear the group down cleanly
-        tp = tp_workers.tp
+        tp, pp = tp_workers.tp, tp_workers.pp
     try:
-        core = _build(args, loaded or load_model(args, tp), tp, tp_workers, draft)
+        core = _build(args, loaded or load_model(args, tp, pp), tp, tp_workers, draft)
         freeze_startup_heap()
         return core
     except BaseException:
@@ -67,13 +67,17 @@ def _build(
     cfg: ModelConfig = loaded.model.config
     torch.manual_seed(args.seed)
     draft = _load_draft(args, loaded, tp, draft)  # before sizing the KV cache: its weights take memory
-    runner = ModelRunner.create(args, loaded, tp, check_peers=tp_workers.check_alive if tp_workers else None)
+    runner = ModelRunner.create(args, loaded, tp, check_peers=tp_workers.check_alive if tp_workers else None,
+                                pp=tp_workers.pp if tp_workers else SINGLE_STAGE,
+                                channel=tp_workers.channel if tp_workers else None)  # fmt: skip
     bs = args.block_size
-    block_bytes = kv_bytes_per_block(cfg, bs, runner.cache_dtype, tp.size)
+    # Of the largest pipeline stage: every stage allocates as many blocks as rank 0's budget allows it.
+    stage_layers = max((b - a for a, b in tp_workers.layer_ranges), default=None) if tp_workers else None
+    block_bytes = kv_bytes_per_block(cfg, bs, runner.cache_dtype, tp.size, stage_layers)
     draft_runner = ModelRunner.create(args, draft) if draft is not None else None
     if draft_runner is not None:  # the draft's cache has as many blocks as the target's
         block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
-    num_blocks = args.num_kv_blocks or blocks_in_budget(_kv_budget_bytes(args, runner, tp_workers), block_bytes)
+    num_blocks = args.num_kv_blocks or _num_kv_blocks(args, runner, tp_workers, block_bytes)
     max_len = _max_model_len(args, cfg, num_blocks, runner.sliding_window)
     eos_token_ids = set(cfg.eos_token_ids)
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
@@ -168,12 +172,14 @@ def _medusa_proposer(args: EngineArgs, runner: ModelRunner, tp: TensorParallel, 
     return MedusaProposer(heads, runner, max_len, spec.speculative_token_tree)
 
 
-def _kv_budget_bytes(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None) -> int:
+def _num_kv_blocks(args: EngineArgs, runner: ModelRunner, tp_workers: TensorParallelWorkers | None,
+                   block_bytes: int) -> int:  # fmt: skip
+    """Blocks of `block_bytes` in the host budget, or, on CUDA, the fewest any rank's GPU can hold."""
     if args.kv_cache_memory_bytes is not None or runner.device.type != "cuda":
-        return host_kv_budget(args)
-    if tp_workers is not None:
-        return tp_workers.gpu_kv_budget(runner)
-    return gpu_kv_budget(runner, args)
+        return blocks_in_budget(host_kv_budget(args), block_bytes)
+    if tp_workers is not None:  # (no draft model under tensor or pipeline parallelism)
+        return tp_workers.gpu_kv_blocks(runner)
+    return blocks_in_budget(gpu_kv_budget(runner, args), block_bytes)  # block_bytes: with the draft's
 
 
 def _max_model_len(args: EngineArgs, cfg: ModelConfig, num_blocks: int, window: int | None) -> int:

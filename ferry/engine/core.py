@@ -8,6 +8,11 @@ back the rejected drafts' slots, and asks for the next step's drafts.
 Text-level work (detokenization, stop strings, n > 1 aggregation) is the
 OutputProcessor's, which may run in another process and aborts a request
 here when one of its stop strings matches.
+
+Under pipeline parallelism a step is a micro-batch: up to one per stage is in
+flight at once (each stage works on a different one), every request in at most
+one of them; a step schedules a new micro-batch while others are under way and
+applies the oldest one's tokens (vLLM's batch queue).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from ferry.core.kv_cache_manager import KVCacheManager
@@ -23,7 +29,8 @@ from ferry.core.scheduler import Scheduler
 from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
 from ferry.sampling_params import resolve_stop_token_ids
 from ferry.structured_output.compiler import GrammarCompiler, GrammarState
-from ferry.worker.model_runner import ModelRunner
+from ferry.utils.math import cdiv
+from ferry.worker.model_runner import ModelRunner, SubmittedStep
 from ferry.worker.spec_decode import DraftProposer
 from ferry.worker.step_plan import StepRecord, tree_depths
 from ferry.worker.tp_worker import TensorParallelWorkers
@@ -75,11 +82,24 @@ class EngineCore:
         self.embed_max_batch = embed_max_batch
         self.embed_max_delay = embed_max_delay
         self._embed_held: list[Request] = []
+        # Pipeline parallelism: micro-batches in flight (at most `micro_batches`, one per stage by
+        # default; 1 makes the stages take turns), oldest first, and the most seen at once.
+        self.pipelined = runner.pp.size > 1
+        self.micro_batches = runner.pp.size
+        self._in_flight: deque[SubmittedStep] = deque()
+        self.max_in_flight = 0
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (if any) and the grammar compiler."""
+        """Collect the steps still in flight, stop the tensor/pipeline-parallel workers (if any) and the
+        grammar compiler."""
         if self.grammars is not None:
             self.grammars.shutdown()
+        while self._in_flight and self.tp_workers is not None:
+            try:
+                self.runner.complete(self._in_flight.popleft())
+            except Exception:  # a worker is gone: nothing more comes back
+                logger.exception("collecting the steps in flight at shutdown")
+                self._in_flight.clear()
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
             self.tp_workers = None
@@ -197,7 +217,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._awaiting_grammar)
-                or bool(self._embed_held))  # fmt: skip
+                or bool(self._embed_held) or bool(self._in_flight))  # fmt: skip
 
     def step(self) -> list[EngineCoreOutput]:
         if self._awaiting_grammar:
@@ -205,6 +225,8 @@ class EngineCore:
         if self._embed_held:
             self._release_embeddings()
         outputs, self._pending = self._pending, []
+        if self.pipelined:
+            return outputs + self._pipelined_step()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -212,7 +234,31 @@ class EngineCore:
             return outputs
         record = StepRecord(0, 0, 0, schedule=t1 - t0)  # the runner fills in the step's shape
         requests, sampled = self.runner.execute(sched, record)
+        return outputs + self._apply(sched, requests, sampled, record)
+
+    def _pipelined_step(self) -> list[EngineCoreOutput]:
+        """Fill the pipeline with micro-batches (each a share of the requests, so that the stages have
+        one each), then apply the oldest one's tokens."""
+        while len(self._in_flight) < self.micro_batches:
+            t0 = time.perf_counter()
+            share = max(1, cdiv(len(self.scheduler.requests), self.micro_batches))
+            sched = self.scheduler.schedule(max_requests=share)
+            t1 = time.perf_counter()
+            if sched.is_empty:
+                break
+            self._in_flight.append(self.runner.submit(sched, StepRecord(0, 0, 0, schedule=t1 - t0)))
+            self.max_in_flight = max(self.max_in_flight, len(self._in_flight))
+        if not self._in_flight:
+            return []
+        step = self._in_flight.popleft()
+        requests, sampled = self.runner.complete(step)
+        return self._apply(step.sched, requests, sampled, step.record)
+
+    def _apply(self, sched, requests: list[Request], sampled, record: StepRecord) -> list[EngineCoreOutput]:
+        """A step's results: pooled embeddings finish, sampled tokens are appended and checked
+        against the stop conditions, drafts verified or rolled back; the outputs to send."""
         t2 = time.perf_counter()
+        outputs: list[EngineCoreOutput] = []
         for request in self.runner.pooled:  # embeddings whose prompt is done: no token, a vector
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
             outputs.append(EngineCoreOutput(

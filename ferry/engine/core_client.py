@@ -73,7 +73,7 @@ class EngineCoreClient:
             name="ferry-engine-core",
             # A daemonic process may not start children: tensor-parallel ranks are the core's
             # children (they and the core die with their parent through PR_SET_PDEATHSIG).
-            daemon=self.args.tensor_parallel_size == 1,
+            daemon=self.args.world_size == 1,
         )
         self.proc.start()
         logger.info("EngineCore process %d started", self.proc.pid)

@@ -97,8 +97,9 @@ class EngineCoreProc:
         self.running = True
 
     def _start_transfers(self, config: KVTransferConfig) -> KVTransferCoordinator:
-        if self.args.tensor_parallel_size > 1:
-            raise ValueError("KV transfer (--kv-transfer / --redis-url) does not support tensor parallelism yet")
+        if self.args.world_size > 1:
+            raise ValueError("KV transfer (--kv-transfer / --redis-url) does not support tensor or pipeline "
+                             "parallelism yet")  # fmt: skip
         info = self.core.info
         transfers = KVTransferCoordinator(config, self.ctx, self.core.kv, self.core.runner.kv_caches, info.model_path,
                                           self.send)  # fmt: skip

@@ -147,14 +147,14 @@ class LLMEngine:
         """The KV blocks this engine still caches for a prompt's full blocks (after its prefill),
         without the leading ones in `skip` (kv_transfer/blocks.py)."""
         if self.tp_workers is not None:
-            raise ValueError("KV export does not support tensor parallelism yet")
+            raise ValueError("KV export does not support tensor or pipeline parallelism yet")
         hashes = hash_prompt_blocks(prompt_token_ids, self.kv.block_size, deployment_salt=self.kv.block_hash_salt)
         return export_blocks(self.kv, self.runner.kv_caches, hashes, skip)
 
     def import_kv(self, blocks: KVBlocks) -> int:
         """Publish another engine's blocks in this prefix cache; returns how many were new."""
         if self.tp_workers is not None:
-            raise ValueError("KV import does not support tensor parallelism yet")
+            raise ValueError("KV import does not support tensor or pipeline parallelism yet")
         return import_blocks(self.kv, self.runner.kv_caches, blocks)
 
     def get_stats(self) -> EngineStats:

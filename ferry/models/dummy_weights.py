@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -139,11 +139,15 @@ def iter_dummy_weights(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     keep_quantized: frozenset[str] = frozenset(),
+    wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
-    """Yield (HF name, random tensor) for every weight of `cfg`, generated on `device`; those named in
-    `keep_quantized` (from quantizable_weights) as random Q4_0 blocks instead."""
+    """Yield (HF name, random tensor) for every weight of `cfg` that `wanted` accepts (all when None),
+    generated on `device`; those named in `keep_quantized` (from quantizable_weights) as random Q4_0
+    blocks instead."""
     device = torch.device(device or "cpu")
     for name, shape in weight_shapes(cfg):
+        if wanted is not None and not wanted(name):
+            continue
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.kv_quant import row_width
 from ferry.layers.attention import (
     AttentionMetadata,
@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 # layer's experts stacked [E, ...] without the index (GGUF's ffn_*_exps).
 _EXPERT_WEIGHT = re.compile(r"layers\.(?P<layer>\d+)\.mlp\.experts\.(?:(?P<expert>\d+)\.)?(?P<part>\w+)\.weight")
 _EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_LAYER_PREFIX = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 class Attention(nn.Module):
@@ -215,20 +216,25 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, tp: TensorParallel = SINGLE,
-                 expert_parallel: bool = False) -> None:  # fmt: skip
+                 expert_parallel: bool = False, pp: PipelineStage = SINGLE_STAGE) -> None:  # fmt: skip
         """`expert_parallel`: under TP, each rank holds whole experts, num_experts / N of them
-        (layers/moe.py), instead of a slice of every one."""
+        (layers/moe.py), instead of a slice of every one. `pp`: this rank's pipeline stage: only its
+        decoder layers (`self.layers[i]` is checkpoint layer `first_layer + i`), the embedding and the
+        output head on stage 0 only (None elsewhere); the final norm is small and kept everywhere."""
         super().__init__()
         self.config = cfg
         self.max_position = max_position
         self.tp = tp
+        self.pp = pp
+        own = pp.layer_range(cfg.num_hidden_layers)
+        self.first_layer = own.start
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, i, expert_parallel)
-                                    for i in range(cfg.num_hidden_layers))  # fmt: skip
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if pp.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, i, expert_parallel) for i in own)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        vocab_rows = self.embed_tokens.rows  # the output head is vocab-parallel like the embedding
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
+        vocab_rows = -(-cfg.vocab_size // tp.size)  # the output head is vocab-parallel like the embedding
+        untied = not cfg.tie_word_embeddings and pp.is_first
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False) if untied else None
         self._packed_lm_head: torch.Tensor | None = None
         self._int8_lm_head: Int8Weight | Int8Rows | None = None
         self._gguf_lm_head: GGUFWeight | None = None
@@ -242,13 +248,22 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final (normed) hidden states [T, hidden]. A pipeline stage after the first starts from
+        the previous stage's `intermediate` (its last layer's output and the residual, unsummed), and
+        a stage before the last returns that pair instead."""
         if self.cpu_decode_step is not None and self.cpu_decode_step.runs(kv_caches, meta):
             return self.cpu_decode_step(input_ids, positions, kv_caches, meta)
-        x, residual = self.embed_tokens(input_ids), None
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
         with step_decode_rows(meta.num_decodes):  # GGUF weights: decode rows int8 dots, prompt rows exact
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, positions, kv_cache, meta)
+        if not self.pp.is_last:
+            return x, residual
         return self.norm.add_and_norm(x, residual)
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
@@ -307,6 +322,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, FusedMoE)):
                 module.pack()
+        if not self.pp.is_first:
+            return  # the output head is stage 0's
         if self._gguf_lm_head is None:
             if self._packed_lm_head is None:
                 self._packed_lm_head, self._int8_lm_head = pack_weight(self._lm_head_weight()), None
@@ -331,7 +348,9 @@ class LlamaForCausalLM(nn.Module):
         keep: set[str] = set()
         pieces: dict[str, list[str]] = {}  # module (HF-fused name) -> its checkpoint tensor names
         for name in quantized:
-            short = name.removeprefix("model.")
+            short = self._stage_name(name.removeprefix("model."))
+            if short is None:  # another pipeline stage's
+                continue
             parts = short.split(".")
             module = ".".join(self._FUSED.get(p, (p, 0))[0] for p in parts[:-1])
             pieces.setdefault(module, []).append(name)
@@ -349,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
                 if len(names) == need:  # every part quantized, else all of them come dequantized
                     module.drop_weight()
                     keep.update(names)
-            elif module_name == "embed_tokens":
+            elif module_name == "embed_tokens" and self.embed_tokens is not None:
                 self.embed_tokens.weight = None
                 keep.update(names)
             elif module_name == "lm_head" and self.lm_head is not None:
@@ -459,13 +478,13 @@ class LlamaForCausalLM(nn.Module):
                 if len(parts) != n:
                     raise ValueError(f"{module_name}: {len(parts)} of its {n} quantized parts in the checkpoint")
                 module.set_gguf(parts)
-            elif module_name == "embed_tokens" and self.embed_tokens.weight is None:
+            elif module_name == "embed_tokens" and self.embed_tokens is not None and self.embed_tokens.weight is None:
                 self.embed_tokens.gguf, self.embed_tokens.gguf_dtype = parts[0], self.norm.weight.dtype
             elif module_name == "lm_head" and self.lm_head is not None and self.lm_head.weight is None:
                 self._gguf_lm_head = parts[0]
             else:
                 raise ValueError(f"quantized checkpoint tensor for {module_name!r}, which expects a float weight")
-        if self.lm_head is None and self.embed_tokens.gguf is not None:
+        if self.lm_head is None and self.embed_tokens is not None and self.embed_tokens.gguf is not None:
             self._gguf_lm_head = self.embed_tokens.gguf  # tied: one quantized copy serves both
 
     def _load_expert_weight(self, match: re.Match, tensor: torch.Tensor) -> list[str]:
@@ -582,8 +601,30 @@ class LlamaForCausalLM(nn.Module):
             order = (torch.arange(tensor.shape[0] // qk)[:, None] * qk + head).reshape(-1)
         return tensor.index_select(0, order)
 
+    def wants(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (HF naming) has a place on this pipeline stage: its layers,
+        the embedding and head on stage 0, the rest everywhere. The loader skips the others unread."""
+        m = _LAYER_PREFIX.match(name)
+        if m is not None:
+            return int(m[1]) - self.first_layer in range(len(self.layers))
+        if name.removeprefix("model.").startswith(("embed_tokens.", "lm_head.")):
+            return self.pp.is_first
+        return True
+
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint name with its layer index made this stage's (None: another stage's tensor)."""
+        if self.pp.size == 1:
+            return name
+        if not self.wants(name):
+            return None
+        m = _LAYER_PREFIX.match(name)
+        if m is None:
+            return name
+        return f"layers.{int(m[1]) - self.first_layer}.{name[m.end():]}"
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set.
+        Under pipeline parallelism, tensors of other stages are skipped."""
         cfg = self.config
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -594,6 +635,9 @@ class LlamaForCausalLM(nn.Module):
             if name.startswith("model."):
                 name = name[len("model.") :]
             if "rotary_emb" in name:
+                continue
+            name = self._stage_name(name)
+            if name is None:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the sparse block
             name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
@@ -635,9 +679,10 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{target}#{shard}")
         self._set_gguf_weights(gguf_parts)
         expected = {f"{m}.weight#{i if len(parts) > 1 else None}" for m, parts in gguf_parts.items() for i in parts}
-        for i in self.config.moe_layers:
-            for part in ("gate", "up", "down"):
-                expected.update(f"layers.{i}.mlp.experts.{part}#{e}" for e in range(self.config.num_experts))
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                for part in ("gate", "up", "down"):
+                    expected.update(f"layers.{i}.mlp.experts.{part}#{e}" for e in range(self.config.num_experts))
         for pname in params:
             if ".mlp.experts." in pname:
                 continue  # stacked expert weights: counted per expert above

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +99,10 @@ class Checkpoint:
     hf_quantized_modules: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def iter_weights(
-        self, device: torch.device | str | None = None, keep_quantized: frozenset[str] = frozenset()
+        self,
+        device: torch.device | str | None = None,
+        keep_quantized: frozenset[str] = frozenset(),
+        wanted: Callable[[str], bool] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         """Yield (HF name, tensor) one at a time, so that peak memory stays near one tensor.
 
@@ -107,14 +110,16 @@ class Checkpoint:
         GGUF tensors named in `keep_quantized` come as `GGUFWeight`s, still in their block format;
         every other quantized tensor is dequantized to fp32. A GPTQ/AWQ/compressed-tensors module
         comes as one `<module>.weight`: blocks for the GGUF kernels if named in `keep_quantized`,
-        else its fp32 dequantization.
+        else its fp32 dequantization. Tensors `wanted` refuses (another pipeline stage's) are skipped
+        before they are read.
         """
+        wanted = wanted or (lambda name: True)
         if self.format == "dummy":
-            yield from iter_dummy_weights(self.config, self.seed, device, keep_quantized=keep_quantized)
+            yield from iter_dummy_weights(self.config, self.seed, device, keep_quantized=keep_quantized, wanted=wanted)
         elif self.format == "gguf":
-            yield from self._iter_gguf(keep_quantized)
+            yield from self._iter_gguf(keep_quantized, wanted)
         else:
-            yield from self._iter_safetensors(keep_quantized)
+            yield from self._iter_safetensors(keep_quantized, wanted)
 
     def quantized_tensors(self) -> dict[str, str]:
         """HF weight name -> storage type of every weight stored quantized in a form the GGUF kernels
@@ -141,23 +146,27 @@ class Checkpoint:
             self._gguf_reader = _open_gguf(self.path)
         return self._gguf_reader
 
-    def _iter_safetensors(self, keep_quantized: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    def _iter_safetensors(
+        self, keep_quantized: frozenset[str], wanted: Callable[[str], bool]
+    ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         from safetensors import safe_open
 
         files = safetensors_files(self.path)
         if self.hf_quantization is not None:
-            yield from self._iter_hf_quantized(files, keep_quantized)
+            yield from self._iter_hf_quantized(files, keep_quantized, wanted)
             return
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
+                    if not wanted(name):
+                        continue
                     # A tied head, if saved anyway, is a copy of the embedding the model already has.
                     if name == "lm_head.weight" and self.config.tie_word_embeddings:
                         continue
                     yield name, f.get_tensor(name)
 
     def _iter_hf_quantized(
-        self, files: list[str], keep_quantized: frozenset[str]
+        self, files: list[str], keep_quantized: frozenset[str], wanted: Callable[[str], bool]
     ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         """A quantized module's tensors may sit in different shards: every file stays open, and a
         module is converted when its first tensor comes up (one module's tensors in memory at a time)."""
@@ -170,7 +179,7 @@ class Checkpoint:
             handles = [stack.enter_context(safe_open(file, framework="pt")) for file in files]
             where = {name: f for f in handles for name in f.keys()}
             for name, f in where.items():
-                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings or not wanted(name):
                     continue
                 module = parts.get(name)
                 if module is None:
@@ -192,7 +201,9 @@ class Checkpoint:
             logger.warning("%s: the scales of %d quantized modules were rounded to fp16 for the block kernels",
                            self.path, rounded)  # fmt: skip
 
-    def _iter_gguf(self, keep_quantized: frozenset[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    def _iter_gguf(
+        self, keep_quantized: frozenset[str], wanted: Callable[[str], bool]
+    ) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         from gguf.quants import dequantize
 
         reader = self._reader()
@@ -201,7 +212,7 @@ class Checkpoint:
         permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
         for tensor in reader.tensors:
             name = _hf_name(tensor.name)
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings or not wanted(name):
                 continue
             if name in keep_quantized:
                 # GGUF's shape is (in, out); rows stay whole blocks, so the Q/K unpermutation moves bytes.

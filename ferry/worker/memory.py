@@ -24,18 +24,20 @@ logger = logging.getLogger(__name__)
 CUDA_GRAPH_RESERVE_BYTES = 1 << 30
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1,
+                       num_layers: int | None = None) -> int:  # fmt: skip
     """Bytes of one block on one rank (its share of the KV heads), the scales of a quantized cache included."""
-    return block_size * kv_bytes_per_token(cfg, dtype, tp_size)
+    return block_size * kv_bytes_per_token(cfg, dtype, tp_size, num_layers)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """One token's cache over all layers on one rank: its share of the K and V heads, or MLA's one
-    latent row (latent and rotary key), which every rank holds whole."""
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, num_layers: int | None = None) -> int:
+    """One token's cache over the rank's layers (`num_layers`, default all: a pipeline stage holds its
+    own) on one rank: its share of the K and V heads, or MLA's one latent row (latent and rotary
+    key), which every rank holds whole."""
+    layers = cfg.num_hidden_layers if num_layers is None else num_layers
     if cfg.is_mla:
-        return cfg.num_hidden_layers * row_bytes(cfg.kv_cache_width, dtype)
-    return kv_cache_bytes_per_token(cfg.num_hidden_layers, max(1, cfg.num_key_value_heads // tp_size),
-                                    cfg.head_dim, dtype)  # fmt: skip
+        return layers * row_bytes(cfg.kv_cache_width, dtype)
+    return kv_cache_bytes_per_token(layers, max(1, cfg.num_key_value_heads // tp_size), cfg.head_dim, dtype)
 
 
 @torch.inference_mode()
@@ -50,7 +52,7 @@ def profile_peak_memory(runner: ModelRunner, num_tokens: int, chunk: int, num_se
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     plan = profiling_plan(num_tokens, chunk, num_seqs, runner.block_size, runner.model.config.vocab_size)
-    logits = runner.forward(plan)
+    logits = runner.profile_forward(plan)
     if logits is not None:
         # The sampler's temporaries at their largest: penalties, top-k/p (sorted values, their
         # int64 indices, mask, probabilities, cumulative sum), noise, logprobs: ~8 fp32 copies.
@@ -60,8 +62,19 @@ def profile_peak_memory(runner: ModelRunner, num_tokens: int, chunk: int, num_se
     peak = torch.cuda.max_memory_allocated(device)
     runner.free_kv_cache()
     torch.cuda.empty_cache()
-    block_bytes = kv_bytes_per_block(runner.model.config, runner.block_size, runner.cache_dtype, runner.tp.size)
-    return peak - block_bytes * blocks
+    return peak - runner_block_bytes(runner) * blocks
+
+
+def runner_block_bytes(runner: ModelRunner) -> int:
+    """Bytes of one KV block in this runner's cache: its TP share of its stage's layers."""
+    cfg = runner.model.config
+    return kv_bytes_per_block(cfg, runner.block_size, runner.cache_dtype, runner.tp.size, len(runner.model.layers))
+
+
+def gpu_kv_blocks(runner: ModelRunner, args: EngineArgs) -> int:
+    """The KV blocks this rank's GPU can hold (gpu_kv_budget over its own block size: pipeline
+    stages hold different layer counts)."""
+    return blocks_in_budget(gpu_kv_budget(runner, args), runner_block_bytes(runner))
 
 
 def gpu_kv_budget(runner: ModelRunner, args: EngineArgs) -> int:

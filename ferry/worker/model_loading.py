@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ferry.config import EngineArgs
-from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.kernels.cpu import cpu_kernels_enabled
 from ferry.kv_quant import KV_FORMAT_DTYPES
 from ferry.layers.gguf_linear import gguf_available, gguf_cuda_available
@@ -155,17 +155,17 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
         raise ValueError("--quantization int8: this torch build lacks oneDNN's int8 linear ops")
 
 
-def load_model(args: EngineArgs, tp: TensorParallel = SINGLE) -> LoadedModel:
-    """Build our model (this rank's shard) from the checkpoint and load its tokenizer
-    (separate from the engine so tests can share one loaded model)."""
+def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, pp: PipelineStage = SINGLE_STAGE) -> LoadedModel:
+    """Build our model (this rank's shard of its pipeline stage) from the checkpoint and load its
+    tokenizer (separate from the engine so tests can share one loaded model)."""
     with cyclic_gc_paused():  # a GGUF's ~100k metadata arrays: ~1.5 s of full collections otherwise
-        return _load_model(args, tp)
+        return _load_model(args, tp, pp)
 
 
-def _load_model(args: EngineArgs, tp: TensorParallel) -> LoadedModel:
+def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> LoadedModel:
     t0 = time.perf_counter()
     ckpt = load_checkpoint(args.model, args.load_format, args.seed)
-    device = resolve_device(args.device, tp.rank, tp.size)
+    device = resolve_device(args.device, pp.stage * tp.size + tp.rank, tp.size * pp.size)
     dtype = resolve_dtype(args.dtype, device, ckpt.config)
     quantization = resolve_quantization(args.quantization, ckpt, device, dtype, tp)
     if quantization == "int8" and ckpt.config.moe_layers:
@@ -174,16 +174,20 @@ def _load_model(args: EngineArgs, tp: TensorParallel) -> LoadedModel:
     if quantization is not None and ckpt.config.is_mla:
         raise ValueError(f"--quantization {quantization} does not cover multi-head latent attention yet; "
                          "run the model in its dtype")  # fmt: skip
+    if quantization == "int8" and pp.size > 1:
+        raise ValueError("--quantization int8 calibrates on a forward through every layer, which pipeline "
+                         "parallelism splits; run it with --pipeline-parallel-size 1")  # fmt: skip
     max_len = args.max_model_len or ckpt.config.max_position_embeddings
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp,
-                                 expert_parallel=args.enable_expert_parallel)  # fmt: skip
+                                 expert_parallel=args.enable_expert_parallel, pp=pp)  # fmt: skip
         # GGUF: the quantized blocks are the only copy; those modules never get an fp32 weight.
         keep_quantized = model.plan_gguf(ckpt.quantized_tensors()) if quantization == "gguf" else frozenset()
     # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
     # copy of the whole model on the device, which the allocator would keep from the KV cache.
     model = model.to(dtype).to_empty(device=device)
-    model.load_weights(ckpt.iter_weights(device, keep_quantized))  # dummy weights are generated on the device
+    # Dummy weights are generated on the device; another pipeline stage's tensors are not read.
+    model.load_weights(ckpt.iter_weights(device, keep_quantized, wanted=model.wants))
     model.init_rotary()  # to_empty left the tables uninitialised; they stay fp32
     model.eval()
     tokenizer = load_tokenizer(args.tokenizer or ckpt.path)
@@ -194,7 +198,8 @@ def _load_model(args: EngineArgs, tp: TensorParallel) -> LoadedModel:
     quant = f", {quantization} weights" if quantization else ""
     logger.info("loaded %s (%s%s) in %.1fs", ckpt.path, dtype, quant, time.perf_counter() - t0)
     model.quantization = quantization  # what the weights run as: "gguf", "int8" or None (the dtype)
-    if quantization == "gguf" and not args.enforce_eager and device.type == "cpu":  # (CUDA: graphs instead)
+    # (CUDA: graphs instead; a pipeline stage is not the whole step the C++ call runs)
+    if quantization == "gguf" and not args.enforce_eager and device.type == "cpu" and pp.size == 1:
         model.cpu_decode_step = CPUDecodeStep.build(model)
     path = ckpt.path
     del ckpt  # the reader's metadata objects (a GGUF's vocabulary: ~100k small arrays) are garbage now

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ferry.config import EngineArgs
 from ferry.core.request import Request
 from ferry.core.scheduler import SchedulerOutput
-from ferry.distributed.parallel_state import SINGLE, TensorParallel
+from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
+from ferry.distributed.pipeline_channel import PipelineChannel
 from ferry.layers.attention import AttentionBackend, build_metadata, select_attention_backend
 from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator
@@ -27,7 +29,7 @@ from ferry.worker.model_loading import LoadedModel, resolve_kv_cache_dtype
 from ferry.worker.pooler import pool_step
 from ferry.worker.prompt_logprobs import prompt_logprobs
 from ferry.worker.sampler import Sampler, VerifiedOutput
-from ferry.worker.step_plan import StepPlan, StepRecord, build_step_plan
+from ferry.worker.step_plan import CollectStep, StepPlan, StepRecord, build_step_plan
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class SubmittedStep:
+    """A step whose forward is under way on the later pipeline stages; rank 0 samples it when its
+    final hidden states come back (`ModelRunner.complete`)."""
+
+    sched: SchedulerOutput
+    plan: StepPlan
+    sampling: list[Request]
+    drafts: list[list[int]]
+    record: StepRecord
+    # Each scheduled request's preemption count when submitted: a request preempted (or finished)
+    # since gets nothing from this step.
+    preemptions: dict[str, int]
+
+    def is_current(self, request: Request) -> bool:
+        return not request.status.finished and request.num_preemptions == self.preemptions[request.request_id]
+
+
 class ModelRunner:
-    """Runs the model on this rank's shard over each step's plan; rank 0 also plans and samples."""
+    """Runs the model on this rank's shard over each step's plan; rank 0 also plans and samples.
+    Under pipeline parallelism, this rank's stage: stage 0's ranks run the first layers and take the
+    final hidden states back from the last stage (`submit` / `complete`), later stages run theirs on
+    what the previous stage sends (`run_stage`)."""
 
     def __init__(
         self,
@@ -51,14 +74,19 @@ class ModelRunner:
         attention_backend: str = "auto",
         tp: TensorParallel = SINGLE,
         check_peers: Callable[[], None] | None = None,
+        pp: PipelineStage = SINGLE_STAGE,
+        channel: PipelineChannel | None = None,
     ) -> None:
-        """`check_peers` (rank 0 under tensor parallelism) raises if another rank's process is
-        gone: a collective with it would block for ever."""
+        """`check_peers` (rank 0 under tensor or pipeline parallelism) raises if another rank's
+        process is gone: a collective with it would block for ever. `channel`: what this rank's
+        pipeline stage sends and receives through (pp.size > 1)."""
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.tp = tp
+        self.pp = pp
+        self.channel = channel
         self.check_peers = check_peers
         if device.type == "cpu":
             tune_cpu_allocator()
@@ -103,6 +131,8 @@ class ModelRunner:
         loaded: LoadedModel,
         tp: TensorParallel = SINGLE,
         check_peers: Callable[[], None] | None = None,
+        pp: PipelineStage = SINGLE_STAGE,
+        channel: PipelineChannel | None = None,
     ) -> "ModelRunner":
         """The runner the engine's arguments describe, over an already loaded model."""
         runner = cls(
@@ -114,6 +144,8 @@ class ModelRunner:
             attention_backend=args.attention_backend,
             tp=tp,
             check_peers=check_peers,
+            pp=pp,
+            channel=channel,
         )
         runner.pooling_type = args.pooling_type
         return runner
@@ -136,6 +168,9 @@ class ModelRunner:
             # The grouped experts size their GEMMs on the host (layers/moe.py): nothing to replay.
             logger.info("no CUDA graphs: mixture-of-experts layers group their tokens on the host")
             enforce_eager = True
+        if self.pp.size > 1 and not enforce_eager and self.device.type == "cuda":
+            logger.info("no CUDA graphs: a pipeline stage's steps run eagerly")
+            enforce_eager = True
         if not enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton":
             self.graphs = CUDAGraphRunner(
                 self.model, self.attn_backend, self.kv_caches, self.block_size, self.device, max_num_seqs, max_model_len
@@ -145,22 +180,31 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """This rank's forward over the step; the logits of `plan.logits_rows` (all ranks)."""
+        return self._outputs(plan, self._run_model(plan))
+
+    def _run_model(
+        self, plan: StepPlan, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The model (this rank's stage of it) over the step: replayed from a CUDA graph when one fits."""
         if self.graphs is not None and self.graphs.fits(plan):
-            hidden = self.graphs.run(plan)
-        else:
-            meta = build_metadata(
-                slot_mapping=plan.slot_mapping,
-                block_size=self.block_size,
-                decode_blocks=plan.decode_blocks,
-                decode_seq_lens=plan.decode_seq_lens,
-                prefills=plan.prefills,
-                device=self.device,
-                backend=self.attn_backend,
-                decode_tree=plan.decode_tree,
-            )
-            ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
-            positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            return self.graphs.run(plan)
+        meta = build_metadata(
+            slot_mapping=plan.slot_mapping,
+            block_size=self.block_size,
+            decode_blocks=plan.decode_blocks,
+            decode_seq_lens=plan.decode_seq_lens,
+            prefills=plan.prefills,
+            device=self.device,
+            backend=self.attn_backend,
+            decode_tree=plan.decode_tree,
+        )
+        ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
+        return self.model(ids, positions, self.kv_caches, meta, intermediate)
+
+    def _outputs(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
+        """From the final hidden states: the embedding rows kept for pooling, prompt logprobs, and the
+        logits of `plan.logits_rows` (None when there are none)."""
         self.pool_hidden = hidden if plan.pool_chunks else None
         if plan.prompt_logprob_chunks:
             self.prompt_lps = prompt_logprobs(plan, hidden, self.model.compute_logits)
@@ -170,6 +214,84 @@ class ModelRunner:
         rows = torch.from_numpy(plan.logits_rows).to(self.device, non_blocking=True)
         self.logits_hidden = hidden.index_select(0, rows)
         return self.model.compute_logits(self.logits_hidden)
+
+    @torch.inference_mode()
+    def profile_forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """The memory profile's forward: this rank's stage alone (no other stage takes part), on zeros
+        where the previous stage's activations would come in; stage 0 also computes logits, of zeros."""
+        if self.pp.size == 1:
+            return self.forward(plan)
+        T, h = len(plan.input_ids), self.model.config.hidden_size
+        zeros = torch.zeros(T, h, dtype=self.dtype, device=self.device)
+        self._run_model(plan, None if self.pp.is_first else (zeros, zeros.clone()))
+        return self._outputs(plan, zeros) if self.pp.is_first else None
+
+    # -- pipeline parallelism ------------------------------------------
+
+    @torch.inference_mode()
+    def run_first_stage(self, plan: StepPlan) -> None:
+        """Stage 0: the embedding and the first layers, handed on to stage 1 with the plan."""
+        x, residual = self._run_model(plan)
+        self.channel.send(self.pp.next_rank, plan, (x, residual))
+
+    @torch.inference_mode()
+    def run_stage(self, plan: StepPlan) -> None:
+        """A later stage: its layers over what the previous stage sent; the last stage sends the
+        final hidden states back to stage 0, the others hand on to the next stage."""
+        T, h = len(plan.input_ids), self.model.config.hidden_size
+        x, residual = self.channel.recv_tensors(self.pp.prev_rank, [(T, h), (T, h)], self.dtype)
+        out = self._run_model(plan, (x, residual))
+        if self.pp.is_last:
+            self.channel.send(self.pp.next_rank, None, (out,))
+        else:
+            self.channel.send(self.pp.next_rank, plan, out)
+
+    @torch.inference_mode()
+    def collect(self, plan: StepPlan) -> torch.Tensor | None:
+        """Stage 0: the final hidden states of the oldest step in flight, back from the last stage;
+        its logits (and pooled rows, prompt logprobs)."""
+        T, h = len(plan.input_ids), self.model.config.hidden_size
+        (hidden,) = self.channel.recv_tensors(self.pp.prev_rank, [(T, h)], self.dtype)
+        return self._outputs(plan, hidden)
+
+    def submit(self, sched: SchedulerOutput, record: StepRecord) -> SubmittedStep:
+        """Rank 0 under pipeline parallelism: plan the step and run stage 0 of it; the later stages
+        take it from there while rank 0 goes on to the next micro-batch. `complete` samples it."""
+        t0 = time.perf_counter()
+        plan, sampling, drafts = build_step_plan(sched, self.block_size)
+        self._broadcast(plan)
+        t1 = time.perf_counter()
+        self.run_first_stage(plan)
+        record.prepare, record.forward = t1 - t0, time.perf_counter() - t1
+        preemptions = {r.request_id: r.num_preemptions for r, _ in sched.scheduled}
+        return SubmittedStep(sched, plan, sampling, drafts, record, preemptions)
+
+    def complete(self, step: SubmittedStep) -> tuple[list[Request], VerifiedOutput | None]:
+        """Rank 0: wait for a submitted step's final hidden states and sample it. Requests preempted,
+        aborted or finished since it was submitted get nothing from it."""
+        t0 = time.perf_counter()
+        self._broadcast(CollectStep())
+        logits = self.collect(step.plan)
+        t1 = time.perf_counter()
+        current = [i for i, r in enumerate(step.sampling) if step.is_current(r)]
+        sampling = [step.sampling[i] for i in current]
+        drafts = [step.drafts[i] for i in current]
+        if logits is not None and len(current) < len(step.sampling):
+            # One logits row per sampling request: nothing is speculated under pipeline parallelism.
+            logits = logits.index_select(0, torch.tensor(current, dtype=torch.long, device=logits.device))
+        out = self._sample_and_attach(step.sched, step.plan, sampling, drafts, logits if sampling else None,
+                                      step.is_current)  # fmt: skip
+        step.record.forward += t1 - t0
+        step.record.sample = time.perf_counter() - t1
+        self._fill_record(step.record, step.plan)
+        return sampling, out
+
+    def _broadcast(self, msg: StepPlan | CollectStep) -> None:
+        """Hand this step's message to the other tensor-parallel ranks of this stage."""
+        if self.tp.size > 1:
+            if self.check_peers is not None:
+                self.check_peers()
+            self.tp.broadcast_object(msg)
 
     def last_row_of(self) -> dict[str, int]:
         """Per request that sampled in the last step, its row of `logits_hidden` whose draw is its
@@ -207,10 +329,7 @@ class ModelRunner:
         returns the requests that got new tokens and, per request, the tokens it keeps."""
         t0 = time.perf_counter()
         plan, sampling, drafts = build_step_plan(sched, self.block_size)
-        if self.tp.size > 1:
-            if self.check_peers is not None:
-                self.check_peers()
-            self.tp.broadcast_object(plan)
+        self._broadcast(plan)
         if self.profile:
             _sync(self.device)
         t1 = time.perf_counter()
@@ -218,6 +337,22 @@ class ModelRunner:
         if self.profile:
             _sync(self.device)
         t2 = time.perf_counter()
+        out = self._sample_and_attach(sched, plan, sampling, drafts, logits)
+        record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, time.perf_counter() - t2
+        self._fill_record(record, plan)
+        return sampling, out
+
+    def _sample_and_attach(
+        self,
+        sched: SchedulerOutput,
+        plan: StepPlan,
+        sampling: list[Request],
+        drafts: list[list[int]],
+        logits: torch.Tensor | None,
+        is_current: Callable[[Request], bool] | None = None,
+    ) -> VerifiedOutput | None:
+        """Sample (and verify drafts) from the step's logits; attach its prompt logprobs and pooled
+        embeddings to their requests (only to those `is_current` accepts)."""
         # A request without drafts is verified with none: its one row's draw is its token.
         out = None
         if logits is not None:
@@ -226,10 +361,14 @@ class ModelRunner:
             if parents:
                 self._move_kept_drafts(sched, sampling, out.kept_nodes)
         self._sampled, self._sampled_rows = (sampling, out.last_rows) if out is not None else ([], [])
-        by_id = {r.request_id: r for r, _ in sched.scheduled} if plan.prompt_logprob_chunks or plan.pool_chunks else {}
+        by_id = {}
+        if plan.prompt_logprob_chunks or plan.pool_chunks:
+            by_id = {r.request_id: r for r, _ in sched.scheduled if is_current is None or is_current(r)}
         if plan.prompt_logprob_chunks:
             for rid, begin, entries in self.prompt_lps:
-                r = by_id[rid]
+                r = by_id.get(rid)
+                if r is None:
+                    continue
                 if begin == 0:  # the prompt's first chunk (again, after a preemption)
                     r.prompt_logprobs = []
                 r.prompt_logprobs.extend(entries)
@@ -238,9 +377,10 @@ class ModelRunner:
         if plan.pool_chunks:
             self.pooled = pool_step(plan, self.pool_hidden, by_id, self.pooling_type)
             self.pool_hidden = None
-        t3 = time.perf_counter()
+        return out
+
+    @staticmethod
+    def _fill_record(record: StepRecord, plan: StepPlan) -> None:
         record.num_decodes = plan.num_decodes
         record.num_prefill_tokens = sum(p.length for p in plan.prefills)
         record.decode_context_tokens = int(plan.decode_seq_lens.sum())
-        record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, t3 - t2
-        return sampling, out

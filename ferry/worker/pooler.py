@@ -18,12 +18,13 @@ def pool_step(plan: StepPlan, hidden: torch.Tensor, requests: dict[str, Request]
     """Fold this step's rows into each embedding request; returns those whose prompt is now
     complete, with `Request.embedding` set."""
     done = []
-    for rid, start, n in plan.pool_chunks:
-        r = requests[rid]
+    for rid, start, n, end in plan.pool_chunks:
+        r = requests.get(rid)
+        if r is None:  # aborted or preempted while its step was in flight (pipeline parallelism)
+            continue
         params = r.sampling_params.pooling
         kind = params.pooling_type or default_type
         rows = hidden[start : start + n]
-        end = r.num_computed_tokens  # counted at scheduling: includes this step's rows
         first = end - n == 0
         if kind == "mean":
             part = rows.float().sum(dim=0)

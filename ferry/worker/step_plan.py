@@ -42,8 +42,9 @@ class StepPlan:
     prefills: list[PrefillHost]
     logits_rows: np.ndarray  # rows of the batch that need logits
     decode_tree: np.ndarray | None = None  # [num_decodes, 2] (AttentionMetadata.decode_tree); None: no tree
-    # Embedding requests' rows: (request id, first row, number of rows); pooled, never sampled.
-    pool_chunks: list[tuple[str, int, int]] = field(default_factory=list)
+    # Embedding requests' rows: (request id, first row, number of rows, the position after the last
+    # row); pooled, never sampled.
+    pool_chunks: list[tuple[str, int, int, int]] = field(default_factory=list)
     # Prompt-logprob rows: (request id, first row, position of the first row, top-k, the prompt
     # tokens that follow the rows); row j's logits give the logprob of targets[j].
     prompt_logprob_chunks: list[tuple[str, int, int, int, list[int]]] = field(default_factory=list)
@@ -51,6 +52,12 @@ class StepPlan:
     @property
     def num_decodes(self) -> int:
         return len(self.decode_blocks)
+
+
+@dataclass
+class CollectStep:
+    """Pipeline parallelism: stage 0's ranks take the oldest step they ran back from the last stage
+    (its final hidden states) and compute its logits together."""
 
 
 @dataclass
@@ -91,7 +98,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
     logits_rows: list[int] = []
     sampling: list[Request] = []
     drafts: list[list[int]] = []
-    pool_chunks: list[tuple[str, int, int]] = []
+    pool_chunks: list[tuple[str, int, int, int]] = []
     prompt_lp_chunks: list[tuple[str, int, int, int, list[int]]] = []
 
     def prompt_rows(r: Request, row: int, n: int, begin: int) -> None:
@@ -129,7 +136,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
                     tree[i] = (first + 1, ancestor_bits(parents, j)) if depths is not None else (p + 1, 0)
                 prompt_rows(r, i, 1, p)
                 if r.sampling_params.pooling is not None:  # an embedding's 1-token chunk
-                    pool_chunks.append((r.request_id, i, 1))
+                    pool_chunks.append((r.request_id, i, 1, p + 1))
                 elif draft or p + 1 == r.num_tokens:
                     logits_rows.append(i)
                 i += 1
@@ -152,7 +159,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         chunks.append(PrefillHost(start, n, end_ctx, blocks))
         prompt_rows(r, start, n, begin)
         if r.sampling_params.pooling is not None:  # an embedding: pooled, never sampled
-            pool_chunks.append((r.request_id, start, n))
+            pool_chunks.append((r.request_id, start, n, end_ctx))
         elif end_ctx == r.num_tokens:  # the chunk reaches the end: sample the next token
             logits_rows.append(start + n - 1)
             sampling.append(r)
