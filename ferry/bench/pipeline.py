@@ -2,7 +2,8 @@
 beside one process, in one run.
 
 The same requests (`--num-requests` of `--input-len` random tokens, `--output-len` greedy tokens each)
-run three ways on the engine the flags describe: in one process (`--pipeline-parallel-size 1`); split
+run three ways on the engine the flags describe: in one process (`--pipeline-parallel-size 1`, layer by
+layer as a stage runs: `--enforce-eager`, so not the C++ whole-step decode a GGUF takes there); split
 into `--stages` pipeline stages with one micro-batch per stage in flight, so that every stage works on
 a different one at once; and split the same way with one micro-batch at a time, so that the stages
 take turns (what pipelining without micro-batches gives). The layers per stage are the engine's own
@@ -31,9 +32,9 @@ from ferry.worker.model_loading import resolve_device
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=2, help="pipeline stages of the split runs")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--bench-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
 
@@ -68,22 +69,22 @@ def main(args: argparse.Namespace) -> int:
     base = EngineArgs.from_cli_args(args)
     if args.stages < 2:
         raise ValueError("--stages must be at least 2")
-    one = dataclasses.replace(base, pipeline_parallel_size=1)
+    one = dataclasses.replace(base, pipeline_parallel_size=1, enforce_eager=True)
     split = dataclasses.replace(base, pipeline_parallel_size=args.stages)
     vocab = _vocab_size(one)
     prompts = _requests(random.Random(args.bench_seed), args.num_requests, args.input_len, vocab)
     device = device_name(resolve_device(base.device))
     print(f"{args.num_requests} requests x ({args.input_len} in, {args.output_len} out), {device}")
     results = {}
-    for name, eargs, micro in (("one process", one, None), (f"{args.stages} stages, overlapped", split, None),
+    for name, eargs, micro in (("one process (layer by layer)", one, None), (f"{args.stages} stages, overlapped", split, None),
                                (f"{args.stages} stages, taking turns", split, 1)):  # fmt: skip
         r = _run(eargs, prompts, args.output_len, micro)
         results[name] = r
-        print(f"{name:28s}: {r['output_tok_per_s']:8.1f} output tok/s ({r['seconds']:.2f} s), layers per stage "
+        print(f"{name:29s}: {r['output_tok_per_s']:8.1f} output tok/s ({r['seconds']:.2f} s), layers per stage "
               f"{[b - a for a, b in r['layer_ranges']]}, micro-batches in flight <= {r['max_in_flight']}")  # fmt: skip
     over = results[f"{args.stages} stages, overlapped"]["output_tok_per_s"]
     turns = results[f"{args.stages} stages, taking turns"]["output_tok_per_s"]
-    single = results["one process"]["output_tok_per_s"]
+    single = results["one process (layer by layer)"]["output_tok_per_s"]
     print(f"overlapped / taking turns: {over / turns:.2f}x; overlapped / one process: {over / single:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
