@@ -122,14 +122,19 @@ def tiny_llama(random_norms: bool = False, **overrides) -> LlamaForCausalLM:
     return model.eval()
 
 
-def dense_attention(q, k, v, q_pos, scale):
+def dense_attention(q, k, v, q_pos, scale, window=None, softcap=None):
     """The attention oracle: q [M, H, D] at absolute positions q_pos; k, v [N, KVH, D] (any float
-    dtype); causal by position; fp32 result [M, H, D]."""
+    dtype); causal by position (and within `window` positions, HF's sliding window; scores
+    soft-capped as Gemma 2 does); fp32 result [M, H, D]."""
     H, kvh = q.shape[1], k.shape[1]
     k = k.float().repeat_interleave(H // kvh, dim=1)
     v = v.float().repeat_interleave(H // kvh, dim=1)
     s = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= torch.arange(k.shape[0], device=q.device)[None, :] > q_pos[:, None] - window
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
 

@@ -182,6 +182,26 @@ def _tiny_config(arch: str):
         return transformers.DeepseekV3Config(
             q_lora_rank=24, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True, **mla
         )
+    # Gemma: a 16-token window on its local layers (prompts of 17-40 tokens and 24 more reach past it),
+    # global layers beside them, GeGLU, (1 + w) sandwich norms, a scaled embedding, a softmax scale
+    # from query_pre_attn_scalar (not head_dim); Gemma 2 soft-caps its scores and logits (at 1 and 3,
+    # far tighter than its real 50 and 30, so that the caps change this tiny model's tokens and
+    # logprobs), Gemma 3 norms q/k and has its own rotary base (and here a linearly scaled global one)
+    # on the local layers. HF's eager attention: the one that soft-caps.
+    gemma = dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=24, **{**common, "num_hidden_layers": 3})
+    if arch == "gemma2":
+        cfg = transformers.Gemma2Config(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        attn_logit_softcapping=1.0, final_logit_softcapping=3.0, **gemma)  # fmt: skip
+        cfg._attn_implementation = "eager"
+        return cfg
+    if arch == "gemma3":
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}  # fmt: skip
+        cfg = transformers.Gemma3TextConfig(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                            rope_parameters=rope, **gemma)  # fmt: skip
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        cfg._attn_implementation = "eager"
+        return cfg
     if arch == "llama3":  # Llama with llama3 RoPE scaling and tied embeddings
         common.update(tie_word_embeddings=True, num_key_value_heads=1)
         return transformers.LlamaConfig(
@@ -208,6 +228,8 @@ TINY_ARCHS = [
     "qwen3moe",
     "deepseek_v2",
     "deepseek_v3",
+    "gemma2",
+    "gemma3",
 ]
 
 
@@ -270,11 +292,11 @@ def test_kv_cache_rows_per_architecture(tiny_model):
     k, v = _tiny_engine(loaded).runner.kv_caches[0]
     if mla:
         assert k is v and tuple(k.shape) == (64, 16, 1, 40)
-        assert kv_bytes_per_token(cfg, torch.float32) == 2 * 40 * 4
+        assert kv_bytes_per_token(cfg, torch.float32) == cfg.num_hidden_layers * 40 * 4
     else:
         kvh, d = cfg.num_key_value_heads, cfg.head_dim
         assert k is not v and tuple(k.shape) == tuple(v.shape) == (64, 16, kvh, d)
-        assert kv_bytes_per_token(cfg, torch.float32) == 2 * 2 * kvh * d * 4
+        assert kv_bytes_per_token(cfg, torch.float32) == cfg.num_hidden_layers * 2 * kvh * d * 4
 
 
 def _tiny_engine(loaded, **kwargs) -> LLMEngine:
@@ -340,13 +362,15 @@ def windowed(tmp_path_factory):
     return load_model(EngineArgs(model=str(path), device="cpu", dtype="float32")), prompts_ids, expected, full
 
 
-def test_sliding_window_frees_blocks_and_matches_hf(windowed):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sliding_window_frees_blocks_and_matches_hf(windowed, backend):
     """A 150-token prompt and 24 more tokens in a cache of 12 four-token blocks (48 tokens): the blocks
     that fall out of the 8-token window are released as the request runs, so it never holds more
-    than the window and a step's chunk, and max_model_len is not capped to the cache or the window."""
+    than the window and a step's chunk, and max_model_len is not capped to the cache or the window.
+    The Triton kernels never read the released blocks' stand-in (they start at the window)."""
     loaded, prompts_ids, expected, full = windowed
     assert expected[0] != full[0]  # the window changes the continuation: not a vacuous match
-    engine = _tiny_engine(loaded, block_size=4, num_kv_blocks=12, max_num_batched_tokens=8)
+    engine = _tiny_engine(loaded, block_size=4, num_kv_blocks=12, max_num_batched_tokens=8, attention_backend=backend)
     assert engine.max_model_len == 512
     kv = engine.kv
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -377,9 +401,11 @@ def test_sliding_window_with_prefix_cache_and_preemption(windowed):
     assert warm.get_stats().prefix_cache_hits > hits
 
 
-def test_local_global_window_mix_is_capped_to_the_window(tmp_path):
-    """Qwen2 windows only the layers from max_window_layers on: a mix the attention does not run
-    yet, so the context is capped to the window (where every layer sees all of it) and stays exact."""
+def test_local_global_window_mix_runs_past_the_window(tmp_path):
+    """Qwen2 windows only the layers from max_window_layers on: the windowed layer attends to its last
+    16 positions and the global one to everything, per layer; the context is not capped to the window,
+    no block is released (the global layer reads them all), and prompts far past the window give HF's
+    tokens, on the torch and the Triton backend."""
     import transformers
 
     torch.manual_seed(0)
@@ -390,7 +416,57 @@ def test_local_global_window_mix_is_capped_to_the_window(tmp_path):
     hf.save_pretrained(tmp_path)
     loaded = load_model(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32"))
     assert loaded.model.config.full_attention_layers == (0,)
+    assert [layer.self_attn.window for layer in loaded.model.layers] == [None, 16]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 21)]
+    expected = [hf_greedy(hf, ids, 12) for ids in prompts]
+    for backend in ("torch", "triton"):
+        engine = _tiny_engine(loaded, attention_backend=backend, block_size=4, num_kv_blocks=128,
+                              max_num_batched_tokens=16)
+        assert engine.max_model_len == 512 and engine.kv.sliding_window is None
+        assert ferry_greedy(engine, prompts, 12) == expected
+
+
+# ---------------------------------------------------------------- Gemma
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_tiny_config("gemma2"), dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("gemma2")
+    hf.save_pretrained(path)
+    return hf, load_model(EngineArgs(model=str(path), device="cpu", dtype="float32"))
+
+
+def test_gemma2_logprobs_are_the_soft_capped_logits(gemma2):
+    """The final soft cap does not move the argmax; the logprobs show it: each prompt's first token's
+    top 5 equal HF's log-softmax of its capped logits (and not of the uncapped ones)."""
+    hf, loaded = gemma2
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (6, 23)]
     engine = _tiny_engine(loaded)
-    assert engine.max_model_len == 16
-    ids = list(range(100, 108))
-    assert ferry_greedy(engine, [ids], 8) == [hf_greedy(hf, ids, 8)]
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    done = run_to_completion(engine)
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        got = done[str(i)].outputs[0].logprobs[0]
+        for token, lp in got.items():
+            assert abs(lp.logprob - ref[token].item()) < 1e-4
+    assert ref.exp().max() < 0.9 and ref.max() - ref.min() <= 6.0 + 1e-4  # logits in [-3, 3]: the cap held
+
+
+def test_gemma2_on_the_triton_backend_matches_hf(gemma2):
+    """Local and global layers with soft-capped scores in the Triton kernels (interpreted on the CPU):
+    decode and prefill chunks past the window, HF's greedy tokens."""
+    hf, loaded = gemma2
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (23, 9)]
+    expected = [hf_greedy(hf, ids, 10) for ids in prompts]
+    engine = _tiny_engine(loaded, attention_backend="triton", block_size=4, max_num_batched_tokens=12)
+    assert engine.runner.attn_backend.name == "triton"
+    assert ferry_greedy(engine, prompts, 10) == expected

@@ -184,14 +184,11 @@ def _num_kv_blocks(args: EngineArgs, runner: ModelRunner, tp_workers: TensorPara
 
 def _max_model_len(args: EngineArgs, cfg: ModelConfig, num_blocks: int, window: int | None) -> int:
     """The model's context (or --max-model-len), capped to what this engine can hold: a lone
-    request always fits, so the scheduler always makes progress. `window`: the sliding window the
-    attention applies (its requests hold about a window of blocks, whatever their length)."""
+    request always fits, so the scheduler always makes progress. `window`: the sliding window of
+    every layer, whose blocks are freed as they fall out of it (its requests hold about a window
+    of blocks, whatever their length)."""
     capacity = num_blocks * args.block_size
     max_len = args.max_model_len or cfg.max_position_embeddings
-    if cfg.sliding_window is not None and window is None and cfg.sliding_window < max_len:
-        logger.warning("the %s attention backend has no sliding window; capping max_model_len to the window, %d",
-                       args.attention_backend, cfg.sliding_window)  # fmt: skip
-        max_len = cfg.sliding_window
     if window is not None:
         # A request holds at most the window before a step's first token plus the step's tokens (and a
         # partial block at each end) at once, whatever its length.

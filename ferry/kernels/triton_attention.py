@@ -17,6 +17,10 @@ position's block through the request's block table, so any block size works.
   chunk itself, which `store_kv` wrote first), causal by absolute position. Rows of the
   tile are (token, head-of-group) pairs, so GQA again reads K/V once per group.
 
+Both take a sliding window (only the last WINDOW positions up to a query's own are read: a
+decode split covers the window, a prefill tile starts at its first token's window) and Gemma 2's
+logit soft-capping, as compile-time constants (a model has at most two kinds of layer).
+
 Scores and softmax run in fp32; `tl.dot` takes the cache dtype (bf16/fp16 on tensor
 cores) and full fp32 precision (no TF32) when the cache is fp32. A quantized cache (int8 or
 fp8 e4m3 rows, each followed by its fp32 scale: ferry/kv_quant.py) is quantized by
@@ -54,6 +58,15 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _soft_cap(s, SOFTCAP: tl.constexpr):
+    """softcap * tanh(s / softcap) (Gemma 2's attention logits), tanh written with exp: saturates to
+    +-softcap without overflow (exp(2x) -> inf gives 1, -> 0 gives -1)."""
+    if SOFTCAP > 0:
+        s = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP) + 1.0))
+    return s
 
 
 @triton.jit
@@ -186,13 +199,18 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     QUANT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = 0
+    if WINDOW > 0:  # the query (position seq_len - 1) sees the last WINDOW keys; blocks before may be freed
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -222,7 +240,7 @@ def _decode_kernel(
             s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, DOT_F32) * (k_sc * scale)[None, :]
         else:
             s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(valid[None, :], _soft_cap(s, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
@@ -299,9 +317,13 @@ def paged_decode(
     num_splits: int,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per request. q: [B, H, D]; block_tables [B, max_blocks]; seq_lens [B]
-    (tokens attended to, 0 for a padding row, which gets zeros). Returns [B, H, D] in q's dtype."""
+    (tokens attended to, 0 for a padding row, which gets zeros). `window`: only the last `window`
+    keys (a sliding window; the table's blocks before them are never read). `softcap`: scores
+    through softcap * tanh(scores / softcap). Returns [B, H, D] in q's dtype."""
     B, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = H // kvh
@@ -322,7 +344,7 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, _pow2(group)), D=D, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, NUM_HEADS=H, PRECISION=_precision(q.dtype if quant else k_cache.dtype),
-        DOT_F32=_INTERPRETED, QUANT=quant,
+        DOT_F32=_INTERPRETED, QUANT=quant, WINDOW=window or 0, SOFTCAP=softcap or 0.0,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(B, H)](
@@ -362,6 +384,8 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     QUANT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -387,12 +411,15 @@ def _prefill_kernel(
     # Causal: this tile's last token sees positions <= prefix + its index; an empty tile reads nothing.
     kv_end = tl.minimum(ctx_len, prefix + (tile + 1) * BLOCK_M)
     kv_end = tl.where(tile * BLOCK_M < q_len, kv_end, 0)
+    kv_start = 0
+    if WINDOW > 0:  # this tile's first token sees from WINDOW - 1 positions back
+        kv_start = tl.maximum(prefix + tile * BLOCK_M - WINDOW + 1, 0)
 
     m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GROUP_PAD, D_PAD], tl.float32)
     table = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -404,7 +431,10 @@ def _prefill_kernel(
             s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, DOT_F32) * (k_sc * scale)[None, :]
         else:
             s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(visible, _soft_cap(s, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         p = tl.exp(s - m_safe[:, None])
@@ -438,8 +468,11 @@ def paged_prefill(
     out: torch.Tensor,
     block_n: int = 64,
     rows: int = 64,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Chunks of new tokens attending causally to their whole context in the cache.
+    """Chunks of new tokens attending causally to their whole context in the cache (or, with
+    `window`, to the last `window` positions up to their own; `softcap` as in `paged_decode`).
 
     q, out: [T, H, D] (the flat batch); chunk i's queries are rows
     query_start_loc[i]:query_start_loc[i+1] of q and its context (prefix + chunk, already
@@ -460,7 +493,7 @@ def paged_prefill(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, D=D, D_PAD=_pow2(D), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype if quant else k_cache.dtype),
-        DOT_F32=_INTERPRETED, QUANT=quant,
+        DOT_F32=_INTERPRETED, QUANT=quant, WINDOW=window or 0, SOFTCAP=softcap or 0.0,
         num_stages=2 if k_cache.dtype == torch.float32 else 3,  # fp32 K/V tiles: keep shared memory in bounds
     )  # fmt: skip
     return out

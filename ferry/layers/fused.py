@@ -1,5 +1,5 @@
 """Residual add + RMSNorm, RMSNorm and SiLU-and-mul: Triton kernels on CUDA, one C++ call each
-for fp32 on the CPU (ferry/kernels/csrc/fused_ops_cpu.cpp), torch elsewhere.
+for fp32 on the CPU (ferry/kernels/csrc/fused_ops_cpu.cpp), torch elsewhere; GeGLU in torch.
 
 The decoder carries its residual stream separately (vLLM's layout): each norm first adds
 the sublayer's output to the residual, then normalises it, in one pass.
@@ -61,3 +61,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, in torch on every device."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """The gated MLP's activation by its ModelConfig.hidden_act name: silu or gelu_tanh."""
+    return silu_and_mul(gate_up) if act == "silu" else gelu_tanh_and_mul(gate_up)

@@ -99,7 +99,7 @@ class MLAAttention(nn.Module):
         H = q_nope.shape[1]
         flat = cache.view(-1, cache.shape[-1])
         quantized = is_quantized(cache.dtype)
-        for chunk in meta.state.chunks:
+        for chunk in meta.backend.view(meta).chunks:
             s, n = chunk.start, chunk.length
             if chunk.context_slots is not None:
                 ctx = flat.index_select(0, chunk.context_slots)

@@ -17,8 +17,16 @@ SUPPORTED_ARCHITECTURES = (
     # Multi-head latent attention (layers/mla.py) with DeepSeek's routed + shared experts.
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    # Local (sliding-window) and global layers, GeGLU, sandwich norms (and Gemma 2's soft-capping).
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 _DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Where attention_bias puts a bias on o_proj as well as on q/k/v (Qwen2's covers q/k/v only).
+O_PROJ_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", *_GEMMA)
+# HF's names of the gate activations the MLP runs (layers/fused.py).
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 # config.json keys without a sensible default.
 _REQUIRED_KEYS = (
@@ -95,8 +103,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
     # Layers that attend to the whole context although the model has a sliding_window (Qwen2/Qwen3
-    # window only the layers from max_window_layers on): a local/global mix, which the attention
-    # does not run yet, so the engine then caps max_model_len to the window.
+    # window only the layers from max_window_layers on, Gemma every other or every sixth layer is
+    # global): a local/global mix, whose blocks are kept for the global layers (`layer_window`).
     full_attention_layers: tuple[int, ...] = ()
     # DeepSeek's routing (layers/moe.py `select_experts`): softmax or sigmoid scores, the top k taken
     # within the topk_group best of n_group expert groups (V3 adds a per-expert score bias for the
@@ -117,10 +125,31 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # Gemma 2/3. hidden_act: the MLP's gate activation (silu, or gelu_tanh for GeGLU). rms_norm_offset:
+    # RMSNorm scales by (offset + w) (Gemma's checkpoints store w around 0; the loader adds the 1).
+    # sandwich_norms: each sublayer's output is normed before the residual add (post_attention_layernorm,
+    # post_feedforward_layernorm) and the MLP's input by pre_feedforward_layernorm. embed_scale: the
+    # embedding's rows times sqrt(hidden). query_pre_attn_scalar: softmax scale its -1/2 power (else
+    # head_dim's). attn/final_logit_softcapping: cap * tanh(x / cap) on the attention scores / the
+    # logits (Gemma 2). local_rope_theta: Gemma 3's sliding layers' own rotary base, unscaled.
+    hidden_act: str = "silu"
+    rms_norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: it attends to the whole context)."""
+        if self.sliding_window is None or i in self.full_attention_layers:
+            return None
+        return self.sliding_window
 
     @property
     def kv_cache_width(self) -> int:
@@ -164,6 +193,14 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         # transformers 5 writes `rope_parameters` (theta included); 4.x writes rope_theta + rope_scaling.
         rope = d.get("rope_parameters") or d.get("rope_scaling")
+        local_rope = None
+        if arch == "Gemma3ForCausalLM":
+            if rope and "full_attention" in rope:  # transformers 5: one dict per layer type
+                local_rope, rope = rope.get("sliding_attention"), rope["full_attention"]
+            else:  # transformers 4: the local layers' base apart
+                local_rope = {"rope_theta": d.get("rope_local_base_freq", 10000.0)}
+            if normalize_rope_scaling(local_rope) is not None:
+                raise ValueError(f"{arch}: scaled rotary on the sliding layers is not supported")
         rope_theta = d.get("rope_theta")
         if rope_theta is None:
             rope_theta = (rope or {}).get("rope_theta", 10000.0)
@@ -173,11 +210,16 @@ class ModelConfig:
         if arch.startswith("Qwen") and not d.get("use_sliding_window", False):
             sliding_window = None
         full_layers: tuple[int, ...] = ()
-        if sliding_window is not None and arch.startswith("Qwen"):  # Mistral's window covers every layer
+        if sliding_window is not None and arch.startswith(("Qwen", "Gemma")):  # Mistral windows every layer
             layers = range(d["num_hidden_layers"])
             types = d.get("layer_types")
             if types:
                 full_layers = tuple(i for i in layers if types[i] != "sliding_attention")
+            elif arch == "Gemma2ForCausalLM":  # HF's rule: every other layer global, from layer 1
+                full_layers = tuple(i for i in layers if (i + 1) % 2 == 0)
+            elif arch == "Gemma3ForCausalLM":  # every sliding_window_pattern-th layer global
+                pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+                full_layers = tuple(i for i in layers if (i + 1) % pattern == 0)
             else:  # HF's rule: the window from layer max_window_layers on
                 full_layers = tuple(i for i in layers if i < d.get("max_window_layers", 28))
             if len(full_layers) == d["num_hidden_layers"]:
@@ -198,14 +240,14 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=normalize_rope_scaling(rope),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", arch in _GEMMA)),  # Gemma ties by default
             # Qwen2 always has q/k/v biases; its config leaves attention_bias unset. Qwen2-MoE says qkv_bias.
             attention_bias=(
                 arch == "Qwen2ForCausalLM"
                 or (arch == "Qwen2MoeForCausalLM" and d.get("qkv_bias", True))
                 or bool(d.get("attention_bias", False))
             ),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             full_attention_layers=full_layers,
             bos_token_id=d.get("bos_token_id"),
@@ -213,6 +255,7 @@ class ModelConfig:
             dtype=d.get("dtype") or d.get("torch_dtype") or "float32",
             **_moe_fields(arch, d),
             **_mla_fields(arch, d),
+            **_gemma_fields(arch, d, local_rope),
         )
 
 
@@ -269,6 +312,27 @@ def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0) or 1.0),
         )
     return {}
+
+
+def _gemma_fields(arch: str, d: dict[str, Any], local_rope: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 2/3's fields: GeGLU, (1 + w) norms around each sublayer, the scaled embedding, the
+    softmax scale from query_pre_attn_scalar, soft-capping (Gemma 2), the local layers' rotary base
+    (Gemma 3)."""
+    if arch not in _GEMMA:
+        return {}
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"{arch}: unsupported hidden_activation {act!r}")
+    return dict(
+        hidden_act=_ACTIVATIONS[act],
+        rms_norm_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=float(d["hidden_size"]) ** 0.5,
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256),
+        attn_logit_softcapping=d.get("attn_logit_softcapping"),
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        local_rope_theta=float(local_rope["rope_theta"]) if local_rope else None,
+    )
 
 
 def _mla_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class CPUDecodeStep:
             return "tensor parallelism"
         if model.config.sliding_window is not None:
             return "sliding-window attention (its C++ attention reads whole contexts)"
+        if model.config.sandwich_norms or model.config.hidden_act != "silu" or model.config.embed_scale != 1.0:
+            return "Gemma's norms, GeGLU and scaled embedding"
         if model.config.moe_layers:
             return "mixture-of-experts layers run their experts grouped in Python"
         if model.config.is_mla:

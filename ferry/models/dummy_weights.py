@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
-from ferry.models.config import ModelConfig
+from ferry.models.config import O_PROJ_BIAS_ARCHITECTURES, ModelConfig
 
 INIT_STD = 0.02
 
@@ -27,7 +27,7 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor an HF checkpoint of this config holds, with its shape, in checkpoint order."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
-    o_bias = cfg.attention_bias and cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    o_bias = cfg.attention_bias and cfg.architecture in O_PROJ_BIAS_ARCHITECTURES
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -45,6 +45,8 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             if cfg.qk_norm:
                 shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
+        if cfg.sandwich_norms:
+            shapes += [(p + "pre_feedforward_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
         if i in cfg.moe_layers:
             shapes += _moe_shapes(cfg, p + "mlp.")
         else:
@@ -148,8 +150,8 @@ def iter_dummy_weights(
     for name, shape in weight_shapes(cfg):
         if wanted is not None and not wanted(name):
             continue
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):  # a scale of one (Gemma's checkpoints store it less one)
+            yield name, torch.full(shape, 1.0 - cfg.rms_norm_offset, dtype=dtype, device=device)
         elif name.endswith(".bias"):
             yield name, torch.zeros(shape, dtype=dtype, device=device)
         else:

@@ -1,6 +1,9 @@
 """The Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), and their mixtures of
-experts: Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE (layers/moe.py runs the experts); and
-DeepSeek-V2/V3, the same decoder with multi-head latent attention (layers/mla.py) and grouped routing.
+experts: Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE (layers/moe.py runs the experts);
+DeepSeek-V2/V3, the same decoder with multi-head latent attention (layers/mla.py) and grouped routing;
+and Gemma 2/3: local (sliding-window) and global layers, GeGLU, (1 + w) norms around each sublayer
+(sandwich norms), a scaled embedding, Gemma 2's soft-capped attention scores and logits, Gemma 3's
+q/k norms and its local layers' own rotary base.
 
 Inputs are one flat batch of tokens (no padding) with their positions and
 the attention metadata; K/V go through the paged cache. q/k/v and gate/up
@@ -31,7 +34,7 @@ from ferry.layers.attention import (
     build_metadata,
     paged_attention,
 )
-from ferry.layers.fused import silu_and_mul
+from ferry.layers.fused import act_and_mul
 from ferry.layers.gguf_linear import (
     GGUF_QUANT_TYPES,
     GGUFWeight,
@@ -53,7 +56,7 @@ from ferry.layers.smoothquant import (
     smoothing_factors_from_maxima,
     weight_column_absmax,
 )
-from ferry.models.config import ModelConfig
+from ferry.models.config import O_PROJ_BIAS_ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +68,11 @@ _LAYER_PREFIX = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 class Attention(nn.Module):
-    """q/k/v column-parallel by heads, o_proj row-parallel (its partial sums all-reduced)."""
+    """q/k/v column-parallel by heads, o_proj row-parallel (its partial sums all-reduced). `window`:
+    this layer's sliding window (None: global)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel,
+                 window: int | None = None) -> None:  # fmt: skip
         super().__init__()
         self.tp = tp
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -76,13 +81,15 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not.
-        o_bias = cfg.attention_bias and cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+        # Llama's (and Gemma's) attention_bias covers o_proj too; Qwen2's q/k/v bias does not.
+        o_bias = cfg.attention_bias and cfg.architecture in O_PROJ_BIAS_ARCHITECTURES
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
-        self.scale = self.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.window = window
+        self.softcap = cfg.attn_logit_softcapping
 
     def forward(
         self,
@@ -99,7 +106,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
         return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
 
 
@@ -111,12 +118,13 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.reduce = reduce
+        self.act = cfg.hidden_act
         self.intermediate = tp.shard(intermediate_size or cfg.intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
         return self.tp.all_reduce(out) if self.reduce else out
 
 
@@ -194,12 +202,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm: residual + attn(norm(x)), then residual + mlp(norm(x)). With sandwich norms (Gemma),
+    each sublayer's output is normed again before it joins the residual: post_attention_layernorm
+    norms the attention's output and pre_feedforward_layernorm the MLP's input (the role
+    post_attention_layernorm has without them), post_feedforward_layernorm the MLP's output."""
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, index: int,
                  expert_parallel: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, rotary, tp) if cfg.is_mla else Attention(cfg, rotary, tp)
+        if cfg.is_mla:
+            self.self_attn = MLAAttention(cfg, rotary, tp)
+        else:
+            self.self_attn = Attention(cfg, rotary, tp, cfg.layer_window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg, tp, expert_parallel) if index in cfg.moe_layers else MLP(cfg, tp)
 
     def forward(self, x, residual, positions, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,8 +230,10 @@ class DecoderLayer(nn.Module):
         else:
             h = self.input_layernorm.add_and_norm(x, residual)
         h = self.self_attn(h, positions, kv_cache, meta)
-        h = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        if self.pre_feedforward_layernorm is None:
+            return self.mlp(self.post_attention_layernorm.add_and_norm(h, residual)), residual
+        h = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,9 +250,9 @@ class LlamaForCausalLM(nn.Module):
         self.pp = pp
         own = pp.layer_range(cfg.num_hidden_layers)
         self.first_layer = own.start
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if pp.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp, i, expert_parallel) for i in own)
+        rotary = self._rotary_by_layer()
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary[i], tp, i, expert_parallel) for i in own)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab_rows = -(-cfg.vocab_size // tp.size)  # the output head is vocab-parallel like the embedding
         untied = not cfg.tie_word_embeddings and pp.is_first
@@ -257,6 +279,8 @@ class LlamaForCausalLM(nn.Module):
             return self.cpu_decode_step(input_ids, positions, kv_caches, meta)
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
+            if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the activations' dtype as HF does
+                x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         else:
             x, residual = intermediate
         with step_decode_rows(meta.num_decodes):  # GGUF weights: decode rows int8 dots, prompt rows exact
@@ -280,16 +304,32 @@ class LlamaForCausalLM(nn.Module):
         view.cpu_decode_step = None
         return view
 
-    def init_rotary(self) -> None:
-        """(Re)build the fp32 cos/sin tables on the model's device, shared by all layers."""
+    def _rotary_by_layer(self) -> list[RotaryEmbedding]:
+        """Each layer's cos/sin tables (fp32, on the default device): one table shared by every layer,
+        or, for Gemma 3, a second for its sliding layers (their own base, unscaled)."""
         cfg = self.config
-        device = self.norm.weight.device
-        with torch.device(device):
-            rotary = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling)
-        for layer in self.layers:
-            layer.self_attn.rotary = rotary
+        rotary = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling)
+        local = rotary
+        if cfg.local_rope_theta is not None:
+            local = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.local_rope_theta, None)
+        return [local if cfg.layer_window(i) is not None else rotary for i in range(cfg.num_hidden_layers)]
+
+    def init_rotary(self) -> None:
+        """(Re)build the fp32 cos/sin tables on the model's device, shared by the layers."""
+        with torch.device(self.norm.weight.device):
+            rotary = self._rotary_by_layer()
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.rotary = rotary[self.first_layer + i]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._gathered_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _gathered_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head's logits, all-gathered over tensor-parallel ranks (no soft-capping)."""
         logits = self._local_logits(hidden)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
@@ -302,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
         trained on top of it (ferry train-draft) differentiate through."""
         eye = torch.eye(self.config.hidden_size, device=self.norm.weight.device, dtype=self.norm.weight.dtype)
         with exact_prompt_rows():
-            return self.compute_logits(eye).float().t().contiguous()[: self.config.vocab_size]
+            return self._gathered_logits(eye).float().t().contiguous()[: self.config.vocab_size]
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._gguf_lm_head is not None:
@@ -639,6 +679,8 @@ class LlamaForCausalLM(nn.Module):
             name = self._stage_name(name)
             if name is None:
                 continue
+            if cfg.rms_norm_offset and name.endswith("norm.weight"):  # Gemma stores w of (1 + w)
+                tensor = tensor.float() + cfg.rms_norm_offset
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the sparse block
             name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
             if cfg.rope_interleave:

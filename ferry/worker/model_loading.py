@@ -174,6 +174,8 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> Load
     if quantization is not None and ckpt.config.is_mla:
         raise ValueError(f"--quantization {quantization} does not cover multi-head latent attention yet; "
                          "run the model in its dtype")  # fmt: skip
+    if quantization == "int8" and ckpt.config.sandwich_norms:
+        raise ValueError("--quantization int8 does not cover Gemma's sandwich norms yet; run the model in its dtype")
     if quantization == "int8" and pp.size > 1:
         raise ValueError("--quantization int8 calibrates on a forward through every layer, which pipeline "
                          "parallelism splits; run it with --pipeline-parallel-size 1")  # fmt: skip

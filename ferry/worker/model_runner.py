@@ -103,12 +103,12 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             dtype=dtype,
             cache_dtype=self.cache_dtype,
-            # A local/global mix is not run yet (the builder caps max_model_len to the window instead).
-            sliding_window=None if cfg.full_attention_layers else cfg.sliding_window,
             latent=cfg.is_mla,
         )
-        # The window this runner's attention applies (None: full attention, or a backend without windows).
-        self.sliding_window: int | None = getattr(self.attn_backend, "sliding_window", None)
+        # Every backend applies each layer's window; when every layer has one (Mistral), the blocks that
+        # fall out of it are freed while a request runs (core/kv_cache_manager.py), not with a
+        # local/global mix (Gemma), whose global layers read the whole context.
+        self.sliding_window: int | None = None if cfg.full_attention_layers else cfg.sliding_window
         self.graphs: CUDAGraphRunner | None = None
         # The last step's hidden states (the LM head's input) of its logits rows, the requests that
         # sampled in it and, per request, the row whose draw is its last token: what Medusa heads

@@ -139,6 +139,57 @@ def test_paged_prefill_prefix_plus_chunk(kvh, heads, d, bs):
         torch.testing.assert_close(out[s : s + n], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_window_and_softcap(splits):
+    """A sliding window (only the last W keys; the blocks before them hold garbage, as freed blocks do)
+    and Gemma 2's soft-capped scores, against the dense oracle with both."""
+    kvh, heads, d, bs, window, cap = 2, 8, 32, 4, 10, 2.0
+    lens = [1, 9, 10, 11, 37, 70]
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    k_cache, v_cache = make_cache(num_blocks, bs, kvh, d)
+    table = random_tables(lens, bs, num_blocks)
+    q = torch.randn(len(lens), heads, d, device=DEVICE) * 3  # scores large enough for the cap to bite
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    for i, n in enumerate(lens):  # blocks wholly before the window: nothing they hold may count
+        for j in range(max(0, n - window) // bs):
+            k_cache[table[i, j]] = 1e4
+    out = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, scale, splits, block_n=8,
+                                        window=window, softcap=cap)  # fmt: skip
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i : i + 1], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
+                              torch.tensor([n - 1], device=DEVICE), scale, window=window, softcap=cap)  # fmt: skip
+        torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-4, atol=1e-4)
+    plain = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, scale, splits, block_n=8)
+    assert not torch.allclose(plain[4:], out[4:], atol=1e-2)  # the window and cap changed something
+
+
+def test_paged_prefill_window_and_softcap():
+    """Prefill chunks behind a cached prefix, each query seeing only its last W positions, scores capped."""
+    kvh, heads, d, bs, window, cap = 2, 4, 32, 4, 6, 1.5
+    chunks = [(0, 9), (5, 12), (bs, 1), (2 * bs + 3, 20)]
+    lens = [p + n for p, n in chunks]
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    k_cache, v_cache = make_cache(num_blocks, bs, kvh, d)
+    table = random_tables(lens, bs, num_blocks)
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, heads, d, device=DEVICE) * 3
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = torch.zeros_like(q)
+    scale = d**-0.5
+    triton_attention.paged_prefill(q, k_cache, v_cache, table, qsl, seq_lens, max(n for _, n in chunks), scale, out,
+                                   block_n=8, rows=8, window=window, softcap=cap)  # fmt: skip
+    for i, (prefix, n) in enumerate(chunks):
+        ctx, s = prefix + n, starts[i]
+        ref = dense_attention(q[s : s + n], gather(k_cache, table[i], ctx), gather(v_cache, table[i], ctx),
+                              torch.arange(prefix, ctx, device=DEVICE), scale, window=window, softcap=cap)  # fmt: skip
+        torch.testing.assert_close(out[s : s + n], ref, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_num_splits_depends_on_shape_only():
     assert triton_attention.decode_num_splits(1, 8, 132) == 16
     assert triton_attention.decode_num_splits(256, 8, 132) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -366,6 +367,31 @@ def test_from_hf_dict_sliding_window() -> None:
     mistral = {**qwen2, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
     cfg = ModelConfig.from_hf_dict(mistral)
     assert cfg.sliding_window == 4096 and cfg.full_attention_layers == ()  # Mistral windows every layer
+
+
+def test_from_hf_dict_gemma() -> None:
+    """Gemma 2/3 in transformers 4's layout (no layer_types: HF's rules place the global layers; Gemma 3's
+    local rotary base apart) and 5's (layer types written out, one rotary dict per type)."""
+    base = {**TINY, "num_hidden_layers": 7, "head_dim": 16, "sliding_window": 512, "query_pre_attn_scalar": 32,
+            "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+    g2 = ModelConfig.from_hf_dict({**base, "architectures": ["Gemma2ForCausalLM"], "rope_theta": 10000.0,
+                                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})  # fmt: skip
+    assert g2.full_attention_layers == (1, 3, 5) and g2.layer_window(0) == 512 and g2.layer_window(1) is None
+    assert (g2.hidden_act, g2.rms_norm_offset, g2.sandwich_norms, g2.tie_word_embeddings) == ("gelu_tanh", 1.0, True, True)
+    assert (g2.embed_scale, g2.query_pre_attn_scalar) == (64**0.5, 32.0)
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.qk_norm) == (50.0, 30.0, False)
+    g3_v4 = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 6, "rope_theta": 1e6,
+             "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+    g3 = ModelConfig.from_hf_dict(g3_v4)
+    assert g3.full_attention_layers == (5,) and g3.qk_norm and g3.attn_logit_softcapping is None
+    assert (g3.rope_theta, g3.local_rope_theta, g3.rope_scaling) == (1e6, 10000.0, {"factor": 8.0, "rope_type": "linear"})
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}  # fmt: skip
+    types = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3
+    g3_v5 = {**base, "architectures": ["Gemma3ForCausalLM"], "rope_parameters": rope, "layer_types": types}
+    assert ModelConfig.from_hf_dict(g3_v5) == dataclasses.replace(g3, full_attention_layers=(3,))
+    with pytest.raises(ValueError, match="hidden_activation"):
+        ModelConfig.from_hf_dict({**g3_v5, "hidden_activation": "relu"})
 
 
 def test_from_hf_dict_errors() -> None:

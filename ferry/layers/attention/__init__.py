@@ -27,9 +27,12 @@ __all__ = [
 ]
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]. Stores k/v in the cache, returns [T, H, D]."""
-    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+    """q: [T, H, D]; k, v: [T, KVH, D]. Stores k/v in the cache, returns [T, H, D]. `window`: this
+    layer's sliding window (query i sees keys i - window < j <= i); `softcap`: its attention logits
+    through softcap * tanh(logits / softcap) (Gemma 2). Every backend takes both."""
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def resolve_attention_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.bfloat16) -> str:
@@ -71,13 +74,10 @@ def select_attention_backend(
     head_dim: int,
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
-    sliding_window: int | None = None,
     latent: bool = False,
 ) -> AttentionBackend:
-    """The backend for this engine. `sliding_window`: the model's, which only the torch backend
-    applies so far (its `sliding_window` attribute says so; the others have none, and the engine
-    then caps max_model_len to the window). `latent`: multi-head latent attention, which only the
-    torch backend runs so far (`latent_decode`), on any device."""
+    """The backend for this engine. `latent`: multi-head latent attention, which only the torch
+    backend runs so far (`latent_decode`), on any device."""
     if latent:
         if name not in ("auto", "torch"):
             raise ValueError(f"--attention-backend {name} does not run multi-head latent attention yet; use torch")
@@ -90,7 +90,6 @@ def select_attention_backend(
     if name == "flashinfer":
         from ferry.layers.attention.flashinfer_backend import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(device, num_heads, num_kv_heads, head_dim, dtype, cache_dtype,
-                                          head_dim**-0.5)  # fmt: skip
+        return FlashInferAttentionBackend(device, num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
     use_kernel = cpu_decode_kernel_usable(device, cache_dtype) and dtype == torch.float32
-    return TorchAttentionBackend(device, use_cpu_kernel=use_kernel, sliding_window=sliding_window)
+    return TorchAttentionBackend(device, use_cpu_kernel=use_kernel)

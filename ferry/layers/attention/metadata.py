@@ -70,8 +70,11 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Store k/v ([T, KVH, D]) through the slot mapping, then attend; q: [T, H, D] -> [T, H, D]."""
+        """Store k/v ([T, KVH, D]) through the slot mapping, then attend; q: [T, H, D] -> [T, H, D].
+        `window`: the layer's sliding window; `softcap`: its attention logits soft-capped."""
 
 
 def padded_table(rows: list[np.ndarray]) -> np.ndarray:

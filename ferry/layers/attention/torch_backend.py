@@ -7,14 +7,16 @@
   plus its own tokens, causally. With a quantized cache the chunk's own tokens are read
   back from the cache too (what decode and the Triton kernels see).
 
-With a sliding window W (Mistral), query position i attends to keys i - W < j <= i, as HF's
-sliding-window mask does. Only the window's blocks are gathered (the cache manager frees the
-blocks before it, and their table entries then point at a stand-in block), and the C++ decode
-kernel, which reads whole contexts, is not used.
+A layer may have a sliding window W (Mistral's every layer, Gemma's local ones): query position i
+then attends to keys i - W < j <= i, as HF's sliding-window mask does. Only the window's blocks are
+gathered (the cache manager may have freed the blocks before it, whose table entries then point at
+a stand-in block); the masks and tables are built once per step and window (`WindowView`). With
+`softcap` (Gemma 2) the scores go through softcap * tanh(scores / softcap) before the softmax. The
+C++ decode kernel reads whole contexts without either, so only the other layers use it.
 
 Multi-head latent attention (layers/mla.py) runs on this backend only: one shared row per token
 (`latent_decode` reads it for the absorbed decode; the layer expands the prefill chunks' rows,
-`TorchState.chunks`, itself).
+`view(meta).chunks`, itself).
 """
 
 from __future__ import annotations
@@ -38,12 +40,19 @@ class TorchChunk:
 
 
 @dataclass
-class TorchState:
-    use_cpu_kernel: bool
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+class WindowView:
+    """What the step's rows attend to under one sliding window (None: the whole context)."""
+
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, tables' width * block_size] bool
     # Sliding window: each decode row's blocks from its window's first one (else the full tables).
     decode_tables: torch.Tensor | None = None
     chunks: list[TorchChunk] = field(default_factory=list)
+
+
+@dataclass
+class TorchState:
+    use_cpu_kernel: bool  # for the layers without a window or soft-capping
+    views: dict[int | None, WindowView] = field(default_factory=dict)  # built when a layer first asks
 
 
 def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> bool:
@@ -54,20 +63,46 @@ def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> 
     return cpu_kernels() is not None
 
 
+def attend(q, k, v, scale: float, softcap: float | None, mask: torch.Tensor | None = None, causal: bool = False):
+    """Attention of q [..., H, M, D] over k, v [..., KVH, N, D] (GQA by repetition); `mask` bool
+    (True: attended) broadcast to [..., H, M, N], or causal. With `softcap`, scores become
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2), which SDPA cannot do."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    s = softcap * torch.tanh(s / softcap)
+    if causal:
+        m, n = s.shape[-2:]
+        mask = torch.ones(m, n, dtype=torch.bool, device=s.device).tril(n - m)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+
+
 class TorchAttentionBackend:
     name = "torch"
     supports_tree = True  # decode rows with an ancestor mask (tree verification)
 
-    def __init__(self, device: torch.device, use_cpu_kernel: bool = False, sliding_window: int | None = None) -> None:
+    def __init__(self, device: torch.device, use_cpu_kernel: bool = False) -> None:
         self.device = device
-        self.sliding_window = sliding_window
-        self.use_cpu_kernel = use_cpu_kernel and sliding_window is None
+        self.use_cpu_kernel = use_cpu_kernel
         self._latent_rows: torch.Tensor | None = None  # latent_decode's gather buffer
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        state = TorchState(use_cpu_kernel=self.use_cpu_kernel)
-        bs, window = meta.block_size, self.sliding_window
-        if meta.num_decodes and not self.use_cpu_kernel:
+        meta.state = TorchState(use_cpu_kernel=self.use_cpu_kernel)
+
+    def view(self, meta: AttentionMetadata, window: int | None = None) -> WindowView:
+        """The decode mask and tables and the prefill chunks' contexts under `window`, built once per
+        step and window."""
+        state: TorchState = meta.state
+        view = state.views.get(window)
+        if view is not None:
+            return view
+        view = state.views[window] = WindowView()
+        bs = meta.block_size
+        if meta.num_decodes:
             lens = meta.decode_seq_lens_host[:, None]
             if window is None:
                 max_len = meta.decode_block_tables.shape[1] * bs
@@ -76,7 +111,7 @@ class TorchAttentionBackend:
                 first = np.maximum(meta.decode_seq_lens_host - window, 0) // bs
                 rows = [blocks[f:] for blocks, f in zip(meta.decode_blocks_host, first)]
                 table = padded_table(rows)
-                state.decode_tables = torch.from_numpy(table).to(self.device)
+                view.decode_tables = torch.from_numpy(table).to(self.device)
                 pos = first[:, None] * bs + np.arange(table.shape[1] * bs)[None, :]
             mask = pos < lens
             if window is not None:
@@ -85,11 +120,11 @@ class TorchAttentionBackend:
                 start, bits = meta.decode_tree_host[:, :1], meta.decode_tree_host[:, 1:].view(np.uint64)
                 offset = np.clip(pos - start, 0, 63).astype(np.uint64)
                 mask &= (pos < start) | ((bits >> offset) & np.uint64(1)).astype(bool)
-            state.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+            view.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
         for p in meta.prefills:
             begin = p.context_len - p.length
             if begin == 0 and (window is None or p.length <= window):
-                state.chunks.append(TorchChunk(p.start, p.length, None, None))
+                view.chunks.append(TorchChunk(p.start, p.length, None, None))
                 continue
             lo = 0 if window is None else max(0, begin - window + 1)  # the first query's first key
             ctx_pos = np.arange(lo, p.context_len, dtype=np.int64)
@@ -100,10 +135,11 @@ class TorchAttentionBackend:
                 mask &= ctx_pos[None, :] > q_pos - window
             chunk = TorchChunk(p.start, p.length, torch.from_numpy(ctx_slots).to(self.device),
                                torch.from_numpy(mask).to(self.device))  # fmt: skip
-            state.chunks.append(chunk)
-        meta.state = state
+            view.chunks.append(chunk)
+        return view
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         num_blocks, block_size, kvh, w = k_cache.shape
         store_rows(k_cache, meta.slot_mapping, k)
         store_rows(v_cache, meta.slot_mapping, v)
@@ -116,9 +152,10 @@ class TorchAttentionBackend:
             return dequantize_rows(rows, q.dtype) if quantized else rows.to(q.dtype)
 
         state: TorchState = meta.state
+        view = self.view(meta, window)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and state.use_cpu_kernel:
+        if nd and state.use_cpu_kernel and window is None and softcap is None:
             from ferry.kernels.cpu import cpu_kernels
 
             out[:nd] = cpu_kernels().paged_decode_attention(
@@ -131,32 +168,31 @@ class TorchAttentionBackend:
                 meta.decode_tree,
             )
         elif nd:
-            tables = meta.decode_block_tables if state.decode_tables is None else state.decode_tables
+            tables = meta.decode_block_tables if view.decode_tables is None else view.decode_tables
             length = tables.shape[1] * block_size
             ids = tables.reshape(-1)
             kd = read(k_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             vd = read(v_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=state.decode_mask, scale=scale, enable_gqa=True)
-            out[:nd] = o.squeeze(2)
-        for chunk in state.chunks:
+            out[:nd] = attend(qd, kd, vd, scale, softcap, mask=view.decode_mask).squeeze(2)
+        for chunk in view.chunks:
             s, n = chunk.start, chunk.length
             qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if chunk.context_slots is None and not quantized:
                 kp = k[s : s + n].transpose(0, 1).unsqueeze(0)
                 vp = v[s : s + n].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+                o = attend(qp, kp, vp, scale, softcap, causal=True)
             elif chunk.context_slots is None:
                 # A quantized cache: attend to the stored (quantized) rows, as decode and the Triton
                 # prefill do, so a prompt's logits see the same K/V its continuation will.
                 slots = meta.slot_mapping[s : s + n]
                 kp = read(flat_k.index_select(0, slots)).transpose(0, 1).unsqueeze(0)
                 vp = read(flat_v.index_select(0, slots)).transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+                o = attend(qp, kp, vp, scale, softcap, causal=True)
             else:
                 kp = read(flat_k.index_select(0, chunk.context_slots)).transpose(0, 1).unsqueeze(0)
                 vp = read(flat_v.index_select(0, chunk.context_slots)).transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+                o = attend(qp, kp, vp, scale, softcap, mask=chunk.mask)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -170,8 +206,8 @@ class TorchAttentionBackend:
         (no copy per head), with two batched matmuls; the gathered rows go into a buffer kept across
         layers and steps (a fresh one of this size costs more in page faults than the copy itself)."""
         nd, block_size = meta.num_decodes, cache.shape[1]
-        state: TorchState = meta.state
-        tables = meta.decode_block_tables if state.decode_tables is None else state.decode_tables
+        view = self.view(meta, None)
+        tables = meta.decode_block_tables
         length = tables.shape[1] * block_size
         ids = tables.reshape(-1)
         if self._latent_rows is None or self._latent_rows.numel() < ids.numel() * cache[0].numel() \
@@ -182,6 +218,6 @@ class TorchAttentionBackend:
         rows = dequantize_rows(rows, q.dtype) if is_quantized(cache.dtype) else rows.to(q.dtype)
         rows = rows.view(nd, length, -1)  # [B, L, D]
         scores = torch.bmm(q * scale, rows.transpose(1, 2))  # [B, H, L]
-        scores.masked_fill_(~state.decode_mask.view(nd, 1, length), float("-inf"))
+        scores.masked_fill_(~view.decode_mask.view(nd, 1, length), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, rows[..., :v_width])

@@ -1,7 +1,8 @@
 """Our Triton kernels (ferry/kernels/triton_attention.py) behind the backend interface.
 
 Per layer: one store launch for all new tokens, one split-KV decode launch (plus the
-merge) for the decode rows, one varlen prefill launch for all chunks. The decode
+merge) for the decode rows, one varlen prefill launch for all chunks; the layer's sliding window
+and soft-capping go to the kernels as constants. The decode
 launch's shape depends on the batch size only, so it can be captured in a CUDA graph.
 """
 
@@ -42,15 +43,17 @@ class TritonAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.state = TritonState(num_splits=self.num_splits(meta.num_decodes))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         kern = self.kernels
         kern.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             kern.paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                              meta.state.num_splits, out=out[:nd])  # fmt: skip
+                              meta.state.num_splits, out=out[:nd], window=window, softcap=softcap)  # fmt: skip
         if meta.prefills:
             kern.paged_prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                               meta.prefill_seq_lens, meta.max_prefill_len, scale, out)  # fmt: skip
+                               meta.prefill_seq_lens, meta.max_prefill_len, scale, out, window=window,
+                               softcap=softcap)  # fmt: skip
         return out
