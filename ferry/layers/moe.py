@@ -14,6 +14,10 @@ parallelism (`--enable-expert-parallel`) a rank holds num_experts / N whole expe
 GEMMs, no intermediate sliced thin) and runs the (token, choice) pairs routed to them: the tokens
 are already on every rank (the attention is tensor-parallel), so the dispatch is a local selection
 and the combine the same all-reduce; no all-to-all is needed while activations are replicated.
+
+On CUDA the experts run in the fused Triton kernels instead (kernels/triton_moe.py: the pairs
+aligned by expert in fixed-shape torch ops, one launch per GEMM for all experts), which need no
+host sync, so MoE decode steps are captured in CUDA graphs like dense ones.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from torch import nn
 from ferry.distributed.parallel_state import TensorParallel
 from ferry.layers.fused import silu_and_mul
 from ferry.layers.linear import pack_weight, packed_linear
+
+
+def triton_moe_available() -> bool:
+    """Whether the fused-MoE Triton kernels (kernels/triton_moe.py) can run here (CUDA with triton)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def select_experts(
@@ -132,6 +145,10 @@ class FusedMoE(nn.Module):
             ids = ids - self.first_expert  # this rank's experts from 0; the others fall outside and are skipped
         if self.packed13 is not None:
             return grouped_experts(x, self.packed13, self.packed2, weights, ids, packed=True)
+        if x.is_cuda and triton_moe_available():  # two launches, no host sync: CUDA graphs capture it
+            from ferry.kernels.triton_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, ids)
         return grouped_experts(x, self.w13, self.w2, weights, ids)
 
     def pack(self) -> None:

@@ -9,7 +9,7 @@ launches for a model, with the shapes and constants the engine would use, down t
 
 How: Triton asks its active driver for the target; a stand-in driver answers with the
 chosen architecture, and launches become warm-ups (compile, never run) for the duration.
-The wrappers in ferry.kernels (triton_attention, triton_fused, triton_gguf, triton_int8) are called as the engine
+The wrappers in ferry.kernels (triton_attention, triton_fused, triton_moe, triton_gguf, triton_int8) are called as the engine
 calls them, on CPU tensors of the right dtypes and shapes, so the compiled
 specialisations are the ones a GPU run would build.
 
@@ -191,6 +191,8 @@ def engine_kernels(
     from ferry.models.loader import read_hf_config
     from ferry.models.paths import resolve_model_path
 
+    import triton
+
     cfg = read_hf_config(resolve_model_path(model, "dummy"))
     dt = getattr(torch, dtype)
     tp = tensor_parallel_size
@@ -217,16 +219,37 @@ def engine_kernels(
     q, k, v = q.view(T, heads, d), k.view(T, kvh, d), v.view(T, kvh, d)
 
     launch("store new K/V", attn.store_kv, k, v, k_cache, v_cache, torch.zeros(T, dtype=torch.int64))
-    for splits in _graph_split_counts(kvh, max_num_seqs, num_sms):
-        launch(f"decode splits={splits}", attn.paged_decode, q[:B], k_cache, v_cache, tables, seq_lens, 0.1, splits,
-               out=torch.empty(B, heads, d, dtype=dt))  # fmt: skip
-    launch("prefill", attn.paged_prefill, q, k_cache, v_cache, tables, torch.zeros(B + 1, dtype=torch.int64),
-           seq_lens, T, 0.1, torch.empty(T, heads, d, dtype=dt))  # fmt: skip
+    # Each kind of layer's attention: global, and windowed where the model has local layers; with its
+    # soft cap (Gemma 2). Window and cap are compile-time constants of the kernels.
+    kinds = {(cfg.layer_window(i), cfg.attn_logit_softcapping) for i in range(cfg.num_hidden_layers)}
+    for window, softcap in sorted(kinds, key=lambda wc: (wc[0] or 0)):
+        tag = (f" window={window}" if window else "") + (f" cap={softcap:g}" if softcap else "")
+        for splits in _graph_split_counts(kvh, max_num_seqs, num_sms):
+            launch(f"decode splits={splits}{tag}", attn.paged_decode, q[:B], k_cache, v_cache, tables, seq_lens, 0.1,
+                   splits, out=torch.empty(B, heads, d, dtype=dt), window=window, softcap=softcap)  # fmt: skip
+        launch(f"prefill{tag}", attn.paged_prefill, q, k_cache, v_cache, tables,
+               torch.zeros(B + 1, dtype=torch.int64), seq_lens, T, 0.1, torch.empty(T, heads, d, dtype=dt),
+               window=window, softcap=softcap)  # fmt: skip
     cos = torch.empty(16, d // 2, dtype=torch.float32)
     launch("rotary q/k", fused.rotary_, torch.zeros(T, dtype=torch.int64), q, k, cos, cos.clone())
     launch("residual + RMSNorm", fused.add_rms_norm, torch.empty(T, hidden, dtype=dt), torch.empty(T, hidden, dtype=dt),
            torch.empty(hidden, dtype=dt), 1e-6)  # fmt: skip
     launch("SiLU-and-mul", fused.silu_and_mul, torch.empty(T, 2 * inter, dtype=dt))
+    if cfg.moe_layers:
+        from ferry.kernels import triton_moe
+
+        E, top_k, mi = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size // tp
+        w13, w2 = torch.empty(E, 2 * mi, hidden, dtype=dt), torch.empty(E, hidden, mi, dtype=dt)
+        for case, rows in (("moe decode", max_num_seqs), ("moe prefill", T)):
+            block_m = triton_moe.block_m_for(rows * top_k, E)
+            tiles = triton.cdiv(rows * top_k + E * (block_m - 1), block_m)
+            aligned = (torch.zeros(tiles * block_m, dtype=torch.int64), torch.zeros(tiles, dtype=torch.int64),
+                       torch.zeros(1, dtype=torch.int64))  # fmt: skip
+            launch(f"{case} gate_up", triton_moe.moe_gemm, torch.empty(rows, hidden, dtype=dt), w13,
+                   torch.empty(rows * top_k, 2 * mi, dtype=dt), aligned, top_k, block_m, True)  # fmt: skip
+            launch(f"{case} down", triton_moe.moe_gemm, torch.empty(rows * top_k, mi, dtype=dt), w2,
+                   torch.empty(rows * top_k, hidden, dtype=dt), aligned, top_k, block_m, False,
+                   torch.empty(rows * top_k, dtype=torch.float32))  # fmt: skip
     if quantization == "gguf":
         from ferry.kernels import triton_gguf as gguf
         from ferry.layers.gguf_linear import GGUF_QUANT_TYPES

@@ -22,6 +22,7 @@ from ferry.core.scheduler import SchedulerOutput
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.distributed.pipeline_channel import PipelineChannel
 from ferry.layers.attention import AttentionBackend, build_metadata, select_attention_backend
+from ferry.layers.moe import triton_moe_available
 from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator
 from ferry.worker.cuda_graphs import CUDAGraphRunner
@@ -164,9 +165,10 @@ class ModelRunner:
         """Allocate the KV cache, then capture CUDA graphs for decode-only batches (on CUDA with
         the Triton backend, unless `enforce_eager`); every rank does this together."""
         self.allocate_kv_cache(num_blocks)
-        if self.model.config.moe_layers and not enforce_eager and self.device.type == "cuda":
+        if self.model.config.moe_layers and not enforce_eager and self.device.type == "cuda" \
+                and not triton_moe_available():  # fmt: skip
             # The grouped experts size their GEMMs on the host (layers/moe.py): nothing to replay.
-            logger.info("no CUDA graphs: mixture-of-experts layers group their tokens on the host")
+            logger.info("no CUDA graphs: mixture-of-experts layers group their tokens on the host without triton")
             enforce_eager = True
         if self.pp.size > 1 and not enforce_eager and self.device.type == "cuda":
             logger.info("no CUDA graphs: a pipeline stage's steps run eagerly")

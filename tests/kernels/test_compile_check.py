@@ -27,6 +27,12 @@ for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64, quan
 for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64, quantization="int8"):
     if r.case.startswith("int8"):
         print(json.dumps(asdict(r)))
+for r in engine_kernels("qwen3-30b-a3b", "bfloat16", arch=90, max_num_seqs=16):
+    if r.case.startswith("moe"):
+        print(json.dumps(asdict(r)))
+for r in engine_kernels("gemma-2-9b", "bfloat16", arch=90, max_num_seqs=16):
+    if "cap=" in r.case:
+        print(json.dumps(asdict(r)))
 # A prefill tile too large for one block's shared memory: 3 stages of bf16 K/V tiles of 512 keys.
 kc = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
 q = torch.empty(8, 16, 128, dtype=torch.bfloat16)
@@ -52,7 +58,7 @@ def test_engine_kernels_compile_for_sm90():
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
                             "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_kquant_matmul_kernel",
                             "_kquant_gemv_kernel", "_quantize_rows_kernel",
-                            "_int8_matmul_kernel"}  # fmt: skip
+                            "_int8_matmul_kernel", "_moe_gemm_kernel"}  # fmt: skip
     # The GGUF dequantize-matmul: each 32-block type at a decode and a prefill shape, on tensor cores,
     # without spills (checked above with every kernel's other limits).
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
@@ -72,8 +78,17 @@ def test_engine_kernels_compile_for_sm90():
     # The W8A8 GEMM: integer dots on tensor cores (mma.sync for 16-row decode tiles, wgmma for prefill).
     int8 = {r["case"]: r["tensor_cores"] for r in by_name["_int8_matmul_kernel"]}
     assert int8 == {"int8 decode": "mma", "int8 prefill": "wgmma"}, int8
+    # The fused MoE's two GEMMs at a decode and a prefill shape, on tensor cores (Qwen3-30B-A3B's experts).
+    moe = {r["case"]: r["tensor_cores"] for r in by_name["_moe_gemm_kernel"]}
+    assert set(moe) == {f"moe {s} {g}" for s in ("decode", "prefill") for g in ("gate_up", "down")}
+    assert set(moe.values()) <= {"mma", "wgmma"}, moe
+    # Gemma 2's soft-capped global and windowed layers (head_dim 256) fit without spills.
+    gemma = {r["case"] for r in kernels if "cap=" in r["case"]}
+    assert {"prefill cap=50", "prefill window=4096 cap=50"} <= gemma
+    assert any(c.startswith("decode splits=") and "window=4096" in c for c in gemma)
     # One decode specialisation per split count that a CUDA-graph batch size can ask for (1..16).
-    assert sorted(int(r["case"].split("=")[1]) for r in by_name["_decode_kernel"]) == [1, 2, 4, 8, 16]
+    plain = [r for r in by_name["_decode_kernel"] if "cap=" not in r["case"]]
+    assert sorted(int(r["case"].split("=")[1]) for r in plain) == [1, 2, 4, 8, 16]
     # bf16 attention runs its dots on tensor cores: Hopper's wgmma for the 64-row prefill tiles.
     assert {r["tensor_cores"] for r in by_name["_decode_kernel"]} <= {"mma", "wgmma"}
     assert by_name["_prefill_kernel"][0]["tensor_cores"] == "wgmma"

@@ -1,0 +1,172 @@
+"""Mixture-of-experts in Triton: every chosen expert of a step in two launches, no host sync.
+
+`grouped_experts` (layers/moe.py) sorts the (token, choice) pairs by expert on the host and runs one
+GEMM pair per expert: a sync per layer and a launch per expert, which rules out CUDA graphs. Here,
+as vLLM's fused MoE does:
+
+- `moe_align`: the pairs sorted by expert in torch ops of fixed shapes (scatter-add counts, a stable
+  sort, cumulative sums), each expert's run padded to a multiple of BLOCK_M, so that a tile of
+  BLOCK_M rows holds one expert's pairs; per tile its expert, and the padded total. Pairs whose
+  expert is not this rank's (expert parallelism) go nowhere. Every shape depends only on the token
+  count, so a captured graph replays it for any routing.
+- `_moe_gemm_kernel`: one program per (row tile, column tile): its tile's expert, the tile's rows
+  gathered (for the first GEMM, token = pair // top_k: each token's row is read once per choice),
+  dotted with that expert's weight, optionally times each pair's routing weight, scattered back to
+  the pairs' rows. Tiles past the padded total return at once.
+
+`fused_experts` runs gate/up (w13), SiLU-and-mul, down (w2, times the weights) and sums each token's
+top_k rows. On the CPU the kernels run under TRITON_INTERPRET=1 (tested against grouped_experts).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ferry.kernels.triton_compat import apply_interpreter_numpy_fix
+
+apply_interpreter_numpy_fix()
+
+# The interpreter multiplies 16-bit floats' raw bits in tl.dot (as triton_attention.py notes).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile: 16 when the pairs are few per expert (decode: each expert's run is padded to a
+    tile, so small tiles waste least), 64 for prompt-sized steps."""
+    return 16 if num_pairs <= 4 * num_experts else 64
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs of `ids` [T, k] (this rank's expert indices; others outside [0, E))
+    grouped by expert, each group padded to a multiple of `block_m`:
+    (pairs [P_pad]: a pair index per row, T * k where padding; tile_expert [P_pad / block_m]: the
+    expert of each tile, -1 past the end; num_padded [1]: rows in use). P_pad bounds every routing."""
+    P, E = ids.numel(), num_experts
+    device = ids.device
+    flat = ids.reshape(-1).to(torch.int64)
+    key = torch.where((flat >= 0) & (flat < E), flat, E)  # another rank's experts: group E, dropped
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:E] + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1], ends[-1:]])  # group E (dropped) starts past the end
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    group_first = torch.cumsum(counts, 0) - counts  # where each group begins in sorted order
+    rank = torch.arange(P, device=device) - group_first[sorted_key]
+    p_pad = triton.cdiv(P + E * (block_m - 1), block_m) * block_m
+    dest = torch.where(sorted_key < E, starts[sorted_key] + rank, p_pad)  # dropped pairs: a slot cut off below
+    pairs = torch.full((p_pad + 1,), P, dtype=torch.int64, device=device).scatter_(0, dest, order)[:p_pad]
+    tile_rows = torch.arange(0, p_pad, block_m, device=device)
+    tile_expert = torch.searchsorted(ends, tile_rows, right=True)
+    tile_expert = torch.where(tile_expert < E, tile_expert, -1)
+    return pairs, tile_expert, ends[-1:]
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    pairs_ptr,
+    tile_expert_ptr,
+    num_padded_ptr,
+    weight_ptr,
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    ROWS_ARE_TOKENS: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tile = pid // num_n
+    col = pid % num_n
+    if tile * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + offs_m)
+    m_ok = pair < num_pairs
+    if ROWS_ARE_TOKENS:
+        row = pair // TOP_K
+    else:
+        row = pair
+    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = w_ptr + expert * stride_we
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_ptr + row[:, None] * stride_am + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)  # fmt: skip
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + pair, mask=m_ok, other=0.0)[:, None]
+    dst = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    top_k: int,
+    block_m: int,
+    rows_are_tokens: bool,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[pair] = a[row(pair)] @ w[expert(pair)].T (times weights[pair]), for the pairs `aligned` lists;
+    a [rows, K], w [E, N, K], out [T * top_k, N]; row = pair // top_k when `rows_are_tokens`."""
+    pairs, tile_expert, num_padded = aligned
+    E, N, K = w.shape
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    block_n, block_k = 64, 32 if K % 64 else 64
+    grid = (tile_expert.numel() * triton.cdiv(N, block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, out, pairs, tile_expert, num_padded, weights if weights is not None else out,
+        N, K, out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOP_K=top_k, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=_INTERPRETED or a.dtype == torch.float32,
+    )  # fmt: skip
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I],
+    x [T, H], weights / ids [T, k] (ids outside [0, E): no contribution). Returns [T, H] in x's dtype."""
+    from ferry.layers.fused import silu_and_mul
+
+    T, H = x.shape
+    E, k = w13.shape[0], ids.shape[1]
+    block_m = block_m_for(T * k, E)
+    aligned = moe_align(ids, E, block_m)
+    gate_up = moe_gemm(x, w13, torch.empty(T * k, w13.shape[1], dtype=x.dtype, device=x.device), aligned, k,
+                       block_m, rows_are_tokens=True)  # fmt: skip
+    h = silu_and_mul(gate_up)  # rows of dropped pairs hold whatever was there: never read below
+    out = torch.zeros(T * k, H, dtype=x.dtype, device=x.device)  # dropped pairs add nothing
+    moe_gemm(h, w2, out, aligned, k, block_m, rows_are_tokens=False, weights=weights.reshape(-1).float())
+    return out.view(T, k, H).sum(dim=1)

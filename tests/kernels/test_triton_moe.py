@@ -1,0 +1,65 @@
+"""The fused-MoE Triton kernels (interpreted on the CPU) against grouped_experts, the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferry.layers.moe import grouped_experts, select_experts
+
+triton_moe = pytest.importorskip("ferry.kernels.triton_moe")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def experts(E: int, H: int, inter: int, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.2).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.2).to(DEVICE, dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (7, 8, 2), (64, 8, 3), (5, 16, 4)])
+def test_fused_experts_match_grouped_experts(T, E, k):
+    H, inter = 64, 48  # K of the down GEMM (48) not a multiple of the 32-wide k tile... of 64: both paths
+    w13, w2 = experts(E, H, inter)
+    x = torch.randn(T, H, device=DEVICE)
+    weights, ids = select_experts(torch.randn(T, E, device=DEVICE), k, renormalize=True)
+    ref = grouped_experts(x, w13, w2, weights, ids)
+    got = triton_moe.fused_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_other_ranks_experts_add_nothing():
+    """Expert parallelism: ids outside [0, E) are another rank's; only this rank's pairs count."""
+    T, E, k, H, inter = 9, 4, 2, 32, 32
+    w13, w2 = experts(E, H, inter, seed=1)
+    x = torch.randn(T, H, device=DEVICE)
+    weights, ids = select_experts(torch.randn(T, 2 * E, device=DEVICE), k, renormalize=False)
+    local = ids - E // 2  # this rank holds global experts 2..5 as 0..3
+    ref = grouped_experts(x, w13, w2, weights, local)
+    got = triton_moe.fused_experts(x, w13, w2, weights, local)
+    assert ((local < 0) | (local >= E)).any() and ((local >= 0) & (local < E)).any()
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_experts():
+    T, E, k, H, inter = 6, 8, 2, 64, 64
+    w13, w2 = experts(E, H, inter, dtype=torch.bfloat16, seed=2)
+    x = torch.randn(T, H, device=DEVICE).bfloat16()
+    weights, ids = select_experts(torch.randn(T, E, device=DEVICE), k, renormalize=True)
+    ref = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids)
+    got = triton_moe.fused_experts(x, w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_moe_align_groups_pairs_by_expert_in_padded_tiles():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [9, 3]], device=DEVICE)  # expert 9: another rank's
+    pairs, tile_expert, num_padded = triton_moe.moe_align(ids, 4, block_m=2)
+    P = ids.numel()
+    used = pairs[: int(num_padded)].tolist()
+    # expert 0: pairs 1, 4; expert 1: pair 3 (+ padding); expert 3: pairs 0, 2, 5, 7 (in order); pair 6 dropped
+    assert used == [1, 4, 3, P, 0, 2, 5, 7]
+    assert tile_expert.tolist()[:4] == [0, 1, 3, 3] and set(tile_expert.tolist()[4:]) <= {-1}
+    assert pairs.numel() >= P + 4 * (2 - 1) and set(pairs[int(num_padded) :].tolist()) <= {P}
