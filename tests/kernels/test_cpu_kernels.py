@@ -298,3 +298,43 @@ def test_decode_attention_avx512_and_avx2_builds_agree(tmp_path):
         # head_dim is a multiple of 64; the AVX2 loops keep them in fp32.
         rounding = native["int8 d=64 rounding"] if case == "int8 d=64" else 0.0
         assert ((y - avx2[case]).abs() <= 2e-5 + 2e-5 * avx2[case].abs() + rounding).all(), case
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_decode_kernel_sliding_window(kernels, cache_dtype, bs):
+    """A windowed layer's decode rows in the C++ kernel (tables from the window's first block, the keys
+    before the window skipped there) equal the SDPA reference's, whatever the blocks before the
+    window hold (the cache manager may have handed them to another request)."""
+    from ferry.kv_quant import quantize_rows
+
+    torch.manual_seed(5)
+    nb, kvh, heads, d, window = 64, 2, 8, 64, 21
+    lens = np.array([1, 20, 21, 22, bs * 5 + 3, 150])
+    if cache_dtype == torch.int8:
+        k_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
+        v_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
+    else:
+        k_cache, v_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype), torch.randn(nb, bs, kvh, d).to(cache_dtype)
+    perm, used, blocks = torch.randperm(nb - 1) + 1, 0, []
+    for n in lens.tolist():
+        nblk = -(-n // bs)
+        row = perm[used : used + nblk].numpy().copy()
+        row[: max(0, n - window) // bs] = 0  # released out of the window: the stand-in block
+        blocks.append(row)
+        used += nblk
+    q = torch.randn(len(lens), heads, d) * 2
+    outs = []
+    for use_kernel in (True, False):
+        backend = TorchAttentionBackend(torch.device("cpu"), use_cpu_kernel=use_kernel)
+        meta = build_metadata(slot_mapping=np.zeros(len(lens), dtype=np.int64), block_size=bs,  # into the stand-in
+                              decode_blocks=blocks, decode_seq_lens=lens, prefills=[], device=torch.device("cpu"),
+                              backend=backend)  # fmt: skip
+        empty = torch.zeros(len(lens), kvh, d)
+        outs.append(paged_attention(q, empty, empty, k_cache, v_cache, meta, d**-0.5, window=window))
+    # An int8 cache's K dots take q rounded to int16 and its values int16 weights: ~1e-4 from SDPA's.
+    tol = dict(rtol=1e-2, atol=1e-3) if cache_dtype == torch.int8 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+    with pytest.raises(RuntimeError, match="skip"):
+        kernels.paged_decode_attention(q[:1], k_cache, v_cache, torch.zeros(1, 4, dtype=torch.long),
+                                       torch.tensor([3]), 0.1, None, torch.tensor([3]))  # fmt: skip

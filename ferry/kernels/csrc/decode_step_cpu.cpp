@@ -43,7 +43,7 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
 // paged_decode_attention_cpu.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     c10::optional<torch::Tensor> tree);
+                                     c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> skip);
 
 namespace {
 
@@ -329,7 +329,7 @@ class DecodeStep {
           store_row(vc.data_ptr<c10::BFloat16>() + sp[b] * row, t + q_size + row, row);
         }
       }
-      auto attn = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree);
+      auto attn = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt);
       run_linear(layer.o, attn.data_ptr<float>(), B, op, qa);
       ferry_cpu::add_rms_norm_rows(op, rp, layer.post_norm.data_ptr<float>(), hp, B, hidden_, eps_);
       run_linear(layer.gate_up, hp, B, gp, qa);

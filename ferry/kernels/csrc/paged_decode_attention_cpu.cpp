@@ -13,6 +13,10 @@
 //               plain decode row over that sequence computes, bit for bit (a virtual block of
 //               those rows is gathered per task; the int8 dots that follow would turn a rounding
 //               difference into a different token)
+// skip:         [B] int64 or None: rows of each sequence's first block that it does not attend to
+//               (a sliding window: the caller passes each table from the block holding the window's
+//               first key, the lengths counted from that block, and the keys before it there); not
+//               with a tree
 // out:          [B, H, D]           float32
 //
 // Work is split over (sequence, 64-token partition, kv head); the G = H / KVH query
@@ -689,7 +693,7 @@ inline void merge_partitions(const float* m, const float* l, const float* acc, i
 template <typename CacheT>
 torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                          const int64_t* tree) {
+                                          const int64_t* tree, const int64_t* skip) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t W = k_cache.size(3);  // row width: D, or D + 4 with a quantized row's scale
@@ -861,11 +865,12 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
       int64_t rows = 0;
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t i = j - j0, blk = btp[b * MAXB + j];
-        const int64_t n = std::min(BS, L - j * BS);
+        const int64_t s = skip != nullptr && j == 0 ? skip[b] : 0;  // window: the first block's keys before it
+        const int64_t n = std::min(BS, L - j * BS) - s;
         n_of[i] = n;
         ahead.issue(ahead.share);
-        const CacheT* krows = kp + (blk * BS * KVH + h) * W;
-        const CacheT* vrows = vp + (blk * BS * KVH + h) * W;
+        const CacheT* krows = kp + ((blk * BS + s) * KVH + h) * W;
+        const CacheT* vrows = vp + ((blk * BS + s) * KVH + h) * W;
         if (tree != nullptr && logical[b] != seq_lp[b] && (j + 1) * BS > tree[2 * b]) {
           CacheT* vk = virtual_k.data() + i * BS * KVH * W;
           CacheT* vv = virtual_v.data() + i * BS * KVH * W;
@@ -1030,8 +1035,22 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     c10::optional<torch::Tensor> tree) {
+                                     c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> skip) {
   TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
+  torch::Tensor skip_rows;
+  const int64_t* sp = nullptr;
+  if (skip.has_value() && skip->defined()) {
+    TORCH_CHECK(!(tree.has_value() && tree->defined()), "skip (a sliding window) does not combine with a tree");
+    skip_rows = skip->contiguous();
+    TORCH_CHECK(skip_rows.dtype() == torch::kInt64 && skip_rows.dim() == 1 && skip_rows.size(0) == q.size(0),
+                "skip must be int64 [B]");
+    sp = skip_rows.data_ptr<int64_t>();
+    auto lens = seq_lens.contiguous();
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < std::min<int64_t>(k_cache.size(1), lp[b]),
+                  "skip must leave each sequence's first block a key");
+  }
   torch::Tensor tree_rows;
   const int64_t* tp = nullptr;
   if (tree.has_value() && tree->defined()) {
@@ -1056,13 +1075,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const bool quantized = dt == at::ScalarType::Char || dt == at::ScalarType::Float8_e4m3fn;
   TORCH_CHECK(k_cache.size(3) == q.size(2) + (quantized ? 4 : 0), "cache rows must be head_dim wide (+4: a scale)");
   if (dt == at::ScalarType::Float)
-    return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
+    return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
   if (dt == at::ScalarType::BFloat16)
-    return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
+    return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
   if (dt == at::ScalarType::Char)
-    return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
+    return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
   TORCH_CHECK(dt == at::ScalarType::Float8_e4m3fn, "the cache must be float32, bfloat16, int8 or float8_e4m3fn");
-  return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp);
+  return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
 }
 
 // The vector path this build takes, for tests whose bounds depend on it: "avx512" (grouped heads; an

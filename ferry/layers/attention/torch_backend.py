@@ -12,7 +12,8 @@ then attends to keys i - W < j <= i, as HF's sliding-window mask does. Only the 
 gathered (the cache manager may have freed the blocks before it, whose table entries then point at
 a stand-in block); the masks and tables are built once per step and window (`WindowView`). With
 `softcap` (Gemma 2) the scores go through softcap * tanh(scores / softcap) before the softmax. The
-C++ decode kernel reads whole contexts without either, so only the other layers use it.
+C++ decode kernel takes windowed rows as tables from the window's first block with the keys before
+the window skipped there; soft-capped layers and windowed draft trees take SDPA.
 
 Multi-head latent attention (layers/mla.py) runs on this backend only: one shared row per token
 (`latent_decode` reads it for the absorbed decode; the layer expands the prefill chunks' rows,
@@ -44,14 +45,17 @@ class WindowView:
     """What the step's rows attend to under one sliding window (None: the whole context)."""
 
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, tables' width * block_size] bool
-    # Sliding window: each decode row's blocks from its window's first one (else the full tables).
+    # Sliding window: each decode row's blocks from its window's first one (else the full tables), and
+    # for the C++ kernel the lengths from that block and the keys before the window in it.
     decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    decode_skip: torch.Tensor | None = None
     chunks: list[TorchChunk] = field(default_factory=list)
 
 
 @dataclass
 class TorchState:
-    use_cpu_kernel: bool  # for the layers without a window or soft-capping
+    use_cpu_kernel: bool  # the C++ decode kernel, for the layers without soft-capping
     views: dict[int | None, WindowView] = field(default_factory=dict)  # built when a layer first asks
 
 
@@ -108,10 +112,13 @@ class TorchAttentionBackend:
                 max_len = meta.decode_block_tables.shape[1] * bs
                 pos = np.arange(max_len)[None, :]
             else:  # gather from the block holding the window's first key on
-                first = np.maximum(meta.decode_seq_lens_host - window, 0) // bs
+                lo = np.maximum(meta.decode_seq_lens_host - window, 0)
+                first = lo // bs
                 rows = [blocks[f:] for blocks, f in zip(meta.decode_blocks_host, first)]
                 table = padded_table(rows)
                 view.decode_tables = torch.from_numpy(table).to(self.device)
+                view.decode_lens = torch.from_numpy(meta.decode_seq_lens_host - first * bs).to(self.device)
+                view.decode_skip = torch.from_numpy(lo - first * bs).to(self.device)
                 pos = first[:, None] * bs + np.arange(table.shape[1] * bs)[None, :]
             mask = pos < lens
             if window is not None:
@@ -155,17 +162,16 @@ class TorchAttentionBackend:
         view = self.view(meta, window)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and state.use_cpu_kernel and window is None and softcap is None:
+        windowed_kernel = window is not None and meta.decode_tree is None  # (no window with a draft tree)
+        if nd and state.use_cpu_kernel and softcap is None and (window is None or windowed_kernel):
             from ferry.kernels.cpu import cpu_kernels
 
+            if window is None:
+                tables, lens, skip = meta.decode_block_tables, meta.decode_seq_lens, None
+            else:  # the tables from the window's first block, the keys before the window skipped there
+                tables, lens, skip = view.decode_tables, view.decode_lens, view.decode_skip
             out[:nd] = cpu_kernels().paged_decode_attention(
-                q[:nd].contiguous(),
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                scale,
-                meta.decode_tree,
+                q[:nd].contiguous(), k_cache, v_cache, tables, lens, scale, meta.decode_tree, skip
             )
         elif nd:
             tables = meta.decode_block_tables if view.decode_tables is None else view.decode_tables
