@@ -145,11 +145,13 @@ def test_hf_reference_runs_the_same_dummy_weights(tmp_path):
     assert ours == theirs and len(set(ours)) > 1
 
 
-def test_bench_moe_against_its_dense_twin(tmp_path, capsys):
+@pytest.mark.parametrize("quant", [[], ["--quantization", "gguf"]], ids=["float", "gguf"])
+def test_bench_moe_against_its_dense_twin(tmp_path, capsys, quant):
+    """Both models in the model dtype, or both with Q4_0 projections and experts (the CPU kernels)."""
     out = tmp_path / "moe.json"
     argv = ["bench", "moe", "--hidden-size", "64", "--layers", "2", "--experts", "8", "--top-k", "2",
             "--moe-intermediate-size", "32", "--batch-sizes", "1", "8", "--input-len", "8", "--output-len", "5",
-            "--json", str(out)]  # fmt: skip
+            "--json", str(out), *quant]  # fmt: skip
     assert main(argv) == 0
     assert "vs dense twin" in capsys.readouterr().out
     rows = json.loads(out.read_text())

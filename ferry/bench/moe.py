@@ -10,7 +10,8 @@ which all B decode (as `ferry bench latency` times them). A MoE step reads only 
 tokens chose: at B=1 that is top_k of them per layer; as B grows, nearly all of them, so its bytes
 per step approach the total parameters while its FLOPs stay those of the active ones. The bytes
 each step reads are printed beside the times (the experts touched are counted from the router's
-choices in the timed steps).
+choices in the timed steps). `--quantization gguf`: both models' projections and experts as random
+Q4_0 blocks, run as stored by the CPU kernels (a quantized MoE GGUF's experts keep their blocks).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: every projection and expert as random Q4_0 blocks (the CPU kernels), in both models")  # fmt: skip
     p.add_argument("--bench-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
 
@@ -105,8 +108,8 @@ def _measure(args, path: str) -> dict[int, dict]:
     """One engine over the dummy model at `path`: a row per batch size."""
     tokens = max(args.batch_sizes) * (args.input_len + args.output_len + 16)
     eargs = EngineArgs(model=path, load_format="dummy", device=args.device, dtype=args.dtype,
-                       max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False,
-                       num_kv_blocks=tokens // 16 + 16)  # fmt: skip
+                       quantization=args.quantization, max_num_seqs=max(args.batch_sizes),
+                       enable_prefix_caching=False, num_kv_blocks=tokens // 16 + 16)  # fmt: skip
     engine = LLMEngine(eargs)
     rows = {}
     try:
@@ -138,8 +141,11 @@ def main(args: argparse.Namespace) -> int:
     if not len(args.experts) == len(args.top_k) == len(args.moe_intermediate_size):
         raise ValueError("--experts, --top-k and --moe-intermediate-size take one value per shape, in order")
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    if args.quantization == "gguf":
+        elem = 18 / 32  # Q4_0: 18 bytes a block of 32 weights
     device = torch.device(args.device)
-    print(f"{device_name(device)}; hidden {args.hidden_size}, {args.layers} layers, {args.dtype}; prompt "
+    quant = ", Q4_0 projections and experts" if args.quantization == "gguf" else ""
+    print(f"{device_name(device)}; hidden {args.hidden_size}, {args.layers} layers, {args.dtype}{quant}; prompt "
           f"{args.input_len}, output {args.output_len} tokens; timings of one run, compared within it")  # fmt: skip
     if device.type == "cpu":
         print(f"memory read bandwidth (tensor.sum over 256 MB): {measure_cpu_read_bandwidth() / 1e9:.1f} GB/s")

@@ -289,6 +289,11 @@ def step_decode_rows(num_decodes: int) -> Iterator[None]:
         _step_decode_rows = saved
 
 
+def current_step_decode_rows() -> int | None:
+    """The leading decode rows of the model step being run (None outside one)."""
+    return _step_decode_rows
+
+
 def _int8_dot_rows(rows: int, qtype: int) -> int:
     """How many leading rows of a matmul take the int8-dot kernel (the rest: dequantize + GEMM)."""
     if _int8_everywhere or (qtype in INT8_PROMPT_TYPES and not _exact_prompts):

@@ -26,7 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import contextlib
+from collections.abc import Callable
+
 from ferry.distributed.parallel_state import TensorParallel
+from ferry.layers import gguf_linear as gguf
 from ferry.layers.fused import silu_and_mul
 from ferry.layers.linear import pack_weight, packed_linear
 
@@ -81,19 +85,29 @@ def select_experts(
     return weights, ids
 
 
+def _gguf_parts(rows: torch.Tensor, parts, bias: None) -> torch.Tensor:
+    return gguf.gguf_linear(rows, parts if isinstance(parts, list) else [parts], None)
+
+
 def grouped_experts(
     x: torch.Tensor,
-    w13: list[torch.Tensor] | torch.Tensor,
-    w2: list[torch.Tensor] | torch.Tensor,
+    w13: list | torch.Tensor,
+    w2: list | torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     packed: bool = False,
+    linear: Callable | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, one GEMM pair per chosen expert.
 
     w13[e]: expert e's gate rows then up rows [2I, H]; w2[e]: its down projection [H, I] (oneDNN-packed
-    copies when `packed`). x: [T, H]; weights, ids: [T, k]. Ids outside [0, len(w13)) are skipped (under
-    expert parallelism: experts another rank holds)."""
+    copies when `packed`; with `linear=_gguf_parts`, GGUF blocks: w13[e] its [gate, up] parts). x:
+    [T, H]; weights, ids: [T, k]. Ids outside [0, len(w13)) are skipped (under expert parallelism:
+    experts another rank holds).
+
+    GGUF blocks inside a model step: an expert's rows keep the batch's token order (the sort is
+    stable), so its decode rows come first, and the K-quants route that many through the int8 dots as
+    a dense layer does (gguf_linear.step_decode_rows), whatever experts the rows were grouped into."""
     k, num = ids.shape[1], len(w13)
     flat = ids.reshape(-1)
     flat = torch.where((flat >= 0) & (flat < num), flat, num)  # another rank's experts: sorted last, dropped
@@ -103,13 +117,17 @@ def grouped_experts(
     token = order // k
     rows = x.index_select(0, token)
     out = torch.empty_like(rows)
-    linear = packed_linear if packed else F.linear
+    step_decodes = gguf.current_step_decode_rows() if linear is _gguf_parts else None
+    decode = (token < step_decodes).tolist() if step_decodes is not None else None
+    linear = linear or (packed_linear if packed else F.linear)
     start = 0
     for e, n in enumerate(counts[:num]):
         if n:
             end = start + n
-            h = silu_and_mul(linear(rows[start:end], w13[e], None))
-            out[start:end] = linear(h, w2[e], None)
+            routing = gguf.step_decode_rows(sum(decode[start:end])) if decode else contextlib.nullcontext()
+            with routing:
+                h = silu_and_mul(linear(rows[start:end], w13[e], None))
+                out[start:end] = linear(h, w2[e], None)
             start = end
     out.mul_(weights.reshape(-1).index_select(0, order).to(out.dtype).unsqueeze(1))
     return torch.zeros_like(x).index_add_(0, token, out)
@@ -120,13 +138,18 @@ class FusedMoE(nn.Module):
     rows) and w2 [E, H, I]. Under tensor parallelism, I is this rank's slice of moe_intermediate_size
     and E every expert; with `expert_parallel`, E is this rank's num_experts / N whole experts
     (from `first_expert` on) and I the whole width. `forward` returns this rank's partial sum (the
-    caller all-reduces): the tokens are on every rank, so each runs the pairs routed to its experts."""
+    caller all-reduces): the tokens are on every rank, so each runs the pairs routed to its experts.
+
+    A GGUF's quantized experts (on the CPU) keep their blocks instead, as the only copy: gguf13[e] is
+    expert e's [gate, up] GGUFWeights, gguf2[e] its down one (`drop_weights` before allocation, then
+    `load_gguf`), run by grouped_experts through the GGUF kernels."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
                  expert_parallel: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.tp = tp
         self.num_experts = num_experts  # in the layer, on all ranks
+        self.hidden_size = hidden_size
         self.expert_parallel = expert_parallel and tp.size > 1
         if self.expert_parallel:
             local = tp.shard(num_experts, "num_experts (expert parallel)")
@@ -139,20 +162,59 @@ class FusedMoE(nn.Module):
         # pack(): per-expert oneDNN copies, then the only copies (the stacked parameters are freed).
         self.packed13: list[torch.Tensor] | None = None
         self.packed2: list[torch.Tensor] | None = None
+        self.gguf13: list[list] | None = None  # per expert [gate, up] GGUFWeights (drop_weights)
+        self.gguf2: list | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.first_expert:
             ids = ids - self.first_expert  # this rank's experts from 0; the others fall outside and are skipped
         if self.packed13 is not None:
             return grouped_experts(x, self.packed13, self.packed2, weights, ids, packed=True)
+        if self.gguf13 is not None:
+            return grouped_experts(x, self.gguf13, self.gguf2, weights, ids, linear=_gguf_parts)
         if x.is_cuda and triton_moe_available():  # two launches, no host sync: CUDA graphs capture it
             from ferry.kernels.triton_moe import fused_experts
 
             return fused_experts(x, self.w13, self.w2, weights, ids)
         return grouped_experts(x, self.w13, self.w2, weights, ids)
 
+    def drop_weights(self) -> None:
+        """On a meta model, before allocation: the experts will come as GGUF blocks (`load_gguf`), the
+        only copy; no float weight is ever allocated."""
+        local = self.w13.shape[0]
+        self.w13 = self.w2 = None
+        self.gguf13 = [[None, None] for _ in range(local)]
+        self.gguf2 = [None] * local
+
+    def load_gguf(self, part: str, expert: int | None, w) -> None:
+        """A GGUFWeight of one expert's projection, or of every expert's stacked by rows (GGUF's *_exps
+        as [E x rows, in]), full size: this rank takes its experts and its slice of each, as `load`."""
+        if part not in ("gate", "up", "down"):
+            raise ValueError(f"unknown expert projection {part!r}")
+        n, rank = (1, 0) if self.expert_parallel else (self.tp.size, self.tp.rank)
+        inter = self.intermediate
+        rows = inter * n if part in ("gate", "up") else self.hidden_size  # one expert's, full size
+        if w.out_features != rows * (1 if expert is not None else self.num_experts):
+            raise ValueError(f"expert {part} blocks: {w.out_features} rows, expected {rows} per expert")
+        local = len(self.gguf2)
+        for e in range(local) if expert is None else [expert - self.first_expert]:
+            if not 0 <= e < local:
+                return  # another rank's expert
+            g = self.first_expert + e
+            one = w if expert is not None else w.rows(slice(g * rows, (g + 1) * rows))
+            if part == "down":  # input columns split under TP (whole blocks: checked by plan_gguf)
+                self.gguf2[e] = one if n == 1 else one.columns(rank * inter, (rank + 1) * inter)
+            else:
+                self.gguf13[e][0 if part == "gate" else 1] = one if n == 1 else one.rows(slice(rank * inter,
+                                                                                               (rank + 1) * inter))
+
     def pack(self) -> None:
-        """oneDNN-packed fp32 copies of every expert's matrices (CPU), as Linear.pack does for dense ones."""
+        """oneDNN-packed fp32 copies of every expert's matrices (CPU), as Linear.pack does for dense ones;
+        GGUF experts interleaved for the CPU kernel."""
+        if self.gguf13 is not None:
+            self.gguf13 = [[p.interleave() for p in parts] for parts in self.gguf13]
+            self.gguf2 = [p.interleave() for p in self.gguf2]
+            return
         if self.packed13 is not None:
             return
         self.packed13 = [pack_weight(w) for w in self.w13]

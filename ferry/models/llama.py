@@ -380,16 +380,22 @@ class LlamaForCausalLM(nn.Module):
 
     # -- GGUF quantized weights (--quantization gguf) ----------------------
 
-    def plan_gguf(self, quantized: dict[str, str]) -> frozenset[str]:
+    def plan_gguf(self, quantized: dict[str, str], experts: bool = False) -> frozenset[str]:
         """On the meta model, before allocation: give up the fp32 weight of every projection, the
         embedding and the head whose checkpoint tensors are all stored quantized (`quantized`:
-        HF name -> ggml type), so the GGUF bytes are the only copy. Returns the checkpoint names
-        the loader must hand over still quantized; the rest it dequantizes as before."""
+        HF name -> ggml type), so the GGUF bytes are the only copy; with `experts` (the CPU kernels),
+        a mixture of experts' experts too. Returns the checkpoint names the loader must hand over
+        still quantized; the rest it dequantizes as before."""
         keep: set[str] = set()
         pieces: dict[str, list[str]] = {}  # module (HF-fused name) -> its checkpoint tensor names
+        expert_names: dict[int, list[str]] = {}  # this stage's layer -> its experts' quantized tensor names
         for name in quantized:
             short = self._stage_name(name.removeprefix("model."))
             if short is None:  # another pipeline stage's
+                continue
+            match = _EXPERT_WEIGHT.fullmatch(short)
+            if match is not None:
+                expert_names.setdefault(int(match["layer"]), []).append(name)
                 continue
             parts = short.split(".")
             module = ".".join(self._FUSED.get(p, (p, 0))[0] for p in parts[:-1])
@@ -414,7 +420,33 @@ class LlamaForCausalLM(nn.Module):
             elif module_name == "lm_head" and self.lm_head is not None:
                 self.lm_head.weight = None
                 keep.update(names)
+        for layer, names in expert_names.items():
+            if experts and self._experts_stay_quantized(layer, names, quantized):
+                self.layers[layer].mlp.experts.drop_weights()
+                keep.update(names)
         return frozenset(keep)
+
+    def _experts_stay_quantized(self, layer: int, names: list[str], quantized: dict[str, str]) -> bool:
+        """Whether layer `layer`'s experts can run as their blocks: all of them quantized (stacked as
+        three tensors, or three per expert) in types the kernels run, each rank's slice of the down
+        projection's input whole blocks."""
+        block = self.layers[layer].mlp
+        if not isinstance(block, SparseMoeBlock) or any(quantized[n] not in GGUF_QUANT_TYPES for n in names):
+            return False
+        if len(names) not in (3, 3 * self.config.num_experts):
+            return False
+        experts = block.experts
+        parts = [_EXPERT_PARTS.get(_EXPERT_WEIGHT.fullmatch(self._stage_name(n.removeprefix("model.")))["part"])
+                 for n in names]  # fmt: skip
+        if sorted(set(parts)) != ["down", "gate", "up"]:
+            return False
+        down = {quantized[n] for n, part in zip(names, parts) if part == "down"}
+        if not experts.expert_parallel and self.tp.size > 1:
+            if any(experts.intermediate % GGUF_QUANT_TYPES[t][1] for t in down):
+                logger.info("layer %d's experts: their down projections' columns do not split into whole blocks "
+                            "over %d ranks; dequantized", layer, self.tp.size)  # fmt: skip
+                return False
+        return True
 
     def quantize_linear_weights_int8(
         self, calibration_ids: list[int], alpha: float = DEFAULT_ALPHA, triton: bool | None = None
@@ -529,12 +561,16 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_expert_weight(self, match: re.Match, tensor: torch.Tensor) -> list[str]:
         """Copy one expert's projection (or every expert's, stacked) into its layer's FusedMoE. Always
-        float: `plan_gguf` keeps no expert tensor quantized (FusedMoE is not a Linear)."""
+        float, or GGUF blocks where `plan_gguf` kept the experts quantized."""
         layer, expert, part = int(match["layer"]), match["expert"], _EXPERT_PARTS.get(match["part"])
         experts = self.layers[layer].mlp.experts if layer < len(self.layers) else None
         if part is None or not isinstance(experts, FusedMoE):
             raise ValueError(f"checkpoint tensor {match.string!r} has no place in {type(self).__name__}")
-        experts.load(part, None if expert is None else int(expert), tensor.to(self.norm.weight.device))
+        index = None if expert is None else int(expert)
+        if isinstance(tensor, GGUFWeight):
+            experts.load_gguf(part, index, tensor)
+        else:
+            experts.load(part, index, tensor.to(self.norm.weight.device))
         indices = range(experts.num_experts) if expert is None else [int(expert)]
         return [f"layers.{layer}.mlp.experts.{part}#{e}" for e in indices]
 

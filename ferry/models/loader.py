@@ -215,8 +215,9 @@ class Checkpoint:
             if name == "lm_head.weight" and cfg.tie_word_embeddings or not wanted(name):
                 continue
             if name in keep_quantized:
-                # GGUF's shape is (in, out); rows stay whole blocks, so the Q/K unpermutation moves bytes.
-                n_out, n_in = int(tensor.shape[1]), int(tensor.shape[0])
+                # GGUF's shape is (in, out) (experts stacked: (in, out, experts), taken as experts x out
+                # rows); rows stay whole blocks, so the Q/K unpermutation moves bytes.
+                n_out, n_in = int(np.prod(tensor.shape[1:])), int(tensor.shape[0])
                 weight = GGUFWeight.from_numpy(tensor.data, tensor.tensor_type.name, (n_out, n_in))
                 if permuted and (".q_proj." in name or ".k_proj." in name):
                     n_head = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads

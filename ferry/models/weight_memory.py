@@ -15,6 +15,7 @@ from torch import nn
 from ferry.layers.gguf_linear import GGUFWeight
 from ferry.layers.int8_linear import Int8Rows, Int8Weight
 from ferry.layers.linear import Linear
+from ferry.layers.moe import FusedMoE
 
 
 def _tensor_bytes(t: torch.Tensor | None) -> int:
@@ -46,19 +47,23 @@ class _Census:
 
 
 def held_weight_bytes(model: nn.Module) -> dict[str, int]:
-    """{"projections", "head", "embedding", "other" (norms), "total"}: bytes of this rank's weights."""
+    """{"projections", "experts", "head", "embedding", "other" (norms, routers), "total"}: bytes of this
+    rank's weights."""
     census = _Census()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     projections = sum(census.bytes_of(m.weight, m.bias, m.packed, m.int8, m.gguf) for m in linears)
+    moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    experts = sum(census.bytes_of(m.w13, m.w2, m.packed13, m.packed2, m.gguf13, m.gguf2) for m in moe)
     embed = model.embed_tokens
-    embedding = census.bytes_of(embed.weight, embed.gguf)
+    embedding = census.bytes_of(embed.weight, embed.gguf) if embed is not None else 0
     lm_head = model.lm_head
     head = census.bytes_of(
         None if lm_head is None else lm_head.weight, model._packed_lm_head, model._int8_lm_head, model._gguf_lm_head
     )
     other = sum(census.bytes_of(p) for p in model.parameters())  # what no part above holds: the norms
-    total = projections + head + embedding + other
-    return {"projections": projections, "head": head, "embedding": embedding, "other": other, "total": total}
+    total = projections + experts + head + embedding + other
+    return {"projections": projections, "experts": experts, "head": head, "embedding": embedding, "other": other,
+            "total": total}  # fmt: skip
 
 
 def process_rss_bytes() -> int | None:

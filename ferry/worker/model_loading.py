@@ -184,7 +184,10 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> Load
         model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp,
                                  expert_parallel=args.enable_expert_parallel, pp=pp)  # fmt: skip
         # GGUF: the quantized blocks are the only copy; those modules never get an fp32 weight.
-        keep_quantized = model.plan_gguf(ckpt.quantized_tensors()) if quantization == "gguf" else frozenset()
+        # Experts keep their blocks on the CPU (grouped GGUF matmuls); on CUDA they are dequantized for the
+        # fused-MoE kernel.
+        keep_quantized = (model.plan_gguf(ckpt.quantized_tensors(), experts=device.type == "cpu")
+                          if quantization == "gguf" else frozenset())  # fmt: skip
     # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
     # copy of the whole model on the device, which the allocator would keep from the KV cache.
     model = model.to(dtype).to_empty(device=device)

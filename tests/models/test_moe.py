@@ -18,6 +18,7 @@ from test_loader import _llama_cpp_permute, gguf_writer_with_header  # llama.cpp
 
 from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import SINGLE
+from ferry.layers.fused import silu_and_mul
 from ferry.layers.moe import FusedMoE, grouped_experts, select_experts
 from ferry.models.config import ModelConfig
 from ferry.models.loader import load_checkpoint
@@ -134,6 +135,24 @@ _LAYER = {
 }
 
 
+def _expert_blocks(a: np.ndarray, expert_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Stacked expert weights [E, rows, in] as `expert_type` blocks; K-quants (which gguf-py cannot
+    quantize) as random super-blocks with small scales instead of `a`'s values."""
+    if expert_type.name.endswith("_K"):
+        from ferry.layers.gguf_linear import GGUF_QUANT_TYPES
+
+        # Random quants and 6-bit sub-scales; super-scales so small that weights keep HF's init spread.
+        n, size = a.size // 256, GGUF_QUANT_TYPES[expert_type.name][2]
+        raw = np.random.default_rng(a.size).integers(0, 256, size=(n, size), dtype=np.uint8)
+        scales = np.full(n, 2e-4, np.float16).view(np.uint8).reshape(n, 2)
+        if expert_type.name == "Q6_K":
+            raw[:, 208:210] = scales
+        else:
+            raw[:, 0:2], raw[:, 2:4] = scales, scales
+        return raw.reshape(*a.shape[:-1], -1)
+    return gguf.quants.quantize(np.ascontiguousarray(a), expert_type)
+
+
 def _write_moe_gguf(path: str, arch: str, model, expert_type: gguf.GGMLQuantizationType) -> None:
     """`model` as llama.cpp's converter writes it: experts stacked per layer (ffn_*_exps), Q/K permuted
     for "llama" (Mixtral), the shared expert's gate a vector; expert tensors stored as `expert_type`."""
@@ -157,11 +176,9 @@ def _write_moe_gguf(path: str, arch: str, model, expert_type: gguf.GGMLQuantizat
         if rest == "mlp.experts.gate_up_proj":  # transformers 5 holds them fused: [E, 2I, H]
             gate, up = np.split(a, 2, axis=1)
             for gname, part in (("ffn_gate_exps.weight", gate), ("ffn_up_exps.weight", up)):
-                w.add_tensor(blk + gname, gguf.quants.quantize(np.ascontiguousarray(part), expert_type),
-                             raw_dtype=expert_type)  # fmt: skip
+                w.add_tensor(blk + gname, _expert_blocks(part, expert_type), raw_dtype=expert_type)
         elif rest == "mlp.experts.down_proj":
-            w.add_tensor(blk + "ffn_down_exps.weight", gguf.quants.quantize(np.ascontiguousarray(a), expert_type),
-                         raw_dtype=expert_type)  # fmt: skip
+            w.add_tensor(blk + "ffn_down_exps.weight", _expert_blocks(a, expert_type), raw_dtype=expert_type)
         elif rest == "mlp.shared_expert_gate.weight":
             w.add_tensor(blk + "ffn_gate_inp_shexp.weight", np.ascontiguousarray(a.reshape(-1)))
         else:
@@ -204,11 +221,14 @@ def test_moe_gguf_matches_hf_greedy(tmp_path, arch):
 
 
 def test_quantized_gguf_experts_are_dequantized_exactly(tmp_path):
+    """`--quantization none` (the reference path, and what CUDA's fused-MoE kernel takes): a GGUF's
+    quantized experts dequantized to the model dtype, value for value."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_MOE_GGUF["qwen3moe"](), dtype=torch.float32)
     path = str(tmp_path / "q8-experts.gguf")
     _write_moe_gguf(path, "qwen3moe", hf, gguf.GGMLQuantizationType.Q8_0)
-    model = load_model(EngineArgs(model=path, tokenizer=str(tmp_path), device="cpu", dtype="float32")).model
+    model = load_model(EngineArgs(model=path, tokenizer=str(tmp_path), device="cpu", dtype="float32",
+                                  quantization="none")).model  # fmt: skip
     experts = model.layers[1].mlp.experts
     ref = hf.state_dict()["model.layers.1.mlp.experts.down_proj"].numpy()
     want = gguf.quants.dequantize(gguf.quants.quantize(ref, gguf.GGMLQuantizationType.Q8_0),
@@ -216,3 +236,81 @@ def test_quantized_gguf_experts_are_dequantized_exactly(tmp_path):
     got = torch.stack([p.to_dense() for p in experts.packed2]) if experts.w2 is None else experts.w2
     assert not np.array_equal(want, ref)  # Q8_0 rounds: the check below tells the two apart
     np.testing.assert_array_equal(got.detach().numpy(), want)
+
+
+# ---------------------------------------------------------------- GGUF experts run as stored (CPU)
+
+
+def _quantized_moe(tmp_path, expert_type, **overrides):
+    """A Qwen3-MoE GGUF whose experts are stored as `expert_type` (the rest F32), loaded as users run it
+    (experts kept as blocks) and dequantized (`--quantization none`)."""
+    torch.manual_seed(0)
+    cfg = {**_common(), "moe_intermediate_size": 32, **overrides}
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3MoeConfig(**cfg, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16),
+        dtype=torch.float32,
+    )
+    path = str(tmp_path / f"moe-{expert_type.name}.gguf")
+    _write_moe_gguf(path, "qwen3moe", hf, expert_type)
+    args = dict(model=path, tokenizer=str(tmp_path), device="cpu", dtype="float32")
+    return load_model(EngineArgs(**args)), load_model(EngineArgs(**args, quantization="none"))
+
+
+@pytest.mark.parametrize("expert_type", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0])
+def test_gguf_experts_keep_their_blocks_and_compute_per_token(tmp_path, expert_type):
+    """The experts hold the file's blocks and nothing else, and the grouped kernels give each token what
+    its experts give it alone (the CPU kernel computes a row the same whatever rows are beside it)."""
+    from ferry.layers.gguf_linear import gguf_linear
+    from ferry.models.weight_memory import held_weight_bytes
+
+    loaded, dequantized = _quantized_moe(tmp_path, expert_type)
+    experts = loaded.model.layers[1].mlp.experts
+    assert experts.w13 is None and experts.packed13 is None and len(experts.gguf13) == 6
+    block_bytes = sum(p.nbytes for parts in experts.gguf13 for p in parts) + sum(p.nbytes for p in experts.gguf2)
+    float_bytes = 6 * 3 * 64 * 32 * 4
+    assert block_bytes < float_bytes * (0.3 if expert_type.name == "Q8_0" else 0.16)
+    held = held_weight_bytes(loaded.model)
+    assert held["experts"] == 2 * block_bytes  # two sparse layers, blocks only
+    assert held_weight_bytes(dequantized.model)["experts"] == 2 * float_bytes
+    x = torch.randn(9, 64)
+    weights, ids = select_experts(torch.randn(9, 6), 2, renormalize=True)
+    got = experts(x, weights, ids)
+    for t in range(9):
+        ref = torch.zeros(64)
+        for j in range(2):
+            e = int(ids[t, j])
+            h = silu_and_mul(gguf_linear(x[t : t + 1], experts.gguf13[e], None))
+            ref += weights[t, j] * gguf_linear(h, [experts.gguf2[e]], None)[0]
+        torch.testing.assert_close(got[t], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_k_quant_experts_route_prompt_and_decode_rows_as_dense_layers_do(tmp_path):
+    """Q4_K experts inside a step: decode rows take the int8 dots and prompt rows the exact path, per
+    expert group (an expert's rows keep the batch order, so its decode rows come first), as a dense
+    layer routes them: each row computes what it computes in a step of its own kind alone. In the
+    engine, requests alone and in chunked steps beside each other's decode rows pick the same tokens,
+    and each prompt's first token (from exact prompt rows) is the dequantized model's."""
+    from ferry.layers.gguf_linear import step_decode_rows
+
+    loaded, dequantized = _quantized_moe(tmp_path, gguf.GGMLQuantizationType.Q4_K, hidden_size=256,
+                                         moe_intermediate_size=256)  # fmt: skip
+    experts = loaded.model.layers[0].mlp.experts
+    assert experts.gguf13[0][0].type_name == "Q4_K"
+    T, nd = 12, 5  # 5 decode rows, then 7 prompt rows
+    x = torch.randn(T, 256) * 0.5
+    weights, ids = select_experts(torch.randn(T, 6), 2, renormalize=True)
+    with step_decode_rows(nd):
+        got = experts(x, weights, ids)
+    for t in range(T):
+        with step_decode_rows(1 if t < nd else 0):
+            alone = experts(x[t : t + 1], weights[t : t + 1], ids[t : t + 1])
+        torch.testing.assert_close(got[t], alone[0], rtol=1e-5, atol=1e-6)
+    with step_decode_rows(0):  # the int8 dots and the exact path differ: the check above can tell
+        assert not torch.allclose(experts(x[:1], weights[:1], ids[:1]), got[:1], atol=1e-4)
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 30, 19)]
+    alone = [ferry_greedy(engine_over(loaded, num_kv_blocks=64), [p], 8)[0] for p in prompts]
+    assert ferry_greedy(engine_over(loaded, num_kv_blocks=64, max_num_batched_tokens=6), prompts, 8) == alone
+    exact = ferry_greedy(engine_over(dequantized, num_kv_blocks=64), prompts, 8)
+    assert [a[0] for a in alone] == [e[0] for e in exact]
