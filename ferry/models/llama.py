@@ -674,7 +674,10 @@ class LlamaForCausalLM(nn.Module):
         else:  # rows per head: q_nope, then q_pe
             qk = cfg.qk_nope_head_dim + rope
             head = torch.cat([torch.arange(cfg.qk_nope_head_dim), cfg.qk_nope_head_dim + perm])
-            order = (torch.arange(tensor.shape[0] // qk)[:, None] * qk + head).reshape(-1)
+            rows = tensor.out_features if isinstance(tensor, GGUFWeight) else tensor.shape[0]
+            order = (torch.arange(rows // qk)[:, None] * qk + head).reshape(-1)
+        if isinstance(tensor, GGUFWeight):  # a GGUF's blocks: whole rows move
+            return tensor.rows(order)
         return tensor.index_select(0, order)
 
     def wants(self, name: str) -> bool:

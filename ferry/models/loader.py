@@ -38,6 +38,7 @@ _GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # V3 too, when its router has the score-correction bias
 }
 # Whether llama.cpp renormalises the chosen experts' weights, where the GGUF does not say
 # ({arch}.expert_weights_norm): its graphs hard-code it per architecture.
@@ -70,6 +71,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # DeepSeek (deepseek2): multi-head latent attention, and V3's router bias. llama.cpp's newer files
+    # split kv_b into attn_k_b (per head, transposed) and attn_v_b; the reader joins them back.
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "exp_probs_b": "mlp.gate",
 }
 
 # GGUF rope.scaling.* metadata -> keys of HF's rope_scaling dict.
@@ -137,7 +147,8 @@ class Checkpoint:
             self._quantized = {}
             if self.format == "gguf":
                 for tensor in self._reader().tensors:
-                    if tensor.tensor_type.name in GGUF_QUANT_TYPES:
+                    # (llama.cpp's split kv_b is joined and dequantized by the reader: never kept as blocks)
+                    if tensor.tensor_type.name in GGUF_QUANT_TYPES and not _GGUF_SPLIT_KV_B.fullmatch(tensor.name):
                         self._quantized[_hf_name(tensor.name)] = tensor.tensor_type.name
         return self._quantized
 
@@ -210,7 +221,20 @@ class Checkpoint:
         cfg = self.config
         # Mistral shares llama.cpp's "llama" architecture and therefore its Q/K permutation.
         permuted = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+        k_b: dict[str, np.ndarray] = {}  # layer prefix -> its attn_k_b, until attn_v_b comes
         for tensor in reader.tensors:
+            split_kv = _GGUF_SPLIT_KV_B.fullmatch(tensor.name)
+            if split_kv is not None:
+                layer, part = split_kv.groups()
+                name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+                if not wanted(name):
+                    continue
+                w = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+                if part == "k":
+                    k_b[layer] = w
+                    continue
+                yield name, torch.from_numpy(_join_kv_b(k_b.pop(layer), w))
+                continue
             name = _hf_name(tensor.name)
             if name == "lm_head.weight" and cfg.tie_word_embeddings or not wanted(name):
                 continue
@@ -238,6 +262,17 @@ class Checkpoint:
             yield name, torch.from_numpy(w)
 
 
+_GGUF_SPLIT_KV_B = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
+
+
+def _join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """HF's kv_b_proj [H * (nope + v), rank] from llama.cpp's split: k_b [H, rank, nope] (transposed per
+    head) and v_b [H, v, rank]."""
+    heads, rank, nope = k_b.shape
+    kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+    return np.ascontiguousarray(kv.reshape(heads * (nope + v_b.shape[1]), rank))
+
+
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's convert_hf_to_gguf `permute` of Q/K rows (weights and biases).
 
@@ -255,6 +290,8 @@ def _hf_name(gguf_name: str) -> str:
     if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that ferry knows")
     layer, part, kind = m.groups()
+    if part == "exp_probs_b":  # DeepSeek-V3's router bias, on the scores the choice is made on
+        return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
 
 
@@ -283,6 +320,11 @@ def _gguf_architecture(reader: Any) -> tuple[str, str]:
     # Same rule as transformers' GGUF loader: llama.cpp writes Mistral models as "llama".
     if arch == "llama" and (_gguf_value(reader, "llama.expert_count") or 0) > 0:
         hf_arch = "MixtralForCausalLM"
+    elif arch == "deepseek2" and (
+        _gguf_value(reader, "deepseek2.expert_gating_func") == 2 or any(t.name.endswith(".exp_probs_b.bias")
+                                                                        for t in reader.tensors)
+    ):  # fmt: skip
+        hf_arch = "DeepseekV3ForCausalLM"  # sigmoid routing with the score-correction bias
     elif arch == "llama" and "mistral" in str(_gguf_value(reader, "general.name", "")).lower():
         hf_arch = "MistralForCausalLM"
     return arch, hf_arch
@@ -310,6 +352,7 @@ def _gguf_config(reader: Any) -> ModelConfig:
 
     hidden = need("embedding_length")
     heads = need("attention.head_count")
+    mla = _gguf_mla_fields(meta) if arch == "deepseek2" else {}
     vocab = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     rope_scaling = None
     scaling_type = meta("rope.scaling.type")
@@ -319,6 +362,9 @@ def _gguf_config(reader: Any) -> ModelConfig:
             value = meta(f"rope.scaling.{gguf_key}")
             if value is not None:
                 rope_scaling[hf_key] = value
+        log_mul = meta("rope.scaling.yarn_log_multiplier")
+        if log_mul:  # DeepSeek: llama.cpp stores 0.1 * mscale_all_dim (its mscale is the same)
+            rope_scaling["mscale"] = rope_scaling["mscale_all_dim"] = float(log_mul) / 0.1
     # llama.cpp stops at any end-of-generation token: EOS, and EOT/EOM where the vocabulary has them.
     eos = [_gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return ModelConfig(
@@ -328,8 +374,10 @@ def _gguf_config(reader: Any) -> ModelConfig:
         intermediate_size=int(need("feed_forward_length")),
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=int(heads),
-        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
-        head_dim=int(meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads),
+        num_key_value_heads=int(heads if mla else meta("attention.head_count_kv", heads)),
+        # MLA: the rotary key's width (the one per-head size of its cache)
+        head_dim=int(meta("rope.dimension_count") if mla else
+                     meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads),  # fmt: skip
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
@@ -343,6 +391,23 @@ def _gguf_config(reader: Any) -> ModelConfig:
         # Weights are dequantized to float32 whatever their storage type.
         dtype="float32",
         **_gguf_moe_fields(hf_arch, meta, int(need("block_count")), tensor_names),
+        **mla,
+    )
+
+
+def _gguf_mla_fields(meta: Any) -> dict[str, Any]:
+    """Multi-head latent attention's fields from llama.cpp's deepseek2 metadata. Newer files describe the
+    absorbed form in key_length / value_length and the expanded heads in key_length_mla /
+    value_length_mla; older ones the expanded heads in key_length / value_length."""
+    rope = int(meta("rope.dimension_count"))
+    key = meta("attention.key_length_mla") or meta("attention.key_length")
+    value = meta("attention.value_length_mla") or meta("attention.value_length")
+    return dict(
+        kv_lora_rank=int(meta("attention.kv_lora_rank")),
+        q_lora_rank=int(meta("attention.q_lora_rank") or 0),
+        qk_nope_head_dim=int(key) - rope,
+        v_head_dim=int(value),
+        rope_interleave=True,  # llama.cpp keeps DeepSeek's adjacent rotary pairs (ggml's "normal" rope)
     )
 
 
@@ -352,6 +417,25 @@ def _gguf_moe_fields(hf_arch: str, meta: Any, layers: int, tensor_names: set[str
     if experts == 0:
         return {}
     norm = meta("expert_weights_norm")
+    if hf_arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        v3 = hf_arch == "DeepseekV3ForCausalLM"
+        groups = int(meta("expert_group_count") or 1)
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(meta("expert_used_count") or 0),
+            moe_intermediate_size=int(meta("expert_feed_forward_length")),
+            norm_topk_prob=bool(norm) if norm is not None else False,
+            shared_expert_intermediate_size=int(meta("expert_shared_count") or 0)
+            * int(meta("expert_feed_forward_length")),
+            shared_expert_gated=False,
+            moe_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names),
+            moe_scoring="sigmoid" if meta("expert_gating_func") == 2 else "softmax",
+            moe_n_group=groups,
+            moe_topk_group=int(meta("expert_group_used_count") or 1) if groups > 1 else 1,
+            moe_group_score="top2_sum" if v3 else "max",
+            moe_score_bias=v3,
+            routed_scaling_factor=float(meta("expert_weights_scale") or 1.0),
+        )
     return dict(
         num_experts=experts,
         num_experts_per_tok=int(meta("expert_used_count") or 0),

@@ -171,9 +171,9 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> Load
     if quantization == "int8" and ckpt.config.moe_layers:
         raise ValueError("--quantization int8 does not cover mixture-of-experts layers yet; run the experts "
                          "in the model dtype (no --quantization) or from a GGUF")  # fmt: skip
-    if quantization is not None and ckpt.config.is_mla:
-        raise ValueError(f"--quantization {quantization} does not cover multi-head latent attention yet; "
-                         "run the model in its dtype")  # fmt: skip
+    if quantization == "int8" and ckpt.config.is_mla:
+        raise ValueError("--quantization int8 does not cover multi-head latent attention yet; "
+                         "run the model in its dtype or from a GGUF")  # fmt: skip
     if quantization == "int8" and ckpt.config.sandwich_norms:
         raise ValueError("--quantization int8 does not cover Gemma's sandwich norms yet; run the model in its dtype")
     if quantization == "int8" and pp.size > 1:
