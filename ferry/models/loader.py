@@ -39,6 +39,16 @@ _GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3 too, when its router has the score-correction bias
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+_GGUF_GEMMA = ("gemma2", "gemma3")
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the MLP's input norm there (Llama's
+# post_attention_layernorm), post_attention_norm the attention output's, post_ffw_norm the MLP output's.
+_GGUF_GEMMA_NORMS = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # Whether llama.cpp renormalises the chosen experts' weights, where the GGUF does not say
 # ({arch}.expert_weights_norm): its graphs hard-code it per architecture.
@@ -149,7 +159,7 @@ class Checkpoint:
                 for tensor in self._reader().tensors:
                     # (llama.cpp's split kv_b is joined and dequantized by the reader: never kept as blocks)
                     if tensor.tensor_type.name in GGUF_QUANT_TYPES and not _GGUF_SPLIT_KV_B.fullmatch(tensor.name):
-                        self._quantized[_hf_name(tensor.name)] = tensor.tensor_type.name
+                        self._quantized[_hf_name(tensor.name, self.config.architecture)] = tensor.tensor_type.name
         return self._quantized
 
     def _reader(self) -> Any:
@@ -235,7 +245,7 @@ class Checkpoint:
                     continue
                 yield name, torch.from_numpy(_join_kv_b(k_b.pop(layer), w))
                 continue
-            name = _hf_name(tensor.name)
+            name = _hf_name(tensor.name, cfg.architecture)
             if name == "lm_head.weight" and cfg.tie_word_embeddings or not wanted(name):
                 continue
             if name in keep_quantized:
@@ -283,13 +293,16 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, architecture: str = "") -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     m = _GGUF_LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+    gemma = architecture.startswith("Gemma")
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES and not (gemma and m.group(2) in _GGUF_GEMMA_NORMS):
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that ferry knows")
     layer, part, kind = m.groups()
+    if gemma and part in _GGUF_GEMMA_NORMS:
+        return f"model.layers.{layer}.{_GGUF_GEMMA_NORMS[part]}.{kind}"
     if part == "exp_probs_b":  # DeepSeek-V3's router bias, on the scores the choice is made on
         return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
@@ -392,6 +405,35 @@ def _gguf_config(reader: Any) -> ModelConfig:
         dtype="float32",
         **_gguf_moe_fields(hf_arch, meta, int(need("block_count")), tensor_names),
         **mla,
+        **(_gguf_gemma_fields(arch, meta, int(hidden), int(heads), int(need("block_count"))) if arch in _GGUF_GEMMA
+           else {}),  # fmt: skip
+    )
+
+
+def _gguf_gemma_fields(arch: str, meta: Any, hidden: int, heads: int, layers: int) -> dict[str, Any]:
+    """Gemma 2/3 from llama.cpp's metadata, and what its graphs hard-code: every 2nd (Gemma 2) or 6th
+    (Gemma 3) layer global unless the file lists the pattern, Gemma 3's local rotary base 10,000, the
+    softmax scale 1/sqrt(hidden / heads) for the 27B models (46 / 62 layers) and 1/sqrt(head_dim)
+    otherwise. The file's norm weights already hold the 1 of Gemma's (1 + w)."""
+    window = meta("attention.sliding_window")
+    pattern = meta("attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == layers:  # per layer: True where windowed
+        full = tuple(i for i in range(layers) if not pattern[i])
+    else:
+        every = 2 if arch == "gemma2" else int(pattern or 6)
+        full = tuple(i for i in range(layers) if (i + 1) % every == 0)
+    head_dim = int(meta("attention.key_length") or hidden // heads)
+    big = layers == (46 if arch == "gemma2" else 62)
+    return dict(
+        full_attention_layers=full if window else (),
+        hidden_act="gelu_tanh",
+        rms_norm_offset=0.0,
+        sandwich_norms=True,
+        embed_scale=float(hidden) ** 0.5,
+        query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+        attn_logit_softcapping=meta("attn_logit_softcapping"),
+        final_logit_softcapping=meta("final_logit_softcapping"),
+        local_rope_theta=float(meta("rope.freq_base_swa") or 10000.0) if arch == "gemma3" else None,
     )
 
 

