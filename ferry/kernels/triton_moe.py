@@ -153,20 +153,28 @@ def moe_gemm(
     return out
 
 
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up: the fused Triton kernel on CUDA, torch elsewhere (the interpreted tests)."""
+    if gate_up.is_cuda:
+        from ferry.kernels.triton_fused import silu_and_mul
+
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I],
     x [T, H], weights / ids [T, k] (ids outside [0, E): no contribution). Returns [T, H] in x's dtype."""
-    from ferry.layers.fused import silu_and_mul
-
     T, H = x.shape
     E, k = w13.shape[0], ids.shape[1]
     block_m = block_m_for(T * k, E)
     aligned = moe_align(ids, E, block_m)
     gate_up = moe_gemm(x, w13, torch.empty(T * k, w13.shape[1], dtype=x.dtype, device=x.device), aligned, k,
                        block_m, rows_are_tokens=True)  # fmt: skip
-    h = silu_and_mul(gate_up)  # rows of dropped pairs hold whatever was there: never read below
+    h = _silu_and_mul(gate_up)  # rows of dropped pairs hold whatever was there: never read below
     out = torch.zeros(T * k, H, dtype=x.dtype, device=x.device)  # dropped pairs add nothing
     moe_gemm(h, w2, out, aligned, k, block_m, rows_are_tokens=False, weights=weights.reshape(-1).float())
     return out.view(T, k, H).sum(dim=1)
