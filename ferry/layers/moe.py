@@ -211,8 +211,8 @@ class FusedMoE(nn.Module):
     def pack(self) -> None:
         """oneDNN-packed fp32 copies of every expert's matrices (CPU), as Linear.pack does for dense ones;
         GGUF experts interleaved for the CPU kernel."""
-        if self.gguf13 is not None:
-            self.gguf13 = [[p.interleave() for p in parts] for parts in self.gguf13]
+        if self.gguf13 is not None:  # gate and up of one type as one matrix: one kernel call, no concatenation
+            self.gguf13 = [[p.interleave() for p in gguf.concat_rows(parts)] for parts in self.gguf13]
             self.gguf2 = [p.interleave() for p in self.gguf2]
             return
         if self.packed13 is not None:

@@ -126,11 +126,15 @@ def quantizable_weights(cfg: ModelConfig) -> dict[str, str]:
 
 
 def dummy_q4_0(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> GGUFWeight:
-    """Random Q4_0 blocks in the kernels' layout: uniform nibbles (q - 8 has std ~4.6) with every scale
-    INIT_STD / 4.6, so the weights have the float dummies' spread."""
+    """Random Q4_0 blocks in the kernels' layout: nibbles uniform in 1..15, so that q - 8 is centred
+    (uniform 0..15 gave every weight a -0.5-step bias, which pulled all tokens' hidden states the same
+    way and made a MoE router pick the same few experts for every token), std ~4.3, with every scale
+    INIT_STD / 4.3: the float dummies' spread."""
     n, k = shape
-    quants = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
-    scales = torch.full((n, k // 32), INIT_STD / 4.6, dtype=torch.float16, device=device).view(torch.uint8)
+    low = torch.randint(1, 16, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    high = torch.randint(1, 16, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    quants = low | (high << 4)
+    scales = torch.full((n, k // 32), INIT_STD / 4.3, dtype=torch.float16, device=device).view(torch.uint8)
     tid = GGUF_QUANT_TYPES[DUMMY_GGUF_TYPE][0]
     return GGUFWeight(torch.cat([quants, scales], dim=1), tid, k)
 
