@@ -309,8 +309,44 @@ def test_k_quant_experts_route_prompt_and_decode_rows_as_dense_layers_do(tmp_pat
         assert not torch.allclose(experts(x[:1], weights[:1], ids[:1]), got[:1], atol=1e-4)
 
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 30, 19)]
-    alone = [ferry_greedy(engine_over(loaded, num_kv_blocks=64), [p], 8)[0] for p in prompts]
-    assert ferry_greedy(engine_over(loaded, num_kv_blocks=64, max_num_batched_tokens=6), prompts, 8) == alone
-    exact = ferry_greedy(engine_over(dequantized, num_kv_blocks=64), prompts, 8)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 19)]
+    engine = engine_over(loaded, num_kv_blocks=64)
+    alone = [ferry_greedy(engine, [p], 5)[0] for p in prompts]
+    assert ferry_greedy(engine_over(loaded, num_kv_blocks=64, max_num_batched_tokens=6), prompts, 5) == alone
+    exact = ferry_greedy(engine_over(dequantized, num_kv_blocks=64), prompts, 5)
     assert [a[0] for a in alone] == [e[0] for e in exact]
+
+
+def test_gguf_experts_shard_over_tp2(tmp_path):
+    """Under TP=2 each rank keeps its half of every expert as blocks (gate/up rows, whole blocks of down's
+    columns), or with expert parallelism half the experts whole, and both decode TP=1's tokens."""
+    from conftest import run_to_completion
+
+    from ferry.engine.llm_engine import LLMEngine
+    from ferry.sampling_params import SamplingParams
+
+    _quantized_moe(tmp_path, gguf.GGMLQuantizationType.Q8_0, moe_intermediate_size=64)
+    path = str(tmp_path / "moe-Q8_0.gguf")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 19)]
+
+    def run(tp: int, **kwargs):
+        engine = LLMEngine(EngineArgs(model=path, tokenizer=str(tmp_path), device="cpu", dtype="float32",
+                                      tensor_parallel_size=tp, num_kv_blocks=32, **kwargs))  # fmt: skip
+        try:
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            for i, ids in enumerate(prompts):
+                engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+            done = run_to_completion(engine)
+            experts = engine.model.layers[0].mlp.experts
+            return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], experts
+        finally:
+            engine.shutdown()
+
+    ref, _ = run(1)
+    got, experts = run(2)
+    assert got == ref
+    assert len(experts.gguf13) == 6 and experts.gguf13[0][0].out_features == 2 * 32  # gate + up, half each
+    assert experts.gguf2[0].in_features == 32
+    got, experts = run(2, enable_expert_parallel=True)
+    assert got == ref and len(experts.gguf13) == 3 and experts.gguf2[0].in_features == 64
