@@ -95,7 +95,7 @@ class Scheduler:
         waits for it."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        cap = max_requests if max_requests is not None else len(self.running) + len(self.waiting)
+        cap = max_requests or len(self.requests)
         self.running.sort(key=Request.sort_key)
 
         i = 0

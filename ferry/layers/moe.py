@@ -178,6 +178,11 @@ class FusedMoE(nn.Module):
             return fused_experts(x, self.w13, self.w2, weights, ids)
         return grouped_experts(x, self.w13, self.w2, weights, ids)
 
+    def _intermediate_split(self) -> tuple[int, int]:
+        """(ranks that split each expert's intermediate, this rank's slice): the TP size and rank, or
+        (1, 0) under expert parallelism, which keeps experts whole."""
+        return (1, 0) if self.expert_parallel else (self.tp.size, self.tp.rank)
+
     def drop_weights(self) -> None:
         """On a meta model, before allocation: the experts will come as GGUF blocks (`load_gguf`), the
         only copy; no float weight is ever allocated."""
@@ -191,7 +196,7 @@ class FusedMoE(nn.Module):
         as [E x rows, in]), full size: this rank takes its experts and its slice of each, as `load`."""
         if part not in ("gate", "up", "down"):
             raise ValueError(f"unknown expert projection {part!r}")
-        n, rank = (1, 0) if self.expert_parallel else (self.tp.size, self.tp.rank)
+        n, rank = self._intermediate_split()
         inter = self.intermediate
         rows = inter * n if part in ("gate", "up") else self.hidden_size  # one expert's, full size
         if w.out_features != rows * (1 if expert is not None else self.num_experts):
@@ -241,7 +246,7 @@ class FusedMoE(nn.Module):
                 return  # another rank's
             tensor, experts = tensor.unsqueeze(0), slice(expert, expert + 1)
         # Tensor parallelism slices every expert's intermediate; expert parallelism keeps it whole.
-        n, rank = (1, 0) if self.expert_parallel else (self.tp.size, self.tp.rank)
+        n, rank = self._intermediate_split()
         inter = self.intermediate
         if part in ("gate", "up"):
             want = (tensor.shape[0], inter * n, self.w13.shape[2])

@@ -20,20 +20,13 @@ import re
 from collections import Counter
 from typing import Iterable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.kv_quant import row_width
-from ferry.layers.attention import (
-    AttentionMetadata,
-    PrefillHost,
-    TorchAttentionBackend,
-    build_metadata,
-    paged_attention,
-)
+from ferry.layers.attention import AttentionMetadata, one_prompt_metadata, paged_attention
 from ferry.layers.fused import act_and_mul
 from ferry.layers.gguf_linear import (
     GGUF_QUANT_TYPES,
@@ -526,11 +519,7 @@ class LlamaForCausalLM(nn.Module):
         cache_dtype = kv_cache_dtype or dtype
         T = len(token_ids)
         kv = self.new_kv_cache(T, 1, cache_dtype, device)  # T blocks of one slot each
-        slots = np.arange(T, dtype=np.int64)
-        meta = build_metadata(slot_mapping=slots, block_size=1, decode_blocks=[], decode_seq_lens=slots[:0],
-                              prefills=[PrefillHost(0, T, T, slots)], device=device,
-                              backend=TorchAttentionBackend(device))  # fmt: skip
-        positions = torch.from_numpy(slots).to(device)
+        meta, positions = one_prompt_metadata(T, device)
         return self(torch.tensor(token_ids, device=device), positions, kv, meta)
 
     # -- weights --------------------------------------------------------

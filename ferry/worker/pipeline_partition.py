@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ferry.distributed.parallel_state import SINGLE
 from ferry.kernels.cpu import cpu_kernels_enabled
 from ferry.kv_quant import row_width
-from ferry.layers.attention import PrefillHost, TorchAttentionBackend, build_metadata
+from ferry.layers.attention import one_prompt_metadata
 from ferry.layers.linear import pack_weight, packed_linear, should_pack
 from ferry.layers.rotary import RotaryEmbedding
 from ferry.models.config import ModelConfig
@@ -122,11 +122,7 @@ def measure_layer_costs(cfg: ModelConfig, device: torch.device, dtype: torch.dty
         rotary = RotaryEmbedding(cfg.head_dim, max(T, 16), cfg.rope_theta, cfg.rope_scaling)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(T, cfg.hidden_size, generator=gen, device=device).to(dtype)
-    slots = np.arange(T, dtype=np.int64)
-    meta = build_metadata(slot_mapping=slots, block_size=1, decode_blocks=[], decode_seq_lens=slots[:0],
-                          prefills=[PrefillHost(0, T, T, slots)], device=device,
-                          backend=TorchAttentionBackend(device))  # fmt: skip
-    positions = torch.from_numpy(slots).to(device)
+    meta, positions = one_prompt_metadata(T, device)
     by_kind: dict[tuple, float] = {}
     for i in range(cfg.num_hidden_layers):
         kind = _layer_kind(cfg, i)

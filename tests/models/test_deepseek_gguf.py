@@ -11,6 +11,7 @@ import torch
 import transformers
 from conftest import engine_over
 from test_hf_parity import ferry_greedy, hf_greedy
+from test_loader import gguf_writer_with_header
 from test_moe import _expert_blocks
 
 from ferry.config import EngineArgs
@@ -58,29 +59,16 @@ def _write(path: str, model, split_kv_b: bool, proj_type=gguf.GGMLQuantizationTy
     describe the absorbed heads in key/value_length and the expanded ones in *_mla), experts stacked,
     kv_b split per head (k_b transposed) when `split_kv_b`; 2-D projections stored as `proj_type`."""
     cfg = model.config
-    w = gguf.GGUFWriter(path, "deepseek2")
     rope, nope, v, rank = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(1 if split_kv_b else cfg.num_attention_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_eos_token_id(2)
-    if cfg.q_lora_rank:
-        w.add_q_lora_rank(cfg.q_lora_rank)
-    w.add_kv_lora_rank(rank)
-    if split_kv_b:
-        w.add_key_length(rank + rope)
-        w.add_value_length(rank)
+    if split_kv_b:  # the absorbed heads: one latent "KV head" of rank + rope, values of rank
+        w = gguf_writer_with_header(path, "deepseek2", cfg, rank + rope, rank, head_count_kv=1)
         w.add_key_length_mla(nope + rope)
         w.add_value_length_mla(v)
     else:
-        w.add_key_length(nope + rope)
-        w.add_value_length(v)
+        w = gguf_writer_with_header(path, "deepseek2", cfg, nope + rope, v, head_count_kv=cfg.num_attention_heads)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(rank)
     w.add_rope_dimension_count(rope)
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     w.add_expert_count(cfg.n_routed_experts)

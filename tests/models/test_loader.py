@@ -131,8 +131,10 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_writer_with_header(path: str, arch: str, cfg) -> gguf.GGUFWriter:
-    """A GGUF writer holding the metadata llama.cpp's converter writes for HF config `cfg`."""
+def gguf_writer_with_header(path: str, arch: str, cfg, key_length: int | None = None, value_length: int | None = None,
+                            head_count_kv: int | None = None) -> gguf.GGUFWriter:  # fmt: skip
+    """A GGUF writer holding the metadata llama.cpp's converter writes for HF config `cfg` (the key /
+    value lengths and KV heads as given where a converter writes its own: DeepSeek's MLA)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -140,9 +142,9 @@ def gguf_writer_with_header(path: str, arch: str, cfg) -> gguf.GGUFWriter:
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    w.add_head_count_kv(cfg.num_key_value_heads if head_count_kv is None else head_count_kv)
+    w.add_key_length(head_dim if key_length is None else key_length)
+    w.add_value_length(head_dim if value_length is None else value_length)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)

@@ -19,6 +19,8 @@ from ferry.worker.pipeline_partition import (
     measure_layer_costs,
     partition_from_counts,
 )
+from test_hf_parity import ferry_greedy
+
 from tests.conftest import assert_no_blocks_referenced, run_to_completion
 from tests.worker.test_tensor_parallel import (  # noqa: F401  (fixtures)
     CONFIG,
@@ -43,20 +45,11 @@ def engine_for(path: str, tp: int = 1, pp: int = 1, **kwargs) -> LLMEngine:
                                 pipeline_parallel_size=pp, **kwargs))  # fmt: skip
 
 
-def greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 10) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    done = run_to_completion(engine)
-    assert_no_blocks_referenced(engine)
-    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
-
-
 def generate(path: str, tp: int = 1, pp: int = 1, prompts=MANY, **kwargs) -> tuple[list[list[int]], dict]:
     """Greedy tokens and what rank 0's engine saw: its layers, the most micro-batches in flight."""
     engine = engine_for(path, tp, pp, **kwargs)
     try:
-        tokens = greedy(engine, prompts)
+        tokens = ferry_greedy(engine, prompts, 10)  # (asserts that no block stays referenced)
         seen = {"layers": len(engine.model.layers), "max_in_flight": engine.core.max_in_flight,
                 "ranges": engine.tp_workers.layer_ranges if engine.tp_workers else None,
                 "preemptions": engine.get_stats().num_preemptions}  # fmt: skip

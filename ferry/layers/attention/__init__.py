@@ -17,6 +17,7 @@ from ferry.layers.attention.metadata import AttentionBackend, AttentionMetadata,
 from ferry.layers.attention.torch_backend import TorchAttentionBackend, cpu_decode_kernel_usable
 
 __all__ = [
+    "one_prompt_metadata",
     "AttentionBackend",
     "AttentionMetadata",
     "PrefillHost",
@@ -25,6 +26,19 @@ __all__ = [
     "select_attention_backend",
     "TorchAttentionBackend",
 ]
+
+
+def one_prompt_metadata(num_tokens: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """One prompt of `num_tokens` tokens laid out in as many one-slot blocks (token t in slot t) on the
+    reference backend, and its positions: a forward outside the engine (calibration, quality
+    measurements, timing a layer) over a throwaway cache of [num_tokens, 1, ...] tensors."""
+    import numpy as np
+
+    slots = np.arange(num_tokens, dtype=np.int64)
+    meta = build_metadata(slot_mapping=slots, block_size=1, decode_blocks=[], decode_seq_lens=slots[:0],
+                          prefills=[PrefillHost(0, num_tokens, num_tokens, slots)], device=device,
+                          backend=TorchAttentionBackend(device))  # fmt: skip
+    return meta, torch.from_numpy(slots).to(device)
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None,

@@ -44,7 +44,10 @@ class TorchChunk:
 class WindowView:
     """What the step's rows attend to under one sliding window (None: the whole context)."""
 
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, tables' width * block_size] bool
+    # [B, 1, 1, tables' width * block_size] bool, built when a decode path first asks (`decode_mask`):
+    # the C++ kernel needs none.
+    decode_mask: torch.Tensor | None = None
+    first_pos: np.ndarray | None = None  # [B, 1]: each decode row's first position in its tables
     # Sliding window: each decode row's blocks from its window's first one (else the full tables), and
     # for the C++ kernel the lengths from that block and the keys before the window in it.
     decode_tables: torch.Tensor | None = None
@@ -98,36 +101,22 @@ class TorchAttentionBackend:
         meta.state = TorchState(use_cpu_kernel=self.use_cpu_kernel)
 
     def view(self, meta: AttentionMetadata, window: int | None = None) -> WindowView:
-        """The decode mask and tables and the prefill chunks' contexts under `window`, built once per
-        step and window."""
+        """The decode tables and the prefill chunks' contexts under `window`, built once per step and
+        window (the decode mask on demand: `decode_mask`)."""
         state: TorchState = meta.state
         view = state.views.get(window)
         if view is not None:
             return view
         view = state.views[window] = WindowView()
         bs = meta.block_size
-        if meta.num_decodes:
-            lens = meta.decode_seq_lens_host[:, None]
-            if window is None:
-                max_len = meta.decode_block_tables.shape[1] * bs
-                pos = np.arange(max_len)[None, :]
-            else:  # gather from the block holding the window's first key on
-                lo = np.maximum(meta.decode_seq_lens_host - window, 0)
-                first = lo // bs
-                rows = [blocks[f:] for blocks, f in zip(meta.decode_blocks_host, first)]
-                table = padded_table(rows)
-                view.decode_tables = torch.from_numpy(table).to(self.device)
-                view.decode_lens = torch.from_numpy(meta.decode_seq_lens_host - first * bs).to(self.device)
-                view.decode_skip = torch.from_numpy(lo - first * bs).to(self.device)
-                pos = first[:, None] * bs + np.arange(table.shape[1] * bs)[None, :]
-            mask = pos < lens
-            if window is not None:
-                mask &= pos >= lens - window
-            if meta.decode_tree_host is not None:
-                start, bits = meta.decode_tree_host[:, :1], meta.decode_tree_host[:, 1:].view(np.uint64)
-                offset = np.clip(pos - start, 0, 63).astype(np.uint64)
-                mask &= (pos < start) | ((bits >> offset) & np.uint64(1)).astype(bool)
-            view.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+        if meta.num_decodes and window is not None:  # gather from the block holding the window's first key on
+            lo = np.maximum(meta.decode_seq_lens_host - window, 0)
+            first = lo // bs
+            view.decode_tables = torch.from_numpy(padded_table([blocks[f:] for blocks, f in
+                                                                zip(meta.decode_blocks_host, first)])).to(self.device)  # fmt: skip
+            view.decode_lens = torch.from_numpy(meta.decode_seq_lens_host - first * bs).to(self.device)
+            view.decode_skip = torch.from_numpy(lo - first * bs).to(self.device)
+            view.first_pos = first[:, None] * bs
         for p in meta.prefills:
             begin = p.context_len - p.length
             if begin == 0 and (window is None or p.length <= window):
@@ -144,6 +133,27 @@ class TorchAttentionBackend:
                                torch.from_numpy(mask).to(self.device))  # fmt: skip
             view.chunks.append(chunk)
         return view
+
+    def decode_mask(self, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+        """[B, 1, 1, L] bool over the positions `view(meta, window)`'s decode tables hold: within each
+        row's length (and window), and for a draft tree only its ancestors among the drafts."""
+        view = self.view(meta, window)
+        if view.decode_mask is not None:
+            return view.decode_mask
+        tables = meta.decode_block_tables if view.decode_tables is None else view.decode_tables
+        pos = np.arange(tables.shape[1] * meta.block_size)[None, :]
+        if view.first_pos is not None:
+            pos = view.first_pos + pos
+        lens = meta.decode_seq_lens_host[:, None]
+        mask = pos < lens
+        if window is not None:
+            mask &= pos >= lens - window
+        if meta.decode_tree_host is not None:
+            start, bits = meta.decode_tree_host[:, :1], meta.decode_tree_host[:, 1:].view(np.uint64)
+            offset = np.clip(pos - start, 0, 63).astype(np.uint64)
+            mask &= (pos < start) | ((bits >> offset) & np.uint64(1)).astype(bool)
+        view.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
+        return view.decode_mask
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
@@ -180,7 +190,7 @@ class TorchAttentionBackend:
             kd = read(k_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             vd = read(v_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-            out[:nd] = attend(qd, kd, vd, scale, softcap, mask=view.decode_mask).squeeze(2)
+            out[:nd] = attend(qd, kd, vd, scale, softcap, mask=self.decode_mask(meta, window)).squeeze(2)
         for chunk in view.chunks:
             s, n = chunk.start, chunk.length
             qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -212,7 +222,7 @@ class TorchAttentionBackend:
         (no copy per head), with two batched matmuls; the gathered rows go into a buffer kept across
         layers and steps (a fresh one of this size costs more in page faults than the copy itself)."""
         nd, block_size = meta.num_decodes, cache.shape[1]
-        view = self.view(meta, None)
+        mask = self.decode_mask(meta)
         tables = meta.decode_block_tables
         length = tables.shape[1] * block_size
         ids = tables.reshape(-1)
@@ -224,6 +234,6 @@ class TorchAttentionBackend:
         rows = dequantize_rows(rows, q.dtype) if is_quantized(cache.dtype) else rows.to(q.dtype)
         rows = rows.view(nd, length, -1)  # [B, L, D]
         scores = torch.bmm(q * scale, rows.transpose(1, 2))  # [B, H, L]
-        scores.masked_fill_(~view.decode_mask.view(nd, 1, length), float("-inf"))
+        scores.masked_fill_(~mask.view(nd, 1, length), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, rows[..., :v_width])
