@@ -307,6 +307,13 @@ def _precision(cache_dtype: torch.dtype) -> str:
     return "ieee" if cache_dtype == torch.float32 else "tf32"  # "tf32" is ignored for 16-bit inputs
 
 
+def _check_block_n(block_n: int) -> None:
+    # P @ V is a tl.dot over BLOCK_N keys; compiled for a GPU its K must be >= 16 (the interpreter
+    # takes any size, so a smaller tile would pass the CPU tests and fail to compile on the card)
+    if block_n < 16:
+        raise ValueError(f"block_n must be at least 16 (tl.dot's smallest K on GPUs), got {block_n}")
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -324,6 +331,7 @@ def paged_decode(
     (tokens attended to, 0 for a padding row, which gets zeros). `window`: only the last `window`
     keys (a sliding window; the table's blocks before them are never read). `softcap`: scores
     through softcap * tanh(scores / softcap). Returns [B, H, D] in q's dtype."""
+    _check_block_n(block_n)
     B, H, D = q.shape
     _, block_size, kvh, _ = k_cache.shape
     group = H // kvh
@@ -477,6 +485,7 @@ def paged_prefill(
     q, out: [T, H, D] (the flat batch); chunk i's queries are rows
     query_start_loc[i]:query_start_loc[i+1] of q and its context (prefix + chunk, already
     stored) has seq_lens[i] tokens. Rows of q outside the chunks are left alone in out."""
+    _check_block_n(block_n)
     P = seq_lens.shape[0]
     if P == 0 or max_query_len == 0:
         return out

@@ -667,7 +667,7 @@ class LlamaForCausalLM(nn.Module):
             order = (torch.arange(rows // qk)[:, None] * qk + head).reshape(-1)
         if isinstance(tensor, GGUFWeight):  # a GGUF's blocks: whole rows move
             return tensor.rows(order)
-        return tensor.index_select(0, order)
+        return tensor.index_select(0, order.to(tensor.device))
 
     def wants(self, name: str) -> bool:
         """Whether checkpoint tensor `name` (HF naming) has a place on this pipeline stage: its layers,

@@ -154,13 +154,13 @@ def test_paged_decode_window_and_softcap(splits):
     for i, n in enumerate(lens):  # blocks wholly before the window: nothing they hold may count
         for j in range(max(0, n - window) // bs):
             k_cache[table[i, j]] = 1e4
-    out = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, scale, splits, block_n=8,
+    out = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, scale, splits, block_n=16,
                                         window=window, softcap=cap)  # fmt: skip
     for i, n in enumerate(lens):
         ref = dense_attention(q[i : i + 1], gather(k_cache, table[i], n), gather(v_cache, table[i], n),
                               torch.tensor([n - 1], device=DEVICE), scale, window=window, softcap=cap)  # fmt: skip
         torch.testing.assert_close(out[i : i + 1], ref, rtol=1e-4, atol=1e-4)
-    plain = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, scale, splits, block_n=8)
+    plain = triton_attention.paged_decode(q, k_cache, v_cache, table, seq_lens, scale, splits, block_n=16)
     assert not torch.allclose(plain[4:], out[4:], atol=1e-2)  # the window and cap changed something
 
 
@@ -182,7 +182,7 @@ def test_paged_prefill_window_and_softcap():
     out = torch.zeros_like(q)
     scale = d**-0.5
     triton_attention.paged_prefill(q, k_cache, v_cache, table, qsl, seq_lens, max(n for _, n in chunks), scale, out,
-                                   block_n=8, rows=8, window=window, softcap=cap)  # fmt: skip
+                                   block_n=16, rows=16, window=window, softcap=cap)  # fmt: skip
     for i, (prefix, n) in enumerate(chunks):
         ctx, s = prefix + n, starts[i]
         ref = dense_attention(q[s : s + n], gather(k_cache, table[i], ctx), gather(v_cache, table[i], ctx),
