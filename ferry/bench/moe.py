@@ -118,15 +118,24 @@ def _measure(args, path: str) -> dict[int, dict]:
         for batch in args.batch_sizes:
             rng = random.Random(args.bench_seed)
             run_batch(engine, _requests(rng, batch, args.input_len, cfg.vocab_size), 5, "warm")
-            touched = _ExpertsTouched(engine.model)
-            steps = run_batch(engine, _requests(rng, batch, args.input_len, cfg.vocab_size), args.output_len, "b")
-            touched.close()
+            prompts = _requests(rng, batch, args.input_len, cfg.vocab_size)
+            steps = run_batch(engine, prompts, args.output_len, "b")
             decode = [dt for r, dt in steps if r.num_prefill_tokens == 0 and r.num_decodes == batch]
             row = {"tpot_ms": statistics.fmean(decode) * 1e3, "decode_steps": len(decode), "params_total": total,
                    "params_active": active, "params_read_per_step": active}  # fmt: skip
             if cfg.moe_layers:
-                # Only the decode steps' calls (prefill calls come first and see more tokens): the last ones.
-                per_layer = touched.counts[-len(decode) * len(cfg.moe_layers) :]
+                # Counted on a second, untimed greedy run of the same prompts through the layer-by-layer
+                # forward (the C++ decode step routes identically, but has no module hooks). Only the
+                # decode steps' calls (prefill calls come first and see more tokens): the last ones.
+                touched = _ExpertsTouched(engine.model)
+                cpp_step, engine.model.cpu_decode_step = engine.model.cpu_decode_step, None
+                try:
+                    recount = run_batch(engine, prompts, args.output_len, "count")
+                finally:
+                    engine.model.cpu_decode_step = cpp_step
+                    touched.close()
+                decodes = sum(1 for r, _ in recount if r.num_prefill_tokens == 0 and r.num_decodes == batch)
+                per_layer = touched.counts[-decodes * len(cfg.moe_layers) :]
                 row["experts_touched_per_layer"] = statistics.fmean(per_layer)
                 expert_params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
                 extra = row["experts_touched_per_layer"] - cfg.num_experts_per_tok

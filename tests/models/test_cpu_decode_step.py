@@ -15,7 +15,7 @@ from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.gguf_linear import GGUFWeight, gguf_available
 from ferry.models.cpu_decode_step import CPUDecodeStep
-from ferry.models.llama import LlamaForCausalLM
+from ferry.models.llama import LlamaForCausalLM, SparseMoeBlock
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
 from tests.conftest import assert_no_blocks_referenced, run_to_completion, tiny_llama
@@ -39,12 +39,41 @@ def tiny_gguf_model(**overrides) -> LlamaForCausalLM:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
         qkv = [_gguf(q, TYPES["q_proj"]), _gguf(k, TYPES["k_proj"]), _gguf(v, TYPES["v_proj"])]
-        for linear, parts in ((attn.qkv_proj, qkv), (attn.o_proj, [_gguf(attn.o_proj.weight, TYPES["o_proj"])]),
-                              (mlp.gate_up_proj, [_gguf(mlp.gate_up_proj.weight, TYPES["gate_up_proj"])]),
-                              (mlp.down_proj, [_gguf(mlp.down_proj.weight, TYPES["down_proj"])])):  # fmt: skip
+        pairs = [(attn.qkv_proj, qkv), (attn.o_proj, [_gguf(attn.o_proj.weight, TYPES["o_proj"])])]
+        if not isinstance(mlp, SparseMoeBlock):  # (tiny_gguf_moe_model converts the sparse ones)
+            pairs += [(mlp.gate_up_proj, [_gguf(mlp.gate_up_proj.weight, TYPES["gate_up_proj"])]),
+                      (mlp.down_proj, [_gguf(mlp.down_proj.weight, TYPES["down_proj"])])]  # fmt: skip
+        for linear, parts in pairs:
             linear.drop_weight()
             linear.set_gguf(parts)
     model.quantization = "gguf"
+    return model
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+def tiny_gguf_moe_model(**overrides) -> LlamaForCausalLM:
+    """tiny_gguf_model's attention, sparse MLPs whose experts are GGUF blocks (expert 0's gate and up
+    in two types: two parts), the router and the shared expert's gate in float32."""
+    model = tiny_gguf_model(**{**MOE, **overrides})
+    for layer in model.layers:
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoeBlock):
+            continue
+        experts, inter = mlp.experts, mlp.experts.intermediate
+        w13, w2 = experts.w13.detach().clone(), experts.w2.detach().clone()
+        experts.drop_weights()
+        for e in range(experts.num_experts):
+            experts.load_gguf("gate", e, _gguf(w13[e, :inter], "Q4_1" if e == 0 else "Q4_0"))
+            experts.load_gguf("up", e, _gguf(w13[e, inter:], "Q4_0"))
+            experts.load_gguf("down", e, _gguf(w2[e], "Q8_0"))
+        experts.pack()
+        if mlp.shared_expert is not None:
+            for linear, kind in ((mlp.shared_expert.gate_up_proj, "gate_up_proj"), (mlp.shared_expert.down_proj, "down_proj")):
+                parts = [_gguf(linear.weight, TYPES[kind])]
+                linear.drop_weight()
+                linear.set_gguf(parts)
     return model
 
 
@@ -80,8 +109,10 @@ PROMPTS = [SHARED + [40, 41, 42], list(range(50, 59)), SHARED + [60], [7], SHARE
         {},
         {"architecture": "Qwen2ForCausalLM", "attention_bias": True},
         {"architecture": "Qwen3ForCausalLM", "qk_norm": True},
+        {"architecture": "MistralForCausalLM", "sliding_window": 8},
+        {"architecture": "Qwen2ForCausalLM", "sliding_window": 6, "full_attention_layers": (0,)},
     ],  # fmt: skip
-    ids=["llama", "qwen2-bias", "qwen3-qk-norm"],
+    ids=["llama", "qwen2-bias", "qwen3-qk-norm", "mistral-window", "qwen2-local-global"],
 )
 def test_cpu_decode_step_matches_the_python_forward(overrides):
     model = tiny_gguf_model(**overrides)
@@ -94,6 +125,36 @@ def test_cpu_decode_step_matches_the_python_forward(overrides):
     assert tokens == ref_tokens and logprobs == ref_logprobs
     for got, ref in zip(kv, ref_kv):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"architecture": "Qwen3MoeForCausalLM", "qk_norm": True, "moe_layers": (0, 1)},
+        {"architecture": "Qwen2MoeForCausalLM", "attention_bias": True, "moe_layers": (1,), "norm_topk_prob": False,
+         "shared_expert_intermediate_size": 96},
+        {"architecture": "MixtralForCausalLM", "moe_layers": (0, 1), "routed_scaling_factor": 1.5},
+    ],  # fmt: skip
+    ids=["qwen3-moe", "qwen2-moe-shared-dense-mix", "mixtral-scaled"],
+)
+def test_cpu_decode_step_runs_mixtures_of_experts(overrides):
+    """Sparse layers in the C++ step (routing, experts in token order, the shared expert and its
+    gate, a dense layer beside a sparse one) give the Python forward's bits, batched rows routed to
+    different experts included."""
+    model = tiny_gguf_moe_model(**overrides)
+    assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers)
+    step = CPUDecodeStep.build(model)
+    assert step is not None
+    ref_tokens, ref_logprobs, ref_kv, _ = generate(model, PROMPTS, None)
+    tokens, logprobs, kv, taken = generate(model, PROMPTS, step)
+    assert taken > 5
+    assert tokens == ref_tokens and logprobs == ref_logprobs
+    assert all(torch.equal(got, ref) for got, ref in zip(kv, ref_kv))
+
+
+def test_cpu_decode_step_leaves_deepseek_routing_to_python():
+    model = tiny_gguf_moe_model(architecture="Qwen3MoeForCausalLM", moe_layers=(0, 1), moe_scoring="sigmoid")
+    assert CPUDecodeStep.build(model) is None
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "int8", "fp8"])
@@ -147,3 +208,8 @@ def test_bad_inputs_are_errors_not_crashes():
         forward(caches=1)
     with pytest.raises(RuntimeError, match="x must be"):
         forward(hidden=64)
+    x, pos, slot = torch.zeros(1, 128), torch.tensor([0]), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="layer_view: one entry per layer"):
+        step.forward(x, pos, slot, tables, lens, [kv] * 2, [kv] * 2, None, [0], [tables], [lens], [lens])
+    with pytest.raises(RuntimeError, match="names view 1 of 1"):
+        step.forward(x, pos, slot, tables, lens, [kv] * 2, [kv] * 2, None, [-1, 1], [tables], [lens], [lens])

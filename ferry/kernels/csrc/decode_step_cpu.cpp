@@ -11,6 +11,11 @@
 // Only steps made of decode rows take this path (every row one token, attending to the
 // paged cache through the C++ decode attention); prompt rows go through the model's
 // Python forward, whose GEMM path suits them.
+//
+// Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE: softmax routing) run here too: the
+// router, the top k and the weighting in the ATen ops layers/moe.py uses (so the same experts are
+// chosen and their outputs summed in the same order), the experts' GEMMs on their GGUF blocks, one
+// expert at a time over the rows routed to it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -18,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -114,10 +120,23 @@ void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Act
   }
 }
 
+// A sparse MLP: softmax routing to top_k of the experts, and an optional shared expert (Qwen2-MoE's,
+// scaled by a sigmoid gate when shared_gate is set).
+struct MoE {
+  torch::Tensor router;  // float32 [E, hidden]
+  int64_t top_k = 0, inter = 0;
+  bool renormalize = false;
+  double scale = 1.0;
+  std::vector<QuantLinear> gate_up, down;  // per expert: [gate; up] [2 inter, hidden], down [hidden, inter]
+  c10::optional<QuantLinear> shared_gate_up, shared_down;
+  c10::optional<torch::Tensor> shared_gate;  // float32 [1, hidden]
+};
+
 struct Layer {
   torch::Tensor input_norm, post_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;
-  QuantLinear qkv, o, gate_up, down;
+  QuantLinear qkv, o, gate_up, down;  // gate_up and down: a dense layer's MLP
+  std::shared_ptr<MoE> moe;           // set: a sparse layer's MLP instead
 };
 
 // A step's new K/V rows go into the cache here, one (token, head) row at a time: at batch 64 the
@@ -227,24 +246,72 @@ class DecodeStep {
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, Parts qkv, c10::optional<torch::Tensor> qkv_bias,
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, Parts o,
                  c10::optional<torch::Tensor> o_bias, Parts gate_up, Parts down) {
-    check_norm(input_norm, hidden_, "input norm");
-    check_norm(post_norm, hidden_, "post-attention norm");
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
-    if (q_norm) check_norm(*q_norm, D_, "q norm"), check_norm(*k_norm, D_, "k norm");
-    const int64_t qkv_out = (H_ + 2 * KVH_) * D_;
-    layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm,
-                            make_linear(std::move(qkv), std::move(qkv_bias), hidden_, qkv_out, "qkv_proj"),
-                            make_linear(std::move(o), std::move(o_bias), H_ * D_, hidden_, "o_proj"),
-                            make_linear(std::move(gate_up), {}, hidden_, 2 * inter_, "gate_up_proj"),
-                            make_linear(std::move(down), {}, inter_, hidden_, "down_proj")});
+    Layer layer = attention_layer(input_norm, post_norm, std::move(qkv), std::move(qkv_bias), q_norm, k_norm,
+                                  std::move(o), std::move(o_bias));
+    layer.gate_up = make_linear(std::move(gate_up), {}, hidden_, 2 * inter_, "gate_up_proj");
+    layer.down = make_linear(std::move(down), {}, inter_, hidden_, "down_proj");
+    layers_.push_back(std::move(layer));
+  }
+
+  // A layer whose MLP is a mixture of experts: `router` float32 [E, hidden]; per expert its [gate; up]
+  // and down parts; the shared expert's (empty lists: none) and its sigmoid gate [1, hidden] (or none).
+  void add_moe_layer(torch::Tensor input_norm, torch::Tensor post_norm, Parts qkv,
+                     c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
+                     c10::optional<torch::Tensor> k_norm, Parts o, c10::optional<torch::Tensor> o_bias,
+                     torch::Tensor router, int64_t top_k, bool renormalize, double scale, int64_t moe_inter,
+                     std::vector<Parts> expert_gate_up, std::vector<Parts> expert_down, Parts shared_gate_up,
+                     Parts shared_down, c10::optional<torch::Tensor> shared_gate) {
+    Layer layer = attention_layer(input_norm, post_norm, std::move(qkv), std::move(qkv_bias), q_norm, k_norm,
+                                  std::move(o), std::move(o_bias));
+    const int64_t E = int64_t(expert_gate_up.size());
+    TORCH_CHECK(E > 0 && int64_t(expert_down.size()) == E, "one [gate; up] and one down projection per expert");
+    TORCH_CHECK(router.dtype() == torch::kFloat32 && router.is_contiguous() && router.dim() == 2 &&
+                    router.size(0) == E && router.size(1) == hidden_,
+                "router must be contiguous float32 [", E, ", ", hidden_, "]");
+    TORCH_CHECK(1 <= top_k && top_k <= E, "top_k must be in [1, ", E, "], got ", top_k);
+    auto moe = std::make_shared<MoE>();
+    moe->router = router;
+    moe->top_k = top_k, moe->inter = moe_inter, moe->renormalize = renormalize, moe->scale = scale;
+    for (int64_t e = 0; e < E; ++e) {
+      moe->gate_up.push_back(make_linear(std::move(expert_gate_up[e]), {}, hidden_, 2 * moe_inter, "expert gate_up"));
+      moe->down.push_back(make_linear(std::move(expert_down[e]), {}, moe_inter, hidden_, "expert down"));
+    }
+    TORCH_CHECK(shared_gate_up.empty() == shared_down.empty(), "the shared expert's projections come together");
+    if (!shared_gate_up.empty()) {
+      int64_t rows = 0;
+      for (auto& part : shared_gate_up) rows += std::get<0>(part).size(0);
+      moe->shared_gate_up = make_linear(std::move(shared_gate_up), {}, hidden_, rows, "shared expert gate_up");
+      moe->shared_down = make_linear(std::move(shared_down), {}, rows / 2, hidden_, "shared expert down");
+    }
+    if (shared_gate) {
+      TORCH_CHECK(moe->shared_gate_up.has_value(), "a shared-expert gate without a shared expert");
+      TORCH_CHECK(shared_gate->dtype() == torch::kFloat32 && shared_gate->is_contiguous() &&
+                      shared_gate->numel() == hidden_,
+                  "shared-expert gate must be contiguous float32 [1, ", hidden_, "]");
+      moe->shared_gate = shared_gate->view({1, hidden_});
+    }
+    layer.moe = std::move(moe);
+    layers_.push_back(std::move(layer));
   }
 
   // x: [B, hidden] the tokens' embeddings; one query token per sequence. Returns the final
   // norm's output [B, hidden] (the LM head's input), having written each layer's K/V.
+  // Sliding windows: layer_view[l] >= 0 names the (tables, lens, skip) a windowed layer attends
+  // through (the torch backend's WindowView: tables from the window's first block, the keys before
+  // the window skipped in it); -1, or no layer_view at all, the whole context.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, std::vector<torch::Tensor> k_caches,
-                        std::vector<torch::Tensor> v_caches, c10::optional<torch::Tensor> tree) {
+                        std::vector<torch::Tensor> v_caches, c10::optional<torch::Tensor> tree,
+                        std::vector<int64_t> layer_view, std::vector<torch::Tensor> view_tables,
+                        std::vector<torch::Tensor> view_lens, std::vector<torch::Tensor> view_skips) {
     const int64_t B = x.size(0), L = int64_t(layers_.size());
+    const int64_t V = int64_t(view_tables.size());
+    TORCH_CHECK(layer_view.empty() || int64_t(layer_view.size()) == L, "layer_view: one entry per layer, or none");
+    TORCH_CHECK(int64_t(view_lens.size()) == V && int64_t(view_skips.size()) == V, "one lens and skip per view");
+    for (int64_t v : layer_view) {
+      TORCH_CHECK(-1 <= v && v < V, "layer_view names view ", v, " of ", V);
+      TORCH_CHECK(v < 0 || !(tree.has_value() && tree->defined()), "a sliding window does not combine with a tree");
+    }
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_, "x must be float32 [B, ",
                 hidden_, "]");
     TORCH_CHECK(int64_t(k_caches.size()) == L && int64_t(v_caches.size()) == L, "one K and one V cache per layer");
@@ -329,9 +396,16 @@ class DecodeStep {
           store_row(vc.data_ptr<c10::BFloat16>() + sp[b] * row, t + q_size + row, row);
         }
       }
-      auto attn = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt);
+      const int64_t view = layer_view.empty() ? -1 : layer_view[l];
+      auto attn = view < 0 ? paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt)
+                           : paged_decode_attention(q, kc, vc, view_tables[view], view_lens[view], scale_,
+                                                    c10::nullopt, view_skips[view]);
       run_linear(layer.o, attn.data_ptr<float>(), B, op, qa);
       ferry_cpu::add_rms_norm_rows(op, rp, layer.post_norm.data_ptr<float>(), hp, B, hidden_, eps_);
+      if (layer.moe) {
+        mlp.copy_(sparse_mlp(*layer.moe, h, qa));
+        continue;
+      }
       run_linear(layer.gate_up, hp, B, gp, qa);
       ferry_cpu::silu_and_mul_rows(gp, ap, B, inter_);
       run_linear(layer.down, ap, B, mp, qa);
@@ -342,6 +416,67 @@ class DecodeStep {
   }
 
  private:
+  Layer attention_layer(torch::Tensor input_norm, torch::Tensor post_norm, Parts qkv,
+                        c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
+                        c10::optional<torch::Tensor> k_norm, Parts o, c10::optional<torch::Tensor> o_bias) {
+    check_norm(input_norm, hidden_, "input norm");
+    check_norm(post_norm, hidden_, "post-attention norm");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    if (q_norm) check_norm(*q_norm, D_, "q norm"), check_norm(*k_norm, D_, "k norm");
+    const int64_t qkv_out = (H_ + 2 * KVH_) * D_;
+    Layer layer;
+    layer.input_norm = input_norm, layer.post_norm = post_norm, layer.q_norm = q_norm, layer.k_norm = k_norm;
+    layer.qkv = make_linear(std::move(qkv), std::move(qkv_bias), hidden_, qkv_out, "qkv_proj");
+    layer.o = make_linear(std::move(o), std::move(o_bias), H_ * D_, hidden_, "o_proj");
+    return layer;
+  }
+
+  // layers/moe.py's SparseMoeBlock on x [B, hidden]: select_experts (softmax, top k, renormalised,
+  // scaled), grouped_experts (each expert over its rows in token order, outputs times their weights,
+  // index_add'ed per token in expert order) and the shared expert, with the same ATen ops where it
+  // uses them, so both paths produce the same bits.
+  torch::Tensor sparse_mlp(const MoE& m, const torch::Tensor& x, Q8Activations& qa) {
+    const int64_t B = x.size(0), k = m.top_k, E = int64_t(m.gate_up.size());
+    auto scores = at::softmax(at::linear(x, m.router), -1);
+    auto ids = std::get<1>(at::topk(scores, k, -1));
+    auto weights = scores.gather(1, ids);
+    if (m.renormalize) weights = weights / (weights.sum(-1, true) + 1e-20);
+    if (m.scale != 1.0) weights = weights * m.scale;
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    // (token, choice) pairs grouped by expert, tokens ascending within each (a stable sort)
+    std::vector<int64_t> counts(E + 1, 0), order(B * k);
+    for (int64_t i = 0; i < B * k; ++i) ++counts[idp[i] + 1];
+    for (int64_t e = 0; e < E; ++e) counts[e + 1] += counts[e];
+    {
+      std::vector<int64_t> next(counts.begin(), counts.end() - 1);
+      for (int64_t i = 0; i < B * k; ++i) order[next[idp[i]]++] = i;
+    }
+    auto opts = x.options();
+    auto rows = torch::empty({B * k, hidden_}, opts), out = torch::empty({B * k, hidden_}, opts);
+    auto gate_up = torch::empty({B, 2 * m.inter}, opts), act = torch::empty({B, m.inter}, opts);
+    const float* xp = x.data_ptr<float>();
+    float *rp = rows.data_ptr<float>(), *outp = out.data_ptr<float>();
+    for (int64_t i = 0; i < B * k; ++i) std::memcpy(rp + i * hidden_, xp + (order[i] / k) * hidden_, hidden_ * 4);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t start = counts[e], n = counts[e + 1] - start;
+      if (n == 0) continue;
+      run_linear(m.gate_up[e], rp + start * hidden_, n, gate_up.data_ptr<float>(), qa);
+      ferry_cpu::silu_and_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), n, m.inter);
+      run_linear(m.down[e], act.data_ptr<float>(), n, outp + start * hidden_, qa);
+    }
+    auto order_t = torch::from_blob(order.data(), {B * k}, torch::kInt64);
+    out.mul_(weights.reshape(-1).index_select(0, order_t).unsqueeze(1));
+    auto sum = torch::zeros_like(x).index_add_(0, at::floor_divide(order_t, k), out);
+    if (!m.shared_gate_up) return sum;
+    const int64_t si = m.shared_gate_up->out / 2;
+    auto sgu = torch::empty({B, 2 * si}, opts), sact = torch::empty({B, si}, opts), shared = torch::empty({B, hidden_}, opts);
+    run_linear(*m.shared_gate_up, xp, B, sgu.data_ptr<float>(), qa);
+    ferry_cpu::silu_and_mul_rows(sgu.data_ptr<float>(), sact.data_ptr<float>(), B, si);
+    run_linear(*m.shared_down, sact.data_ptr<float>(), B, shared.data_ptr<float>(), qa);
+    if (m.shared_gate) return sum + at::sigmoid(at::linear(x, *m.shared_gate)) * shared;
+    return sum + shared;
+  }
+
   static void check_norm(const torch::Tensor& w, int64_t n, const char* name) {
     TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.numel() == n, name,
                 " weight must be contiguous float32 [", n, "]");
@@ -359,7 +494,12 @@ void bind_decode_step(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                           torch::Tensor>())
       .def("add_layer", &DecodeStep::add_layer)
+      .def("add_moe_layer", &DecodeStep::add_moe_layer)
       .def("forward", &DecodeStep::forward, pybind11::arg("x"), pybind11::arg("positions"),
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
-           pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("tree") = pybind11::none());
+           pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("tree") = pybind11::none(),
+           pybind11::arg("layer_view") = std::vector<int64_t>{},
+           pybind11::arg("view_tables") = std::vector<torch::Tensor>{},
+           pybind11::arg("view_lens") = std::vector<torch::Tensor>{},
+           pybind11::arg("view_skips") = std::vector<torch::Tensor>{});
 }
