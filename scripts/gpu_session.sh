@@ -69,11 +69,12 @@ bench)
   step throughput-llama 280 bash -c "ferry bench throughput --model llama-3.1-8b --load-format dummy \
     --dataset sharegpt-like --no-hf --json $OUT/sharegpt.json"
   # issue 19: Qwen3-30B-A3B's shape (61 GB of bf16 weights: the H200 leaves room for KV), grouped experts
-  # (no fused-MoE kernel yet, so no CUDA graphs); vLLM publishes figures for this model to set beside it
+  # (the fused-MoE Triton kernels, in CUDA graphs); vLLM publishes figures for this model to set beside it
   step throughput-qwen3-moe 400 bash -c "ferry bench throughput --model qwen3-30b-a3b --load-format dummy \
     --dataset sharegpt-like --no-hf --json $OUT/sharegpt-moe.json"
   step moe-vs-dense 300 bash -c "ferry bench moe --device cuda --dtype bfloat16 --json $OUT/moe-vs-dense.json"
-  # DeepSeek-V2-Lite's shape (31 GB of bf16 weights): MLA on the torch backend (no Triton MLA kernel yet)
+  # DeepSeek-V2-Lite's shape (31 GB of bf16 weights): MLA on the Triton backend (kernels/triton_mla.py) in CUDA
+  # graphs; 2026-11-26 it ran the torch backend, eagerly: 1,551 tok/s
   step throughput-deepseek-v2-lite 400 bash -c "ferry bench throughput --model deepseek-v2-lite --load-format dummy \
     --dataset sharegpt-like --no-hf --json $OUT/sharegpt-deepseek-v2-lite.json"
   step mla-vs-gqa 300 bash -c "ferry bench mla --device cuda --dtype bfloat16 --context 4096 --json $OUT/mla-vs-gqa.json"

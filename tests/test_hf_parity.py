@@ -470,3 +470,35 @@ def test_gemma2_on_the_triton_backend_matches_hf(gemma2):
     engine = _tiny_engine(loaded, attention_backend="triton", block_size=4, max_num_batched_tokens=12)
     assert engine.runner.attn_backend.name == "triton"
     assert ferry_greedy(engine, prompts, 10) == expected
+
+
+# ---------------------------------------------------------------- MLA on the Triton backend
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_deepseek_v3_on_the_triton_backend_matches_the_torch_backend(tmp_path, kv_cache_dtype):
+    """Latent attention through the Triton backend (interpreted on the CPU): rows stored by its store
+    kernel, decode in the absorbed form (kernels/triton_mla.py), prefill chunks behind a cached prefix
+    expanded over their contexts. fp32: HF's greedy tokens; an int8 cache: the torch backend's."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_tiny_config("deepseek_v3"), dtype=torch.float32).eval()
+    for layer in hf.model.layers:
+        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+        if bias is not None:
+            bias.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32"))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (21, 6)]
+    prompts.append(prompts[0][:16] + [3, 4, 5])  # its first 16 tokens cached: a chunk behind a prefix
+    kwargs = dict(block_size=4, max_num_batched_tokens=12, kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype == "auto":
+        expected = [hf_greedy(hf, ids, 8) for ids in prompts]
+    else:
+        expected = ferry_greedy(_tiny_engine(loaded, **kwargs), prompts, 8)
+    engine = _tiny_engine(loaded, attention_backend="triton", **kwargs)
+    assert engine.runner.attn_backend.name == "triton"
+    assert ferry_greedy(engine, prompts, 8) == expected
+    assert engine.get_stats().prefix_cache_hits > 0

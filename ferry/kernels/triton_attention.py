@@ -116,6 +116,7 @@ def _store_kv_kernel(
     D_PAD: tl.constexpr,
     QUANT: tl.constexpr,
     QMAX: tl.constexpr,
+    HAS_V: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -123,19 +124,21 @@ def _store_kv_kernel(
     d = tl.arange(0, D_PAD)
     mask = (h[:, None] < KVH) & (d[None, :] < D) & (slot >= 0)
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
     row = slot * stride_cs + h * stride_ch
     dst = row[:, None] + d[None, :]
+    h_ok = (h < KVH) & (slot >= 0)
     if QUANT:
         # Each (token, head) row: D quantized values, then its fp32 scale (element D // 4 of the
         # row seen as fp32; the row's byte offset is a multiple of 4).
         k, k_sc = _quantize_rows(k, QUANT, QMAX)
-        v, v_sc = _quantize_rows(v, QUANT, QMAX)
-        h_ok = (h < KVH) & (slot >= 0)
         tl.store(k_scale_ptr + row // 4 + D // 4, k_sc, mask=h_ok)
-        tl.store(v_scale_ptr + row // 4 + D // 4, v_sc, mask=h_ok)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if HAS_V:
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+        if QUANT:
+            v, v_sc = _quantize_rows(v, QUANT, QMAX)
+            tl.store(v_scale_ptr + row // 4 + D // 4, v_sc, mask=h_ok)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _quant(cache: torch.Tensor) -> int:
@@ -149,21 +152,26 @@ def _scales(cache: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """k, v: [T, KVH, D]; caches [num_blocks, block_size, KVH, D] (D + 4 when quantized: each row's
-    values are quantized on the write and its scale stored after them); slot_mapping [T] (-1: skip)."""
+    values are quantized on the write and its scale stored after them); slot_mapping [T] (-1: skip).
+    v and v_cache None: one cache only (MLA's latent rows)."""
     T, kvh, d = k.shape
     if T == 0:
         return
+    has_v = v is not None
     k = k if k.stride(-1) == 1 else k.contiguous()
-    v = v if v.stride(-1) == 1 else v.contiguous()
+    v = (v if v.stride(-1) == 1 else v.contiguous()) if has_v else k
+    v_cache = v_cache if has_v else k_cache
     quant = _quant(k_cache)
     _store_kv_kernel[(T,)](
         k, v, k_cache, v_cache, _scales(k_cache), _scales(v_cache), slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
         KVH=kvh, D=d, KVH_PAD=_pow2(kvh), D_PAD=_pow2(d), QUANT=quant, QMAX=qmax(k_cache.dtype) if quant else 1.0,
+        HAS_V=has_v,
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.distributed.parallel_state import TensorParallel
-from ferry.kv_quant import dequantize_rows, is_quantized, store_rows
+from ferry.kv_quant import dequantize_rows, is_quantized
 from ferry.layers.attention import AttentionMetadata
 from ferry.layers.linear import Linear
 from ferry.layers.norm import RMSNorm
@@ -74,7 +74,7 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
         rows = torch.cat([latent, k_pe.squeeze(1)], dim=-1)  # [T, rank + rope]: what the cache keeps
         cache = kv_cache[0]  # the same tensor as kv_cache[1]: MLA caches no separate V
-        store_rows(cache, meta.slot_mapping, rows.unsqueeze(1))
+        meta.backend.store_latent(cache, meta.slot_mapping, rows)
         out = torch.empty(T, H, self.v_dim, dtype=x.dtype, device=x.device)
         nd = meta.num_decodes
         if nd:

@@ -218,10 +218,22 @@ def engine_kernels(
     q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.view(T, heads, d), k.view(T, kvh, d), v.view(T, kvh, d)
 
-    launch("store new K/V", attn.store_kv, k, v, k_cache, v_cache, torch.zeros(T, dtype=torch.int64))
+    if cfg.is_mla:  # one latent row per token: the store without V, the absorbed decode (prefill: SDPA)
+        from ferry.kernels import triton_mla
+
+        width = cfg.kv_cache_width  # the latent, then the rotary key
+        cache = torch.empty(4, block_size, 1, row_width(width, cache_dt), dtype=cache_dt)
+        launch("store latent rows", attn.store_kv, torch.empty(T, 1, width, dtype=dt), None, cache, None,
+               torch.zeros(T, dtype=torch.int64))  # fmt: skip
+        for splits in _graph_split_counts(triton_mla.head_blocks(heads), max_num_seqs, num_sms):
+            launch(f"latent decode splits={splits}", triton_mla.paged_latent_decode,
+                   torch.empty(B, heads, width, dtype=dt), cache, tables, seq_lens, 0.1, cfg.kv_lora_rank, splits)  # fmt: skip
+    else:
+        launch("store new K/V", attn.store_kv, k, v, k_cache, v_cache, torch.zeros(T, dtype=torch.int64))
     # Each kind of layer's attention: global, and windowed where the model has local layers; with its
     # soft cap (Gemma 2). Window and cap are compile-time constants of the kernels.
     kinds = {(cfg.layer_window(i), cfg.attn_logit_softcapping) for i in range(cfg.num_hidden_layers)}
+    kinds = set() if cfg.is_mla else kinds
     for window, softcap in sorted(kinds, key=lambda wc: (wc[0] or 0)):
         tag = (f" window={window}" if window else "") + (f" cap={softcap:g}" if softcap else "")
         for splits in _graph_split_counts(kvh, max_num_seqs, num_sms):

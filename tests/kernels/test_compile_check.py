@@ -30,6 +30,9 @@ for r in engine_kernels("qwen3-0.6b", "bfloat16", arch=90, max_num_seqs=64, quan
 for r in engine_kernels("qwen3-30b-a3b", "bfloat16", arch=90, max_num_seqs=16):
     if r.case.startswith("moe"):
         print(json.dumps(asdict(r)))
+for r in engine_kernels("deepseek-v2-lite", "bfloat16", arch=90, max_num_seqs=16):
+    if "latent" in r.case:
+        print(json.dumps(asdict(r)))
 for r in engine_kernels("gemma-2-9b", "bfloat16", arch=90, max_num_seqs=16):
     if "cap=" in r.case:
         print(json.dumps(asdict(r)))
@@ -58,7 +61,7 @@ def test_engine_kernels_compile_for_sm90():
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
                             "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_kquant_matmul_kernel",
                             "_kquant_gemv_kernel", "_quantize_rows_kernel",
-                            "_int8_matmul_kernel", "_moe_gemm_kernel"}  # fmt: skip
+                            "_int8_matmul_kernel", "_moe_gemm_kernel", "_latent_decode_kernel"}  # fmt: skip
     # The GGUF dequantize-matmul: each 32-block type at a decode and a prefill shape, on tensor cores,
     # without spills (checked above with every kernel's other limits).
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
@@ -82,6 +85,10 @@ def test_engine_kernels_compile_for_sm90():
     moe = {r["case"]: r["tensor_cores"] for r in by_name["_moe_gemm_kernel"]}
     assert set(moe) == {f"moe {s} {g}" for s in ("decode", "prefill") for g in ("gate_up", "down")}
     assert set(moe.values()) <= {"mma", "wgmma"}, moe
+    # DeepSeek-V2-Lite's latent attention: its rows stored without a V, the absorbed decode on tensor cores.
+    latent = {r["case"]: r for r in by_name["_latent_decode_kernel"]}
+    assert latent and all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in latent.values())
+    assert any(r["case"] == "store latent rows" for r in by_name["_store_kv_kernel"])
     # Gemma 2's soft-capped global and windowed layers (head_dim 256) fit without spills.
     gemma = {r["case"] for r in kernels if "cap=" in r["case"]}
     assert {"prefill cap=50", "prefill window=4096 cap=50"} <= gemma

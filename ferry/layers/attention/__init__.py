@@ -49,6 +49,14 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def resolve_attention_backend(name: str, device: torch.device, cache_dtype: torch.dtype = torch.bfloat16) -> str:
     if name == "auto":
         if device.type != "cuda":
@@ -90,11 +98,19 @@ def select_attention_backend(
     cache_dtype: torch.dtype,
     latent: bool = False,
 ) -> AttentionBackend:
-    """The backend for this engine. `latent`: multi-head latent attention, which only the torch
-    backend runs so far (`latent_decode`), on any device."""
+    """The backend for this engine. `latent`: multi-head latent attention (`store_latent`,
+    `latent_decode`), which the torch and Triton backends run (`auto`: Triton on CUDA)."""
     if latent:
-        if name not in ("auto", "torch"):
-            raise ValueError(f"--attention-backend {name} does not run multi-head latent attention yet; use torch")
+        if name == "flashinfer":
+            raise ValueError("--attention-backend flashinfer does not run multi-head latent attention; use triton")
+        if name == "auto":
+            name = "triton" if device.type == "cuda" and _triton_importable() else "torch"
+        if name == "triton":
+            resolve_attention_backend(name, device, cache_dtype)  # the package, and the interpreter on the CPU
+            from ferry.kernels.triton_mla import head_blocks
+            from ferry.layers.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(device, head_blocks(num_heads))
         return TorchAttentionBackend(device)
     name = resolve_attention_backend(name, device, cache_dtype)
     if name == "triton":

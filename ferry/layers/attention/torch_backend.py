@@ -88,6 +88,27 @@ def attend(q, k, v, scale: float, softcap: float | None, mask: torch.Tensor | No
     return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
 
 
+def prefill_chunks(meta: AttentionMetadata, window: int | None, device: torch.device) -> list[TorchChunk]:
+    """Each prefill chunk's context: None for a whole prompt in one chunk (causal attention over its own
+    rows), else the context's cache slots from the first key any of its queries sees, and the mask."""
+    chunks, bs = [], meta.block_size
+    for p in meta.prefills:
+        begin = p.context_len - p.length
+        if begin == 0 and (window is None or p.length <= window):
+            chunks.append(TorchChunk(p.start, p.length, None, None))
+            continue
+        lo = 0 if window is None else max(0, begin - window + 1)  # the first query's first key
+        ctx_pos = np.arange(lo, p.context_len, dtype=np.int64)
+        ctx_slots = p.block_ids[ctx_pos // bs] * bs + ctx_pos % bs
+        q_pos = np.arange(begin, p.context_len)[:, None]
+        mask = ctx_pos[None, :] <= q_pos
+        if window is not None:
+            mask &= ctx_pos[None, :] > q_pos - window
+        chunks.append(TorchChunk(p.start, p.length, torch.from_numpy(ctx_slots).to(device),
+                                 torch.from_numpy(mask).to(device)))  # fmt: skip
+    return chunks
+
+
 class TorchAttentionBackend:
     name = "torch"
     supports_tree = True  # decode rows with an ancestor mask (tree verification)
@@ -117,21 +138,7 @@ class TorchAttentionBackend:
             view.decode_lens = torch.from_numpy(meta.decode_seq_lens_host - first * bs).to(self.device)
             view.decode_skip = torch.from_numpy(lo - first * bs).to(self.device)
             view.first_pos = first[:, None] * bs
-        for p in meta.prefills:
-            begin = p.context_len - p.length
-            if begin == 0 and (window is None or p.length <= window):
-                view.chunks.append(TorchChunk(p.start, p.length, None, None))
-                continue
-            lo = 0 if window is None else max(0, begin - window + 1)  # the first query's first key
-            ctx_pos = np.arange(lo, p.context_len, dtype=np.int64)
-            ctx_slots = p.block_ids[ctx_pos // bs] * bs + ctx_pos % bs
-            q_pos = np.arange(begin, p.context_len)[:, None]
-            mask = ctx_pos[None, :] <= q_pos
-            if window is not None:
-                mask &= ctx_pos[None, :] > q_pos - window
-            chunk = TorchChunk(p.start, p.length, torch.from_numpy(ctx_slots).to(self.device),
-                               torch.from_numpy(mask).to(self.device))  # fmt: skip
-            view.chunks.append(chunk)
+        view.chunks = prefill_chunks(meta, window, self.device)
         return view
 
     def decode_mask(self, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
@@ -211,6 +218,10 @@ class TorchAttentionBackend:
                 o = attend(qp, kp, vp, scale, softcap, mask=chunk.mask)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def store_latent(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """MLA's rows [T, W] (latent then rotary key) into the one-head cache at `slots`."""
+        store_rows(cache, slots, rows.unsqueeze(1))
 
     def latent_decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                       v_width: int) -> torch.Tensor:  # fmt: skip

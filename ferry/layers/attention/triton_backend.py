@@ -4,6 +4,10 @@ Per layer: one store launch for all new tokens, one split-KV decode launch (plus
 merge) for the decode rows, one varlen prefill launch for all chunks; the layer's sliding window
 and soft-capping go to the kernels as constants. The decode
 launch's shape depends on the batch size only, so it can be captured in a CUDA graph.
+
+Multi-head latent attention (layers/mla.py) stores its rows with the same store kernel (one cache)
+and decodes in the absorbed form with kernels/triton_mla.py (`latent_decode`); its prefill chunks
+attend in the expanded form over their contexts (`view`), as on the torch backend.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from ferry.layers.attention.metadata import AttentionMetadata
+from ferry.layers.attention.torch_backend import WindowView, prefill_chunks
 
 
 @dataclass
 class TritonState:
     num_splits: int
+    prefill_view: WindowView | None = None  # MLA's expanded prefill: the chunks' contexts (`view`)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -30,6 +36,8 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, device: torch.device, num_kv_heads: int) -> None:
+        """`num_kv_heads`: the decode programs per request and split (KV heads; MLA's blocks of heads),
+        which set how many splits fill the GPU."""
         from ferry.kernels import triton_attention
 
         self.kernels = triton_attention
@@ -57,3 +65,25 @@ class TritonAttentionBackend:
                                meta.prefill_seq_lens, meta.max_prefill_len, scale, out, window=window,
                                softcap=softcap)  # fmt: skip
         return out
+
+    def store_latent(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """MLA's rows [T, W] (latent then rotary key) into the one-head cache; slot -1 (a CUDA-graph
+        padding row) writes nothing."""
+        self.kernels.store_kv(rows.unsqueeze(1), None, cache, None, slots)
+
+    def latent_decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      v_width: int) -> torch.Tensor:  # fmt: skip
+        """MLA's absorbed decode (the torch backend's `latent_decode`, in kernels/triton_mla.py)."""
+        from ferry.kernels.triton_mla import paged_latent_decode
+
+        return paged_latent_decode(q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, v_width,
+                                   meta.state.num_splits)  # fmt: skip
+
+    def view(self, meta: AttentionMetadata, window: int | None = None) -> WindowView:
+        """The prefill chunks' contexts for MLA's expanded prefill (built once per step)."""
+        if window is not None:
+            raise ValueError("multi-head latent attention has no sliding window")
+        state: TritonState = meta.state
+        if state.prefill_view is None:
+            state.prefill_view = WindowView(chunks=prefill_chunks(meta, None, self.device))
+        return state.prefill_view
