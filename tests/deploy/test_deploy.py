@@ -1,0 +1,209 @@
+"""The deployment files (deploy/): the Dockerfiles pass hadolint, the images' entrypoint serves and drains
+outside a container, and every kustomize overlay renders (kubectl kustomize, offline) into manifests that
+Kubernetes' schemas (kubernetes-validate) and our CRD schemas (deploy/kubernetes/schemas) accept, whose
+ferry commands parse with ferry's own CLI and whose gateway reaches every replica the autoscaler may make."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+import yaml
+
+from ferry.bench.launch import LaunchedServer
+from ferry.cli import build_parser
+from ferry.utils.network import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+BIN = Path(sys.executable).parent  # the venv's bin: hadolint, kubectl and ferry (test extra / the package)
+OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/kserve"]
+K8S_VERSION = "1.33.0"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name, path=str(BIN)) or shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed (scripts/install.sh installs it with the test extra)")
+    return path
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run([tool("kubectl"), "kustomize", str(DEPLOY / overlay)], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def by_kind(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def pod_specs(doc: dict) -> list[dict]:
+    """The pod specs a resource carries (workloads' templates; a ServingRuntime's containers)."""
+    if doc["kind"] in ("Deployment", "StatefulSet"):
+        return [doc["spec"]["template"]["spec"]]
+    if doc["kind"] == "ServingRuntime":
+        return [{"containers": doc["spec"]["containers"]}]
+    return []
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_dockerfiles_pass_hadolint(dockerfile):
+    out = subprocess.run([tool("hadolint"), "--failure-threshold", "info", str(DEPLOY / "docker" / dockerfile)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_hadolint_flags_a_bad_dockerfile(tmp_path):
+    """The check above can fail: an unpinned base image and a root `cd` are findings."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python\nRUN cd /tmp && pip install ferry\n")
+    out = subprocess.run([tool("hadolint"), str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "DL3006" in out.stdout
+
+
+def test_the_lock_pins_every_runtime_dependency():
+    """deploy/docker/requirements.lock (scripts/lock_requirements.sh) names each of pyproject's runtime
+    dependencies with an exact version; a new dependency without a new lock fails here."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(";")[0].split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower().replace("_", "-")
+             for d in deps} - {"torch", "triton"}  # fmt: skip
+    lock = {}
+    for line in (DEPLOY / "docker" / "requirements.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            lock[name.lower().replace("_", "-")] = version
+    assert names <= set(lock), names - set(lock)
+    assert "torch" not in lock and "triton" not in lock  # each image installs its own build
+
+
+def test_entrypoint_serves_and_drains_outside_a_container(tmp_path):
+    """deploy/docker/entrypoint.sh as the images run it: bare flags mean `serve`, the Triton cache goes
+    under $FERRY_CACHE_DIR, and SIGTERM drains and exits 0."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    port = free_port()
+    env = {
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "FERRY_CACHE_DIR": str(tmp_path / "cache"),
+        # the C++ kernels this checkout built already (a fresh directory would rebuild them for minutes)
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(),
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = ["sh", str(DEPLOY / "docker" / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port),
+           "--max-num-seqs", "2", "--num-kv-blocks", "64", "--drain-timeout", "30"]  # fmt: skip
+    server = LaunchedServer(cmd, port, "/ready", 300, env=env)
+    url = server.__enter__()
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                                      "temperature": 0}, timeout=120)  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert (tmp_path / "cache" / "triton").is_dir()
+        server.proc.send_signal(signal.SIGTERM)  # what the kubelet sends after preStop
+        assert server.proc.wait(120) == 0
+    finally:
+        server.__exit__(None, None, None)
+
+
+def test_entrypoint_passes_subcommands_through():
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "FERRY_CACHE_DIR": "/tmp/ferry-entrypoint-test"}
+    out = subprocess.run(["sh", str(DEPLOY / "docker" / "entrypoint.sh"), "gateway", "--help"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "--worker" in out.stdout
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_manifests_validate(overlay):
+    """Every rendered resource against Kubernetes' schema (strict: unknown fields refused), custom
+    resources against deploy/kubernetes/schemas, and every pod spec inside them as a Pod."""
+    import kubernetes_validate
+
+    docs = render(overlay)
+    assert docs
+    schemas = DEPLOY / "kubernetes" / "schemas"
+    for doc in docs:
+        group_version = doc["apiVersion"].replace("/", "_")
+        custom = schemas / f"{group_version}_{doc['kind']}.json"
+        if custom.exists():
+            jsonschema.validate(doc, json.loads(custom.read_text()))
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        for spec in pod_specs(doc):
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "check"}, "spec": spec}
+            kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_a_wrong_field_fails_validation():
+    """The validation above refuses a misspelt field, in a core resource and in a custom one."""
+    import kubernetes_validate
+
+    docs = render("kubernetes/overlays/gpu")
+    stateful = by_kind(docs, "StatefulSet")[0]
+    stateful["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(stateful, K8S_VERSION, strict=True)
+    scaled = by_kind(docs, "ScaledObject")[0]
+    scaled["spec"]["maxReplicas"] = 4
+    schema = json.loads((DEPLOY / "kubernetes/schemas/keda.sh_v1alpha1_ScaledObject.json").read_text())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(scaled, schema)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ferry_commands_parse(overlay):
+    """Each ferry container's arguments are a command ferry's own CLI accepts (as the entrypoint runs
+    them: bare flags are `serve`)."""
+    parser = build_parser()
+    seen = 0
+    for doc in render(overlay):
+        for spec in pod_specs(doc):
+            for c in spec["containers"]:
+                if not c["image"].split("/")[-1].startswith("ferry:"):
+                    continue
+                args = list(c.get("args", []))
+                if not args or args[0].startswith("-"):
+                    args = ["serve", *args]
+                try:
+                    parser.parse_args(args)
+                except SystemExit:
+                    pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: ferry {' '.join(args)} does not parse")
+                seen += 1
+    assert seen
+
+
+@pytest.mark.parametrize("overlay", ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu"])
+def test_the_gateway_reaches_every_worker_and_its_secrets(overlay):
+    """The gateway lists ferry-worker-0 .. N-1 through the workers' headless Service, N the autoscaler's
+    maximum (or the StatefulSet's replicas); the workers' probes and the Secret's keys line up."""
+    docs = render(overlay)
+    stateful = by_kind(docs, "StatefulSet", "ferry-worker")[0]
+    service = by_kind(docs, "Service", stateful["spec"]["serviceName"])[0]
+    assert service["spec"]["clusterIP"] == "None"
+    gateway = by_kind(docs, "Deployment", "ferry-gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+    workers = [a.split("=", 1)[1] for a in gateway["args"] if a.startswith("--worker=")]
+    port = service["spec"]["ports"][0]["port"]
+    assert workers == [f"http://ferry-worker-{i}.{service['metadata']['name']}:{port}" for i in range(len(workers))]
+    assert len(workers) >= stateful["spec"]["replicas"]
+    scaled = by_kind(docs, "ScaledObject")
+    if scaled:  # every replica the autoscaler may add is one the gateway routes to
+        assert scaled[0]["spec"]["maxReplicaCount"] == len(workers)
+        assert scaled[0]["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                                       "name": "ferry-worker"}  # fmt: skip
+    worker = stateful["spec"]["template"]["spec"]["containers"][0]
+    assert worker["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert {worker["livenessProbe"]["httpGet"]["path"], worker["startupProbe"]["httpGet"]["path"]} == {"/health"}
+    secret = by_kind(docs, "Secret", "ferry-secrets")[0]
+    keys = set(secret.get("data", {})) | set(secret.get("stringData", {}))
+    refs = {e["valueFrom"]["secretKeyRef"]["key"] for c in (gateway, worker) for e in c.get("env", [])
+            if "valueFrom" in e}  # fmt: skip
+    assert refs <= keys and "api-keys" in keys
