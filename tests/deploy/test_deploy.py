@@ -26,7 +26,7 @@ from ferry.utils.network import free_port
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent  # the venv's bin: hadolint, kubectl and ferry (test extra / the package)
-OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/kserve"]
+OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/pd", "kubernetes/kserve"]
 K8S_VERSION = "1.33.0"
 
 
@@ -181,29 +181,49 @@ def test_ferry_commands_parse(overlay):
     assert seen
 
 
-@pytest.mark.parametrize("overlay", ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu"])
+GATEWAY_FLAG = {"worker": "--worker", "prefill": "--prefill", "decode": "--decode"}
+
+
+@pytest.mark.parametrize("overlay", ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/pd"])
 def test_the_gateway_reaches_every_worker_and_its_secrets(overlay):
-    """The gateway lists ferry-worker-0 .. N-1 through the workers' headless Service, N the autoscaler's
-    maximum (or the StatefulSet's replicas); the workers' probes and the Secret's keys line up."""
+    """For each pool (a StatefulSet: workers, or prefill and decode), the gateway lists its pods
+    name-0 .. N-1 through the pool's headless Service, N at least its replicas and exactly the
+    autoscaler's maximum where one scales it; a prefill pool may push KV blocks to every decode pod it
+    could be asked to; the probes and the Secret's keys line up."""
     docs = render(overlay)
-    stateful = by_kind(docs, "StatefulSet", "ferry-worker")[0]
-    service = by_kind(docs, "Service", stateful["spec"]["serviceName"])[0]
-    assert service["spec"]["clusterIP"] == "None"
     gateway = by_kind(docs, "Deployment", "ferry-gateway")[0]["spec"]["template"]["spec"]["containers"][0]
-    workers = [a.split("=", 1)[1] for a in gateway["args"] if a.startswith("--worker=")]
-    port = service["spec"]["ports"][0]["port"]
-    assert workers == [f"http://ferry-worker-{i}.{service['metadata']['name']}:{port}" for i in range(len(workers))]
-    assert len(workers) >= stateful["spec"]["replicas"]
-    scaled = by_kind(docs, "ScaledObject")
-    if scaled:  # every replica the autoscaler may add is one the gateway routes to
-        assert scaled[0]["spec"]["maxReplicaCount"] == len(workers)
-        assert scaled[0]["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                                       "name": "ferry-worker"}  # fmt: skip
-    worker = stateful["spec"]["template"]["spec"]["containers"][0]
-    assert worker["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert {worker["livenessProbe"]["httpGet"]["path"], worker["startupProbe"]["httpGet"]["path"]} == {"/health"}
     secret = by_kind(docs, "Secret", "ferry-secrets")[0]
     keys = set(secret.get("data", {})) | set(secret.get("stringData", {}))
-    refs = {e["valueFrom"]["secretKeyRef"]["key"] for c in (gateway, worker) for e in c.get("env", [])
-            if "valueFrom" in e}  # fmt: skip
-    assert refs <= keys and "api-keys" in keys
+    pools = by_kind(docs, "StatefulSet")
+    assert pools
+    listed = {}
+    for stateful in pools:
+        role = stateful["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        service = by_kind(docs, "Service", stateful["spec"]["serviceName"])[0]
+        assert service["spec"]["clusterIP"] == "None"
+        prefix, port = f"{GATEWAY_FLAG[role]}=", service["spec"]["ports"][0]["port"]
+        urls = [a.split("=", 1)[1] for a in gateway["args"] if a.startswith(prefix)]
+        name = stateful["metadata"]["name"]
+        assert urls == [f"http://{name}-{i}.{service['metadata']['name']}:{port}" for i in range(len(urls))]
+        assert len(urls) >= stateful["spec"]["replicas"]
+        listed[role] = (len(urls), service)
+        scaled = [d for d in by_kind(docs, "ScaledObject") if d["spec"]["scaleTargetRef"]["name"] == name]
+        if scaled:  # every replica the autoscaler may add is one the gateway routes to
+            assert scaled[0]["spec"]["maxReplicaCount"] == len(urls)
+            assert scaled[0]["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+        worker = stateful["spec"]["template"]["spec"]["containers"][0]
+        assert worker["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert {worker["livenessProbe"]["httpGet"]["path"], worker["startupProbe"]["httpGet"]["path"]} == {"/health"}
+        refs = {e["valueFrom"]["secretKeyRef"]["key"] for c in (gateway, worker) for e in c.get("env", [])
+                if "valueFrom" in e}  # fmt: skip
+        assert refs <= keys and "api-keys" in keys
+    if "prefill" in listed:
+        prefill = by_kind(docs, "StatefulSet", "ferry-prefill")[0]["spec"]["template"]["spec"]["containers"][0]
+        args = build_parser().parse_args(prefill["args"])
+        decode_pods, decode_service = listed["decode"]
+        transfer_port = next(p["port"] for p in decode_service["spec"]["ports"] if p["name"] == "kv-transfer")
+        decode = by_kind(docs, "StatefulSet", "ferry-decode")[0]["spec"]["template"]["spec"]["containers"][0]
+        assert build_parser().parse_args(decode["args"]).kv_transfer_port == transfer_port
+        assert args.kv_transfer_allowed_receivers == [
+            f"ferry-decode-{i}.{decode_service['metadata']['name']}:{transfer_port}" for i in range(decode_pods)
+        ]
