@@ -83,6 +83,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.node_rank > 0:  # a worker node of a multi-node engine: its ranks only, no HTTP
+        from ferry.worker.tp_worker import run_worker_node
+
+        return run_worker_node(EngineArgs.from_cli_args(args))
     from ferry.entrypoints.openai.api_server import serve
 
     return serve(args)

@@ -63,6 +63,14 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     # Under TP, MoE experts placed whole across the ranks (num_experts / N each), not sliced.
     enable_expert_parallel: bool = False
+    # Several hosts (torchrun's names): the world_size ranks split evenly over nnodes nodes, node r running
+    # ranks r * world_size / nnodes on; node 0 runs the engine (and serves HTTP), the others start with
+    # --node-rank and take node 0's engine arguments from the rendezvous store at master_addr:master_port
+    # (ferry/worker/tp_worker.py). Node 0's master_addr must be reachable from the others.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one node only)
     # vLLM's --speculative-config: JSON text (or, from Python, a dict), e.g.
     # '{"method": "ngram", "num_speculative_tokens": 4}'; see SpeculativeConfig.
     speculative_config: str | None = None
@@ -101,6 +109,14 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank} of nnodes {self.nnodes}")
+        if self.nnodes > 1:
+            if self.world_size % self.nnodes:
+                raise ValueError(f"{self.world_size} ranks (tensor x pipeline parallel) do not split evenly over "
+                                 f"{self.nnodes} nodes")  # fmt: skip
+            if not 0 < self.master_port < 65536:
+                raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
         if self.pipeline_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding does not run under pipeline parallelism yet: "
                              "drop --speculative-config or use --pipeline-parallel-size 1")  # fmt: skip
@@ -117,6 +133,10 @@ class EngineArgs:
     def world_size(self) -> int:
         """Ranks (processes, GPUs) the engine runs on: tensor x pipeline parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -118,16 +118,22 @@ def init_parallel(
     rank: int,
     tp_size: int,
     device: torch.device,
-    init_method: str,
+    rendezvous: str | dist.Store,
     layer_ranges: list[tuple[int, int]] | None = None,
 ) -> tuple[TensorParallel, PipelineStage]:
     """Join the process group of tp_size x len(layer_ranges) ranks (one stage when None) as global
-    `rank`, and make the groups: every rank creates every group, in the same order."""
+    `rank`, meeting the others at `rendezvous` (an init_method URL, or a store: the engine's
+    TCPStore, which also carries what node 0 tells the other nodes), and make the groups: every rank
+    creates every group, in the same order."""
     pp_size = len(layer_ranges) if layer_ranges else 1
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size * pp_size)
+    world = tp_size * pp_size
+    if isinstance(rendezvous, str):
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend, store=rendezvous, rank=rank, world_size=world)
     world_cpu = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     stage, tp_rank = divmod(rank, tp_size)
     group, cpu_group = None, world_cpu

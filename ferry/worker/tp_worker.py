@@ -11,10 +11,19 @@ stage hands it to the next (the pipeline channel), so every rank sees the same s
 Every rank runs the same forward on its shard; the collectives inside the model keep a stage's ranks
 in step, the pipeline channel the stages. A worker that fails exits non-zero; rank 0 then fails at
 its next collective.
+
+The ranks meet at a TCPStore that rank 0 serves (`master_addr:master_port`). Over several nodes
+(`--nnodes`), node 0 runs ranks 0..k-1 (rank 0: the engine), and `ferry serve --node-rank r` on node r
+runs ranks r*k..(r+1)*k-1 (`run_worker_node`): it reads node 0's engine arguments and the pipeline's
+layer partition from the store (JSON, so that a node takes the very model, shapes and flags node 0
+runs), starts its ranks and waits for them. The store and torch.distributed's traffic carry no
+authentication: master_addr must be on a network only the deployment's nodes reach.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import PipelineStage, TensorParallel, init_parallel
@@ -60,24 +70,34 @@ ControlMessage = ProfileMemory | InitKVCache | Shutdown
 
 # A barrier with a peer that is stuck must not hold a shutdown for long.
 _TEARDOWN_TIMEOUT = timedelta(seconds=30)
+# Nodes may start minutes apart (image pulls, model downloads): how long a rank waits for the others.
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
+_ENGINE_ARGS_KEY, _LAYERS_KEY = "ferry/engine_args", "ferry/layer_ranges"
+
+
+def rendezvous_store(args: EngineArgs, rank: int) -> dist.TCPStore:
+    """The engine's TCPStore: served by rank 0, joined by every other rank (and worker node)."""
+    return dist.TCPStore(args.master_addr, args.master_port, args.world_size, is_master=rank == 0,
+                         timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)  # fmt: skip
 
 
 def init_rank(
-    args: EngineArgs, rank: int, init_method: str, layer_ranges: list[tuple[int, int]]
+    args: EngineArgs, rank: int, store: dist.Store, layer_ranges: list[tuple[int, int]]
 ) -> tuple[TensorParallel, PipelineStage, PipelineChannel | None]:
-    device = resolve_device(args.device, rank, args.world_size)
+    local = rank % args.ranks_per_node  # this node's GPU index
+    device = resolve_device(args.device, local, args.world_size)
     if device.type == "cpu":
-        # The ranks share the machine's cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    tp, pp = init_parallel(rank, args.tensor_parallel_size, device, init_method, layer_ranges)
+        # The node's ranks share its cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks_per_node))
+    tp, pp = init_parallel(rank, args.tensor_parallel_size, device, store, layer_ranges)
     channel = PipelineChannel(pp, device) if pp.size > 1 else None
     return tp, pp, channel
 
 
-def worker_main(args: EngineArgs, rank: int, init_method: str, layer_ranges: list[tuple[int, int]]) -> None:
-    die_with_parent()  # with the engine process
+def worker_main(args: EngineArgs, rank: int, layer_ranges: list[tuple[int, int]]) -> None:
+    die_with_parent()  # with the engine process (or the worker node's process)
     logging.basicConfig(level=logging.WARNING)
-    tp, pp, channel = init_rank(args, rank, init_method, layer_ranges)
+    tp, pp, channel = init_rank(args, rank, rendezvous_store(args, rank), layer_ranges)
     runner = ModelRunner.create(args, load_model(args, tp, pp), tp, pp=pp, channel=channel)
     if pp.is_first:
         _first_stage_loop(args, runner, tp, pp, channel)
@@ -138,22 +158,60 @@ def _control(msg: ControlMessage, runner: ModelRunner, args: EngineArgs, tp: Ten
     return True
 
 
+def _start_ranks(args: EngineArgs, ranks: range, layer_ranges: list[tuple[int, int]]) -> list:
+    ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or OpenMP state
+    procs = [ctx.Process(target=worker_main, args=(args, rank, layer_ranges), daemon=True, name=f"ferry-rank{rank}")
+             for rank in ranks]  # fmt: skip
+    for p in procs:
+        p.start()
+    return procs
+
+
+def run_worker_node(args: EngineArgs) -> int:
+    """Node `args.node_rank` > 0 of a multi-node engine: its ranks, with node 0's engine arguments and
+    layer partition (from the rendezvous store), until node 0 shuts them down. 0 when every rank
+    exited cleanly."""
+    if args.node_rank == 0 or args.nnodes < 2:
+        raise ValueError("run_worker_node is for --node-rank 1..nnodes-1 of a multi-node engine")
+    store = dist.TCPStore(args.master_addr, args.master_port, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    engine = json.loads(store.get(_ENGINE_ARGS_KEY))
+    layer_ranges = [tuple(r) for r in json.loads(store.get(_LAYERS_KEY))]
+    # Every node is started with the same parallel layout (as torchrun's nodes are); the rest (model,
+    # dtype, shapes, flags) is node 0's.
+    for name in ("nnodes", "tensor_parallel_size", "pipeline_parallel_size"):
+        if engine[name] != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"node 0 runs {flag} {engine[name]}, this node was started with {getattr(args, name)}")
+    node = EngineArgs(**{**engine, "node_rank": args.node_rank})
+    first = node.node_rank * node.ranks_per_node
+    logger.info("node %d of %d: ranks %d..%d of %s (%d-way tensor x %d-way pipeline parallel)", node.node_rank,
+                node.nnodes, first, first + node.ranks_per_node - 1, node.model or "the bundled model",
+                node.tensor_parallel_size, node.pipeline_parallel_size)  # fmt: skip
+    procs = _start_ranks(node, range(first, first + node.ranks_per_node), layer_ranges)
+    for p in procs:
+        p.join()
+    failed = [f"{p.name} (exit {p.exitcode})" for p in procs if p.exitcode != 0]
+    if failed:
+        logger.error("worker node %d: %s", node.node_rank, ", ".join(failed))
+    return 1 if failed else 0
+
+
 class TensorParallelWorkers:
     """Rank 0's handle on the other ranks' processes (tensor and pipeline parallel)."""
 
     def __init__(self, args: EngineArgs) -> None:
+        if args.node_rank != 0:
+            raise ValueError("the engine runs on node 0; other nodes run `ferry serve --node-rank R` (workers only)")
+        if args.master_port == 0:
+            args = dataclasses.replace(args, master_port=free_port())
         self.args = args
         self.layer_ranges = self._partition(args)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or OpenMP state
-        self.procs = [
-            ctx.Process(target=worker_main, args=(args, rank, init_method, self.layer_ranges), daemon=True,
-                        name=f"ferry-rank{rank}")  # fmt: skip
-            for rank in range(1, args.world_size)
-        ]
-        for p in self.procs:
-            p.start()
-        self.tp, self.pp, self.channel = init_rank(args, 0, init_method, self.layer_ranges)
+        self.store = rendezvous_store(args, 0)
+        # What the other nodes run: node 0's arguments, as JSON (no pickles from the network)
+        self.store.set(_ENGINE_ARGS_KEY, json.dumps(dataclasses.asdict(args)))
+        self.store.set(_LAYERS_KEY, json.dumps(self.layer_ranges))
+        self.procs = _start_ranks(args, range(1, args.ranks_per_node), self.layer_ranges)
+        self.tp, self.pp, self.channel = init_rank(args, 0, self.store, self.layer_ranges)
 
     @staticmethod
     def _partition(args: EngineArgs) -> list[tuple[int, int]]:

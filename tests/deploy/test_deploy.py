@@ -26,7 +26,10 @@ from ferry.utils.network import free_port
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent  # the venv's bin: hadolint, kubectl and ferry (test extra / the package)
-OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/pd", "kubernetes/kserve"]
+OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/pd", "kubernetes/overlays/multi-node",
+            "kubernetes/kserve"]  # fmt: skip
+# What the kubelet substitutes for $(VAR) in a LeaderWorkerSet pod's args (a worker's index, the leader's name)
+LWS_ENV = {"$(LWS_WORKER_INDEX)": "1", "$(LWS_LEADER_ADDRESS)": "ferry-mn-0.ferry-mn"}
 K8S_VERSION = "1.33.0"
 
 
@@ -54,7 +57,20 @@ def pod_specs(doc: dict) -> list[dict]:
         return [doc["spec"]["template"]["spec"]]
     if doc["kind"] == "ServingRuntime":
         return [{"containers": doc["spec"]["containers"]}]
+    if doc["kind"] == "LeaderWorkerSet":
+        template = doc["spec"]["leaderWorkerTemplate"]
+        return [template[t]["spec"] for t in ("leaderTemplate", "workerTemplate") if t in template]
     return []
+
+
+def container_args(container: dict) -> list[str]:
+    """A ferry container's command as the entrypoint runs it: bare flags are `serve`, $(VAR)s substituted."""
+    args = []
+    for arg in container.get("args", []):
+        for var, value in LWS_ENV.items():
+            arg = arg.replace(var, value)
+        args.append(arg)
+    return args if args and not args[0].startswith("-") else ["serve", *args]
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
@@ -170,9 +186,7 @@ def test_ferry_commands_parse(overlay):
             for c in spec["containers"]:
                 if not c["image"].split("/")[-1].startswith("ferry:"):
                     continue
-                args = list(c.get("args", []))
-                if not args or args[0].startswith("-"):
-                    args = ["serve", *args]
+                args = container_args(c)
                 try:
                     parser.parse_args(args)
                 except SystemExit:
@@ -227,3 +241,28 @@ def test_the_gateway_reaches_every_worker_and_its_secrets(overlay):
         assert args.kv_transfer_allowed_receivers == [
             f"ferry-decode-{i}.{decode_service['metadata']['name']}:{transfer_port}" for i in range(decode_pods)
         ]
+
+
+def test_multi_node_groups_agree_on_their_layout():
+    """A LeaderWorkerSet group: the leader is node 0 (HTTP, probes), the worker pods nodes 1.. by their
+    index, all with one parallel layout over `size` nodes and the leader's rendezvous address; the
+    gateway routes to each group's leader."""
+    docs = render("kubernetes/overlays/multi-node")
+    lws = by_kind(docs, "LeaderWorkerSet")[0]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    parser = build_parser()
+    leader = parser.parse_args(container_args(template["leaderTemplate"]["spec"]["containers"][0]))
+    worker = parser.parse_args(container_args(template["workerTemplate"]["spec"]["containers"][0]))
+    for a in (leader, worker):
+        assert a.nnodes == template["size"] and a.master_addr == LWS_ENV["$(LWS_LEADER_ADDRESS)"]
+        assert (a.tensor_parallel_size * a.pipeline_parallel_size) % a.nnodes == 0
+    assert leader.node_rank == 0 and worker.node_rank == 1 and leader.master_port == worker.master_port
+    assert (leader.tensor_parallel_size, leader.pipeline_parallel_size) == (worker.tensor_parallel_size,
+                                                                             worker.pipeline_parallel_size)  # fmt: skip
+    assert "readinessProbe" in template["leaderTemplate"]["spec"]["containers"][0]
+    assert "readinessProbe" not in template["workerTemplate"]["spec"]["containers"][0]  # no HTTP on workers
+    gateway = by_kind(docs, "Deployment", "ferry-gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+    name = lws["metadata"]["name"]
+    assert [a.split("=", 1)[1] for a in gateway["args"] if a.startswith("--worker=")] == [
+        f"http://{name}-{i}.{name}:8000" for i in range(lws["spec"]["replicas"])
+    ]
