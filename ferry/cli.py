@@ -119,6 +119,8 @@ BENCHMARKS = (
      "pipeline-parallel tok/s, stages overlapped by micro-batches or taking turns, beside one process"),
     ("window", "ferry.bench.window", False,
      "a request far longer than its sliding window, in a KV cache sized for a little more than the window"),
+    ("startup", "ferry.bench.startup", False,
+     "seconds from `ferry serve`'s launch to /ready, phase by phase, cold caches then warm"),
     ("abuse", "ferry.bench.abuse", False,
      "/health and a client's latency while other clients send hostile bodies, server and gateway"),
 )  # fmt: skip

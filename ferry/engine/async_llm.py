@@ -37,6 +37,7 @@ from ferry.engine.messages import (
 from ferry.engine.output_processor import OutputProcessor
 from ferry.kv_transfer.protocol import KVTransferDone
 from ferry.outputs import RequestOutput
+from ferry.utils.process import process_age
 from ferry.sampling_params import InvalidParameterError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,18 @@ class AsyncLLM:
 
         `tokenizer_loader` runs in a thread meanwhile (the first GGUF conversion takes seconds).
         """
+        api_start = process_age()  # the interpreter's start, the imports, the arguments: until the spawn
         self.client.spawn()
-        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(tokenizer_loader)) if tokenizer_loader else None
+        tokenizer_seconds: list[float] = []
+
+        def load_tokenizer():
+            t0 = time.perf_counter()
+            try:
+                return tokenizer_loader()
+            finally:
+                tokenizer_seconds.append(time.perf_counter() - t0)
+
+        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer)) if tokenizer_loader else None
         try:
             info = await self.client.wait_ready(timeout)
         except EngineDeadError as e:
@@ -140,6 +151,12 @@ class AsyncLLM:
         if tokenizer_task is not None:
             self.tokenizer = await tokenizer_task
             self.output_processor.tokenizer = self.tokenizer
+        startup = info.startup_seconds
+        if tokenizer_seconds:
+            startup["tokenizer"] = tokenizer_seconds[0]  # beside the core's start, in a thread
+        if api_start is not None:
+            startup["api_process_start"] = api_start
+            startup["total"] = process_age() or 0.0
         self.info = info
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         # Heard from just now: loading took as long as it took (a first start compiles kernels for

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 
 import torch
 
@@ -48,7 +49,11 @@ def build_engine_core(
         atexit.register(tp_workers.shutdown)  # LLM users rarely shut down; tear the group down cleanly
         tp, pp = tp_workers.tp, tp_workers.pp
     try:
-        core = _build(args, loaded or load_model(args, tp, pp), tp, tp_workers, draft)
+        t0 = time.perf_counter()
+        loaded = loaded or load_model(args, tp, pp)
+        t1 = time.perf_counter()
+        core = _build(args, loaded, tp, tp_workers, draft)
+        core.info.startup_seconds.update(load_weights=t1 - t0, kv_cache=time.perf_counter() - t1)
         freeze_startup_heap()
         return core
     except BaseException:

@@ -69,7 +69,8 @@ class EngineCoreClient:
         addrs = (f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output")
         self.proc = ctx.Process(
             target=_run_core_process,
-            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events, self.kv_transfer),
+            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events, self.kv_transfer,
+                  time.time()),  # fmt: skip
             name="ferry-engine-core",
             # A daemonic process may not start children: tensor-parallel ranks are the core's
             # children (they and the core die with their parent through PR_SET_PDEATHSIG).

@@ -60,7 +60,9 @@ class EngineCoreProc:
         output_addr: str,
         kv_events: KVEventsConfig | None = None,
         kv_transfer: KVTransferConfig | None = None,
+        spawned_at: float | None = None,
     ) -> None:
+        started = time.time()
         self.ctx = zmq.Context(1)
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.setsockopt(zmq.SNDHWM, 0)  # never drop or block on outputs
@@ -79,7 +81,12 @@ class EngineCoreProc:
         secret = (kv_events and kv_events.secret) or (kv_transfer and kv_transfer.secret)
         self.core.kv.block_hash_salt = block_hash_salt(secret)
         self.core.info.block_hash_salt = salt_fingerprint(self.core.kv.block_hash_salt)
+        t0 = time.perf_counter()
         self._warm_up()
+        startup = self.core.info.startup_seconds
+        startup["warm_up"] = time.perf_counter() - t0
+        if spawned_at is not None:  # the interpreter's start and the imports, until this process ran
+            startup["core_process_start"] = max(0.0, started - spawned_at)
         self.publisher: KVEventPublisher | None = None
         if kv_events is not None:
             self.publisher = KVEventPublisher(self.ctx, kv_events)
@@ -93,6 +100,8 @@ class EngineCoreProc:
         self.transfers: KVTransferCoordinator | None = None
         if kv_transfer is not None:
             self.transfers = self._start_transfers(kv_transfer)
+        if spawned_at is not None:
+            startup["core_total"] = time.time() - spawned_at
         self.send(CoreReady(self.core.info))
         self.running = True
 
@@ -233,8 +242,10 @@ def run_engine_core(
     log_level: int = logging.INFO,
     kv_events: KVEventsConfig | None = None,
     kv_transfer: KVTransferConfig | None = None,
+    spawned_at: float | None = None,
 ) -> None:
-    """Entry point of the core process (multiprocessing target)."""
+    """Entry point of the core process (multiprocessing target); `spawned_at`: the API process's
+    time.time() when it started this process."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     # The API process owns signals: SIGINT from a terminal goes to the whole group, and the
     # API process decides when the core stops (after draining), so ignore it here.
@@ -243,7 +254,7 @@ def run_engine_core(
     die_with_parent()  # a SIGKILLed API process runs no cleanup
     proc = None
     try:
-        proc = EngineCoreProc(args, input_addr, output_addr, kv_events, kv_transfer)
+        proc = EngineCoreProc(args, input_addr, output_addr, kv_events, kv_transfer, spawned_at)
         proc.run()
     except ParentGone:
         logger.error("the API process is gone; exiting")

@@ -89,6 +89,10 @@ class EngineInfo(msgspec.Struct):
     kv_transfer: str | None = None
     kv_receiver: str | None = None  # tcp://host:port
     kv_redis: bool = False  # pulls missing prefix blocks from Redis
+    # Seconds each start-up phase took (`ferry bench startup`, /ferry/info): the core process's own
+    # start (interpreter and imports), weight loading, KV-cache sizing and allocation (CUDA graphs
+    # included), warm-up; the API process adds its own start, the tokenizer, and the total to ready.
+    startup_seconds: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 # -- API -> core ---------------------------------------------------------------

@@ -45,3 +45,18 @@ def freeze_startup_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc; None elsewhere): start-up phases are measured
+    from the moment the interpreter was launched, imports included."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime, in ticks
+    except (OSError, ValueError, IndexError):
+        return None

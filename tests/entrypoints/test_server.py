@@ -499,3 +499,15 @@ def test_engine_that_cannot_start_makes_serve_exit_1_with_the_reason():
     assert proc.returncode == 1
     assert "needs 256 KV blocks, but the KV cache has 2" in proc.stderr
     assert "never retrieved" not in proc.stderr and proc.stderr.count("EngineCore is gone") == 1
+
+
+def test_startup_phases_are_reported(server):
+    """/ferry/info's startup_seconds (what `ferry bench startup` reads): every phase, none negative, the
+    core's phases within its own total, and the API process's start plus the core's within the whole."""
+    s = httpx.get(server.url + "/ferry/info", timeout=10).json()["startup_seconds"]
+    phases = {"api_process_start", "core_process_start", "load_weights", "kv_cache", "warm_up", "tokenizer"}
+    assert phases | {"core_total", "total"} <= set(s)
+    assert all(v >= 0 for v in s.values())
+    assert s["core_process_start"] + s["load_weights"] + s["kv_cache"] + s["warm_up"] <= s["core_total"] + 0.05
+    # (/proc's start time counts in 10 ms ticks: a little slack for the two clocks)
+    assert s["api_process_start"] + s["core_total"] <= s["total"] + 0.1

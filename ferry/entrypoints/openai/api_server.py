@@ -312,6 +312,7 @@ class Server:
                 "kv_events": events,
                 "role": i.kv_role,
                 "kv_transfer": {"sends_by": i.kv_transfer, "receiver": i.kv_receiver, "redis": i.kv_redis},
+                "startup_seconds": i.startup_seconds,  # `ferry bench startup`
             })  # fmt: skip
 
         async def generate(request: Request, body_type: type, handler) -> Response:
