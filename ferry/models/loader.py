@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
 from ferry.models.config import ModelConfig
 from ferry.models.dummy_weights import iter_dummy_weights, quantizable_weights
+from ferry.models.gguf_file import GGUFFile
 from ferry.models.paths import resolve_model_path, safetensors_files
 from ferry.models.quantized_checkpoints import (
     HFQuantization,
@@ -308,12 +310,10 @@ def _hf_name(gguf_name: str, architecture: str = "") -> str:
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
 
 
-def _open_gguf(path: str) -> Any:
-    from gguf import GGUFReader
-
+def _open_gguf(path: str) -> GGUFFile:
     try:
-        return GGUFReader(path)
-    except (ValueError, OSError) as e:
+        return GGUFFile(path)
+    except (ValueError, OSError, struct.error) as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy as llg_numpy  # not llguidance.torch: importing it loads torch._dynamo (~3 s of start-up)
 import numpy as np
 import torch
 
@@ -40,21 +40,21 @@ def _parallel() -> llguidance.LLExecutor | None:
 def fill_bitmask(rows: list[tuple[GrammarState, list[int]]], vocab_size: int) -> torch.Tensor:
     """[len(rows), ceil(vocab / 32)] int32 on the CPU: row i's mask for its grammar after the drafts
     `rows[i][1]`. A row whose grammar is still closed there (reasoning) allows everything."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)  # all allowed
+    bitmask = llg_numpy.allocate_token_bitmask(len(rows), vocab_size)  # all allowed
     plain = [(state.matcher, i) for i, (state, prior) in enumerate(rows) if not prior and state.open]
     executor = _parallel() if len(plain) > 1 else None
     if executor is not None:
-        llguidance.torch.fill_next_token_bitmask_par(executor, plain, bitmask)
+        llg_numpy.fill_next_token_bitmask_par(executor, plain, bitmask)
     else:
         for matcher, i in plain:
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+            llg_numpy.fill_next_token_bitmask(matcher, bitmask, i)
     for i, (state, prior) in enumerate(rows):
         if prior:
             mark = state.mark()
             if state.try_consume(prior) and state.open:
-                llguidance.torch.fill_next_token_bitmask(state.matcher, bitmask, i)
+                llg_numpy.fill_next_token_bitmask(state.matcher, bitmask, i)
             state.restore(mark)
-    return bitmask
+    return torch.from_numpy(bitmask)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
