@@ -175,9 +175,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.rows = -(-vocab_size // tp.size)
         self.start = tp.rank * self.rows
-        # Uninitialised: loading fills it (dummy weights too) or replaces it by GGUF blocks. Drawing
-        # nn.Embedding's N(0, 1) first cost ~1 s of every start (49k x 576) for values never read.
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+        nn.init.normal_(self.weight)  # nn.Embedding's initialisation (loading overwrites it)
         self.gguf: GGUFWeight | None = None  # --quantization gguf: the only copy (weight is None)
         self.gguf_dtype = torch.float32  # the rows' dtype out of self.gguf (the model's; set by the loader)
 
