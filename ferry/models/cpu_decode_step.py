@@ -41,8 +41,10 @@ class CPUDecodeStep:
     def __init__(self, model, step) -> None:
         self._embed = model.embed_tokens
         self._step = step  # the C++ DecodeStep, holding references to the model's tensors
-        self._windows = [layer.self_attn.window for layer in model.layers]
-        self._views = sorted({w for w in self._windows if w is not None})
+        windows = [layer.self_attn.window for layer in model.layers]
+        self._views = sorted({w for w in windows if w is not None})  # the distinct windows
+        # each layer's view (-1: the whole context), fixed for the model: not recomputed per step
+        self._layer_view = [-1 if w is None else self._views.index(w) for w in windows] if self._views else []
         # builds (and caches in the step's metadata) the windows' decode tables, as the Python path does
         self._backend = TorchAttentionBackend(torch.device("cpu"), use_cpu_kernel=True)
 
@@ -143,7 +145,7 @@ class CPUDecodeStep:
         return self._step.forward(
             x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.decode_tree,
-            [-1 if w is None else self._views.index(w) for w in self._windows] if self._views else [],
+            self._layer_view,
             [v.decode_tables for v in views], [v.decode_lens for v in views], [v.decode_skip for v in views],
         )  # fmt: skip
 
