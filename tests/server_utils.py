@@ -21,8 +21,9 @@ from ferry.utils.network import free_port
 
 
 class ServerProcess:
-    def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None,
+                 port: int | None = None) -> None:  # fmt: skip
+        self.port = port or free_port()  # a port: a replica coming back where it was
         cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(self.port), *args]
         env = {"PYTHONUNBUFFERED": "1", **(env or {})}
         self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env=env)

@@ -154,10 +154,12 @@ def _rate_limited(why: str, wait: float) -> Response:
 class Admission:
     def __init__(self, workers: list[Worker], prompts: PromptTokenizer, metrics: GatewayMetrics,
                  api_keys: ApiKeys | None, result_cache: ResultCache | None,
-                 rate_limiter: TokenRateLimiter, share_prefix_cache: bool = False) -> None:  # fmt: skip
+                 rate_limiter: TokenRateLimiter, share_prefix_cache: bool = False,
+                 holding: bool = False) -> None:  # fmt: skip
         self.workers, self.prompts, self.metrics = workers, prompts, metrics
         self.api_keys, self.result_cache, self.rate_limiter = api_keys, result_cache, rate_limiter
         self.share_prefix_cache = share_prefix_cache
+        self.holding = holding  # requests may wait for a worker (waiting_room.py)
 
     async def admit(self, request: Request, kind: str) -> RequestContext | Response:
         """The request's context, or the response that ends it here (an error or a cache hit)."""
@@ -183,7 +185,10 @@ class Admission:
         if not model:
             return error_response(400, "`model` is required (see GET /v1/models)", param="model")
         model_pool, known = pool(self.workers, model, ("both", "prefill", "decode"))
-        if not known:
+        # While no worker has ever answered (a pool starting from zero), nobody knows the models yet:
+        # with holding on, the request waits for a worker and the proxy checks its model then.
+        cold = self.holding and not any(w.models for w in self.workers)
+        if not known and not cold:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
         out, strip_usage = forwarded_body(data, body, key, self.share_prefix_cache)

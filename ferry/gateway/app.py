@@ -15,7 +15,11 @@ way through `handle` is, in order:
   feeds the GenAI metrics (metrics.py) and the result cache.
 
 Beside the requests, replicas.py keeps each worker's health and load current
-and kv_index.py mirrors each worker's prefix cache from its KV events.
+and kv_index.py mirrors each worker's prefix cache from its KV events; with
+`--hold-timeout`, a request that finds no ready worker waits for one in
+waiting_room.py (scale from zero).
+`/dashboard` (web/) is a live page over `/gateway/state`: the workers, the
+recent routing and PD decisions and latency over time (activity.py).
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client import Gauge
 from starlette.requests import ClientDisconnect
 
@@ -50,7 +55,9 @@ from ferry.gateway.responses import WORKER_HEADER, error_response
 from ferry.gateway.result_cache import ResultCache
 from ferry.gateway.routing import Routing
 from ferry.gateway.settlement import Settlement
+from ferry.gateway.waiting_room import WaitingRoom
 from ferry.utils.bearer import key_digest, match_digest
+from ferry.utils.web_pages import WebPages
 
 logger = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape otherwise
@@ -73,10 +80,15 @@ class GatewayConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     pd_min_prefill_tokens: int = 256
-    admin_key: str | None = None  # may read /metrics and /gateway/workers (as may a key file's admin keys)
+    admin_key: str | None = None  # may read /metrics and /gateway/* (as may a key file's admin keys)
     share_prefix_cache: bool = False  # else each API key's requests carry its own cache_salt
     worker_header: bool = True  # name the serving worker in `x-ferry-worker`
     drain_timeout: float = 30.0  # seconds the requests in flight get after SIGTERM
+    dashboard: bool = True  # serve the live dashboard at /dashboard (its data needs the admin key)
+    # Scale from zero (waiting_room.py): seconds a request waits for a worker of its model to become
+    # ready (0: none waits, no worker is a 503), and how many may wait at once.
+    hold_timeout: float = 0.0
+    max_held_requests: int = 256
     # The deployment's secret (utils/deployment_secret.py): authenticates the workers' KV events and
     # salts the gateway's block hashes as the workers salt theirs.
     kv_secret: bytes | None = field(default=None, repr=False)
@@ -91,6 +103,8 @@ class Gateway:
             raise ValueError("disaggregated serving needs both --prefill and --decode workers")
         if config.pd_min_prefill_tokens < 0:
             raise ValueError("--pd-min-prefill-tokens must be >= 0")
+        if config.hold_timeout < 0 or config.max_held_requests < 1:
+            raise ValueError("--hold-timeout must be >= 0 and --max-held-requests >= 1")
         self.config = config
         self.monitor_config = monitor or MonitorConfig()
         self.router = Router(config.policy, policy)
@@ -114,15 +128,19 @@ class Gateway:
             else None
         )
         self.prompts = PromptTokenizer(config.tokenizer)
+        self.waiting_room = WaitingRoom(config.hold_timeout, config.max_held_requests, self.metrics.held,
+                                        self.metrics.held_outcomes)  # fmt: skip
         self.kv = KVMirrors(self.workers, self.monitor_config.scrape_interval, config.policy == "kv-aware",
                             self.prefix_index.forget_worker, config.kv_secret)  # fmt: skip
         self.admission = Admission(self.workers, self.prompts, self.metrics, self.api_keys, self.result_cache,
-                                   self.rate_limiter, config.share_prefix_cache)  # fmt: skip
+                                   self.rate_limiter, config.share_prefix_cache,
+                                   self.waiting_room.enabled)  # fmt: skip
         self._admin_digest = key_digest(config.admin_key) if config.admin_key else None
         self.settlement = Settlement(self.rate_limiter, self.metrics, self.result_cache)
         routing = Routing(self.router, self.prefix_index, self.kv, self.prompts, self.metrics)
         self.proxy = Proxy(self.workers, routing, self.kv, self.prompts, self.settlement, self.metrics,
-                           self.monitor_config, config.max_retries, config.pd_min_prefill_tokens)  # fmt: skip
+                           self.monitor_config, config.max_retries, config.pd_min_prefill_tokens,
+                           self.waiting_room)  # fmt: skip
         self.client: httpx.AsyncClient | None = None
         self.monitors: list[WorkerMonitor] = []
         self.draining = False
@@ -139,7 +157,8 @@ class Gateway:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits)
         self.proxy.client = self.client
-        self.monitors = [WorkerMonitor(w, self.client, self.monitor_config) for w in self.workers]
+        self.monitors = [WorkerMonitor(w, self.client, self.monitor_config, self.waiting_room.worker_checked)
+                         for w in self.workers]  # fmt: skip
         for m in self.monitors:
             m.start()
         await asyncio.wait([asyncio.create_task(m.first_check.wait()) for m in self.monitors], timeout=10)
@@ -208,7 +227,7 @@ class Gateway:
                 self.settlement.release(ctx)  # nothing ran: nothing charged
 
     def is_admin(self, authorization: str | None) -> bool:
-        """Whether a request may read the gateway's own state (/metrics, /gateway/workers): anyone
+        """Whether a request may read the gateway's own state (/metrics, /gateway/workers, /gateway/state): anyone
         when no key is configured at all; else `--admin-key` or a key file's admin key."""
         if self.api_keys is None and self._admin_digest is None:
             return True
@@ -217,6 +236,14 @@ class Gateway:
             if key is not None and key.admin:
                 return True
         return self._admin_digest is not None and match_digest(authorization, [self._admin_digest]) is not None
+
+    def _worker_state(self, w: Worker) -> dict:
+        now = time.monotonic()
+        return {"url": w.url, "role": w.role, "prefill_pool": w.prefill_pool, "healthy": w.healthy,
+                "reachable": w.reachable, "circuit_open_s": max(0.0, w.open_until - now),
+                "models": sorted(w.models), "in_flight": w.in_flight, "waiting": w.waiting, "running": w.running,
+                "kv_usage": w.kv_usage, "prefix_queries": w.prefix_queries, "prefix_hits": w.prefix_hits,
+                "last_error": w.last_error, "kv_blocks_known": self.kv.blocks_known(w)}  # fmt: skip
 
     # -- app --------------------------------------------------------------
 
@@ -256,6 +283,8 @@ class Gateway:
             if self.draining:
                 return JSONResponse({"status": "draining"}, status_code=503)
             healthy = [w.url for w in self.workers if w.healthy]
+            if self.waiting_room.enabled:  # no worker yet is no reason to turn clients away: they wait
+                return JSONResponse({"status": "ready", "workers": healthy, "held": self.waiting_room.held})
             return JSONResponse({"status": "ready" if healthy else "no healthy worker", "workers": healthy},
                                 status_code=200 if healthy else 503)  # fmt: skip
 
@@ -263,13 +292,30 @@ class Gateway:
         async def workers(request: Request) -> Response:
             if not self.is_admin(request.headers.get("authorization")):
                 return unauthorized()
-            return JSONResponse([
-                {"url": w.url, "role": w.role, "prefill_pool": w.prefill_pool, "healthy": w.healthy,
-                 "models": sorted(w.models), "in_flight": w.in_flight,
-                 "waiting": w.waiting, "running": w.running, "kv_usage": w.kv_usage, "last_error": w.last_error,
-                 "kv_blocks_known": self.kv.blocks_known(w)}
-                for w in self.workers
-            ])  # fmt: skip
+            return JSONResponse([self._worker_state(w) for w in self.workers])
+
+        @app.get("/gateway/state")
+        async def state(request: Request) -> Response:
+            """What the dashboard draws: the workers, the gateway's own load, recent decisions, and
+            latency and throughput per time slot (activity.py)."""
+            if not self.is_admin(request.headers.get("authorization")):
+                return unauthorized()
+            activity = self.metrics.activity
+            return JSONResponse({
+                "time": time.time(), "policy": self.config.policy, "disaggregated": self.disaggregated,
+                "draining": self.draining, "in_progress": self._outermost.count, "held": self.waiting_room.held,
+                "hold_timeout": self.waiting_room.timeout,
+                "workers": [self._worker_state(w) for w in self.workers],
+                "routing": list(reversed(activity.routing)), "pd": list(reversed(activity.pd)),
+                "slot_seconds": activity.slot_seconds, "series": activity.series(),
+            })  # fmt: skip
+
+        if self.config.dashboard:
+            WebPages("ferry.gateway", "web").add_routes(app, "/dashboard", "dashboard.html", "/dashboard")
+
+            @app.get("/", include_in_schema=False)
+            async def root() -> Response:
+                return RedirectResponse("/dashboard")
 
         @app.get("/metrics")
         async def metrics(request: Request) -> Response:

@@ -41,7 +41,7 @@ class ApiKey:
     limits: KeyLimits
     prefill_pool: str | None = None  # disaggregated serving: the prefill pool this key's requests use
     priority: int = 0  # set on every request of this key (the client's own is dropped)
-    admin: bool = False  # may read /metrics and /gateway/workers
+    admin: bool = False  # may read /metrics, /gateway/workers and /gateway/state (the dashboard)
 
     @property
     def cache_salt(self) -> str:

@@ -44,11 +44,14 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
         "priorities, prefill pools and admin rights",
     )
     p.add_argument("--admin-key", default=None,
-                   help="a key for /metrics and /gateway/workers (default: $FERRY_ADMIN_KEY); with --api-keys "
-                        "those need an admin key, of the file's or this one")  # fmt: skip
+                   help="a key for /metrics, /gateway/workers and /gateway/state (default: $FERRY_ADMIN_KEY); "
+                        "with --api-keys those need an admin key, of the file's or this one")  # fmt: skip
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="let API keys share prefix-cache blocks (default: each key's requests carry its own "
                         "cache_salt, so cached_tokens and routing reveal nothing across keys)")  # fmt: skip
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="serve no live dashboard at /dashboard (its data, /gateway/state, needs the admin "
+                        "key)")  # fmt: skip
     p.add_argument("--no-worker-header", action="store_true",
                    help="do not name the serving worker in an `x-ferry-worker` response header")  # fmt: skip
     g = p.add_argument_group("result cache (deterministic requests: temperature 0 or a seed)")
@@ -81,6 +84,13 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
                         "the salt the workers derive from it")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight (streams too) get after SIGTERM; new ones get 503")  # fmt: skip
+    g = p.add_argument_group("scale from zero")
+    g.add_argument("--hold-timeout", type=float, default=0.0,
+                   help="seconds a request waits for a worker of its model to become ready (while an autoscaler "
+                        "starts one) before a 503; /ready then stays 200 with no worker (default 0: none "
+                        "waits)")  # fmt: skip
+    g.add_argument("--max-held-requests", type=int, default=256,
+                   help="requests that may wait at once; more get a 503 at once")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning")
 
 
@@ -114,6 +124,9 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         admin_key=args.admin_key or os.environ.get("FERRY_ADMIN_KEY") or None,
         share_prefix_cache=args.share_prefix_cache,
         worker_header=not args.no_worker_header,
+        dashboard=not args.no_dashboard,
+        hold_timeout=args.hold_timeout,
+        max_held_requests=args.max_held_requests,
         drain_timeout=args.drain_timeout,
         kv_secret=secret if secret is not None else load_secret(args.kv_transfer_secret_file),
     )

@@ -7,19 +7,22 @@ limiting and PD decisions are counted where they happen; token usage, time to
 first token and time per output token follow the OpenTelemetry GenAI semantic
 conventions (as Prometheus names) and are observed when a passed-through
 response settles (settlement.py). The per-worker gauges are set from the
-workers' state at scrape time.
+workers' state at scrape time. Beside the registry, `activity` keeps the
+recent decisions and a short latency history for the dashboard (activity.py).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ferry.gateway.activity import Activity
 from ferry.gateway.replicas import Worker
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.activity = Activity()
         r = self.registry
         self.decisions = Counter("ferry_gateway_routing_decisions", "routing decisions", ["model", "worker", "reason"],
                                  registry=r)  # fmt: skip
@@ -50,6 +53,11 @@ class GatewayMetrics:
         self.in_flight = Gauge("ferry_gateway_worker_in_flight", "requests in flight", ["worker"], registry=r)
         self.in_progress = Gauge("ferry_gateway_requests_in_progress", "API requests the gateway is handling, "
                                  "from their first byte to their response's last", registry=r)  # fmt: skip
+        self.held = Gauge("ferry_gateway_requests_held", "requests waiting for a worker of their model to become "
+                          "ready (--hold-timeout: scale from zero)", registry=r)  # fmt: skip
+        self.held_outcomes = Counter("ferry_gateway_held_requests", "how waits for a worker ended (ready: a "
+                                     "worker came | timeout | full: no place left to wait)", ["outcome"],
+                                     registry=r)  # fmt: skip
         self.client_gone = Counter("ferry_gateway_client_disconnects", "requests whose client left before their "
                                    "response ended (stage: before_response | during_response); what they started "
                                    "on a worker is aborted there", ["stage"], registry=r)  # fmt: skip

@@ -11,6 +11,9 @@ than `max_retries` workers have been tried, so a request gets at most
 `ferry_gateway_retries`. The paths differ only in their candidates, chooser
 and attempt:
 
+Before either path, a request whose model has no healthy worker may wait for
+one (`wait_for_worker`, with `--hold-timeout`: scale from zero).
+
 - plain (`route`): the model's colocated pool, the policy's choice
   (routing.py), one exchange (passthrough.py); when every attempt fails the
   client gets the last worker's 5xx, or a 503.
@@ -58,8 +61,10 @@ from ferry.gateway.replicas import MonitorConfig, Worker, pool
 from ferry.gateway.responses import PREFILL_HEADER, WORKER_HEADER, error_response
 from ferry.gateway.routing import Routing
 from ferry.gateway.settlement import Settlement
+from ferry.gateway.waiting_room import TIMED_OUT, WaitingRoom
 
 logger = logging.getLogger(__name__)
+ALL_ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -123,14 +128,41 @@ async def try_workers(
 class Proxy:
     def __init__(self, workers: list[Worker], routing: Routing, kv: KVMirrors, prompts: PromptTokenizer,
                  settlement: Settlement, metrics: GatewayMetrics, breaker: MonitorConfig, max_retries: int,
-                 pd_min_prefill_tokens: int) -> None:  # fmt: skip
+                 pd_min_prefill_tokens: int, waiting_room: WaitingRoom) -> None:  # fmt: skip
         self.workers, self.routing, self.kv, self.prompts = workers, routing, kv, prompts
         self.settlement, self.metrics, self.breaker = settlement, metrics, breaker
         self.max_retries, self.pd_min_prefill_tokens = max_retries, pd_min_prefill_tokens
+        self.waiting_room = waiting_room
         self.client: httpx.AsyncClient | None = None  # the gateway's, once it has started
+
+    async def wait_for_worker(self, ctx: RequestContext, roles: tuple[tuple[str, ...], ...]) -> Response | None:
+        """With --hold-timeout: wait until a pool of one of `roles` has a healthy worker of the
+        model (waiting_room.py). None to go on (a pool is ready, or nothing may wait: the retry loop
+        then answers 503 as before); else the answer: 503 when the wait ended without a worker, 404
+        when the workers that came up do not serve the model."""
+
+        def ready() -> bool:  # a pool to route to, or the knowledge that the model is nobody's (a 404)
+            if any(pool(self.workers, ctx.model, r)[0] for r in roles):
+                return True
+            return not pool(self.workers, ctx.model, ALL_ROLES)[1] and any(w.models for w in self.workers)
+
+        why = await self.waiting_room.wait(ready)
+        if why is not None and why != "disabled":
+            self.metrics.failed.labels(ctx.model).inc()
+            if why == TIMED_OUT:
+                message = f"no worker for model `{ctx.model}` became ready within {self.waiting_room.timeout:g} s"
+            else:
+                message = "too many requests are waiting for a worker to become ready"
+            return error_response(503, message, "service_unavailable", headers={"Retry-After": "5"})
+        if not pool(self.workers, ctx.model, ALL_ROLES)[1]:  # admitted while no worker had answered yet
+            return error_response(404, f"The model `{ctx.model}` does not exist.", "NotFoundError", "model")
+        return None
 
     async def route(self, ctx: RequestContext, request: Request) -> Response:
         """Pick a worker and forward; retry elsewhere while workers fail before their first byte."""
+        refused = await self.wait_for_worker(ctx, (("both",),))
+        if refused is not None:
+            return refused
 
         async def choose(candidates: list[Worker]) -> Worker:
             return (await self.routing.decide(ctx, candidates)).worker
@@ -141,11 +173,14 @@ class Proxy:
 
     async def route_pd(self, ctx: RequestContext, request: Request) -> Response:
         """Disaggregated: prefill on a prefill worker (unless not worth it), decode on a decode worker."""
+        refused = await self.wait_for_worker(ctx, (("decode",), ("both",)))  # a prefill pool is optional
+        if refused is not None:
+            return refused
         decode_pool, _ = pool(self.workers, ctx.model, ("decode",))
         if not decode_pool:
             return await self.route(ctx, request)  # colocated workers of this model, if any
         d = self.routing.choose_decode(decode_pool)
-        answer, prefill_worker, decision = None, None, LOCAL
+        answer, prefill_worker, decision, prefill_seconds = None, None, LOCAL, None
         if why_not_disaggregated(ctx.data, ctx.kind) is None:
             ids = await ctx.token_ids(self.prompts, d)
             block_size = (d.info or {}).get("block_size")
@@ -153,10 +188,14 @@ class Proxy:
                 hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt)
                 uncached = len(ids) - self.kv.overlap(d, hashes) * block_size
                 if uncached >= self.pd_min_prefill_tokens:
+                    t0 = time.monotonic()
                     answer, prefill_worker = await self.prefill(ctx, d, hashes)
+                    prefill_seconds = time.monotonic() - t0
                     decision = DISAGGREGATED if answer is not None and answer.get("ok") else FALLBACK
                 self.kv.add_pending(d, hashes)
         self.metrics.pd_decisions.labels(ctx.model, decision).inc()
+        self.metrics.activity.pd_decided(ctx.model, decision, d.url, prefill_worker.url if prefill_worker else None,
+                                         prefill_seconds)  # fmt: skip
         extra = {PREFILL_HEADER: prefill_worker.url} if prefill_worker is not None else {}
 
         async def choose(candidates: list[Worker]) -> Worker:

@@ -4,7 +4,7 @@
 engine's tensor-parallel rank processes are another thing, ferry/distributed.)
 
 A monitor task per worker scrapes `/metrics` every `scrape_interval` (queue
-depth, running requests, KV usage) and checks `/health` + `/v1/models` every
+depth, running requests, KV usage, prefix-cache hits) and checks `/health` + `/v1/models` every
 `health_interval`. The circuit breaker opens after `failure_threshold`
 consecutive failures (probes, or routed requests that could not connect or got
 a 5xx before any byte) and keeps the worker out of every pool for `cooldown`
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -47,6 +48,9 @@ class Worker:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    # Its prefix cache's lifetime counters (prompt tokens looked up, found), for the dashboard.
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
     # Health.
     reachable: bool = False  # the last probe answered
     consecutive_failures: int = 0
@@ -79,11 +83,14 @@ _METRICS = {
     "ferry:num_requests_waiting": "waiting",
     "ferry:num_requests_running": "running",
     "ferry:kv_cache_usage_perc": "kv_usage",
+    "ferry:prefix_cache_queries_total": "prefix_queries",
+    "ferry:prefix_cache_hits_total": "prefix_hits",
 }
 
 
 def parse_load_metrics(text: str) -> dict[str, float]:
-    """Sum each load gauge over its label sets (one model per replica, so one sample each)."""
+    """Sum each load gauge (and prefix-cache counter) over its label sets (one model per replica, so
+    one sample each)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -107,9 +114,11 @@ def pool(workers: list[Worker], model: str, roles: tuple[str, ...] = ("both",)) 
 class WorkerMonitor(BackgroundTask):
     """Keeps one Worker's health and load current."""
 
-    def __init__(self, worker: Worker, client: httpx.AsyncClient, config: MonitorConfig) -> None:
+    def __init__(self, worker: Worker, client: httpx.AsyncClient, config: MonitorConfig,
+                 on_passed: Callable[[], None] | None = None) -> None:  # fmt: skip
         super().__init__(f"monitor {worker.url}")
         self.worker, self.client, self.config = worker, client, config
+        self.on_passed = on_passed  # called after every passed health check (waiting_room.py listens)
         self.first_check = asyncio.Event()
 
     async def _run(self) -> None:
@@ -146,6 +155,8 @@ class WorkerMonitor(BackgroundTask):
         if not w.reachable:
             logger.info("worker %s is healthy (models %s)", w.url, sorted(w.models))
         w.record_success()  # an open circuit still waits out its cooldown
+        if self.on_passed is not None:
+            self.on_passed()
 
     async def scrape(self) -> None:
         w = self.worker

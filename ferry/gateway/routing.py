@@ -53,6 +53,7 @@ class Routing:
         else:
             self.kv.add_pending(decision.worker, hashes)
         self.metrics.decisions.labels(ctx.model, decision.worker.url, decision.reason).inc()
+        self.metrics.activity.routed(ctx.model, decision.worker.url, decision.reason, decision.overlap)
         if decision.overlap >= 0:
             self.metrics.overlap.observe(decision.overlap)
         return decision

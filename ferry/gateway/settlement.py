@@ -79,10 +79,14 @@ class Settlement:
             m.token_usage.labels(*labels, "input").observe(prompt)
         if completion is not None:
             m.token_usage.labels(*labels, "output").observe(completion)
+        ttft = tpot = None
         if first_token_at is not None:  # streamed: a non-streamed body's first byte is its last
-            m.ttft.labels(*labels).observe(first_token_at - ctx.started)
+            ttft = first_token_at - ctx.started
+            m.ttft.labels(*labels).observe(ttft)
             if completion and completion > 1 and complete:
-                m.tpot.labels(*labels).observe((time.monotonic() - first_token_at) / (completion - 1))
+                tpot = (time.monotonic() - first_token_at) / (completion - 1)
+                m.tpot.labels(*labels).observe(tpot)
+        m.activity.settled(completion, ttft, tpot)
         cacheable = complete and body is not None and not (ctx.streamed and has_error_event(body))
         if cacheable and ctx.cache_key is not None and self.result_cache is not None:
             kept = {k: v for k, v in headers.items() if k.lower() == "content-type"}

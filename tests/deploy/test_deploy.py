@@ -5,6 +5,7 @@ ferry commands parse with ferry's own CLI and whose gateway reaches every replic
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -26,7 +27,8 @@ from ferry.utils.network import free_port
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent  # the venv's bin: hadolint, kubectl and ferry (test extra / the package)
-OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/pd", "kubernetes/overlays/multi-node",
+OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/gpu-scale-to-zero",
+            "kubernetes/overlays/pd", "kubernetes/overlays/pd-redis", "kubernetes/overlays/multi-node",
             "kubernetes/kserve"]  # fmt: skip
 # What the kubelet substitutes for $(VAR) in a LeaderWorkerSet pod's args (a worker's index, the leader's name)
 LWS_ENV = {"$(LWS_WORKER_INDEX)": "1", "$(LWS_LEADER_ADDRESS)": "ferry-mn-0.ferry-mn"}
@@ -198,7 +200,9 @@ def test_ferry_commands_parse(overlay):
 GATEWAY_FLAG = {"worker": "--worker", "prefill": "--prefill", "decode": "--decode"}
 
 
-@pytest.mark.parametrize("overlay", ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/pd"])
+@pytest.mark.parametrize("overlay", ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu",
+                                     "kubernetes/overlays/gpu-scale-to-zero", "kubernetes/overlays/pd",
+                                     "kubernetes/overlays/pd-redis"])  # fmt: skip
 def test_the_gateway_reaches_every_worker_and_its_secrets(overlay):
     """For each pool (a StatefulSet: workers, or prefill and decode), the gateway lists its pods
     name-0 .. N-1 through the pool's headless Service, N at least its replicas and exactly the
@@ -231,9 +235,10 @@ def test_the_gateway_reaches_every_worker_and_its_secrets(overlay):
         refs = {e["valueFrom"]["secretKeyRef"]["key"] for c in (gateway, worker) for e in c.get("env", [])
                 if "valueFrom" in e}  # fmt: skip
         assert refs <= keys and "api-keys" in keys
-    if "prefill" in listed:
-        prefill = by_kind(docs, "StatefulSet", "ferry-prefill")[0]["spec"]["template"]["spec"]["containers"][0]
-        args = build_parser().parse_args(prefill["args"])
+    prefill = [build_parser().parse_args(d["spec"]["template"]["spec"]["containers"][0]["args"])
+               for d in by_kind(docs, "StatefulSet", "ferry-prefill")]  # fmt: skip
+    if prefill and prefill[0].kv_transfer == "tcp":  # pushes to decode pods (pd-redis: through the store)
+        args = prefill[0]
         decode_pods, decode_service = listed["decode"]
         transfer_port = next(p["port"] for p in decode_service["spec"]["ports"] if p["name"] == "kv-transfer")
         decode = by_kind(docs, "StatefulSet", "ferry-decode")[0]["spec"]["template"]["spec"]["containers"][0]
@@ -266,3 +271,93 @@ def test_multi_node_groups_agree_on_their_layout():
     assert [a.split("=", 1)[1] for a in gateway["args"] if a.startswith("--worker=")] == [
         f"http://{name}-{i}.{name}:8000" for i in range(lws["spec"]["replicas"])
     ]
+
+
+def test_each_pd_pool_scales_on_its_own_pods():
+    """overlays/pd: one ScaledObject per pool, each query selecting only that pool's pods."""
+    docs = render("kubernetes/overlays/pd")
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in by_kind(docs, "ScaledObject")}
+    assert set(scaled) == {"ferry-prefill", "ferry-decode"}
+    for name, doc in scaled.items():
+        other = "ferry-decode" if name == "ferry-prefill" else "ferry-prefill"
+        for trigger in doc["spec"]["triggers"]:
+            query = trigger["metadata"]["query"]
+            assert f'pod=~"{name}-[0-9]+"' in query and other not in query, query
+
+
+def test_pd_redis_workers_reach_the_store_with_the_secret():
+    """overlays/pd-redis: the prefill pool writes KV blocks to Redis; both pools reach the store at its
+    Service with the password the store requires, from one Secret key, never in their arguments; only
+    they may connect to it."""
+    from urllib.parse import urlparse
+
+    from ferry.config import KVTransferConfig
+
+    docs = render("kubernetes/overlays/pd-redis")
+    service = by_kind(docs, "Service", "ferry-redis")[0]
+    store = by_kind(docs, "Deployment", "ferry-redis")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert store["args"][store["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    store_key = next(e for e in store["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+    secret = by_kind(docs, "Secret", "ferry-secrets")[0]
+    assert store_key["name"] == "ferry-secrets" and store_key["key"] in secret["data"]
+    assert {"api-keys", "kv-transfer-secret"} <= set(secret["data"])  # merged into overlays/pd's, not replacing it
+    for pool in ("ferry-prefill", "ferry-decode"):
+        c = by_kind(docs, "StatefulSet", pool)[0]["spec"]["template"]["spec"]["containers"][0]
+        names = [e["name"] for e in c["env"]]
+        assert names.index("REDIS_PASSWORD") < names.index("FERRY_REDIS_URL")  # the kubelet expands earlier vars only
+        assert c["env"][names.index("REDIS_PASSWORD")]["valueFrom"]["secretKeyRef"] == store_key
+        url = c["env"][names.index("FERRY_REDIS_URL")]["value"]
+        parsed = urlparse(url)
+        assert parsed.password == "$(REDIS_PASSWORD)" and parsed.hostname == service["metadata"]["name"]
+        assert parsed.port == service["spec"]["ports"][0]["port"]
+        assert not any("REDIS" in a or "redis://" in a for a in c["args"])
+        args = build_parser().parse_args(container_args(c))
+        # what `ferry serve` makes of these flags with that environment (serve() reads FERRY_REDIS_URL)
+        KVTransferConfig(role=args.role, transport=args.kv_transfer, redis_url=url).validate()
+        if pool == "ferry-prefill":
+            assert args.kv_transfer == "redis"
+    policy = by_kind(docs, "NetworkPolicy", "ferry-redis")[0]["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    allowed = policy["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]
+    assert sorted(allowed) == ["decode", "prefill"] and policy["ingress"][0]["ports"] == [{"port": 6379}]
+
+
+def test_scale_to_zero_wakes_on_the_gateways_held_requests(tmp_path):
+    """overlays/gpu-scale-to-zero: the workers' ScaledObject may go to zero, and one trigger reads the
+    gateway itself. The gateway runs here with the manifest's own arguments and Secret, and answers
+    the trigger's URL path, with the TriggerAuthentication's token, a number where the trigger looks
+    for it; without the token it refuses. With no worker at all it is ready (requests wait)."""
+    from urllib.parse import urlparse
+
+    docs = render("kubernetes/overlays/gpu-scale-to-zero")
+    scaled = by_kind(docs, "ScaledObject", "ferry-worker")[0]["spec"]
+    assert scaled["minReplicaCount"] == 0
+    trigger = next(t for t in scaled["triggers"] if t["type"] == "metrics-api")
+    meta = trigger["metadata"]
+    assert meta["authMode"] == "bearer" and float(meta["activationTargetValue"]) == 0
+    auth = by_kind(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])[0]["spec"]["secretTargetRef"]
+    assert [a["parameter"] for a in auth] == ["token"]
+    secret = by_kind(docs, "Secret", "ferry-secrets")[0]["data"]
+    token = base64.b64decode(secret[auth[0]["key"]]).decode()
+    url = urlparse(meta["url"])
+    service = by_kind(docs, "Service", "ferry-gateway")[0]
+    assert url.hostname.split(".")[0] == service["metadata"]["name"]
+    assert (url.port or 80) == service["spec"]["ports"][0]["port"]
+
+    gateway = by_kind(docs, "Deployment", "ferry-gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+    (tmp_path / "api-keys").write_text(base64.b64decode(secret["api-keys"]).decode())
+    env = {"PYTHONUNBUFFERED": "1"}
+    for e in gateway["env"]:  # the Secret's values, as the kubelet gives them
+        env[e["name"]] = base64.b64decode(secret[e["valueFrom"]["secretKeyRef"]["key"]]).decode()
+    port = free_port()
+    args = [a for a in gateway["args"] if not a.startswith(("--host", "--port", "--api-keys"))]
+    assert build_parser().parse_args(args).hold_timeout > 0  # requests wait while the pool is at zero
+    cmd = [sys.executable, "-m", "ferry.cli", *args, "--host=127.0.0.1", f"--port={port}",
+           f"--api-keys={tmp_path / 'api-keys'}"]  # fmt: skip
+    with LaunchedServer(cmd, port, "/ready", 120, env=env) as gw:  # ready with no worker reachable
+        assert httpx.get(gw + url.path, timeout=10).status_code == 401
+        state = httpx.get(gw + url.path, headers={"authorization": f"Bearer {token}"}, timeout=10).json()
+        value = state
+        for part in meta["valueLocation"].split("."):  # GJSON's dotted path, as KEDA reads it
+            value = value[part]
+        assert value == 0 and state["hold_timeout"] > 0

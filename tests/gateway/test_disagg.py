@@ -60,9 +60,11 @@ def cluster(redis_url):
               for _ in range(2)]  # fmt: skip
     prefill = {}
     for t in TRANSPORTS:
-        extra = ("--redis-url", redis_url) if t == "redis" else ()
+        # The Redis prefill worker takes its URL from the environment, as deploy/'s pd-redis overlay
+        # gives it (a password stays out of the process list); the decode workers take the flag.
+        penv = {**env, "FERRY_REDIS_URL": redis_url} if t == "redis" else env
         prefill[t] = ServerProcess("--role", "prefill", "--kv-transfer", t, "--kv-transfer-timeout", "3",
-                                   "--enable-kv-events", *extra, *FLAGS, env=env)  # fmt: skip
+                                   "--enable-kv-events", *FLAGS, env=penv)  # fmt: skip
     yield {"decode": decode, "prefill": prefill, "redis": redis_url}
     for s in [*decode, *prefill.values()]:
         if s.proc.poll() is None:

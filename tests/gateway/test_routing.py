@@ -89,8 +89,12 @@ def test_parse_load_metrics_and_circuit_breaker():
         'ferry:num_requests_running{model_name="m"} 2.0\n'
         'ferry:kv_cache_usage_perc{model_name="m"} 0.25\n'
         'ferry:num_requests_waiting_other{model_name="m"} 9.0\n'
+        'ferry:prefix_cache_queries_total{model_name="m"} 400.0\n'
+        'ferry:prefix_cache_queries_created{model_name="m"} 1.7e9\n'
+        'ferry:prefix_cache_hits_total{model_name="m"} 100.0\n'
     )
-    assert parse_load_metrics(text) == {"waiting": 3.0, "running": 2.0, "kv_usage": 0.25}
+    assert parse_load_metrics(text) == {"waiting": 3.0, "running": 2.0, "kv_usage": 0.25, "prefix_queries": 400.0,
+                                        "prefix_hits": 100.0}  # fmt: skip
     w = Worker("http://w", reachable=True)
     cfg = MonitorConfig(failure_threshold=2, cooldown=60)
     w.record_failure("boom", cfg)

@@ -5,7 +5,8 @@ the EngineCore process (see `ferry/engine/core_proc.py`). Probes:
 `/health` (liveness: this process answers and the core answers a ping),
 `/ready` (503 until the model is loaded and warmed, and while draining).
 OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, and vLLM's
-`/tokenize`, `/detokenize` and `/version`.
+`/tokenize`, `/detokenize` and `/version`. `/` is a chat playground (web/, unless
+`--no-playground`): static files that call /v1/chat/completions like any client.
 SIGTERM drains: readiness turns 503, new requests get 503, in-flight
 requests get `--drain-timeout` seconds to finish, then the server exits 0.
 If the core dies, readiness turns 503 and the server exits non-zero.
@@ -76,6 +77,7 @@ from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 from ferry.utils.bearer import key_digest, match_digest
 from ferry.utils.deployment_secret import load_secret
+from ferry.utils.web_pages import WebPages
 
 logger = logging.getLogger("ferry.server")
 # Outside /v1/ but behind --api-key too: they cost the server work (probes and /metrics stay open).
@@ -118,8 +120,10 @@ class Server:
                  kv_transfer: KVTransferConfig | None = None, api_keys: list[str] | None = None,
                  allow_client_priority: bool = False, request_timeout: float | None = None,
                  engine_stall_timeout: float | None = None, tool_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> None:  # fmt: skip
+                 enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+                 playground: bool = True) -> None:  # fmt: skip
         self.engine_args = engine_args
+        self.playground = WebPages("ferry.entrypoints", "web") if playground else None
         self.kv_events = kv_events
         self.kv_transfer = kv_transfer
         self.api_keys = [key_digest(k) for k in api_keys or []]
@@ -258,6 +262,9 @@ class Server:
             if not engine.ready:
                 return JSONResponse({"status": "loading"}, status_code=503)
             return JSONResponse({"status": "ready"})
+
+        if self.playground is not None:
+            self.playground.add_routes(app, "/", "playground.html", "/playground")
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -415,6 +422,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds the engine core may go without finishing a step or sending a heartbeat before "
                         "/ready turns 503 and its requests fail with 503 (0: never)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--no-playground", action="store_true",
+                   help="serve no chat playground at / (it holds no secrets: it calls /v1/* with the key typed "
+                        "in)")  # fmt: skip
     g = p.add_argument_group("tools and reasoning")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='take tool_choice "auto" (the default with tools): the model decides, and --tool-call-parser '
@@ -455,7 +465,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "addresses or host names, each optionally with :PORT (default: loopback only)")  # fmt: skip
     g.add_argument("--redis-url", default=None,
                    help="redis://host:port/db: a shared KV-block store; new requests pull the prompt blocks "
-                        "missing here from it")  # fmt: skip
+                        "missing here from it (default: $FERRY_REDIS_URL, which keeps a password out of the "
+                        "process list)")  # fmt: skip
     g.add_argument("--redis-ttl", type=float, default=600.0, help="seconds a block stays in Redis")
     g.add_argument("--redis-max-memory", default=None,
                    help="set the Redis server's maxmemory (e.g. 2gb) with allkeys-lru eviction")  # fmt: skip
@@ -492,10 +503,11 @@ def serve(args: argparse.Namespace) -> int:
         kv_events = KVEventsConfig(args.kv_events_host or args.host, args.kv_events_port, args.kv_events_replay_port,
                                    secret=secret)  # fmt: skip
     kv_transfer = None
-    if args.role != "both" or args.kv_transfer or args.redis_url:
+    redis_url = args.redis_url or os.environ.get("FERRY_REDIS_URL") or None
+    if args.role != "both" or args.kv_transfer or redis_url:
         kv_transfer = KVTransferConfig(
             role=args.role, transport=args.kv_transfer, host=args.kv_transfer_host or args.host,
-            port=args.kv_transfer_port, redis_url=args.redis_url, redis_ttl=args.redis_ttl,
+            port=args.kv_transfer_port, redis_url=redis_url, redis_ttl=args.redis_ttl,
             redis_max_memory=args.redis_max_memory, encoding="int8" if args.kv_transfer_dtype == "int8" else "raw",
             timeout=args.kv_transfer_timeout, secret=secret,
             allowed_receivers=tuple(args.kv_transfer_allowed_receivers),
@@ -507,7 +519,7 @@ def serve(args: argparse.Namespace) -> int:
                     allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,
                     engine_stall_timeout=args.engine_stall_timeout or None, tool_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    reasoning_parser=args.reasoning_parser)  # fmt: skip
+                    reasoning_parser=args.reasoning_parser, playground=not args.no_playground)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,
