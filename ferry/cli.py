@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ferry.worker.tp_worker import run_worker_node
 
         return run_worker_node(EngineArgs.from_cli_args(args))
-    from ferry.entrypoints.openai.api_server import serve
+    from ferry.entrypoints.openai.serve_command import serve
 
     return serve(args)
 
@@ -146,14 +146,18 @@ def _needs_bench_extra(command: str) -> Iterator[None]:
         ) from None
 
 
-class _BenchParser(argparse.ArgumentParser):
-    """The parser of one `ferry bench NAME`: imports the benchmark's module, adds its flags
-    and sets its main only when that subcommand is parsed, so no other command imports
-    ferry.bench or needs the `bench` extra."""
+class _LazyParser(argparse.ArgumentParser):
+    """The parser of a command whose module is heavy (`ferry bench NAME`, `train-draft`, `gateway`,
+    `up`): imports the module, adds its flags (its `add_args`) and sets its `main` only when that
+    subcommand is parsed, so no other command imports it: ferry.bench needs the `bench` extra,
+    train-draft imports torch, the gateway FastAPI, and `ferry serve` spawns its engine core
+    before importing anything of the kind (serve_command.py). Without a module, a plain parser."""
 
-    def __init__(self, *args, module: str, takes_engine_args: bool, **kwargs) -> None:
+    def __init__(self, *args, module: str | None = None, takes_engine_args: bool = False,
+                 add_args: str = "add_args", main: str = "main", **kwargs) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
-        self._module, self._takes_engine_args, self._loaded = module, takes_engine_args, False
+        self._module, self._takes_engine_args, self._loaded = module, takes_engine_args, module is None
+        self._add_args, self._main = add_args, main
 
     def parse_known_args(self, args=None, namespace=None):
         if not self._loaded:
@@ -163,13 +167,13 @@ class _BenchParser(argparse.ArgumentParser):
     def _load(self) -> None:
         with _needs_bench_extra(self.prog):
             bench = importlib.import_module(self._module)
-        bench.add_args(self)
+        getattr(bench, self._add_args)(self)
         if self._takes_engine_args:
             EngineArgs.add_cli_args(self)
 
         def run(args: argparse.Namespace) -> int:
             with _needs_bench_extra(self.prog):  # matplotlib is imported only to plot
-                return bench.main(args)
+                return getattr(bench, self._main)(args)
 
         self.set_defaults(func=run)
         self._loaded = True
@@ -177,7 +181,7 @@ class _BenchParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description="ferry: LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_LazyParser)
 
     gen = sub.add_parser("generate", help="stream a completion of PROMPT to the terminal")
     gen.add_argument("prompt", nargs="?", default=None)
@@ -195,34 +199,23 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from ferry.entrypoints.openai.api_server import add_serve_args
+    from ferry.entrypoints.openai.serve_command import add_serve_args
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_args(srv)
     EngineArgs.add_cli_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    from ferry.gateway.main import add_gateway_args, run_gateway
+    sub.add_parser("gateway", help="KV-aware router over ferry serve replicas (OpenAI API)",
+                   module="ferry.gateway.main", add_args="add_gateway_args", main="run_gateway")  # fmt: skip
+    sub.add_parser("up", help="N ferry serve replicas and a gateway over them, on this machine",
+                   module="ferry.gateway.up", add_args="add_up_args", main="run_up")  # fmt: skip
 
-    gw = sub.add_parser("gateway", help="KV-aware router over ferry serve replicas (OpenAI API)")
-    add_gateway_args(gw)
-    gw.set_defaults(func=run_gateway)
-
-    from ferry.gateway.up import add_up_args, run_up
-
-    up = sub.add_parser("up", help="N ferry serve replicas and a gateway over them, on this machine")
-    add_up_args(up)
-    up.set_defaults(func=run_up)
-
-    train = sub.add_parser("train-draft", help="train Medusa heads for speculative decoding on the model's own answers")
-    from ferry.tools import train_draft
-
-    train_draft.add_args(train)
-    EngineArgs.add_cli_args(train)
-    train.set_defaults(func=train_draft.main)
+    sub.add_parser("train-draft", help="train Medusa heads for speculative decoding on the model's own answers",
+                   module="ferry.tools.train_draft", takes_engine_args=True)  # fmt: skip
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_BenchParser)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=_LazyParser)
     for name, module, takes_engine_args, help in BENCHMARKS:
         bench_sub.add_parser(name, help=help, module=module, takes_engine_args=takes_engine_args)
     return parser

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# transformers is imported where a tokenizer is loaded, not here: the API process imports this module
+# at start (its tokenizer loads in a thread while the engine core starts), and the import is ~1 s.
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +35,8 @@ def gguf_tokenizer_cache_dir(gguf_path: str) -> str:
     multi-GB file would cost more than the conversion it saves. The transformers version is
     part of the key because the saved format is whatever that version writes.
     """
+    import transformers
+
     st = os.stat(gguf_path)
     key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     return os.path.join(cache_root(), "tokenizers", hashlib.sha256(key.encode()).hexdigest())
@@ -50,14 +57,15 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     if not any(os.path.isfile(os.path.join(path, n)) for n in _HF_TOKENIZER_FILES):
         logger.warning("%s has no tokenizer files; requests must carry token ids", path)
         return None
-    return AutoTokenizer.from_pretrained(path)
+    return _load_saved(path)
 
 
 def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     cache_dir = gguf_tokenizer_cache_dir(path)
     if os.path.isdir(cache_dir):
         logger.debug("loading cached tokenizer of %s from %s", path, cache_dir)
-        return AutoTokenizer.from_pretrained(cache_dir)
+        return _load_saved(cache_dir)
+    from transformers import AutoTokenizer  # importing it imports torch (its config lookup)
 
     start = time.perf_counter()
     # Converting the GGUF vocabulary and merges into a fast tokenizer takes seconds
@@ -67,6 +75,30 @@ def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     logger.info("converted the tokenizer of %s in %.1f s", path, time.perf_counter() - start)
     _save_to_cache(tok, cache_dir)
     return tok
+
+
+def _load_saved(directory: str) -> PreTrainedTokenizerBase:
+    """A tokenizer saved by transformers (an HF model directory, or a converted GGUF's cache), by
+    the class its tokenizer_config.json names, looked up on transformers directly, as AutoTokenizer
+    does first: AutoTokenizer itself imports transformers' config machinery, which imports torch
+    (~2.5 s where torch is not loaded yet: the API process, whose tokenizer this is, never loads it).
+    A file that names no class transformers has goes through AutoTokenizer."""
+    import transformers
+
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    if isinstance(name, str) and name:
+        # AutoTokenizer prefers a class's fast twin (in transformers 5 most names are one class).
+        for candidate in (name if name.endswith("Fast") else name + "Fast", name):
+            cls = getattr(transformers, candidate, None)
+            if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+                return cls.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def _fill_from_gguf_metadata(tok: PreTrainedTokenizerBase, path: str) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
+import transformers
 from transformers import AutoTokenizer
 
 import ferry.tokenizer as ferry_tokenizer
@@ -34,7 +37,7 @@ class _SpyAutoTokenizer:
 
 def test_gguf_tokenizer_matches_transformers_and_is_cached(tmp_path, monkeypatch, reference) -> None:
     monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ferry_tokenizer, "AutoTokenizer", _SpyAutoTokenizer)
+    monkeypatch.setattr(transformers, "AutoTokenizer", _SpyAutoTokenizer)  # ferry imports it when loading
     _SpyAutoTokenizer.calls = []
     path = default_model_path()
     cache_dir = gguf_tokenizer_cache_dir(path)
@@ -45,8 +48,11 @@ def test_gguf_tokenizer_matches_transformers_and_is_cached(tmp_path, monkeypatch
     assert _SpyAutoTokenizer.calls[-1][1].get("gguf_file") == os.path.basename(path)
     assert os.path.isfile(os.path.join(cache_dir, "tokenizer.json"))
 
+    calls = len(_SpyAutoTokenizer.calls)
     warm = load_tokenizer(path)
-    assert _SpyAutoTokenizer.calls[-1] == (cache_dir, {})  # second load reads the cache, not the GGUF
+    # The second load reads the cache as the generic fast tokenizer it was saved as, not through
+    # AutoTokenizer (whose config lookup imports torch) and not from the GGUF.
+    assert len(_SpyAutoTokenizer.calls) == calls and type(warm) is transformers.PreTrainedTokenizerFast
 
     expected = reference(TEXT).input_ids
     for tok in (cold, warm):
@@ -101,3 +107,22 @@ def test_bad_tokenizer_paths(tmp_path) -> None:
     other.write_text("x")
     with pytest.raises(ValueError, match=".gguf file or a Hugging Face model directory"):
         load_tokenizer(str(other))
+
+
+def test_saved_tokenizers_load_without_torch(tmp_path, reference) -> None:
+    """The API process loads the tokenizer while the engine core starts: a converted GGUF's (from
+    the cache) and an HF directory's must not import torch (~1-2.5 s, and memory the API process has
+    no use for), and they tokenize as transformers does."""
+    env = {**os.environ, "FERRY_CACHE_DIR": str(tmp_path / "cache")}
+    hf_dir = tmp_path / "hf"
+    reference.save_pretrained(hf_dir)
+    expected = reference("Hi").input_ids
+    gguf = "from ferry.models.paths import default_model_path as p; from ferry.tokenizer import load_tokenizer; "
+    subprocess.run([sys.executable, "-c", gguf + "load_tokenizer(p())"], env=env, check=True)  # converts, caches
+    for source in (
+        gguf + "t = load_tokenizer(p())",
+        f"from ferry.tokenizer import load_tokenizer; t = load_tokenizer({str(hf_dir)!r})",
+    ):
+        check = source + "; import sys; print(t('Hi').input_ids); print('torch' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", check], env=env, check=True, capture_output=True, text=True)
+        assert out.stdout.split() == [str(expected).replace(" ", ""), "False"], out.stdout

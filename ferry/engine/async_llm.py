@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
-from ferry.engine.core_client import EngineCoreClient, EngineDeadError
+from ferry.engine.core_client import EngineCoreClient, EngineDeadError, SpawnedCore
 from ferry.engine.input_processor import InputProcessor, PromptType
 from ferry.engine.messages import (
     AbortRequests,
@@ -35,10 +35,10 @@ from ferry.engine.messages import (
     UtilityResult,
 )
 from ferry.engine.output_processor import OutputProcessor
-from ferry.kv_transfer.protocol import KVTransferDone
+from ferry.kv_transfer.outcome import KVTransferDone
 from ferry.outputs import RequestOutput
-from ferry.utils.process import process_age
 from ferry.sampling_params import InvalidParameterError, SamplingParams
+from ferry.utils.process import process_age
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class AsyncLLM:
         kv_events: KVEventsConfig | None = None,
         kv_transfer: KVTransferConfig | None = None,
         stall_timeout: float | None = None,
+        spawned: SpawnedCore | None = None,
     ) -> None:
         self.args = args
         # A core that sends nothing (no step's outputs, no idle heartbeat) for this long is stalled:
@@ -107,7 +108,7 @@ class AsyncLLM:
         self._last_heard = time.monotonic()
         self.kv_events = kv_events  # publish KV events from the core (for the gateway)
         self.kv_transfer = kv_transfer  # prefill/decode disaggregation (ferry/kv_transfer/)
-        self.client = EngineCoreClient(args, kv_events, kv_transfer)
+        self.client = EngineCoreClient(args, kv_events, kv_transfer, spawned)  # spawned: the core started already
         self._kv_sent: dict[str, asyncio.Future] = {}  # request id -> its KVTransferDone (prefill side)
         self.tokenizer = tokenizer
         self.metrics = metrics or MetricsSink()
@@ -131,8 +132,8 @@ class AsyncLLM:
 
         `tokenizer_loader` runs in a thread meanwhile (the first GGUF conversion takes seconds).
         """
-        api_start = process_age()  # the interpreter's start, the imports, the arguments: until the spawn
-        self.client.spawn()
+        self.client.spawn()  # unless it was spawned already (`ferry serve` does it first thing)
+        api_start = self.client.spawned_at  # the interpreter's start, the imports, the arguments: until the spawn
         tokenizer_seconds: list[float] = []
 
         def load_tokenizer():

@@ -16,6 +16,7 @@ import multiprocessing
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -23,6 +24,7 @@ import zmq.asyncio
 
 from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
 from ferry.engine.messages import CoreFailed, CoreReady, EngineInfo, OutputMessage, UtilityCall
+from ferry.utils.process import process_age
 
 logger = logging.getLogger(__name__)
 
@@ -39,45 +41,74 @@ def _run_core_process(*args) -> None:
     run_engine_core(*args)
 
 
+@dataclass
+class SpawnedCore:
+    """A core process started before its client existed (`spawn_engine_core`)."""
+
+    proc: multiprocessing.Process
+    ipc_dir: str  # where the client binds the sockets the core connects to
+    spawned_at: float | None  # this process's age then (the API process's start phase), Linux only
+
+
+def _addresses(ipc_dir: str) -> tuple[str, str]:
+    return f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+
+
+def spawn_engine_core(args: EngineArgs, kv_events: KVEventsConfig | None = None,
+                      kv_transfer: KVTransferConfig | None = None,
+                      ipc_dir: str | None = None) -> SpawnedCore:  # fmt: skip
+    """Start the core process (it loads the model and warms up). It connects to the client's
+    sockets, which need not be bound yet (ZMQ retries): `ferry serve` spawns it before importing
+    its HTTP side, so the two processes start side by side (serve_command.py)."""
+    ipc_dir = ipc_dir or tempfile.mkdtemp(prefix="ferry-ipc-")
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+    level = logging.getLogger("ferry").getEffectiveLevel()
+    proc = ctx.Process(
+        target=_run_core_process,
+        args=(args, *_addresses(ipc_dir), level, kv_events, kv_transfer, time.time()),
+        name="ferry-engine-core",
+        # A daemonic process may not start children: tensor-parallel ranks are the core's
+        # children (they and the core die with their parent through PR_SET_PDEATHSIG).
+        daemon=args.world_size == 1,
+    )
+    proc.start()
+    logger.info("EngineCore process %d started", proc.pid)
+    return SpawnedCore(proc, ipc_dir, process_age())
+
+
 class EngineCoreClient:
     def __init__(
         self,
         args: EngineArgs,
         kv_events: KVEventsConfig | None = None,
         kv_transfer: KVTransferConfig | None = None,
+        spawned: SpawnedCore | None = None,
     ) -> None:
         self.args = args
         self.kv_events = kv_events
         self.kv_transfer = kv_transfer
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
-        self._ipc_dir = tempfile.mkdtemp(prefix="ferry-ipc-")
+        self._ipc_dir = spawned.ipc_dir if spawned is not None else tempfile.mkdtemp(prefix="ferry-ipc-")
         self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context()
         self._input = self._sync_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(f"ipc://{self._ipc_dir}/input")
+        input_addr, output_addr = _addresses(self._ipc_dir)
+        self._input.bind(input_addr)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(f"ipc://{self._ipc_dir}/output")
-        self.proc: multiprocessing.Process | None = None
+        self._output.bind(output_addr)
+        self.proc: multiprocessing.Process | None = spawned.proc if spawned is not None else None
+        self.spawned_at: float | None = spawned.spawned_at if spawned is not None else None
 
     def spawn(self) -> None:
-        """Start the core process (it loads the model and warms up; see `wait_ready`)."""
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
-        addrs = (f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output")
-        self.proc = ctx.Process(
-            target=_run_core_process,
-            args=(self.args, *addrs, logging.getLogger("ferry").getEffectiveLevel(), self.kv_events, self.kv_transfer,
-                  time.time()),  # fmt: skip
-            name="ferry-engine-core",
-            # A daemonic process may not start children: tensor-parallel ranks are the core's
-            # children (they and the core die with their parent through PR_SET_PDEATHSIG).
-            daemon=self.args.world_size == 1,
-        )
-        self.proc.start()
-        logger.info("EngineCore process %d started", self.proc.pid)
+        """Start the core process (it loads the model and warms up; see `wait_ready`), unless it
+        was spawned already and handed to this client."""
+        if self.proc is None:
+            spawned = spawn_engine_core(self.args, self.kv_events, self.kv_transfer, self._ipc_dir)
+            self.proc, self.spawned_at = spawned.proc, spawned.spawned_at
 
     async def wait_ready(self, timeout: float) -> EngineInfo:
         """The core's EngineInfo once it has loaded and warmed the model; EngineDeadError if it

@@ -38,7 +38,7 @@ from ferry.engine.messages import (
     UtilityResult,
 )
 from ferry.kv_transfer.coordinator import KVTransferCoordinator
-from ferry.kv_transfer.protocol import KVTransferDone
+from ferry.kv_transfer.outcome import KVTransferDone
 from ferry.sampling_params import SamplingParams
 from ferry.utils.deployment_secret import block_hash_salt
 from ferry.utils.process import die_with_parent

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ferry.kv_transfer.protocol import KVTransferDone
+from ferry.kv_transfer.outcome import KVTransferDone
 from ferry.sampling_params import SamplingParams
 
 

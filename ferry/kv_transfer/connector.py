@@ -44,7 +44,8 @@ from ferry.config import KVTransferConfig
 from ferry.core.block_hash import BlockHash
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.core_channel import CoreChannel
-from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Done, Have, KVTransferDone, Offer, Push, WireMessage
+from ferry.kv_transfer.outcome import KVTransferDone
+from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Done, Have, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import Receiver
 from ferry.kv_transfer.redis_store import RedisBlockStore
 from ferry.utils.deployment_secret import AuthError, MessageAuth

@@ -26,7 +26,8 @@ from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.kv_quant import is_quantized
 from ferry.kv_transfer.blocks import KVBlocks, export_blocks, import_blocks
 from ferry.kv_transfer.connector import KVConnector, TransferResult
-from ferry.kv_transfer.protocol import Done, KVTransferDone
+from ferry.kv_transfer.outcome import KVTransferDone
+from ferry.kv_transfer.protocol import Done
 from ferry.kv_transfer.receiver import ImportJob
 
 logger = logging.getLogger("ferry.kv_transfer")

@@ -1,5 +1,6 @@
-"""The messages of a KV transfer: between a prefill worker's sender and a decode worker's
-receiver (ZMQ DEALER/ROUTER, msgspec), and the outcome the EngineCore reports to its API process.
+"""The messages of a KV transfer between a prefill worker's sender and a decode worker's
+receiver (ZMQ DEALER/ROUTER, msgspec). The outcome the EngineCore reports to its API process is
+outcome.py's.
 
 tcp and shm: the sender offers a hash chain (`Offer`), the receiver answers how many leading
 blocks it already holds (`Have`), the sender pushes the rest (`Push`: the payload's metadata and
@@ -57,16 +58,3 @@ class Done(msgspec.Struct, tag="done", array_like=True):
 
 
 WireMessage = Offer | Have | Push | Chunk | Done
-
-
-class KVTransferDone(msgspec.Struct, tag="kv", array_like=True):
-    """A KV transfer finished (EngineCore -> API process): `sent` (prefill side, for request_id),
-    `received` (decode side: pushed blocks imported, or a Redis pull for request_id)."""
-
-    request_id: str
-    direction: str  # "sent" | "received"
-    ok: bool
-    num_blocks: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None

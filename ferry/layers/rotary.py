@@ -87,6 +87,13 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None) -> None:
         super().__init__()
+        if torch.empty(0).device.type == "meta":
+            # The loader's meta-device model: init_rotary() builds the real tables once the model has a
+            # device. Computing them on meta fills nothing, yet torch's meta path imports torch._dynamo
+            # (~1.5 s of every server's start).
+            self.register_buffer("cos", torch.empty(max_position, head_dim // 2), persistent=False)
+            self.register_buffer("sin", torch.empty(max_position, head_dim // 2), persistent=False)
+            return
         inv_freq, attn_scale = rope_inv_freq(head_dim, base, scaling, max_position)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

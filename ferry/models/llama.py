@@ -50,6 +50,7 @@ from ferry.layers.smoothquant import (
     weight_column_absmax,
 )
 from ferry.models.config import O_PROJ_BIAS_ARCHITECTURES, ModelConfig
+from ferry.utils import lazy_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,11 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = -(-vocab_size // tp.size)
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
-        nn.init.normal_(self.weight)  # nn.Embedding's initialisation (loading overwrites it)
+        # nn.Embedding's initialisation (loading overwrites it). Not on the meta device the loader
+        # builds models on: there it fills nothing, yet torch's meta path imports torch._dynamo
+        # (~1.5 s of every server's start).
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight)
         self.gguf: GGUFWeight | None = None  # --quantization gguf: the only copy (weight is None)
         self.gguf_dtype = torch.float32  # the rows' dtype out of self.gguf (the model's; set by the loader)
 
@@ -506,9 +511,9 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         shape = (num_blocks, block_size, attn.num_kv_heads, row_width(self.config.kv_cache_width, dtype))
         caches = []
-        for _ in self.layers:
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            caches.append((k, k if self.config.is_mla else torch.zeros(shape, dtype=dtype, device=device)))
+        for _ in self.layers:  # on the CPU, pages that cost nothing until a request writes them
+            k = lazy_zeros.zeros(shape, dtype, device)
+            caches.append((k, k if self.config.is_mla else lazy_zeros.zeros(shape, dtype, device)))
         return caches
 
     @torch.no_grad()

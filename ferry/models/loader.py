@@ -30,6 +30,7 @@ from ferry.models.quantized_checkpoints import (
     quantized_modules,
     unpack_module,
 )
+from ferry.models.shard_reader import read_ahead, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -178,15 +179,17 @@ class Checkpoint:
         if self.hf_quantization is not None:
             yield from self._iter_hf_quantized(files, keep_quantized, wanted)
             return
+        entries: list[tuple[str, str]] = []
+        sizes: list[int] = []
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if not wanted(name):
-                        continue
-                    # A tied head, if saved anyway, is a copy of the embedding the model already has.
-                    if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                        continue
-                    yield name, f.get_tensor(name)
+                # A tied head, if saved anyway, is a copy of the embedding the model already has.
+                names = [n for n in f.keys()
+                         if wanted(n) and not (n == "lm_head.weight" and self.config.tie_word_embeddings)]  # fmt: skip
+            entries += [(file, n) for n in names]
+            sizes += tensor_bytes(file, names)
+        # Several threads read the shards ahead while the model copies in what they have read.
+        yield from read_ahead(entries, sizes, workers=min(8, os.cpu_count() or 1))
 
     def _iter_hf_quantized(
         self, files: list[str], keep_quantized: frozenset[str], wanted: Callable[[str], bool]

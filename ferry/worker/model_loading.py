@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
@@ -155,6 +157,27 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
         raise ValueError("--quantization int8: this torch build lacks oneDNN's int8 linear ops")
 
 
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """`model.to(dtype).to_empty(device=device)` for a model built on the meta device, without torch's
+    Python meta path: `empty_like` of a meta tensor goes through torch._refs, whose first use imports
+    sympy and torch.fx's symbolic shapes (~0.5 s of every server's start). Floating-point tensors take
+    `dtype`, as Module.to(dtype) gives them; a tensor two modules share stays shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            out = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            made[id(t)] = nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else out
+        return made[id(t)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None:
+                    tensors[name] = empty(t)
+    return model
+
+
 def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, pp: PipelineStage = SINGLE_STAGE) -> LoadedModel:
     """Build our model (this rank's shard of its pipeline stage) from the checkpoint and load its
     tokenizer (separate from the engine so tests can share one loaded model)."""
@@ -179,23 +202,12 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> Load
     if quantization == "int8" and pp.size > 1:
         raise ValueError("--quantization int8 calibrates on a forward through every layer, which pipeline "
                          "parallelism splits; run it with --pipeline-parallel-size 1")  # fmt: skip
-    max_len = args.max_model_len or ckpt.config.max_position_embeddings
-    with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp,
-                                 expert_parallel=args.enable_expert_parallel, pp=pp)  # fmt: skip
-        # GGUF: the quantized blocks are the only copy; those modules never get an fp32 weight.
-        # Experts keep their blocks on the CPU (grouped GGUF matmuls); on CUDA they are dequantized for the
-        # fused-MoE kernel.
-        keep_quantized = (model.plan_gguf(ckpt.quantized_tensors(), experts=device.type == "cpu")
-                          if quantization == "gguf" else frozenset())  # fmt: skip
-    # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
-    # copy of the whole model on the device, which the allocator would keep from the KV cache.
-    model = model.to(dtype).to_empty(device=device)
-    # Dummy weights are generated on the device; another pipeline stage's tensors are not read.
-    model.load_weights(ckpt.iter_weights(device, keep_quantized, wanted=model.wants))
-    model.init_rotary()  # to_empty left the tables uninitialised; they stay fp32
-    model.eval()
-    tokenizer = load_tokenizer(args.tokenizer or ckpt.path)
+    # The tokenizer loads in a thread meanwhile (importing transformers alone takes ~1 s); the weights'
+    # copies run in torch and numpy, which release the GIL.
+    with ThreadPoolExecutor(1, thread_name_prefix="ferry-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, args.tokenizer or ckpt.path)
+        model = _build_model(args, ckpt, tp, pp, device, dtype, quantization)
+        tokenizer = tokenizer.result()
     if quantization == "int8":
         model.quantize_linear_weights_int8(calibration_token_ids(tokenizer, ckpt.config.vocab_size))
     elif should_pack(device, dtype) and cpu_kernels_enabled():
@@ -213,3 +225,25 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> Load
     elif device.type == "cuda" and quantization == "int8":
         torch.cuda.empty_cache()  # the float originals' blocks, freed as each projection was quantized
     return LoadedModel(model, tokenizer, device, dtype, path)
+
+
+def _build_model(args: EngineArgs, ckpt, tp: TensorParallel, pp: PipelineStage, device: torch.device,
+                 dtype: torch.dtype, quantization: str | None) -> LlamaForCausalLM:  # fmt: skip
+    """The model on its device with the checkpoint's weights (not yet packed or quantized to int8)."""
+    max_len = args.max_model_len or ckpt.config.max_position_embeddings
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp,
+                                 expert_parallel=args.enable_expert_parallel, pp=pp)  # fmt: skip
+        # GGUF: the quantized blocks are the only copy; those modules never get an fp32 weight.
+        # Experts keep their blocks on the CPU (grouped GGUF matmuls); on CUDA they are dequantized for the
+        # fused-MoE kernel.
+        keep_quantized = (model.plan_gguf(ckpt.quantized_tensors(), experts=device.type == "cpu")
+                          if quantization == "gguf" else frozenset())  # fmt: skip
+    # Allocated in the target dtype (loaded tensors are cast as they are copied in): no fp32
+    # copy of the whole model on the device, which the allocator would keep from the KV cache.
+    model = _materialize(model, dtype, device)
+    # Dummy weights are generated on the device; another pipeline stage's tensors are not read.
+    model.load_weights(ckpt.iter_weights(device, keep_quantized, wanted=model.wants))
+    model.init_rotary()  # the empty model's tables are uninitialised; they stay fp32
+    model.eval()
+    return model

@@ -511,3 +511,17 @@ def test_startup_phases_are_reported(server):
     assert s["core_process_start"] + s["load_weights"] + s["kv_cache"] + s["warm_up"] <= s["core_total"] + 0.05
     # (/proc's start time counts in 10 ms ticks: a little slack for the two clocks)
     assert s["api_process_start"] + s["core_total"] <= s["total"] + 0.1
+
+
+def test_the_api_process_loads_no_torch(server):
+    """The API process tokenizes, detokenizes and serves HTTP; torch is the engine core's alone (its
+    import is ~1 s of the start, and memory). Checked on the running server: torch's library is mapped
+    in the core's address space and not in the API process's, a request served since."""
+    httpx.post(server.url + "/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 2}, timeout=60)
+
+    def maps_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch_cpu" in f.read()
+
+    assert maps_torch(server.core_pid())
+    assert not maps_torch(server.proc.pid)

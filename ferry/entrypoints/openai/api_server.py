@@ -10,6 +10,7 @@ OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, a
 SIGTERM drains: readiness turns 503, new requests get 503, in-flight
 requests get `--drain-timeout` seconds to finish, then the server exits 0.
 If the core dies, readiness turns 503 and the server exits non-zero.
+The command line (flags, checks, the core's spawn) is serve_command.py's; `run_server` here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import argparse
 import asyncio
 import importlib.metadata
 import logging
-import os
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -31,16 +31,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ferry.config import (
-    KV_DEFAULT_ALLOWED_RECEIVERS,
-    KV_ROLES,
-    KV_TRANSPORTS,
     EngineArgs,
     KVEventsConfig,
     KVTransferConfig,
 )
 from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
-from ferry.engine.core_client import EngineDeadError
+from ferry.engine.core_client import EngineDeadError, SpawnedCore
 from ferry.entrypoints.draining_server import DrainingServer, wait_drained
 from ferry.entrypoints.openai import serving_tokenization
 from ferry.entrypoints.openai.metrics import ServerMetrics
@@ -60,7 +57,6 @@ from ferry.entrypoints.openai.protocol import (
     read_body,
     validate_body,
 )
-from ferry.entrypoints.openai.reasoning import REASONING_PARSERS
 from ferry.entrypoints.openai.serving import (
     RequestAbortedError,
     RequestTimeoutError,
@@ -71,12 +67,9 @@ from ferry.entrypoints.openai.serving import (
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.entrypoints.openai.serving_embedding import create_embedding
-from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 from ferry.utils.bearer import key_digest, match_digest
-from ferry.utils.deployment_secret import load_secret
 from ferry.utils.web_pages import WebPages
 
 logger = logging.getLogger("ferry.server")
@@ -121,8 +114,9 @@ class Server:
                  allow_client_priority: bool = False, request_timeout: float | None = None,
                  engine_stall_timeout: float | None = None, tool_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
-                 playground: bool = True) -> None:  # fmt: skip
+                 playground: bool = True, spawned: SpawnedCore | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
+        self.spawned = spawned  # the core, when `ferry serve` started it before importing this module
         self.playground = WebPages("ferry.entrypoints", "web") if playground else None
         self.kv_events = kv_events
         self.kv_transfer = kv_transfer
@@ -144,7 +138,8 @@ class Server:
 
     async def _start_engine(self) -> None:
         engine = AsyncLLM(self.engine_args, tokenizer=None, metrics=self.metrics, kv_events=self.kv_events,
-                          kv_transfer=self.kv_transfer, stall_timeout=self.engine_stall_timeout)  # fmt: skip
+                          kv_transfer=self.kv_transfer, stall_timeout=self.engine_stall_timeout,
+                          spawned=self.spawned)  # fmt: skip
         engine.on_dead = self._on_engine_dead
         self.state.engine = engine
         try:
@@ -399,127 +394,18 @@ def _openapi_with_bodies(app: FastAPI, bodies: dict[str, type]) -> dict[str, Any
     return app.openapi_schema
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="a .gguf file or HF model directory (default: the bundled SmolLM2); with "
-                        "--load-format dummy, also a config-only directory or a shipped config name")  # fmt: skip
-    p.add_argument("--model", default=None, help="same as the positional MODEL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="answer 429 past this many sequences (prompts x n) waiting for their first token")  # fmt: skip
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
-    p.add_argument("--api-key", nargs="+", default=None,
-                   help="require `Authorization: Bearer <key>` (one of these) on /v1/* (default: $FERRY_API_KEY); "
-                        "probes and /metrics stay open")  # fmt: skip
-    p.add_argument("--allow-client-priority", action="store_true",
-                   help="let requests set `priority` (else only 0 is taken: a client could jump every queue); "
-                        "`ferry gateway` sets it per API key")  # fmt: skip
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take, queueing included, before it is aborted with a 504")  # fmt: skip
-    p.add_argument("--engine-stall-timeout", type=float, default=30.0,
-                   help="seconds the engine core may go without finishing a step or sending a heartbeat before "
-                        "/ready turns 503 and its requests fail with 503 (0: never)")  # fmt: skip
-    p.add_argument("--uvicorn-log-level", default="warning")
-    p.add_argument("--no-playground", action="store_true",
-                   help="serve no chat playground at / (it holds no secrets: it calls /v1/* with the key typed "
-                        "in)")  # fmt: skip
-    g = p.add_argument_group("tools and reasoning")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='take tool_choice "auto" (the default with tools): the model decides, and --tool-call-parser '
-                        "reads its calls out of the text")  # fmt: skip
-    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                   help="the model's tool-call format: hermes (<tool_call> JSON: Hermes, Qwen2.5, Qwen3), "
-                        "llama3_json (Llama 3.1+), mistral ([TOOL_CALLS])")  # fmt: skip
-    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="split <think>...</think> off into reasoning_content (Qwen3, DeepSeek-R1); structured "
-                        "output and tool grammars then apply after the reasoning")  # fmt: skip
-    p.add_argument(
-        "--enable-kv-events",
-        action="store_true",
-        help="publish KV-cache events over ZMQ for the gateway's kv-aware routing (see /ferry/info)",
-    )
-    p.add_argument("--kv-events-host", default=None, help="address to publish on (default: --host)")
-    p.add_argument("--kv-events-port", type=int, default=0, help="PUB port (0: any free one)")
-    p.add_argument("--kv-events-replay-port", type=int, default=0, help="replay port (0: any free one)")
-    g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--role", choices=KV_ROLES, default="both",
-                   help="prefill: compute prompts and send their KV blocks (at most one token per request); "
-                        "decode: receive KV blocks and generate; both: either (default)")  # fmt: skip
-    g.add_argument("--kv-transfer", choices=KV_TRANSPORTS, default=None,
-                   help="how this worker sends KV blocks: tcp (ZMQ, across hosts), shm (shared memory, same "
-                        "host), redis (a shared store, needs --redis-url)")  # fmt: skip
-    g.add_argument("--kv-transfer-host", default=None, help="where the KV receiver listens (default: --host)")
-    g.add_argument("--kv-transfer-port", type=int, default=0, help="KV receiver port (0: any free one)")
-    g.add_argument("--kv-transfer-dtype", choices=("auto", "int8"), default="auto",
-                   help="KV in transit: auto (the cache's dtype) or int8 (per-vector scales)")  # fmt: skip
-    g.add_argument("--kv-transfer-timeout", type=float, default=10.0, help="seconds for every KV-transfer wait")
-    g.add_argument("--kv-transfer-secret-file", default=None, metavar="PATH",
-                   help="the deployment's shared secret (>= 16 bytes; default: $FERRY_KV_TRANSFER_SECRET): "
-                        "every KV-transfer message and KV-event batch carries an HMAC with it (others are "
-                        "dropped), Redis values are sealed with it, and block hashes salted")  # fmt: skip
-    g.add_argument("--kv-transfer-allowed-receivers", nargs="+", default=list(KV_DEFAULT_ALLOWED_RECEIVERS),
-                   metavar="NET[:PORT]",
-                   help="decode receivers this worker may push to when a request names one: IP networks, "
-                        "addresses or host names, each optionally with :PORT (default: loopback only)")  # fmt: skip
-    g.add_argument("--redis-url", default=None,
-                   help="redis://host:port/db: a shared KV-block store; new requests pull the prompt blocks "
-                        "missing here from it (default: $FERRY_REDIS_URL, which keeps a password out of the "
-                        "process list)")  # fmt: skip
-    g.add_argument("--redis-ttl", type=float, default=600.0, help="seconds a block stays in Redis")
-    g.add_argument("--redis-max-memory", default=None,
-                   help="set the Redis server's maxmemory (e.g. 2gb) with allkeys-lru eviction")  # fmt: skip
-
-
-def default_served_name(model: str | None, path: str) -> str:
-    if model:
-        return model
-    name = os.path.basename(path)
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
-
-
-def serve(args: argparse.Namespace) -> int:
-    if args.model_tag and args.model and args.model_tag != args.model:
-        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-    args.model = args.model_tag or args.model
-    engine_args = EngineArgs.from_cli_args(args)
-    if args.max_queue_len < 1:
-        raise ValueError(f"max_queue_len must be >= 1, got {args.max_queue_len}")
-    if args.drain_timeout < 0:
-        raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
-    if args.request_timeout is not None and args.request_timeout <= 0:
-        raise ValueError(f"request_timeout must be > 0, got {args.request_timeout}")
-    if args.engine_stall_timeout < 0:
-        raise ValueError(f"engine_stall_timeout must be >= 0, got {args.engine_stall_timeout}")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    api_keys = args.api_key or ([os.environ["FERRY_API_KEY"]] if os.environ.get("FERRY_API_KEY") else None)
-    path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
-    names = args.served_model_name or [default_served_name(engine_args.model, path)]
-    secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
-    kv_events = None
-    if args.enable_kv_events:
-        kv_events = KVEventsConfig(args.kv_events_host or args.host, args.kv_events_port, args.kv_events_replay_port,
-                                   secret=secret)  # fmt: skip
-    kv_transfer = None
-    redis_url = args.redis_url or os.environ.get("FERRY_REDIS_URL") or None
-    if args.role != "both" or args.kv_transfer or redis_url:
-        kv_transfer = KVTransferConfig(
-            role=args.role, transport=args.kv_transfer, host=args.kv_transfer_host or args.host,
-            port=args.kv_transfer_port, redis_url=redis_url, redis_ttl=args.redis_ttl,
-            redis_max_memory=args.redis_max_memory, encoding="int8" if args.kv_transfer_dtype == "int8" else "raw",
-            timeout=args.kv_transfer_timeout, secret=secret,
-            allowed_receivers=tuple(args.kv_transfer_allowed_receivers),
-        )  # fmt: skip
-        kv_transfer.validate()  # ValueError: a clear message, exit 2
-        allow_list(kv_transfer.allowed_receivers)  # ValueError naming a bad entry
+def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[str], path: str,
+               kv_events: KVEventsConfig | None, kv_transfer: KVTransferConfig | None, api_keys: list[str] | None,
+               spawned: SpawnedCore | None = None) -> int:  # fmt: skip
+    """Serve until SIGTERM (drained) or the core's death; the exit code. `args` are checked
+    already (serve_command.py), and `spawned` is the core started meanwhile, if it was."""
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
                     kv_events=kv_events, kv_transfer=kv_transfer, api_keys=api_keys,
                     allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,
                     engine_stall_timeout=args.engine_stall_timeout or None, tool_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    reasoning_parser=args.reasoning_parser, playground=not args.no_playground)  # fmt: skip
+                    reasoning_parser=args.reasoning_parser, playground=not args.no_playground,
+                    spawned=spawned)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

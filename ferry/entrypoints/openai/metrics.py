@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from ferry.engine.async_llm import MetricsSink
 from ferry.engine.messages import EngineInfo, EngineStats
-from ferry.kv_transfer.protocol import KVTransferDone
+from ferry.kv_transfer.outcome import KVTransferDone
 
 disable_created_metrics()  # `*_created` series only double the scrape size
 
