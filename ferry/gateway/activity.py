@@ -49,9 +49,11 @@ class Activity:
         self.pd.append({"time": time.time(), "model": model, "decision": decision, "decode": decode,
                         "prefill": prefill, "prefill_seconds": prefill_seconds})  # fmt: skip
 
-    def settled(self, output_tokens: int | None, ttft: float | None, tpot: float | None) -> None:
-        """One response passed through whole or in part, with what it measured."""
-        s = self._slot(time.time())
+    def settled(self, output_tokens: int | None, ttft: float | None, tpot: float | None,
+                now: float | None = None) -> None:  # fmt: skip
+        """One response passed through whole or in part, with what it measured (at `now`, wall-clock
+        seconds; default: this moment)."""
+        s = self._slot(time.time() if now is None else now)
         s.requests += 1
         s.output_tokens += output_tokens or 0
         if ttft is not None:
