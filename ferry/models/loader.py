@@ -30,7 +30,7 @@ from ferry.models.quantized_checkpoints import (
     quantized_modules,
     unpack_module,
 )
-from ferry.models.shard_reader import read_ahead, tensor_bytes
+from ferry.models.shard_reader import read_ahead, slice_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +186,8 @@ class Checkpoint:
                 # A tied head, if saved anyway, is a copy of the embedding the model already has.
                 names = [n for n in f.keys()
                          if wanted(n) and not (n == "lm_head.weight" and self.config.tie_word_embeddings)]  # fmt: skip
+                sizes += [slice_bytes(f, n) for n in names]  # from the header this handle read already
             entries += [(file, n) for n in names]
-            sizes += tensor_bytes(file, names)
         # Several threads read the shards ahead while the model copies in what they have read.
         yield from read_ahead(entries, sizes, workers=min(8, os.cpu_count() or 1))
 

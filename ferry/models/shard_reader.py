@@ -12,6 +12,7 @@ between threads).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -24,19 +25,18 @@ _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 
              "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
 
 
+def slice_bytes(f, name: str) -> int:
+    """The size of tensor `name` of an open safetensors file `f`, from its header (nothing is read)."""
+    s = f.get_slice(name)
+    return math.prod(s.get_shape()) * _ITEMSIZE.get(s.get_dtype(), 4)
+
+
 def tensor_bytes(file: str, names: list[str]) -> list[int]:
     """The size of each named tensor of `file`, from its header (no tensor is read)."""
     from safetensors import safe_open
 
-    out = []
     with safe_open(file, framework="pt") as f:
-        for name in names:
-            s = f.get_slice(name)
-            n = 1
-            for d in s.get_shape():
-                n *= d
-            out.append(n * _ITEMSIZE.get(s.get_dtype(), 4))
-    return out
+        return [slice_bytes(f, name) for name in names]
 
 
 def read_ahead(entries: list[tuple[str, str]], sizes: list[int], workers: int,
