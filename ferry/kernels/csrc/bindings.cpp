@@ -8,6 +8,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> skip);
 std::string paged_decode_attention_isa();
+// paged_prefill_attention_cpu.cpp
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                             torch::Tensor spans, double scale, int64_t window, torch::Tensor out);
 // quantize_per_token_cpu.cpp
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_u8(torch::Tensor x);
 // gguf_quant_cpu.cpp
@@ -29,6 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("seq_lens"), pybind11::arg("scale"), pybind11::arg("tree") = pybind11::none(),
         pybind11::arg("skip") = pybind11::none());
   m.def("paged_decode_attention_isa", &paged_decode_attention_isa, "the build's paged_decode_attention path: avx512, avx2 or portable");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prefill chunks over the paged cache, into out (CPU; fp32 q, fp32, bf16, int8 or fp8 cache)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
+        pybind11::arg("spans"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("out"));
   m.def("quantize_per_token_u8", &quantize_per_token_u8, "per-row int8 quantization as uint8 + 128 (CPU)");
   m.def("gguf_linear", &gguf_linear, "x @ dequant(w).T for a GGUF block-quantized weight, via int8 dots (CPU)");
   m.def("gguf_dequantize", &gguf_dequantize, "fp32 copy of a GGUF block-quantized weight (CPU)");

@@ -53,13 +53,16 @@ class WindowView:
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     decode_skip: torch.Tensor | None = None
-    chunks: list[TorchChunk] = field(default_factory=list)
+    # The prefill chunks' contexts for the SDPA path and MLA, built when first asked for (the C++
+    # prefill kernel reads the tables instead).
+    chunks: list[TorchChunk] | None = None
 
 
 @dataclass
 class TorchState:
-    use_cpu_kernel: bool  # the C++ decode kernel, for the layers without soft-capping
+    use_cpu_kernel: bool  # the C++ decode and prefill kernels, for the layers without soft-capping
     views: dict[int | None, WindowView] = field(default_factory=dict)  # built when a layer first asks
+    prefill_spans: torch.Tensor | None = None  # [C, 3] (first row, rows, context) for the prefill kernel
 
 
 def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> bool:
@@ -120,15 +123,23 @@ class TorchAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         meta.state = TorchState(use_cpu_kernel=self.use_cpu_kernel)
+        if self.use_cpu_kernel and meta.prefills:
+            spans = [(p.start, p.length, p.context_len) for p in meta.prefills]
+            meta.state.prefill_spans = torch.tensor(spans, dtype=torch.int64)
 
-    def view(self, meta: AttentionMetadata, window: int | None = None) -> WindowView:
-        """The decode tables and the prefill chunks' contexts under `window`, built once per step and
-        window (the decode mask on demand: `decode_mask`)."""
+    def view(self, meta: AttentionMetadata, window: int | None = None, with_chunks: bool = True) -> WindowView:
+        """The decode tables and (`with_chunks`) the prefill chunks' contexts under `window`, built
+        once per step and window (the decode mask on demand: `decode_mask`)."""
         state: TorchState = meta.state
         view = state.views.get(window)
-        if view is not None:
-            return view
-        view = state.views[window] = WindowView()
+        if view is None:
+            view = state.views[window] = self._decode_view(meta, window)
+        if with_chunks and view.chunks is None:
+            view.chunks = prefill_chunks(meta, window, self.device)
+        return view
+
+    def _decode_view(self, meta: AttentionMetadata, window: int | None) -> WindowView:
+        view = WindowView()
         bs = meta.block_size
         if meta.num_decodes and window is not None:  # gather from the block holding the window's first key on
             lo = np.maximum(meta.decode_seq_lens_host - window, 0)
@@ -138,7 +149,6 @@ class TorchAttentionBackend:
             view.decode_lens = torch.from_numpy(meta.decode_seq_lens_host - first * bs).to(self.device)
             view.decode_skip = torch.from_numpy(lo - first * bs).to(self.device)
             view.first_pos = first[:, None] * bs
-        view.chunks = prefill_chunks(meta, window, self.device)
         return view
 
     def decode_mask(self, meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
@@ -176,8 +186,11 @@ class TorchAttentionBackend:
             return dequantize_rows(rows, q.dtype) if quantized else rows.to(q.dtype)
 
         state: TorchState = meta.state
-        view = self.view(meta, window)
-        out = torch.empty_like(q)
+        # The C++ prefill kernel takes every chunk in one call, straight from the cache; the SDPA
+        # path (soft-capping, non-fp32 queries, no kernels) gathers each chunk's context.
+        prefill_kernel = state.prefill_spans is not None and softcap is None and q.dtype == torch.float32
+        view = self.view(meta, window, with_chunks=not prefill_kernel)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         windowed_kernel = window is not None and meta.decode_tree is None  # (no window with a draft tree)
         if nd and state.use_cpu_kernel and softcap is None and (window is None or windowed_kernel):
@@ -198,6 +211,12 @@ class TorchAttentionBackend:
             vd = read(v_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
             out[:nd] = attend(qd, kd, vd, scale, softcap, mask=self.decode_mask(meta, window)).squeeze(2)
+        if prefill_kernel:
+            from ferry.kernels.cpu import cpu_kernels
+
+            cpu_kernels().paged_prefill_attention(q.contiguous(), k_cache, v_cache, meta.prefill_block_tables,
+                                                  state.prefill_spans, scale, window or 0, out)  # fmt: skip
+            return out
         for chunk in view.chunks:
             s, n = chunk.start, chunk.length
             qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
