@@ -204,3 +204,32 @@ def test_quantized_kernel_variants_compile_for_sm90():
         assert r["problems"] == [] and r["local_bytes"] == 0, r
         if r["kernel"] in ("_decode_kernel", "_prefill_kernel"):
             assert r["tensor_cores"] in ("mma", "wgmma"), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *QDTYPES])
+def test_cpu_store_kv_rows_writes_store_rows_bytes(dtype):
+    """The C++ store (store_kv_rows, the CPU backend's) writes byte for byte what kv_quant.store_rows
+    writes: rows of a qkv split (strided), an all-zero row, int8 ties at exactly .5 (half away from
+    zero), values past bf16's precision; a negative slot writes nothing."""
+    kernels = cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    nb, bs, kvh, d, t = 12, 16, 3, 64, 40
+    qkv = torch.randn(t, (9 + 2 * kvh) * d, generator=g) * 3
+    k = qkv[:, 9 * d : (9 + kvh) * d].view(t, kvh, d)
+    k[0] = 0.0
+    k[1, 0] = 0.0
+    k[1, 0, :6] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.0 + 2**-10])  # scale 1: ties
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    width = kv_quant.row_width(d, dtype)
+    want = torch.zeros(nb, bs, kvh, width, dtype=dtype)
+    got = torch.zeros(nb, bs, kvh, width, dtype=dtype)
+    kv_quant.store_rows(want, slots, k)
+    kernels.store_kv_rows(got, slots, k)
+    assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    skipped = slots.clone()
+    skipped[:5] = -1
+    before = got.clone()
+    kernels.store_kv_rows(got, skipped, k * 2)
+    rows = got.view(-1, kvh, width)
+    assert torch.equal(rows[slots[:5]].view(torch.uint8), before.view(-1, kvh, width)[slots[:5]].view(torch.uint8))
+    assert not torch.equal(rows[slots[5:]].view(torch.uint8), before.view(-1, kvh, width)[slots[5:]].view(torch.uint8))

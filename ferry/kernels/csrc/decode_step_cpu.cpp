@@ -229,6 +229,49 @@ void store_quantized_row(uint8_t* dst, const float* x, int64_t D) {
 }
 #pragma GCC pop_options
 
+// x [T, KVH, D] float32 (rows of K or V for the step's tokens) into the cache rows of `slots` ([T]
+// int64; a negative slot writes nothing), as ferry/kv_quant.py's store_rows writes them, byte for
+// byte: fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale. One
+// pass per row, in parallel, where the torch path took ~ten elementwise ops and an index_copy_ per
+// layer (~8% of a 300-token prefill with an int8 cache).
+void store_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3, "x must be float32 [T, KVH, D]");
+  if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();  // (a qkv split's rows already are)
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(2) == x.size(1), "cache: contiguous [NB, BS, KVH, W]");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == x.size(0), "slots must be int64 [T]");
+  const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2), W = cache.size(3);
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  const auto dt = cache.scalar_type();
+  const bool quantized = dt == at::ScalarType::Char || dt == at::ScalarType::Float8_e4m3fn;
+  TORCH_CHECK(W == D + (quantized ? 4 : 0), "cache rows must be head_dim wide (+4: a scale)");
+  TORCH_CHECK(quantized || dt == at::ScalarType::Float || dt == at::ScalarType::BFloat16,
+              "the cache must be float32, bfloat16, int8 or float8_e4m3fn");
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " outside the cache");
+  const float* xp = x.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  auto* base = static_cast<uint8_t*>(cache.data_ptr());
+  const int64_t row_bytes = KVH * W * cache.element_size();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (sp[t] < 0) continue;
+      const float* src = xp + t * xs;
+      uint8_t* dst = base + sp[t] * row_bytes;
+      if (dt == at::ScalarType::Float) {
+        store_row(reinterpret_cast<float*>(dst), src, KVH * D);
+      } else if (dt == at::ScalarType::BFloat16) {
+        store_row(reinterpret_cast<c10::BFloat16*>(dst), src, KVH * D);
+      } else {
+        for (int64_t h = 0; h < KVH; ++h) {
+          if (dt == at::ScalarType::Char) store_quantized_row<int8_t>(dst + h * W, src + h * D, D);
+          else store_quantized_row<c10::Float8_e4m3fn>(dst + h * W, src + h * D, D);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 class DecodeStep {
@@ -490,6 +533,8 @@ class DecodeStep {
 };
 
 void bind_decode_step(pybind11::module& m) {
+  m.def("store_kv_rows", &store_kv_rows, "x [T, KVH, D] into the cache rows of slots, as kv_quant.store_rows writes them (CPU)",
+        pybind11::arg("cache"), pybind11::arg("slots"), pybind11::arg("x"));
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a Llama-family decode step with GGUF weights, in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                           torch::Tensor>())

@@ -5,7 +5,9 @@
   into [B, max_len] (dequantized when the cache is quantized) and masked by length;
 - each prefill chunk on its own: SDPA over its cached prefix (gathered from the cache)
   plus its own tokens, causally. With a quantized cache the chunk's own tokens are read
-  back from the cache too (what decode and the Triton kernels see).
+  back from the cache too (what decode and the Triton kernels see). With the C++ kernels and
+  fp32 queries, every chunk in one call of the prefill kernel instead, straight from the blocks
+  (not for soft-capped layers), and the new K/V rows stored by `store_kv_rows` (the same bytes).
 
 A layer may have a sliding window W (Mistral's every layer, Gemma's local ones): query position i
 then attends to keys i - W < j <= i, as HF's sliding-window mask does. Only the window's blocks are
@@ -144,8 +146,8 @@ class TorchAttentionBackend:
         if meta.num_decodes and window is not None:  # gather from the block holding the window's first key on
             lo = np.maximum(meta.decode_seq_lens_host - window, 0)
             first = lo // bs
-            view.decode_tables = torch.from_numpy(padded_table([blocks[f:] for blocks, f in
-                                                                zip(meta.decode_blocks_host, first)])).to(self.device)  # fmt: skip
+            rows = [blocks[f:] for blocks, f in zip(meta.decode_blocks_host, first)]
+            view.decode_tables = torch.from_numpy(padded_table(rows)).to(self.device)
             view.decode_lens = torch.from_numpy(meta.decode_seq_lens_host - first * bs).to(self.device)
             view.decode_skip = torch.from_numpy(lo - first * bs).to(self.device)
             view.first_pos = first[:, None] * bs
@@ -175,8 +177,15 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         num_blocks, block_size, kvh, w = k_cache.shape
-        store_rows(k_cache, meta.slot_mapping, k)
-        store_rows(v_cache, meta.slot_mapping, v)
+        state: TorchState = meta.state
+        if state.use_cpu_kernel and k.dtype == torch.float32:  # the same bytes in one pass a row
+            from ferry.kernels.cpu import cpu_kernels
+
+            cpu_kernels().store_kv_rows(k_cache, meta.slot_mapping, k)
+            cpu_kernels().store_kv_rows(v_cache, meta.slot_mapping, v)
+        else:
+            store_rows(k_cache, meta.slot_mapping, k)
+            store_rows(v_cache, meta.slot_mapping, v)
         flat_k = k_cache.view(-1, kvh, w)
         flat_v = v_cache.view(-1, kvh, w)
         quantized = is_quantized(k_cache.dtype)
@@ -185,7 +194,6 @@ class TorchAttentionBackend:
             """Gathered cache rows as q's dtype (dequantized when the cache is quantized)."""
             return dequantize_rows(rows, q.dtype) if quantized else rows.to(q.dtype)
 
-        state: TorchState = meta.state
         # The C++ prefill kernel takes every chunk in one call, straight from the cache; the SDPA
         # path (soft-capping, non-fp32 queries, no kernels) gathers each chunk's context.
         prefill_kernel = state.prefill_spans is not None and softcap is None and q.dtype == torch.float32
