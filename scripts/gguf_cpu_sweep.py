@@ -6,12 +6,20 @@ Shapes: SmolLM2-135M's projections for the 32-value types; K-quant rows need K a
 they take a 3072 x 768 weight (and SmolLM2's gate_up shape is not one). Weights are hot in cache; a
 decode step reads them from memory (`ferry bench latency` measures that). From the repo root:
     python3 scripts/gguf_cpu_sweep.py [--rows 1 16 64 512] [--threads 2] [--shapes head] [--plain-rows]
-    FERRY_CPU_ISA=avx2 python3 scripts/gguf_cpu_sweep.py   # the AVX2 build of the same kernels"""
+    FERRY_CPU_ISA=avx2 python3 scripts/gguf_cpu_sweep.py   # the AVX2 build of the same kernels
+    python3 scripts/gguf_cpu_sweep.py --against HEAD~1 --rounds 5 --rows 16 300   # int8 dots, REV vs this tree
+--against REV builds REV's gguf_quant_cpu.cpp alone and times its gguf_linear and this tree's alternately,
+best of --repeats in each of --rounds rounds (the median of the rounds is printed): the VM's speed drifts by
+10-40% between runs, so an old/new comparison must share the minute."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,6 +52,49 @@ def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator, plai
     return GGUFWeight.from_numpy(raw.reshape(n, -1), type_name, (n, k))
 
 
+KERNEL = "ferry/kernels/csrc/gguf_quant_cpu.cpp"
+BINDING = """#include <torch/extension.h>
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_linear", &gguf_linear); }
+"""
+
+
+def kernel_at(rev: str):
+    """gguf_linear of commit `rev`, built alone with this build's flags."""
+    from torch.utils.cpp_extension import load
+
+    from ferry.kernels.cpu import _isa_flags
+
+    root = Path(__file__).resolve().parent.parent
+    git = dict(cwd=root, check=True, capture_output=True)
+    work = Path(tempfile.mkdtemp(prefix="ferry-gguf-"))
+    (work / "gguf.cpp").write_bytes(subprocess.run(["git", "show", f"{rev}:{KERNEL}"], **git).stdout)
+    (work / "binding.cpp").write_text(BINDING)
+    name = "ferry_gguf_" + subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
+    flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
+    return load(name=name, sources=[str(work / "gguf.cpp"), str(work / "binding.cpp")], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"])  # fmt: skip
+
+
+def against(args, kernels, rng) -> None:
+    """This tree's gguf_linear and REV's, alternately, on the same weights and activations."""
+    old = kernel_at(args.against)
+    print(f"| type | shape | rows | {args.against} us | this tree us | speed-up |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for type_name in args.types:
+        shapes = K_QUANT_SHAPE if type_name.endswith("_K") else {s: SMOLLM2[s] for s in args.shapes}
+        for shape_name, (n, k) in shapes.items():
+            w = random_weight(type_name, n, k, rng, args.plain_rows)
+            for rows in args.rows:
+                x = torch.randn(rows, k)
+                times = {"old": [], "new": []}
+                for _ in range(args.rounds):
+                    for tag, mod in (("old", old), ("new", kernels)):
+                        times[tag].append(best_of(lambda: mod.gguf_linear(x, w.data, w.qtype, None), args.repeats))  # noqa: B023
+                o, n_ = statistics.median(times["old"]), statistics.median(times["new"])
+                print(f"| {type_name} | {shape_name} | {rows} | {o * 1e6:.0f} | {n_ * 1e6:.0f} | {o / n_:.2f}x |")
+
+
 def best_of(fn, repeats: int) -> float:
     fn()
     best = float("inf")
@@ -68,6 +119,8 @@ def main() -> None:
         help="SmolLM2 shapes for the 32-value types (head: the tied 49152 x 576 output head)",
     )
     parser.add_argument("--plain-rows", action="store_true", help="Q4_0/Q4_1/Q8_0 rows not interleaved by 8")
+    parser.add_argument("--against", metavar="REV", help="time REV's gguf_linear beside this tree's, alternately")
+    parser.add_argument("--rounds", type=int, default=5, help="with --against: alternations per case")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
@@ -75,6 +128,9 @@ def main() -> None:
         raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
     isa = "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2"
     print(f"threads {args.threads}, CPU flags include {isa} (FERRY_CPU_ISA picks the build)")
+    if args.against:
+        against(args, kernels, np.random.default_rng(0))
+        return
     print("| type | shape | rows | int8 dots us | GFLOP/s | dequantize + GEMM us | GFLOP/s | int8 / GEMM |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rng = np.random.default_rng(0)

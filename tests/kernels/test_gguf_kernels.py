@@ -243,3 +243,22 @@ def test_avx512_vnni_and_avx2_builds_agree(tmp_path):
     assert set(native) == set(avx2) and len(native) == 35
     for case, y in native.items():
         torch.testing.assert_close(y, avx2[case], rtol=1e-5, atol=1e-5, msg=case)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_prompts_rows_through_the_tiles(type_name):
+    """A prompt's rows go through gguf_dot_rows's tiles: 32-row blocks swept over ~256 KB chunks of
+    weight groups (2,403 rows of 576 values: several chunks per thread, a partial group, plain rows
+    at the end). Every output equals the row's own result alone (one chunk, one block), bit for bit,
+    and the plain layout's to rounding."""
+    from ferry.kernels.cpu import cpu_kernels
+
+    n, k = 8 * 300 + 3, 576
+    raw = quantize(np.random.default_rng(3).standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[type_name])
+    plain = GGUFWeight.from_numpy(raw, type_name, (n, k))
+    w = plain.interleave()
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    y = cpu_kernels().gguf_linear(x, w.data, w.qtype, None)
+    for r in (0, 7, 31, 32, 33, 63, 64, 69):
+        assert torch.equal(cpu_kernels().gguf_linear(x[r : r + 1], w.data, w.qtype, None)[0], y[r]), r
+    torch.testing.assert_close(y, cpu_kernels().gguf_linear(x, plain.data, plain.qtype, None), rtol=1e-4, atol=1e-4)
