@@ -246,11 +246,10 @@ def test_avx512_vnni_and_avx2_builds_agree(tmp_path):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_a_prompts_rows_through_the_tiles(type_name):
-    """A prompt's rows go through gguf_dot_rows's tiles: 32-row blocks swept over ~256 KB chunks of
-    weight groups (2,403 rows of 576 values: several chunks per thread, a partial group, plain rows
-    at the end). Every output equals the row's own result alone (one chunk, one block), bit for bit,
-    and the plain layout's to rounding."""
+def test_a_prompts_rows_in_a_large_weight(type_name):
+    """A prompt's 70 rows against 2,403 weight rows of 576 values (a thread's share spans many groups,
+    a partial group, plain rows at the end): every output equals the row's own result alone, bit for
+    bit, and the plain layout's to rounding (what any tiling of gguf_dot_rows must keep)."""
     from ferry.kernels.cpu import cpu_kernels
 
     n, k = 8 * 300 + 3, 576

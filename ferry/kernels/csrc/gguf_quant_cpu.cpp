@@ -632,11 +632,6 @@ void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
 }
 #endif
 
-// gguf_dot_rows's tiles (see there): activation rows per sweep over a chunk of weight groups, and
-// the chunk's weight bytes (a quarter of a Zen 5 or recent Xeon core's L2).
-constexpr int64_t kRowBlock = 32;
-constexpr int64_t kChunkBytes = 256 * 1024;
-
 // Activation rows a group kernel takes in one pass: with VNNI up to 8 (see dot_group_vnni), else 4.
 #ifdef FERRY_AVX512_VNNI
 constexpr int kGroupRows = 8;
@@ -924,39 +919,21 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
     for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;
   };
   int64_t n = n0;
-  // Interleaved groups of 8 rows, in chunks of about kChunkBytes of weights, each chunk swept once
-  // per block of kRowBlock activation rows. A prompt's [M, N] output written 8 columns at a time
-  // for all M rows at once missed the cache on every row's store (300 rows 12 KB apart: about a
-  // tenth of a 300-token prefill was those stores' stalls); a block's rows of a chunk's columns stay
-  // in L2, and so do the chunk's weights between blocks (read from memory once, as before: a decode
-  // step's few rows are one block).
-  const int64_t chunk_groups = M <= kRowBlock ? N : std::max<int64_t>(1, kChunkBytes / (kGroup * row_bytes));
-  for (int64_t c0 = n0; c0 < std::min(n1, grouped); c0 = (c0 / kGroup + chunk_groups) * kGroup) {
-    const int64_t c1 = std::min({n1, grouped, (c0 / kGroup + chunk_groups) * kGroup});
-    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-      const int64_t me = std::min(M, mb + kRowBlock);
-      for (n = c0; n < c1;) {
-        const int64_t g0 = n / kGroup * kGroup;
-        const uint8_t* group = w + g0 * row_bytes;
-        if (mb == 0) prefetch(group, kGroup * row_bytes);
-        for (int64_t m = mb; m < me; m += kGroupRows) {
-          const int R = int(std::min<int64_t>(kGroupRows, me - m));
-          activations(m, R);
-          float out[kGroupRows * kGroup];
-          if (qtype == Q4_1X8) dot_group<Q4_1>(R, group, nb, yr, dr, sr, out);
-          else if (qtype == Q8_0X8) dot_group<Q8_0>(R, group, nb, yr, dr, sr, out);
-          else dot_group<Q4_0>(R, group, nb, yr, dr, sr, out);
-          if (g0 >= n && g0 + kGroup <= c1) {  // a whole group: each row's 8 outputs in one store
-            for (int r = 0; r < R; ++r) std::memcpy(y + (m + r) * ldy + g0, out + r * kGroup, kGroup * sizeof(float));
-          } else {
-            for (int64_t i = std::max(n, g0); i < std::min(c1, g0 + kGroup); ++i)
-              for (int r = 0; r < R; ++r) y[(m + r) * ldy + i] = out[r * kGroup + (i - g0)];
-          }
-        }
-        n = g0 + kGroup;
-      }
+  while (n < n1 && n < grouped) {  // interleaved groups of 8 rows
+    const int64_t g0 = n / kGroup * kGroup;
+    const uint8_t* group = w + g0 * row_bytes;
+    prefetch(group, kGroup * row_bytes);
+    for (int64_t m = 0; m < M; m += kGroupRows) {
+      const int R = int(std::min<int64_t>(kGroupRows, M - m));
+      activations(m, R);
+      float out[kGroupRows * kGroup];
+      if (qtype == Q4_1X8) dot_group<Q4_1>(R, group, nb, yr, dr, sr, out);
+      else if (qtype == Q8_0X8) dot_group<Q8_0>(R, group, nb, yr, dr, sr, out);
+      else dot_group<Q4_0>(R, group, nb, yr, dr, sr, out);
+      for (int64_t i = std::max(n, g0); i < std::min(n1, g0 + kGroup); ++i)
+        for (int r = 0; r < R; ++r) y[(m + r) * ldy + i] = out[r * kGroup + (i - g0)];
     }
-    n = c1;
+    n = g0 + kGroup;
   }
   for (; n < n1; ++n) {  // plain rows
     const uint8_t* row = w + n * row_bytes;
