@@ -98,7 +98,8 @@ struct RangeSlice {
   float* vf;  // kv head h at vf + h * tiles * 16 * D
 };
 
-// A query vector: row `row` of q, head `head`, at position `pos`, seeing keys [lo, pos].
+// A query vector: one head of one row, its (pre-scaled) q and its output row, its running max and sum
+// across ranges, and the keys it sees, [lo, pos] (pos: its position).
 struct QueryVec {
   const float* q;
   float* o;
