@@ -76,23 +76,29 @@ def kernel_at(rev: str):
                 extra_ldflags=["-fopenmp"])  # fmt: skip
 
 
-def against(args, kernels, rng) -> None:
-    """This tree's gguf_linear and REV's, alternately, on the same weights and activations."""
-    old = kernel_at(args.against)
-    print(f"| type | shape | rows | {args.against} us | this tree us | speed-up |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+def cases(args, rng):
+    """(type, shape name, weight [n, k], activations [rows, k], n) for every type, shape and row count
+    asked for, drawn from rng in one order whatever the caller times."""
     for type_name in args.types:
         shapes = K_QUANT_SHAPE if type_name.endswith("_K") else {s: SMOLLM2[s] for s in args.shapes}
         for shape_name, (n, k) in shapes.items():
             w = random_weight(type_name, n, k, rng, args.plain_rows)
             for rows in args.rows:
-                x = torch.randn(rows, k)
-                times = {"old": [], "new": []}
-                for _ in range(args.rounds):
-                    for tag, mod in (("old", old), ("new", kernels)):
-                        times[tag].append(best_of(lambda: mod.gguf_linear(x, w.data, w.qtype, None), args.repeats))  # noqa: B023
-                o, n_ = statistics.median(times["old"]), statistics.median(times["new"])
-                print(f"| {type_name} | {shape_name} | {rows} | {o * 1e6:.0f} | {n_ * 1e6:.0f} | {o / n_:.2f}x |")
+                yield type_name, shape_name, w, torch.randn(rows, k), n
+
+
+def against(args, kernels, rng) -> None:
+    """This tree's gguf_linear and REV's, alternately, on the same weights and activations."""
+    old = kernel_at(args.against)
+    print(f"| type | shape | rows | {args.against} us | this tree us | speed-up |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for type_name, shape_name, w, x, _ in cases(args, rng):
+        times = {"old": [], "new": []}
+        for _ in range(args.rounds):
+            for tag, mod in (("old", old), ("new", kernels)):
+                times[tag].append(best_of(lambda: mod.gguf_linear(x, w.data, w.qtype, None), args.repeats))  # noqa: B023
+        o, n_ = statistics.median(times["old"]), statistics.median(times["new"])
+        print(f"| {type_name} | {shape_name} | {len(x)} | {o * 1e6:.0f} | {n_ * 1e6:.0f} | {o / n_:.2f}x |")
 
 
 def best_of(fn, repeats: int) -> float:
@@ -133,21 +139,12 @@ def main() -> None:
         return
     print("| type | shape | rows | int8 dots us | GFLOP/s | dequantize + GEMM us | GFLOP/s | int8 / GEMM |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    rng = np.random.default_rng(0)
-    for type_name in args.types:
-        shapes = K_QUANT_SHAPE if type_name.endswith("_K") else {s: SMOLLM2[s] for s in args.shapes}
-        for shape_name, (n, k) in shapes.items():
-            w = random_weight(type_name, n, k, rng, args.plain_rows)
-            for rows in args.rows:
-                x = torch.randn(rows, k)
-                flops = 2 * rows * n * k
-                int8 = best_of(lambda: kernels.gguf_linear(x, w.data, w.qtype, None), args.repeats)  # noqa: B023
-                gemm = best_of(
-                    lambda: x @ kernels.gguf_dequantize(w.data, w.qtype, k).t(),  # noqa: B023
-                    args.repeats,
-                )
-                print(f"| {type_name} | {shape_name} | {rows} | {int8 * 1e6:.0f} | {flops / int8 / 1e9:.0f} "
-                      f"| {gemm * 1e6:.0f} | {flops / gemm / 1e9:.0f} | {gemm / int8:.2f}x |")  # fmt: skip
+    for type_name, shape_name, w, x, n in cases(args, np.random.default_rng(0)):
+        (rows, k), flops = x.shape, 2 * x.shape[0] * n * x.shape[1]
+        int8 = best_of(lambda: kernels.gguf_linear(x, w.data, w.qtype, None), args.repeats)  # noqa: B023
+        gemm = best_of(lambda: x @ kernels.gguf_dequantize(w.data, w.qtype, k).t(), args.repeats)  # noqa: B023
+        print(f"| {type_name} | {shape_name} | {rows} | {int8 * 1e6:.0f} | {flops / int8 / 1e9:.0f} "
+              f"| {gemm * 1e6:.0f} | {flops / gemm / 1e9:.0f} | {gemm / int8:.2f}x |")  # fmt: skip
 
 
 if __name__ == "__main__":

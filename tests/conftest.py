@@ -24,6 +24,17 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """ferry's compiled CPU kernels; a build failure fails the test (a compiler is part of the set-up)."""
+    from ferry.kernels.cpu import cpu_kernels
+
+    k = cpu_kernels()
+    if k is None:
+        pytest.fail("the CPU kernels did not build (a compiler is part of the test set-up)")
+    return k
+
+
+@pytest.fixture(scope="session")
 def smollm():
     """(model, tokenizer, device, dtype, path) of the bundled SmolLM2 in fp32 on the CPU, its Q4_1
     tensors dequantized (`quantization="none"`): the HF-exact reference."""

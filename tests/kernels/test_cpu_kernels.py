@@ -6,17 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.kernels.cpu import cpu_flags, cpu_kernels, embeds_its_own_libstdcxx
+from ferry.kernels.cpu import cpu_flags, embeds_its_own_libstdcxx
 from ferry.layers.attention import TorchAttentionBackend, build_metadata, paged_attention
 from tests.conftest import outputs_of_both_cpu_builds
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels()
-    if k is None:
-        pytest.fail("the CPU kernels did not build (a compiler is part of the test set-up)")
-    return k
 
 
 def dense(q, k_cache, v_cache, table_row, n):

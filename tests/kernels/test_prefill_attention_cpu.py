@@ -5,19 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.kernels.cpu import cpu_flags, cpu_kernels
+from ferry.kernels.cpu import cpu_flags
 from ferry.kv_quant import dequantize_rows, is_quantized, quantize_rows
 from ferry.layers.attention import TorchAttentionBackend, build_metadata
 from ferry.layers.attention.metadata import PrefillHost
 from tests.conftest import outputs_of_both_cpu_builds
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = cpu_kernels()
-    if k is None:
-        pytest.fail("the CPU kernels did not build (a compiler is part of the test set-up)")
-    return k
 
 
 def random_cache(nb, bs, kvh, d, dtype, gen):

@@ -229,6 +229,24 @@ void store_quantized_row(uint8_t* dst, const float* x, int64_t D) {
 }
 #pragma GCC pop_options
 
+// One token's K or V (KVH heads of D values) into cache row `slot` ([NB, BS, KVH, W] viewed as slots):
+// fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale.
+inline void store_token_rows(const torch::Tensor& cache, int64_t slot, const float* src, int64_t KVH, int64_t D) {
+  const auto dt = cache.scalar_type();
+  if (dt == at::ScalarType::Float) {
+    store_row(cache.data_ptr<float>() + slot * KVH * D, src, KVH * D);
+  } else if (dt == at::ScalarType::BFloat16) {
+    store_row(cache.data_ptr<c10::BFloat16>() + slot * KVH * D, src, KVH * D);
+  } else {
+    const int64_t W = D + 4;
+    auto* dst = static_cast<uint8_t*>(cache.data_ptr()) + slot * KVH * W;
+    for (int64_t h = 0; h < KVH; ++h) {
+      if (dt == at::ScalarType::Char) store_quantized_row<int8_t>(dst + h * W, src + h * D, D);
+      else store_quantized_row<c10::Float8_e4m3fn>(dst + h * W, src + h * D, D);
+    }
+  }
+}
+
 // x [T, KVH, D] float32 (rows of K or V for the step's tokens) into the cache rows of `slots` ([T]
 // int64; a negative slot writes nothing), as ferry/kv_quant.py's store_rows writes them, byte for
 // byte: fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale. One
@@ -251,24 +269,9 @@ void store_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor x) {
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " outside the cache");
   const float* xp = x.data_ptr<float>();
   const int64_t xs = x.stride(0);
-  auto* base = static_cast<uint8_t*>(cache.data_ptr());
-  const int64_t row_bytes = KVH * W * cache.element_size();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if (sp[t] < 0) continue;
-      const float* src = xp + t * xs;
-      uint8_t* dst = base + sp[t] * row_bytes;
-      if (dt == at::ScalarType::Float) {
-        store_row(reinterpret_cast<float*>(dst), src, KVH * D);
-      } else if (dt == at::ScalarType::BFloat16) {
-        store_row(reinterpret_cast<c10::BFloat16*>(dst), src, KVH * D);
-      } else {
-        for (int64_t h = 0; h < KVH; ++h) {
-          if (dt == at::ScalarType::Char) store_quantized_row<int8_t>(dst + h * W, src + h * D, D);
-          else store_quantized_row<c10::Float8_e4m3fn>(dst + h * W, src + h * D, D);
-        }
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      if (sp[t] >= 0) store_token_rows(cache, sp[t], xp + t * xs, KVH, D);
   });
 }
 
@@ -416,28 +419,8 @@ class DecodeStep {
         const float* t = qkvp + b * stride;
         std::memcpy(qp + b * q_size, t, q_size * sizeof(float));
         if (sp[b] < 0) continue;  // a padding row: its K/V go nowhere
-        if (kc.dtype() == torch::kFloat32) {
-          store_row(kc.data_ptr<float>() + sp[b] * row, t + q_size, row);
-          store_row(vc.data_ptr<float>() + sp[b] * row, t + q_size + row, row);
-        } else if (kc.dtype() == torch::kInt8 || kc.dtype() == at::ScalarType::Float8_e4m3fn) {
-          const bool int8 = kc.dtype() == torch::kInt8;
-          const int64_t W = D_ + 4;
-          auto* kp = static_cast<uint8_t*>(kc.data_ptr()) + sp[b] * KVH_ * W;
-          auto* vp = static_cast<uint8_t*>(vc.data_ptr()) + sp[b] * KVH_ * W;
-          for (int64_t h = 0; h < KVH_; ++h) {
-            const float* kx = t + q_size + h * D_;
-            const float* vx = t + q_size + row + h * D_;
-            if (int8) {
-              store_quantized_row<int8_t>(kp + h * W, kx, D_), store_quantized_row<int8_t>(vp + h * W, vx, D_);
-            } else {
-              store_quantized_row<c10::Float8_e4m3fn>(kp + h * W, kx, D_);
-              store_quantized_row<c10::Float8_e4m3fn>(vp + h * W, vx, D_);
-            }
-          }
-        } else {
-          store_row(kc.data_ptr<c10::BFloat16>() + sp[b] * row, t + q_size, row);
-          store_row(vc.data_ptr<c10::BFloat16>() + sp[b] * row, t + q_size + row, row);
-        }
+        store_token_rows(kc, sp[b], t + q_size, KVH_, D_);
+        store_token_rows(vc, sp[b], t + q_size + row, KVH_, D_);
       }
       const int64_t view = layer_view.empty() ? -1 : layer_view[l];
       auto attn = view < 0 ? paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt)
