@@ -18,10 +18,12 @@ from ferry.sampling_params import InvalidParameterError, StructuredOutputsParams
 
 MAX_SPEC_BYTES = 256 << 10  # a schema, regex, grammar or the choices together
 MAX_CHOICES = 4096
-# Between JSON tokens: at most this much whitespace, a newline with indentation included. An
-# unbounded run (llguidance's default) lets a sampled small model pad with spaces until
-# max_tokens cuts its JSON off; 64 leaves room for pretty-printing twenty levels deep.
-DEFAULT_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,64}"
+# Between JSON tokens: a few spaces, then at most one line break and an indentation. An unbounded
+# run (llguidance's default) let a sampled small model pad with spaces until max_tokens cut its JSON
+# off; a bound of 64 of any of them still let it write sixty blank lines after every value (CI,
+# SmolLM2 at temperature 0.8). Pretty-printed JSON never needs two line breaks in a row; 48 columns
+# of indentation is twelve levels of four (llama.cpp's JSON grammars bound it the same way).
+DEFAULT_JSON_WHITESPACE = r"[\x20\x09]{0,8}(\x0D?\x0A[\x20\x09]{0,48})?"
 
 
 def _json_options(params: StructuredOutputsParams) -> dict:

@@ -144,3 +144,20 @@ def test_a_gated_grammar_opens_at_its_marker_and_drafts_across_it_roll_back(comp
 def test_a_json_object_spec_builds_a_json_grammar():
     g = json.loads(check(StructuredOutputsParams(json_object=True)))
     assert "grammars" in g
+
+
+def test_json_takes_pretty_printing_but_no_run_of_blank_lines(compiler, smollm):
+    """The default whitespace between JSON tokens: indentation and one line break per gap, as a
+    pretty-printer writes; a second line break in a row is refused (a sampled small model wrote
+    sixty of them after every value until max_tokens cut it off)."""
+    tok = smollm[1]
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+                                         "required": ["n", "s"], "additionalProperties": False})  # fmt: skip
+    for text in ('{"n":1,"s":"a"}', '{\n    "n": 12,\n    "s": "b"\n}', '{ "n" : 3 ,\r\n\t"s" : "c" }'):
+        state = compiler.submit(spec).result(timeout=60)
+        assert all(state.accept(t) for t in _tokens(tok, text)), text
+        assert state.is_stopped(), text
+    for text in ('{"n": 12\n\n', '{\n\n"n"', '{"n":' + " " * 9):
+        state = compiler.submit(spec).result(timeout=60)
+        accepted = [state.accept(t) for t in _tokens(tok, text)]
+        assert not all(accepted), text
