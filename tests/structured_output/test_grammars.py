@@ -151,8 +151,9 @@ def test_json_takes_pretty_printing_but_no_run_of_blank_lines(compiler, smollm):
     pretty-printer writes; a second line break in a row is refused (a sampled small model wrote
     sixty of them after every value until max_tokens cut it off)."""
     tok = smollm[1]
-    spec = StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
-                                         "required": ["n", "s"], "additionalProperties": False})  # fmt: skip
+    props = {"n": {"type": "integer"}, "s": {"type": "string"}}
+    spec = StructuredOutputsParams(json={"type": "object", "properties": props, "required": ["n", "s"],
+                                         "additionalProperties": False})  # fmt: skip
     for text in ('{"n":1,"s":"a"}', '{\n    "n": 12,\n    "s": "b"\n}', '{ "n" : 3 ,\r\n\t"s" : "c" }'):
         state = compiler.submit(spec).result(timeout=60)
         assert all(state.accept(t) for t in _tokens(tok, text)), text
