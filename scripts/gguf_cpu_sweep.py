@@ -8,6 +8,7 @@ decode step reads them from memory (`ferry bench latency` measures that). From t
     python3 scripts/gguf_cpu_sweep.py [--rows 1 16 64 512] [--threads 2] [--shapes head] [--plain-rows]
     FERRY_CPU_ISA=avx2 python3 scripts/gguf_cpu_sweep.py   # the AVX2 build of the same kernels
     python3 scripts/gguf_cpu_sweep.py --against HEAD~1 --rounds 5 --rows 16 300   # int8 dots, REV vs this tree
+    python3 scripts/gguf_cpu_sweep.py --against HEAD~1 --model-pass 30 --types Q4_1 --rows 1 16 64 300 --rounds 20
 --against REV builds REV's gguf_quant_cpu.cpp alone and times its gguf_linear and this tree's alternately,
 best of --repeats in each of --rounds rounds (the median of the rounds is printed): the VM's speed drifts by
 10-40% between runs, so an old/new comparison must share the minute."""
@@ -52,7 +53,7 @@ def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator, plai
     return GGUFWeight.from_numpy(raw.reshape(n, -1), type_name, (n, k))
 
 
-KERNEL = "ferry/kernels/csrc/gguf_quant_cpu.cpp"
+CSRC = "ferry/kernels/csrc"
 BINDING = """#include <torch/extension.h>
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_linear", &gguf_linear); }
@@ -68,11 +69,17 @@ def kernel_at(rev: str):
     root = Path(__file__).resolve().parent.parent
     git = dict(cwd=root, check=True, capture_output=True)
     work = Path(tempfile.mkdtemp(prefix="ferry-gguf-"))
-    (work / "gguf.cpp").write_bytes(subprocess.run(["git", "show", f"{rev}:{KERNEL}"], **git).stdout)
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, CSRC + "/"], text=True, **git).stdout.split()
+    sources = []
+    for path in listed:  # gguf_quant_cpu.cpp, and from the split on gguf_kernels.h and gguf_prompt_cpu.cpp
+        name = Path(path).name
+        if name.startswith("gguf_") or name.endswith(".h"):
+            (work / name).write_bytes(subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout)
+            sources += [str(work / name)] if name.endswith(".cpp") else []
     (work / "binding.cpp").write_text(BINDING)
     name = "ferry_gguf_" + subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
     flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
-    return load(name=name, sources=[str(work / "gguf.cpp"), str(work / "binding.cpp")], extra_cflags=flags,
+    return load(name=name, sources=[*sources, str(work / "binding.cpp")], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"])  # fmt: skip
 
 
@@ -101,6 +108,31 @@ def against(args, kernels, rng) -> None:
         print(f"| {type_name} | {shape_name} | {len(x)} | {o * 1e6:.0f} | {n_ * 1e6:.0f} | {o / n_:.2f}x |")
 
 
+def against_model_pass(args, kernels, rng) -> None:
+    """This tree's gguf_linear and REV's, alternately, over a whole model's worth of distinct weights
+    (--model-pass LAYERS of SmolLM2's four projections in --types[0], then the tied head in Q8_0 as
+    the bundled file has it): ~100 MB for 30 layers, more than any cache, so the weights stream from
+    memory as in a decode step, where hot-cache timings of one weight miss prefetch and layout
+    effects (a branch added to gguf_dot_rows cost its 1-row pass 25% here and nothing hot)."""
+    old = kernel_at(args.against)
+    layers = [[random_weight(args.types[0], n, k, rng) for n, k in SMOLLM2.values() if n != 49152]
+              for _ in range(args.model_pass)]  # fmt: skip
+    weights = [w for layer in layers for w in layer] + [random_weight("Q8_0", *SMOLLM2["head"], rng)]
+    print(f"| rows | {args.against} ms | this tree ms | speed-up |  ({args.model_pass} layers of {args.types[0]}"
+          f" + a Q8_0 head, {sum(w.data.numel() for w in weights) / 1e6:.0f} MB)")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: |")
+    for rows in args.rows:
+        x = {k: torch.randn(rows, k) for k in {w.in_features for w in weights}}
+        times = {"old": [], "new": []}
+        for r in range(args.rounds):
+            order = (("old", old), ("new", kernels)) if r % 2 else (("new", kernels), ("old", old))
+            for tag, mod in order:
+                times[tag].append(best_of(lambda: [mod.gguf_linear(x[w.in_features], w.data, w.qtype, None)  # noqa: B023
+                                                   for w in weights], args.repeats))  # fmt: skip
+        o, n_ = statistics.median(times["old"]), statistics.median(times["new"])
+        print(f"| {rows} | {o * 1e3:.2f} | {n_ * 1e3:.2f} | {o / n_:.2f}x |")
+
+
 def best_of(fn, repeats: int) -> float:
     fn()
     best = float("inf")
@@ -127,6 +159,9 @@ def main() -> None:
     parser.add_argument("--plain-rows", action="store_true", help="Q4_0/Q4_1/Q8_0 rows not interleaved by 8")
     parser.add_argument("--against", metavar="REV", help="time REV's gguf_linear beside this tree's, alternately")
     parser.add_argument("--rounds", type=int, default=5, help="with --against: alternations per case")
+    parser.add_argument(
+        "--model-pass", type=int, metavar="LAYERS", help="with --against: all of LAYERS layers' weights, from memory"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
@@ -135,7 +170,7 @@ def main() -> None:
     isa = "avx512_vnni" if "avx512_vnni" in cpu_flags() else "avx2"
     print(f"threads {args.threads}, CPU flags include {isa} (FERRY_CPU_ISA picks the build)")
     if args.against:
-        against(args, kernels, np.random.default_rng(0))
+        (against_model_pass if args.model_pass else against)(args, kernels, np.random.default_rng(0))
         return
     print("| type | shape | rows | int8 dots us | GFLOP/s | dequantize + GEMM us | GFLOP/s | int8 / GEMM |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -247,9 +247,10 @@ def test_avx512_vnni_and_avx2_builds_agree(tmp_path):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_a_prompts_rows_in_a_large_weight(type_name):
-    """A prompt's 70 rows against 2,403 weight rows of 576 values (a thread's share spans many groups,
-    a partial group, plain rows at the end): every output equals the row's own result alone, bit for
-    bit, and the plain layout's to rounding (what any tiling of gguf_dot_rows must keep)."""
+    """A prompt's 70 rows against 2,403 weight rows of 576 values, through gguf_prompt_cpu.cpp's tiles
+    (32-row blocks over ~256 KB chunks of groups: a thread's share is two chunks; then the plain rows
+    at the end): every output equals the row's own result alone, bit for bit, and the plain layout's
+    to rounding."""
     from ferry.kernels.cpu import cpu_kernels
 
     n, k = 8 * 300 + 3, 576

@@ -42,8 +42,9 @@ void rotary_rows(const int64_t* pos, int64_t T, float* q, int64_t q_tok, int64_t
 // gguf_quant_cpu.cpp
 void quantize_q8_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dy, float* sy);
 int64_t gguf_row_bytes(int64_t qtype, int64_t K);
-void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
-                   int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy);
+// gguf_prompt_cpu.cpp
+void gguf_matmul_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
+                      int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy);
 }  // namespace ferry_cpu
 
 // paged_decode_attention_cpu.cpp
@@ -94,7 +95,7 @@ struct Q8Activations {
 };
 
 // y [M, L.out] = x [M, L.in] @ W.T (+ bias): one fork over all output rows of all parts, split at
-// multiples of 8 rows (gguf_dot_rows' interleaved groups).
+// multiples of 8 rows (gguf_matmul_rows' interleaved groups).
 void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Activations& act) {
   act.quantize(x, M, L.in);
   at::parallel_for(0, (L.out + 7) / 8, 2, [&](int64_t t0, int64_t t1) {
@@ -104,8 +105,8 @@ void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Act
       const int64_t lo = std::max(n0, offset), hi = std::min(n1, offset + L.rows[p]);
       if (lo < hi) {
         const auto& [data, qtype] = L.parts[p];
-        ferry_cpu::gguf_dot_rows(act.q.data(), act.dy.data(), act.sy.data(), M, L.in, data.data_ptr<uint8_t>(),
-                                 L.rows[p], qtype, lo - offset, hi - offset, y + offset, L.out);
+        ferry_cpu::gguf_matmul_rows(act.q.data(), act.dy.data(), act.sy.data(), M, L.in, data.data_ptr<uint8_t>(),
+                                    L.rows[p], qtype, lo - offset, hi - offset, y + offset, L.out);
       }
       offset += L.rows[p];
     }
