@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "fp8_table.h"
 #include "simd_exp.h"
 
 // Built with -ffast-math (so expf vectorizes): no infinities, a large finite floor instead.
@@ -548,25 +549,9 @@ inline const float* rows_as_f32(const int8_t* src, int64_t n, int64_t D, int64_t
   return scratch;
 }
 
-// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities (0x7f/0xff are NaN and never stored).
-static float fp8_e4m3_value(uint8_t b) {
-  const int e = (b >> 3) & 0xF, m = b & 7;
-  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
-  return (b & 0x80) ? -mag : mag;
-}
-
-static const float* fp8_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int i = 0; i < 256; ++i) t[i] = fp8_e4m3_value(static_cast<uint8_t>(i));
-    return t;
-  }();
-  return table.data();
-}
-
 inline const float* rows_as_f32(const Fp8E4M3* src, int64_t n, int64_t D, int64_t stride, float* scratch,
                                 int64_t& out_stride) {
-  const float* table = fp8_table();
+  const float* table = fp8_e4m3_table();
   for (int64_t t = 0; t < n; ++t) {
     const uint8_t* row = reinterpret_cast<const uint8_t*>(src + t * stride);
     float s;

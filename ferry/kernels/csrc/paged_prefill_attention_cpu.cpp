@@ -25,7 +25,6 @@
 // bounded whatever the context.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "fp8_table.h"
 #include "simd_exp.h"
 
 namespace {
@@ -44,17 +44,6 @@ constexpr int kMaxVectors = 12;       // query vectors that share one pass over 
 constexpr float kNegBig = -1e30f;     // built with -ffast-math: no infinities
 
 enum class Kind { F32, BF16, I8, F8 };
-
-float fp8_value(uint8_t b) { return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits())); }
-
-const float* fp8_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int i = 0; i < 256; ++i) t[i] = fp8_value(static_cast<uint8_t>(i));
-    return t;
-  }();
-  return table.data();
-}
 
 // One cache row as D floats: the same values ferry/kv_quant.py's dequantize_rows gives (q * scale).
 template <Kind K>
@@ -74,7 +63,7 @@ inline void row_to_f32(const uint8_t* row, int64_t D, float* out) {
     if constexpr (K == Kind::I8) {
       for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(static_cast<int8_t>(row[d])) * s;
     } else {
-      const float* table = fp8_table();
+      const float* table = fp8_e4m3_table();
       for (int64_t d = 0; d < D; ++d) out[d] = table[row[d]] * s;
     }
   }
