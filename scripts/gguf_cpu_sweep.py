@@ -72,10 +72,10 @@ def kernel_at(rev: str):
     listed = subprocess.run(["git", "ls-tree", "--name-only", rev, CSRC + "/"], text=True, **git).stdout.split()
     sources = []
     for path in listed:  # gguf_quant_cpu.cpp, and from the split on gguf_kernels.h and gguf_prompt_cpu.cpp
-        name = Path(path).name
-        if name.startswith("gguf_") or name.endswith(".h"):
-            (work / name).write_bytes(subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout)
-            sources += [str(work / name)] if name.endswith(".cpp") else []
+        file = Path(path).name
+        if file.startswith("gguf_") or file.endswith(".h"):
+            (work / file).write_bytes(subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout)
+            sources += [str(work / file)] if file.endswith(".cpp") else []
     (work / "binding.cpp").write_text(BINDING)
     name = "ferry_gguf_" + subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
     flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it

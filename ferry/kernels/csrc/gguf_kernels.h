@@ -647,6 +647,18 @@ constexpr int kGroupRows = 8;
 constexpr int kGroupRows = 4;
 #endif
 
+// Software prefetch of [at, at + bytes) shifted kPrefetchAhead bytes ahead, up to `end` (the end of
+// the calling thread's rows): the hardware prefetcher restarts on every one of a step's ~120 short
+// weight streams and alone left the batch-1 matmuls at ~14 GB/s; with it, ~20 GB/s (a standalone
+// pass over SmolLM2's shapes, 6.9 -> 4.5-5.0 ms).
+constexpr int64_t kPrefetchAhead = 2048;  // bytes; 1, 2 and 4 KB measured alike
+inline void prefetch_ahead(const uint8_t* at, int64_t bytes, const uint8_t* end) {
+#ifdef FERRY_AVX2
+  for (const uint8_t* p = at + kPrefetchAhead; p < std::min(at + kPrefetchAhead + bytes, end); p += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#endif
+}
+
 // Matmuls with more activation rows than this (prompts) take the interleaved groups through
 // gguf_prompt_cpu.cpp's tiles, kPromptRowBlock rows a block; decode rows stay one block.
 constexpr int64_t kPromptRowBlock = 32;

@@ -15,7 +15,6 @@
 namespace {
 
 constexpr int64_t kChunkBytes = 256 * 1024;  // a quarter of a Zen 5 or recent Xeon core's L2
-constexpr int64_t kPrefetchAhead = 2048;     // bytes, as in gguf_dot_rows
 
 template <int T>
 void dot_groups_tiled(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
@@ -32,13 +31,7 @@ void dot_groups_tiled(const int8_t* qx, const float* dy, const float* sy, int64_
       for (int64_t n = c0; n < c1;) {
         const int64_t g0 = n / kGroup * kGroup;
         const uint8_t* group = w + g0 * row_bytes;
-#ifdef FERRY_AVX2
-        if (mb == 0) {  // the first block reads the chunk from memory: prefetch as gguf_dot_rows does
-          const uint8_t* at = group + kPrefetchAhead;
-          for (const uint8_t* p = at; p < std::min(at + kGroup * row_bytes, end); p += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-        }
-#endif
+        if (mb == 0) prefetch_ahead(group, kGroup * row_bytes, end);  // the first block reads the chunk from memory
         for (int64_t m = mb; m < me; m += kGroupRows) {
           const int R = int(std::min<int64_t>(kGroupRows, me - m));
           for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;

@@ -29,8 +29,6 @@ int64_t gguf_row_bytes(int64_t qtype, int64_t K) {
   return K / L.block * L.bytes;
 }
 
-constexpr int64_t kPrefetchAhead = 2048;  // bytes; 1, 2 and 4 KB measured alike
-
 // Output rows [n0, n1) of y = x @ dequant(w).T for M activation rows quantized by quantize_q8_rows:
 // y[m * ldy + n]; w is [N, row_bytes]. One weight row is read once for all M rows. Called by one
 // thread; a row of an interleaved group is always computed with its whole group, so its result does
@@ -46,11 +44,10 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
   std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
 #endif
   const uint8_t* end = w + std::min(N, (n1 + kGroup - 1) / kGroup * kGroup) * row_bytes;
+  // prefetch_ahead's loop (gguf_kernels.h), written out: calling the helper here changed this
+  // function's register allocation, and a change that small once cost its 1-row pass 25%.
   auto prefetch = [&](const uint8_t* at, int64_t bytes) {
 #ifdef FERRY_AVX2
-    // Software prefetch kPrefetchAhead bytes ahead within this thread's rows: the hardware prefetcher
-    // restarts on every one of a step's ~120 short weight streams and alone left the batch-1 matmuls
-    // at ~14 GB/s; with it, ~20 GB/s (a standalone pass over SmolLM2's shapes, 6.9 -> 4.5-5.0 ms).
     for (const uint8_t* p = at + kPrefetchAhead; p < std::min(at + kPrefetchAhead + bytes, end); p += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 #endif
