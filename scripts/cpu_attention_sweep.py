@@ -55,18 +55,28 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_attention", &paged_decode_attention); }
 """
-# Revisions with tree verification take an optional tree mask, left out here.
-BINDING_TREE = """#include <torch/extension.h>
+# Revisions with tree verification take an optional tree mask, and later ones an optional window
+# skip too (OPTIONALS of them), left out here.
+BINDING_OPTIONALS = """#include <torch/extension.h>
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     c10::optional<torch::Tensor> tree);
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale
+                                     OPTIONALS);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", [](torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor bt,
                                      torch::Tensor lens, double scale) {
-    return paged_decode_attention(q, k, v, bt, lens, scale, c10::nullopt);
+    return paged_decode_attention(q, k, v, bt, lens, scale NULLOPTS);
   });
 }
 """
+
+
+def binding_for(source: bytes) -> str:
+    """A binding that declares the revision's signature and calls it with no tree and no window."""
+    n = source.split(b"torch::Tensor paged_decode_attention(", 1)[1].split(b")", 1)[0].count(b"c10::optional")
+    if n == 0:
+        return BINDING
+    declared = BINDING_OPTIONALS.replace("OPTIONALS", ", c10::optional<torch::Tensor>" * n)
+    return declared.replace("NULLOPTS", ", c10::nullopt" * n)
 
 
 def kernel_at(rev: str):
@@ -79,7 +89,12 @@ def kernel_at(rev: str):
     source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=root, check=True, capture_output=True).stdout
     work = Path(tempfile.mkdtemp(prefix="ferry-attn-"))
     (work / "attention.cpp").write_bytes(source)
-    (work / "binding.cpp").write_text(BINDING_TREE if b"c10::optional<torch::Tensor> tree" in source else BINDING)
+    git = dict(cwd=root, check=True, capture_output=True)
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, str(Path(KERNEL).parent) + "/"], text=True, **git)
+    for path in listed.stdout.split():  # the headers it includes (simd_exp.h, and later fp8_table.h)
+        if path.endswith(".h"):
+            (work / Path(path).name).write_bytes(subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout)
+    (work / "binding.cpp").write_text(binding_for(source))
     name = "ferry_attention_" + subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True,
                                                capture_output=True, text=True).stdout.strip()  # fmt: skip
     flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
