@@ -8,7 +8,9 @@ compares its blocks run as stored against the same file dequantized to fp32) and
 KV cache (`--kv-cache-dtype int8 | fp8`, alone or with a weight quantization): with a quantized
 cache every position of the prefill attends to the stored (quantized) K/V, its own included,
 which is what decoding from that cache reads. A float `--kv-cache-dtype` (bf16) is not
-measured this way: a single prefill attends to the fresh K/V.
+measured this way: a single prefill attends to the fresh K/V. `--decode-rows` runs the quantized
+model over the text as decode rows of one sequence (each token's row attends to the cache up to
+itself): the decode kernels' arithmetic, which on the CPU quantizes q for an int8 cache's K dots.
 """
 
 from __future__ import annotations
@@ -45,15 +47,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: bundled SmolLM2)")
     p.add_argument("--text-file", default=None, help="text to score (default: a built-in held-out paragraph)")
     p.add_argument("--max-tokens", type=int, default=1024, help="score at most this many tokens of the text")
+    p.add_argument("--decode-rows", action="store_true",
+                   help="the quantized model reads the text as decode rows (the decode kernels' arithmetic) "
+                        "rather than as one prompt")  # fmt: skip
     p.add_argument("--json", default=None)
 
 
 @torch.no_grad()
-def compare(reference, candidate, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None) -> dict[str, float]:
+def compare(reference, candidate, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None,
+            decode_rows: bool = False) -> dict[str, float]:  # fmt: skip
     """Teacher-forced comparison of two loaded models (LlamaForCausalLM) on one token sequence; the
-    candidate's K/V go through a cache of `kv_cache_dtype` (None: the model dtype)."""
+    candidate's K/V go through a cache of `kv_cache_dtype` (None: the model dtype), read as one
+    prompt or (`decode_rows`) as a decode row per token."""
     ref = reference.compute_logits(reference._forward_prompt(token_ids)).float().log_softmax(-1)
-    got = candidate.compute_logits(candidate._forward_prompt(token_ids, kv_cache_dtype)).float().log_softmax(-1)
+    hidden = candidate._forward_prompt(token_ids, kv_cache_dtype, decode_rows=decode_rows)
+    got = candidate.compute_logits(hidden).float().log_softmax(-1)
     target = torch.tensor(token_ids[1:], device=ref.device)[:, None]
     return {
         "tokens": len(token_ids),
@@ -95,16 +103,22 @@ def main(args: argparse.Namespace) -> int:
                 f"--quantization {eargs.quantization}: this checkpoint runs unquantized; nothing to compare"
             )
     label = " + ".join(x for x in (candidate.quantization, kv_format and f"{kv_format} KV cache") if x)
+    if args.decode_rows:
+        label += ", decode rows"
     results = []
+
+    def measured(name: str) -> dict:
+        return {"quantization": name, **compare(reference, candidate, ids, kv_dtype, args.decode_rows)}
+
     if candidate.quantization == "gguf":
         # The exact path dequantizes into an fp32 GEMM (K-quant prompt rows take it); the int8 dots
         # quantize activations per 32 values (decode rows, and every row of Q4_0/Q4_1/Q8_0).
         with exact_prompt_rows():
-            results.append({"quantization": f"{label} (exact GEMM)", **compare(reference, candidate, ids, kv_dtype)})
+            results.append(measured(f"{label} (exact GEMM)"))
         with int8_dots_at_any_batch():
-            results.append({"quantization": f"{label} (int8 dots)", **compare(reference, candidate, ids, kv_dtype)})
+            results.append(measured(f"{label} (int8 dots)"))
     else:
-        results.append({"quantization": label, **compare(reference, candidate, ids, kv_dtype)})
+        results.append(measured(label))
     for result in results:
         print(
             f"{result['quantization']} vs unquantized over {result['tokens']} tokens: "

@@ -26,7 +26,13 @@ from torch import nn
 
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.kv_quant import row_width
-from ferry.layers.attention import AttentionMetadata, one_prompt_metadata, paged_attention
+from ferry.layers.attention import (
+    AttentionMetadata,
+    one_prompt_metadata,
+    one_sequence_decode_metadata,
+    paged_attention,
+    select_attention_backend,
+)
 from ferry.layers.fused import act_and_mul
 from ferry.layers.gguf_linear import (
     GGUF_QUANT_TYPES,
@@ -517,14 +523,31 @@ class LlamaForCausalLM(nn.Module):
         return caches
 
     @torch.no_grad()
-    def _forward_prompt(self, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _forward_prompt(self, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None,
+                        decode_rows: bool = False) -> torch.Tensor:  # fmt: skip
         """Final hidden states [T, hidden] of one prompt, with a throwaway KV cache (calibration; `ferry bench
-        quality`, where a quantized `kv_cache_dtype` makes every position attend to quantized K/V)."""
+        quality`, where a quantized `kv_cache_dtype` makes every position attend to quantized K/V).
+        `decode_rows`: every token a decode row of the one sequence (the decode kernels' arithmetic)."""
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         cache_dtype = kv_cache_dtype or dtype
         T = len(token_ids)
-        kv = self.new_kv_cache(T, 1, cache_dtype, device)  # T blocks of one slot each
-        meta, positions = one_prompt_metadata(T, device)
+        if decode_rows:
+            kv = self.new_kv_cache(-(-T // 16), 16, cache_dtype, device)
+            attn = self.layers[0].self_attn
+            backend = select_attention_backend(  # as an engine picks it
+                "auto",
+                device,
+                num_heads=attn.num_heads,
+                num_kv_heads=attn.num_kv_heads,
+                head_dim=self.config.head_dim,
+                dtype=dtype,
+                cache_dtype=cache_dtype,
+                latent=self.config.is_mla,
+            )
+            meta, positions = one_sequence_decode_metadata(T, 16, device, backend)
+        else:
+            kv = self.new_kv_cache(T, 1, cache_dtype, device)  # T blocks of one slot each
+            meta, positions = one_prompt_metadata(T, device)
         return self(torch.tensor(token_ids, device=device), positions, kv, meta)
 
     # -- weights --------------------------------------------------------

@@ -18,6 +18,7 @@ from ferry.layers.attention.torch_backend import TorchAttentionBackend, cpu_deco
 
 __all__ = [
     "one_prompt_metadata",
+    "one_sequence_decode_metadata",
     "AttentionBackend",
     "AttentionMetadata",
     "PrefillHost",
@@ -38,6 +39,23 @@ def one_prompt_metadata(num_tokens: int, device: torch.device) -> tuple[Attentio
     meta = build_metadata(slot_mapping=slots, block_size=1, decode_blocks=[], decode_seq_lens=slots[:0],
                           prefills=[PrefillHost(0, num_tokens, num_tokens, slots)], device=device,
                           backend=TorchAttentionBackend(device))  # fmt: skip
+    return meta, torch.from_numpy(slots).to(device)
+
+
+def one_sequence_decode_metadata(num_tokens: int, block_size: int, device: torch.device,
+                                 backend: AttentionBackend) -> tuple[AttentionMetadata, torch.Tensor]:  # fmt: skip
+    """The tokens of one sequence as `num_tokens` decode rows over blocks 0, 1, ... of `block_size`
+    (token t in slot t; row t attends to tokens 0..t, its own K/V stored in the same layer, as a
+    verify step lays out drafts) on `backend`, and their positions: a teacher-forced pass through
+    the decode kernels, whose arithmetic can differ from the prompt path's (`ferry bench quality
+    --decode-rows`)."""
+    import numpy as np
+
+    slots = np.arange(num_tokens, dtype=np.int64)
+    table = np.arange(-(-num_tokens // block_size), dtype=np.int64)
+    meta = build_metadata(slot_mapping=slots, block_size=block_size, decode_blocks=[table] * num_tokens,
+                          decode_seq_lens=slots + 1, prefills=[], device=device,
+                          backend=backend)  # fmt: skip
     return meta, torch.from_numpy(slots).to(device)
 
 
