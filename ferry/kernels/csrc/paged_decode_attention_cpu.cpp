@@ -619,7 +619,10 @@ inline void row_values(const float* p, const float* vb, int64_t vs, int64_t n, i
 
 // Cache lines to prefetch, issued a share at a time between blocks of arithmetic. A burst of a
 // partition's few hundred lines at once stalled the loads behind it until the core's miss buffers
-// drained, so memory waits added to the arithmetic instead of overlapping it.
+// drained, so memory waits added to the arithmetic instead of overlapping it. The hint is T2
+// (locality 1): on the Zen 5 VM it took a bf16 cache's batch-64 kernel 7-13% below T1's time (T0
+// and NTA were 1.5-1.8x slower, int8 and fp32 within noise of T1; `cpu_attention_sweep.py
+// --against`, BENCHMARKS.md's fifteenth part); Intel cores since Nehalem treat T1 and T2 alike.
 struct PrefetchQueue {
   std::vector<std::pair<const char*, int64_t>> runs;  // first byte, length
   size_t run = 0;
@@ -630,7 +633,7 @@ struct PrefetchQueue {
     while (n > 0 && run < runs.size()) {
       const char* base = runs[run].first;
       const int64_t len = runs[run].second;
-      for (; off < len && n > 0; off += 64, --n) __builtin_prefetch(base + off, 0, 2);
+      for (; off < len && n > 0; off += 64, --n) __builtin_prefetch(base + off, 0, 1);
       if (off >= len) ++run, off = 0;
     }
   }
