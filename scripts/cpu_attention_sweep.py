@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from kernels_at_revision import kernel_at
 
 from ferry.kernels.cpu import cpu_kernels
 from ferry.kv_quant import quantize_rows
@@ -49,15 +47,10 @@ def block_table(order: str, batch: int, per_seq: int, gen: torch.Generator) -> t
     return ids.view(batch, per_seq)
 
 
-KERNEL = "ferry/kernels/csrc/paged_decode_attention_cpu.cpp"
+KERNEL = "paged_decode_attention_cpu.cpp"
+# Revisions' kernels take an optional tree mask (tree verification), later ones an optional window
+# skip too (OPTIONALS of them, none before either), all left out here.
 BINDING = """#include <torch/extension.h>
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode_attention", &paged_decode_attention); }
-"""
-# Revisions with tree verification take an optional tree mask, and later ones an optional window
-# skip too (OPTIONALS of them), left out here.
-BINDING_OPTIONALS = """#include <torch/extension.h>
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale
                                      OPTIONALS);
@@ -70,36 +63,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 
-def binding_for(source: bytes) -> str:
+def binding_for(texts: dict[str, bytes]) -> str:
     """A binding that declares the revision's signature and calls it with no tree and no window."""
+    source = texts[KERNEL]
     n = source.split(b"torch::Tensor paged_decode_attention(", 1)[1].split(b")", 1)[0].count(b"c10::optional")
-    if n == 0:
-        return BINDING
-    declared = BINDING_OPTIONALS.replace("OPTIONALS", ", c10::optional<torch::Tensor>" * n)
+    declared = BINDING.replace("OPTIONALS", ", c10::optional<torch::Tensor>" * n)
     return declared.replace("NULLOPTS", ", c10::nullopt" * n)
-
-
-def kernel_at(rev: str):
-    """The paged decode attention of commit `rev`, built alone with this build's flags."""
-    from torch.utils.cpp_extension import load
-
-    from ferry.kernels.cpu import _isa_flags
-
-    root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], cwd=root, check=True, capture_output=True).stdout
-    work = Path(tempfile.mkdtemp(prefix="ferry-attn-"))
-    (work / "attention.cpp").write_bytes(source)
-    git = dict(cwd=root, check=True, capture_output=True)
-    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, str(Path(KERNEL).parent) + "/"], text=True, **git)
-    for path in listed.stdout.split():  # the headers it includes (simd_exp.h, and later fp8_table.h)
-        if path.endswith(".h"):
-            (work / Path(path).name).write_bytes(subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout)
-    (work / "binding.cpp").write_text(binding_for(source))
-    name = "ferry_attention_" + subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True,
-                                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-    flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
-    sources = [str(work / "attention.cpp"), str(work / "binding.cpp")]
-    return load(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"])
 
 
 def main() -> None:
@@ -120,7 +89,7 @@ def main() -> None:
         raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
     builds = {"this tree": kernels}
     if args.against:
-        builds[args.against] = kernel_at(args.against)
+        builds[args.against] = kernel_at(args.against, lambda f: f == KERNEL, binding_for, "attention")
     print(f"threads {args.threads}, {args.layers} layers' caches, blocks of {BLOCK} in random order")
     print("| blocks | cache | batch | context | kernel | ms per layer | x 30 layers | K/V GB/s |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")

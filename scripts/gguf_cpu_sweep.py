@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
+from kernels_at_revision import kernel_at
 
 from ferry.kernels.cpu import cpu_flags, cpu_kernels
 from ferry.layers.gguf_linear import GGUF_QUANT_TYPES, GGUFWeight
@@ -53,34 +51,15 @@ def random_weight(type_name: str, n: int, k: int, rng: np.random.Generator, plai
     return GGUFWeight.from_numpy(raw.reshape(n, -1), type_name, (n, k))
 
 
-CSRC = "ferry/kernels/csrc"
 BINDING = """#include <torch/extension.h>
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_linear", &gguf_linear); }
 """
 
 
-def kernel_at(rev: str):
-    """gguf_linear of commit `rev`, built alone with this build's flags."""
-    from torch.utils.cpp_extension import load
-
-    from ferry.kernels.cpu import _isa_flags
-
-    root = Path(__file__).resolve().parent.parent
-    git = dict(cwd=root, check=True, capture_output=True)
-    work = Path(tempfile.mkdtemp(prefix="ferry-gguf-"))
-    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, CSRC + "/"], text=True, **git).stdout.split()
-    sources = []
-    for path in listed:  # gguf_quant_cpu.cpp, and from the split on gguf_kernels.h and gguf_prompt_cpu.cpp
-        file = Path(path).name
-        if file.startswith("gguf_") or file.endswith(".h"):
-            (work / file).write_bytes(subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout)
-            sources += [str(work / file)] if file.endswith(".cpp") else []
-    (work / "binding.cpp").write_text(BINDING)
-    name = "ferry_gguf_" + subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
-    flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
-    return load(name=name, sources=[*sources, str(work / "binding.cpp")], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"])  # fmt: skip
+def gguf_kernel_at(rev: str):
+    """gguf_linear of commit `rev`: gguf_quant_cpu.cpp, and from the split on gguf_prompt_cpu.cpp."""
+    return kernel_at(rev, lambda f: f.startswith("gguf_"), lambda texts: BINDING, "gguf")
 
 
 def cases(args, rng):
@@ -96,7 +75,7 @@ def cases(args, rng):
 
 def against(args, kernels, rng) -> None:
     """This tree's gguf_linear and REV's, alternately, on the same weights and activations."""
-    old = kernel_at(args.against)
+    old = gguf_kernel_at(args.against)
     print(f"| type | shape | rows | {args.against} us | this tree us | speed-up |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for type_name, shape_name, w, x, _ in cases(args, rng):
@@ -114,7 +93,7 @@ def against_model_pass(args, kernels, rng) -> None:
     the bundled file has it): ~100 MB for 30 layers, more than any cache, so the weights stream from
     memory as in a decode step, where hot-cache timings of one weight miss prefetch and layout
     effects (a branch added to gguf_dot_rows cost its 1-row pass 25% here and nothing hot)."""
-    old = kernel_at(args.against)
+    old = gguf_kernel_at(args.against)
     layers = [[random_weight(args.types[0], n, k, rng) for n, k in SMOLLM2.values() if n != 49152]
               for _ in range(args.model_pass)]  # fmt: skip
     weights = [w for layer in layers for w in layer] + [random_weight("Q8_0", *SMOLLM2["head"], rng)]

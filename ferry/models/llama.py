@@ -532,7 +532,8 @@ class LlamaForCausalLM(nn.Module):
         cache_dtype = kv_cache_dtype or dtype
         T = len(token_ids)
         if decode_rows:
-            kv = self.new_kv_cache(-(-T // 16), 16, cache_dtype, device)
+            bs = 16  # the engine's default block size
+            kv = self.new_kv_cache(-(-T // bs), bs, cache_dtype, device)
             attn = self.layers[0].self_attn
             backend = select_attention_backend(  # as an engine picks it
                 "auto",
@@ -544,7 +545,7 @@ class LlamaForCausalLM(nn.Module):
                 cache_dtype=cache_dtype,
                 latent=self.config.is_mla,
             )
-            meta, positions = one_sequence_decode_metadata(T, 16, device, backend)
+            meta, positions = one_sequence_decode_metadata(T, bs, device, backend)
         else:
             kv = self.new_kv_cache(T, 1, cache_dtype, device)  # T blocks of one slot each
             meta, positions = one_prompt_metadata(T, device)
