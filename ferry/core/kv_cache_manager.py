@@ -58,12 +58,21 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        *,
+        publish: bool = True,
+        keep_free: int = 0,
     ) -> bool:
-        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out.
+        """Make room for `num_new_tokens` more tokens; False (and no change) if blocks run out, or
+        if fewer than `keep_free` would be left free.
 
         `new_computed_blocks` are prefix-cache hits for a request being
         scheduled for the first time; they are referenced, not copied.
+        `publish=False`: blocks these tokens fill are not put in the prefix cache (yet): early
+        exit's drafts write only the first layers' K/V before the step that schedules them.
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_blocks.get(request.request_id, [])
@@ -78,7 +87,7 @@ class KVCacheManager:
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Hits on free blocks leave the free queue, so they use up free capacity too.
         hits_on_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(needed, 0) + hits_on_free > self.pool.num_free_blocks:
+        if max(needed, 0) + hits_on_free + keep_free > self.pool.num_free_blocks:
             return False
         self.pool.touch([b for b in new_computed_blocks if b is not OUT_OF_WINDOW])
         blocks = blocks + new_computed_blocks
@@ -88,7 +97,8 @@ class KVCacheManager:
         # Blocks that will be full once this step's tokens are written get published
         # now, so that a request scheduled later in this same step can share them.
         bs = self.block_size
-        self._publish(request, blocks, num_computed // bs, (num_computed + num_new_tokens) // bs)
+        if publish:
+            self._publish(request, blocks, num_computed // bs, (num_computed + num_new_tokens) // bs)
         return True
 
     def _release_out_of_window(self, blocks: list[KVCacheBlock], end: int) -> None:
@@ -136,6 +146,12 @@ class KVCacheManager:
         if blocks and len(blocks) > keep:
             self.req_blocks[request.request_id] = blocks[:keep]
             self.pool.free(list(reversed(blocks[keep:])))
+
+    def blocks_short(self, requests: list[Request]) -> int:
+        """Blocks these requests lack to hold the tokens they have (a decoding request at a block
+        boundary lacks one for its next token; a prompt being prefilled, those of its chunks)."""
+        bs = self.block_size
+        return sum(max(0, cdiv(r.num_tokens, bs) - len(self.req_blocks.get(r.request_id, ()))) for r in requests)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -28,6 +28,7 @@ from ferry.worker.model_loading import LoadedModel, load_model
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.spec_decode import DraftProposer
 from ferry.worker.spec_decode.draft_model import DraftModelProposer, check_same_vocabulary
+from ferry.worker.spec_decode.early_exit import EarlyExitProposer
 from ferry.worker.spec_decode.medusa import MedusaHeads, MedusaProposer
 from ferry.worker.tp_worker import TensorParallelWorkers
 
@@ -80,7 +81,8 @@ def _build(
     stage_layers = max((b - a for a, b in tp_workers.layer_ranges), default=None) if tp_workers else None
     block_bytes = kv_bytes_per_block(cfg, bs, runner.cache_dtype, tp.size, stage_layers)
     draft_runner = ModelRunner.create(args, draft) if draft is not None else None
-    if draft_runner is not None:  # the draft's cache has as many blocks as the target's
+    early_exit = args.speculative is not None and args.speculative.method == "early_exit"
+    if draft_runner is not None and not early_exit:  # the draft's cache has as many blocks as the target's
         block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
     num_blocks = args.num_kv_blocks or _num_kv_blocks(args, runner, tp_workers, block_bytes)
     max_len = _max_model_len(args, cfg, num_blocks, runner.sliding_window)
@@ -105,7 +107,7 @@ def _build(
         tp_workers.initialize_kv_cache(runner, num_blocks, args.max_num_seqs, max_len)
     else:
         runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
-    if draft_runner is not None:
+    if draft_runner is not None and not early_exit:  # (early exit drafts over the target's cache)
         draft_runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
     info = EngineInfo(
         model_path=str(args.model or ""),
@@ -119,7 +121,12 @@ def _build(
     proposer = None
     if args.speculative is not None:
         drafter = None
-        if draft_runner is not None:
+        if early_exit:
+            drafter = EarlyExitProposer(draft_runner, runner, kv)
+            if runner.model.cpu_decode_step is not None:
+                drafter.rest.cpu_decode_step = CPUDecodeStep.build(drafter.rest)
+            runner.early_exit = drafter
+        elif draft_runner is not None:
             draft_kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching)
             drafter = DraftModelProposer(draft_runner, draft_kv, cfg.vocab_size, args.max_num_batched_tokens)
         medusa = _medusa_proposer(args, runner, tp, max_len) if args.speculative.method == "medusa" else None

@@ -138,16 +138,23 @@ class CPUDecodeStep:
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The final norm's output [B, hidden] for B decode tokens (the LM head's input)."""
-        x = self._embed(input_ids)
+        hidden: torch.Tensor | None = None,
+        pre_norm: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final norm's output [B, hidden] for B decode tokens (the LM head's input). `hidden`:
+        the residual stream entering the first layer, instead of the tokens' embeddings (early
+        exit's verification). `pre_norm`: also the residual stream before the final norm."""
+        x = self._embed(input_ids) if hidden is None else hidden.contiguous()
         views = [self._backend.view(meta, w) for w in self._views]
-        return self._step.forward(
+        stream = torch.empty_like(x) if pre_norm else None
+        out = self._step.forward(
             x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.decode_tree,
             self._layer_view,
             [v.decode_tables for v in views], [v.decode_lens for v in views], [v.decode_skip for v in views],
+            stream,
         )  # fmt: skip
+        return (out, stream) if pre_norm else out
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -274,13 +274,19 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        pre_norm: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The final (normed) hidden states [T, hidden]. A pipeline stage after the first starts from
         the previous stage's `intermediate` (its last layer's output and the residual, unsummed), and
-        a stage before the last returns that pair instead."""
-        if self.cpu_decode_step is not None and self.cpu_decode_step.runs(kv_caches, meta):
-            return self.cpu_decode_step(input_ids, positions, kv_caches, meta)
+        a stage before the last returns that pair instead. `intermediate` = (stream, None) starts
+        from the residual stream itself (early exit: `last_layers` verifies from where
+        `first_layers` drafted). `pre_norm`: (the normed states, the residual stream before the
+        final norm), the stream being what `last_layers` starts from."""
+        stream_only = intermediate is None or intermediate[1] is None
+        if self.cpu_decode_step is not None and stream_only and self.cpu_decode_step.runs(kv_caches, meta):
+            hidden = None if intermediate is None else intermediate[0]
+            return self.cpu_decode_step(input_ids, positions, kv_caches, meta, hidden, pre_norm)
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
             if self.config.embed_scale != 1.0:  # Gemma: sqrt(hidden), rounded to the activations' dtype as HF does
@@ -292,7 +298,8 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(x, residual, positions, kv_cache, meta)
         if not self.pp.is_last:
             return x, residual
-        return self.norm.add_and_norm(x, residual)
+        out = self.norm.add_and_norm(x, residual)  # residual += x, in place: the stream
+        return (out, residual) if pre_norm else out
 
     def first_layers(self, num_layers: int) -> LlamaForCausalLM:
         """This model cut after its first `num_layers` layers, then its final norm and LM head,
@@ -305,6 +312,22 @@ class LlamaForCausalLM(nn.Module):
         view._modules = dict(self._modules)
         view.layers = nn.ModuleList(self.layers[:num_layers])
         view.config = dataclasses.replace(cfg, num_hidden_layers=num_layers)
+        view.cpu_decode_step = None
+        return view
+
+    def last_layers(self, first: int) -> LlamaForCausalLM:
+        """This model's layers from `first` on, then its final norm and LM head, sharing every
+        weight: what early exit's verification runs over the residual stream `first_layers(first)`
+        left (`forward(..., intermediate=(stream, None))`), reusing the K/V its draft wrote for
+        the first layers. Its kv_caches are the model's from `first` on; its C++ decode step is
+        the caller's to build."""
+        cfg = self.config
+        if not 1 <= first < cfg.num_hidden_layers:
+            raise ValueError(f"the first layer must be in [1, {cfg.num_hidden_layers - 1}], got {first}")
+        view = copy.copy(self)
+        view._modules = dict(self._modules)
+        view.layers = nn.ModuleList(self.layers[first:])
+        view.first_layer = self.first_layer + first
         view.cpu_decode_step = None
         return view
 

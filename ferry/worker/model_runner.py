@@ -124,6 +124,9 @@ class ModelRunner:
         self._sampled: list[Request] = []
         self._sampled_rows: list[int] = []
         self.profile = False  # sync the device between phases for an exact breakdown
+        # Early exit's proposer (spec_decode/early_exit.py), when it drafts over this runner's cache:
+        # the residual streams it left for a step's rows, which then run only the last layers.
+        self.early_exit = None
 
     @classmethod
     def create(
@@ -184,11 +187,27 @@ class ModelRunner:
         """This rank's forward over the step; the logits of `plan.logits_rows` (all ranks)."""
         return self._outputs(plan, self._run_model(plan))
 
+    @torch.inference_mode()
+    def forward_stream(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Early exit's draft pass (this runner's model is the target's first layers): the logits of
+        `plan.logits_rows` and every row's residual stream after those layers, where the target's
+        verification goes on from (`last_layers`)."""
+        hidden, stream = self._run_model(plan, pre_norm=True)
+        return self._outputs(plan, hidden), stream
+
     def _run_model(
-        self, plan: StepPlan, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        plan: StepPlan,
+        intermediate: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        pre_norm: bool = False,
+        model: LlamaForCausalLM | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The model (this rank's stage of it) over the step: replayed from a CUDA graph when one fits."""
-        if self.graphs is not None and self.graphs.fits(plan):
+        """The model (this rank's stage of it) over the step: replayed from a CUDA graph when one fits.
+        `model` and `kv_caches`: another view of the model over those layers' caches (early exit's
+        last layers; never from a graph), `pre_norm` as `LlamaForCausalLM.forward` takes it."""
+        plain = model is None and not pre_norm
+        if plain and self.graphs is not None and self.graphs.fits(plan):
             return self.graphs.run(plan)
         meta = build_metadata(
             slot_mapping=plan.slot_mapping,
@@ -202,7 +221,9 @@ class ModelRunner:
         )
         ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
-        return self.model(ids, positions, self.kv_caches, meta, intermediate)
+        if model is None:
+            return self.model(ids, positions, self.kv_caches, meta, intermediate, pre_norm)
+        return model(ids, positions, kv_caches, meta, intermediate, pre_norm)
 
     def _outputs(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
         """From the final hidden states: the embedding rows kept for pooling, prompt logprobs, and the
@@ -329,6 +350,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, record: StepRecord) -> tuple[list[Request], VerifiedOutput | None]:
         """Run one step (rank 0): plan -> forward (every rank) -> sample (and verify drafts);
         returns the requests that got new tokens and, per request, the tokens it keeps."""
+        streams = self.early_exit.streams_for(sched) if self.early_exit is not None else {}
+        if streams:
+            return self._execute_from_streams(sched, record, streams)
         t0 = time.perf_counter()
         plan, sampling, drafts = build_step_plan(sched, self.block_size)
         self._broadcast(plan)
@@ -342,6 +366,54 @@ class ModelRunner:
         out = self._sample_and_attach(sched, plan, sampling, drafts, logits)
         record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, time.perf_counter() - t2
         self._fill_record(record, plan)
+        return sampling, out
+
+    @torch.inference_mode()
+    def _execute_from_streams(
+        self, sched: SchedulerOutput, record: StepRecord, streams: dict[str, torch.Tensor]
+    ) -> tuple[list[Request], VerifiedOutput | None]:
+        """A step some of whose requests early exit drafted for: their rows (the last token and the
+        drafts, whose first layers' K/V the draft wrote) run only the last layers, from the residual
+        streams it left; the step's other requests run the whole model, as a forward of their own.
+        Both halves' logits are then sampled and verified together."""
+        t0 = time.perf_counter()
+        rest, whole = SchedulerOutput(), SchedulerOutput()
+        for request, n in sched.scheduled:
+            part = rest if request.request_id in streams else whole
+            part.scheduled.append((request, n))
+            rid = request.request_id
+            part.block_ids[rid] = sched.block_ids[rid]
+            if rid in sched.spec_token_ids:
+                part.spec_token_ids[rid] = sched.spec_token_ids[rid]
+        # (No tree: early exit drafts one chain per request.)
+        plan_r, sampling_r, drafts_r = build_step_plan(rest, self.block_size)
+        plan_w, sampling_w, drafts_w = build_step_plan(whole, self.block_size) if whole.scheduled else (None, [], [])
+        stream = torch.cat([streams[r.request_id] for r, _ in rest.scheduled])  # decode rows, in this order
+        t1 = time.perf_counter()
+        logits, hidden = [], []
+        if plan_w is not None:
+            logits_w = self._outputs(plan_w, self._run_model(plan_w))
+            if logits_w is not None:
+                logits.append(logits_w)
+                hidden.append(self.logits_hidden)
+        ee = self.early_exit
+        out_r = self._run_model(plan_r, (stream, None), model=ee.rest, kv_caches=self.kv_caches[ee.num_layers :])
+        rows = torch.from_numpy(plan_r.logits_rows).to(self.device, non_blocking=True)
+        hidden.append(out_r.index_select(0, rows))
+        logits.append(self.model.compute_logits(hidden[-1]))
+        self.logits_hidden = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+        t2 = time.perf_counter()
+        sampling, drafts = sampling_w + sampling_r, drafts_w + drafts_r
+        logits_all = torch.cat(logits) if len(logits) > 1 else logits[0]
+        if plan_w is None:
+            self.pool_hidden, self.prompt_lps = None, []
+        out = self._sample_and_attach(sched, plan_w or plan_r, sampling, drafts, logits_all)
+        record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, time.perf_counter() - t2
+        self._fill_record(record, plan_r)
+        if plan_w is not None:
+            record.num_decodes += plan_w.num_decodes
+            record.num_prefill_tokens = sum(p.length for p in plan_w.prefills)
+            record.decode_context_tokens += int(plan_w.decode_seq_lens.sum())
         return sampling, out
 
     def _sample_and_attach(

@@ -181,6 +181,23 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
     return plan, sampling, drafts
 
 
+def decode_rows_plan(rows: list[tuple[int, int, list[int]]], block_size: int, logits_rows: list[int]) -> StepPlan:
+    """Decode rows given one by one: (token, position, its sequence's block ids) each, storing its
+    K/V at its position and attending to the cache up to it; logits for `logits_rows`. Early
+    exit's draft passes, which feed tokens the scheduler has not scheduled yet."""
+    bs = block_size
+    positions = np.asarray([p for _, p, _ in rows], dtype=np.int64)
+    return StepPlan(
+        input_ids=np.asarray([t for t, _, _ in rows], dtype=np.int64),
+        positions=positions,
+        slot_mapping=np.asarray([blocks[p // bs] * bs + p % bs for _, p, blocks in rows], dtype=np.int64),
+        decode_blocks=[np.asarray(blocks, dtype=np.int64) for _, _, blocks in rows],
+        decode_seq_lens=positions + 1,
+        prefills=[],
+        logits_rows=np.asarray(logits_rows, dtype=np.int64),
+    )
+
+
 def tree_paths(parents: list[int]) -> list[list[int]]:
     """For a tree of drafts in preorder (`Request.spec_parents`: draft i's parent is
     parents[i - 1], 0 the root), each node's path: the drafts from the root down to it ([] for

@@ -17,6 +17,7 @@ from test_spec_decode_engine import assert_second_token_follows_the_model, seede
 
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import LoadedModel
+from ferry.worker.spec_decode.early_exit import EarlyExitProposer
 
 
 def spec(method: str, k: int = 4, length: str = "fixed", **extra) -> str:
@@ -54,6 +55,9 @@ def wrong_draft(smollm):
 def assert_all_freed(engine) -> None:
     assert_no_blocks_referenced(engine)
     drafter = engine.core.proposer.draft_model
+    if isinstance(drafter, EarlyExitProposer):  # drafts in the target's blocks: nothing of its own
+        assert drafter.kv is engine.core.scheduler.kv and not drafter.states
+        return
     assert not drafter.shadows and not drafter.kv.req_blocks
     assert drafter.kv.pool.num_free_blocks == drafter.kv.pool.num_blocks
 
@@ -67,11 +71,38 @@ def test_greedy_is_token_exact_alone_batched_and_preempted(smollm_gguf, prompts,
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     assert generate(engine, prompts) == reference
     assert_all_freed(engine)
+    if method == "early_exit":  # verified from the draft's streams: only the last 6 layers ran for them
+        assert engine.core.proposer.draft_model.num_reused_rows > stats.spec_num_draft_tokens
     # 12 blocks of 16 tokens cannot hold the three sequences at once: some are preempted (and
     # their draft shadows freed, then rebuilt from the draft's prefix cache).
     engine = engine_over(smollm_gguf, draft_model=draft, speculative_config=spec(method), num_kv_blocks=12)
     assert generate(engine, prompts) == reference
     assert engine.get_stats().num_preemptions > 0
+    assert_all_freed(engine)
+
+
+def test_early_exit_verifies_beside_a_prompt(smollm_gguf, prompts, reference):
+    """A step with a request verifying from early exit's streams and another request's prompt runs
+    the first through the last layers only and the second through the whole model (two forwards,
+    sampled together): each gets the tokens it gets alone, without speculation."""
+    engine = engine_over(smollm_gguf, speculative_config=spec("early_exit"))
+    runner, drafter = engine.core.runner, engine.core.proposer.draft_model
+    beside_others = []
+    from_streams = runner._execute_from_streams
+
+    def spy(sched, record, streams):
+        beside_others.append(len(streams) < len(sched.scheduled))
+        return from_streams(sched, record, streams)
+
+    runner._execute_from_streams = spy
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    engine.add_request("edit", {"prompt_token_ids": prompts["edit"]}, params)
+    while not drafter.states:
+        engine.step()
+    engine.add_request("story", {"prompt_token_ids": prompts["story"]}, params)
+    done = run_to_completion(engine)
+    assert {name: done[name].outputs[0].token_ids for name in done} == {n: reference[n] for n in ("edit", "story")}
+    assert any(beside_others) and drafter.num_reused_rows > 0
     assert_all_freed(engine)
 
 

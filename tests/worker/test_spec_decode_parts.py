@@ -354,3 +354,22 @@ def test_a_tree_is_laid_out_at_its_depths_with_its_ancestors_visible():
     assert plan.decode_seq_lens.tolist() == [6, 7, 8, 9, 10]
     assert plan.decode_tree.tolist() == [[6, 0], [6, 0b1], [6, 0b11], [6, 0b100], [6, 0b1100]]
     assert tree_depths([0, 1, 0, 3]) == [0, 1, 2, 1, 2] and ancestor_bits([0] * 64, 64) == -(1 << 63)
+
+
+def test_early_exit_slots_wait_for_the_running_requests_and_stay_unpublished():
+    """Early exit takes its drafts' slots before scheduling (core/kv_cache_manager.py:
+    `allocate_slots(publish=False, keep_free=...)`): never the blocks running requests need for
+    the tokens they have, and never a prefix-cache entry for a block its drafts half-wrote."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    a, b = req([1, 2, 3, 4, 5, 6, 7], rid="a"), req([9, 9, 9, 9], rid="b")
+    assert kv.allocate_slots(a, 7)  # two blocks
+    a.num_computed_tokens = 7
+    a.append_token(8)  # its 8th token: fits its second block
+    assert kv.blocks_short([a, b]) == 1  # b holds nothing yet: one block for its 4 tokens
+    assert not kv.allocate_slots(a, 1 + 5, publish=False, keep_free=1)  # drafts would need 2 more: 1 left
+    assert kv.allocate_slots(a, 1 + 4, publish=False, keep_free=1)  # one more block, one left for b
+    assert len(kv.req_blocks["a"]) == 3 and kv.pool.num_free_blocks == 1
+    # The block a's 8th token fills is not published; the scheduler's own call (same room) publishes it.
+    assert kv.pool.get_cached_block(a.block_hashes[1]) is None
+    assert kv.allocate_slots(a, 1 + 4) and len(kv.req_blocks["a"]) == 3
+    assert kv.pool.get_cached_block(a.block_hashes[1]) is not None

@@ -341,8 +341,11 @@ class DecodeStep {
     layers_.push_back(std::move(layer));
   }
 
-  // x: [B, hidden] the tokens' embeddings; one query token per sequence. Returns the final
-  // norm's output [B, hidden] (the LM head's input), having written each layer's K/V.
+  // x: [B, hidden] the tokens' embeddings (or the residual stream entering the first of these
+  // layers: early exit's verification runs a model's last layers from where its draft left
+  // off); one query token per sequence. Returns the final norm's output [B, hidden] (the LM
+  // head's input), having written each layer's K/V; `pre_norm_out`, when given, receives the
+  // residual stream before that norm (where the next layer, had there been one, would start).
   // Sliding windows: layer_view[l] >= 0 names the (tables, lens, skip) a windowed layer attends
   // through (the torch backend's WindowView: tables from the window's first block, the keys before
   // the window skipped in it); -1, or no layer_view at all, the whole context.
@@ -350,7 +353,8 @@ class DecodeStep {
                         torch::Tensor block_tables, torch::Tensor seq_lens, std::vector<torch::Tensor> k_caches,
                         std::vector<torch::Tensor> v_caches, c10::optional<torch::Tensor> tree,
                         std::vector<int64_t> layer_view, std::vector<torch::Tensor> view_tables,
-                        std::vector<torch::Tensor> view_lens, std::vector<torch::Tensor> view_skips) {
+                        std::vector<torch::Tensor> view_lens, std::vector<torch::Tensor> view_skips,
+                        c10::optional<torch::Tensor> pre_norm_out) {
     const int64_t B = x.size(0), L = int64_t(layers_.size());
     const int64_t V = int64_t(view_tables.size());
     TORCH_CHECK(layer_view.empty() || int64_t(layer_view.size()) == L, "layer_view: one entry per layer, or none");
@@ -361,6 +365,11 @@ class DecodeStep {
     }
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_, "x must be float32 [B, ",
                 hidden_, "]");
+    if (pre_norm_out.has_value()) {
+      TORCH_CHECK(pre_norm_out->dtype() == torch::kFloat32 && pre_norm_out->is_contiguous() &&
+                      pre_norm_out->dim() == 2 && pre_norm_out->size(0) == B && pre_norm_out->size(1) == hidden_,
+                  "pre_norm_out must be a contiguous float32 [B, ", hidden_, "]");
+    }
     TORCH_CHECK(int64_t(k_caches.size()) == L && int64_t(v_caches.size()) == L, "one K and one V cache per layer");
     TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.numel() == B, "positions: int64 [B]");
     TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.numel() == B, "slot_mapping: int64 [B]");
@@ -439,6 +448,7 @@ class DecodeStep {
     }
     auto out = torch::empty({B, hidden_}, opts);
     ferry_cpu::add_rms_norm_rows(mp, rp, final_norm_.data_ptr<float>(), out.data_ptr<float>(), B, hidden_, eps_);
+    if (pre_norm_out.has_value()) pre_norm_out->copy_(residual);  // the add above left the stream in it
     return out;
   }
 
@@ -530,5 +540,6 @@ void bind_decode_step(pybind11::module& m) {
            pybind11::arg("layer_view") = std::vector<int64_t>{},
            pybind11::arg("view_tables") = std::vector<torch::Tensor>{},
            pybind11::arg("view_lens") = std::vector<torch::Tensor>{},
-           pybind11::arg("view_skips") = std::vector<torch::Tensor>{});
+           pybind11::arg("view_skips") = std::vector<torch::Tensor>{},
+           pybind11::arg("pre_norm_out") = pybind11::none());
 }

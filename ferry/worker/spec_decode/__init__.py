@@ -1,6 +1,6 @@
 """Speculative decoding's worker side: proposers of draft tokens (ngram.py: prompt lookup;
-draft_model.py: a draft model or the target's first layers; medusa.py: heads on the target's
-hidden state) and how many to verify
+draft_model.py: a draft model; early_exit.py: the target's first layers, over its own cache;
+medusa.py: heads on the target's hidden state) and how many to verify
 (draft_length.py; the sampler verifies them, worker/sampler.py: `Sampler.verify`).
 
 After each step `DraftProposer.propose` gives every decoding request up to
@@ -19,6 +19,7 @@ from ferry.config import SpeculativeConfig
 from ferry.core.request import Request
 from ferry.worker.spec_decode.draft_length import AdaptiveDraftLength
 from ferry.worker.spec_decode.draft_model import DraftModelProposer
+from ferry.worker.spec_decode.early_exit import EarlyExitProposer
 from ferry.worker.spec_decode.medusa import MedusaProposer
 from ferry.worker.spec_decode.ngram import NgramProposer
 
@@ -31,7 +32,7 @@ class DraftProposer:
         self,
         config: SpeculativeConfig,
         max_model_len: int,
-        draft_model: DraftModelProposer | None = None,
+        draft_model: DraftModelProposer | EarlyExitProposer | None = None,
         medusa: MedusaProposer | None = None,
         seed: int = 0,
     ) -> None:

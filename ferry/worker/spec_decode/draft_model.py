@@ -1,5 +1,6 @@
-"""Drafts from a smaller model (`draft_model`) or from the target's own first layers (`early_exit`,
-LayerSkip's self-speculation): k autoregressive steps of the draft, batched over the requests.
+"""Drafts from a smaller model (`draft_model`): k autoregressive steps of the draft, batched over
+the requests. (Early exit, whose draft is the target's first layers, drafts over the target's own
+cache: early_exit.py.)
 
 The draft has its own runner and its own paged KV cache, managed in step with the target's: each
 running request has a shadow request in the draft's KVCacheManager (prefix caching included, so

@@ -1,0 +1,145 @@
+"""Early-exit self-speculation (LayerSkip) over the target's own KV cache: the target's first
+`draft_layers` layers, its final norm and LM head draft (`LlamaForCausalLM.first_layers`), and the
+target's verification reuses what they computed.
+
+The draft writes its K/V where the target would: into the target's cache of those layers, at
+the slots of the request's own blocks. So before drafting, the proposer takes the slots of the
+request's last token and of its drafts in the target's KV cache manager (not published to the
+prefix cache: until the target verifies them, only the first layers' K/V are there; and only
+while the blocks running requests need for the tokens they have stay free, so that drafting
+preempts no one). Pass 1
+feeds every request's last token, pass j its (j - 1)-th draft; the last pass a request takes
+part in feeds its last draft without drawing from it. Every fed row's residual stream after the
+draft's layers is kept (`ExitState`).
+
+The next step then verifies from there (ModelRunner: `_execute_from_streams`): a request's rows
+(its last token and its drafts) run only the target's last layers (`last_layers`), starting from
+those streams, so their first layers' work and K/V are the draft's. Each row's numbers are what the
+whole model would compute for it: the same layers over the same cache, one row at a time in both.
+A stream serves only the step right after its proposal, for the rows it was computed for (same
+position and tokens, no preemption since); any other row runs the whole model, rewriting the
+first layers' K/V with its own (the same values).
+
+Unlike a draft model, early exit needs no cache of its own and no shadow requests: a prompt is
+never fed twice, and the draft's blocks are the request's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.request import Request
+from ferry.core.scheduler import SchedulerOutput
+from ferry.models.llama import LlamaForCausalLM
+from ferry.worker.model_runner import ModelRunner
+from ferry.worker.sampler import Sampler
+from ferry.worker.step_plan import decode_rows_plan
+
+
+@dataclass
+class ExitState:
+    """What one proposal left for a request's next verification."""
+
+    position: int  # of the request's last token: the first row's
+    preemptions: int  # the request's preemption count then
+    tokens: list[int]  # the rows fed: the last token, then drafts
+    stream: torch.Tensor  # [len(tokens), hidden]: each row's residual stream after the draft's layers
+
+
+class EarlyExitProposer:
+    """`propose` drafts with the target's first layers, over the target's cache;
+    `streams_for` hands the next step the rows' residual streams it may start the last layers from."""
+
+    def __init__(self, draft: ModelRunner, target: ModelRunner, kv: KVCacheManager) -> None:
+        """`draft`: a runner over `target.model.first_layers(n)` (no cache of its own); `kv`: the
+        target's KV cache manager."""
+        self.runner = draft
+        self.target = target
+        self.kv = kv
+        self.num_layers = len(draft.model.layers)
+        self.rest: LlamaForCausalLM = target.model.last_layers(self.num_layers)
+        self.sampler = Sampler(draft.model.config.vocab_size)
+        self.states: dict[str, ExitState] = {}
+        self.num_reused_rows = 0  # rows verified from a draft's stream (only the last layers run)
+        self._pass_times: list[tuple[int, float]] = []
+
+    def take_pass_times(self) -> list[tuple[int, float]]:
+        """The passes since the last call: (requests each fed a row for, seconds)."""
+        times, self._pass_times = self._pass_times, []
+        return times
+
+    def release(self, request_ids: list[str]) -> None:
+        """These requests are gone: their streams with them (their slots are the request's)."""
+        for rid in request_ids:
+            self.states.pop(rid, None)
+
+    def propose(self, running: list[Request], requests: list[Request], rooms: list[int]) -> list[list[int]]:
+        """Up to rooms[i] drafts for requests[i] (each about to decode: its last token not yet
+        computed), their first layers' K/V written and their streams kept."""
+        self.states = {}
+        drafts: list[list[int]] = [[] for _ in requests]
+        room: dict[int, int] = {}  # request index -> drafts it takes
+        keep_free = self.kv.blocks_short(running)  # what running requests need for their tokens comes first
+        for i, (request, n) in enumerate(zip(requests, rooms)):
+            if n > 0 and self.kv.allocate_slots(request, n + 1, publish=False, keep_free=keep_free):
+                room[i] = n
+        if not room:
+            return drafts
+        self.runner.kv_caches = self.target.kv_caches[: self.num_layers]
+        fed: dict[int, list[torch.Tensor]] = {i: [] for i in room}
+        for j in range(max(room.values()) + 1):  # pass j feeds row j: the last token, then draft j
+            rows, logits_rows, draw = [], [], []
+            for i, n in room.items():
+                if n < j:
+                    continue
+                request = requests[i]
+                token = request.all_token_ids[-1] if j == 0 else drafts[i][j - 1]
+                rows.append((token, request.num_computed_tokens + j, self.kv.block_ids(request.request_id)))
+                if j < n:  # its next draft is drawn from this row
+                    logits_rows.append(len(rows) - 1)
+                    draw.append(i)
+            start = time.perf_counter()
+            logits, stream = self.runner.forward_stream(decode_rows_plan(rows, self.kv.block_size, logits_rows))
+            for row, i in enumerate(i for i, n in room.items() if n >= j):
+                fed[i].append(stream[row])
+            if draw:
+                tokens = self.sampler.draft(logits, [requests[i] for i in draw], [drafts[i] for i in draw])
+                for i, token in zip(draw, tokens):
+                    drafts[i].append(token)
+            elif stream.is_cuda:  # nothing read back from this pass: wait for it to be timed
+                torch.cuda.synchronize(stream.device)
+            self._pass_times.append((len(rows), time.perf_counter() - start))
+        for i in room:
+            request = requests[i]
+            self.states[request.request_id] = ExitState(
+                request.num_computed_tokens, request.num_preemptions,
+                [request.all_token_ids[-1], *drafts[i]], torch.stack(fed[i]),
+            )  # fmt: skip
+        return drafts
+
+    def streams_for(self, sched: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Per scheduled request whose every row this step the last proposal fed (same position,
+        same tokens, not preempted since), those rows' streams; the proposal's states are spent."""
+        states, self.states = self.states, {}
+        streams = {}
+        for request, n in sched.scheduled:
+            state = states.get(request.request_id)
+            if state is None:
+                continue
+            first = request.num_computed_tokens - n  # the scheduler has counted the step's tokens
+            drafts = sched.spec_token_ids.get(request.request_id, [])
+            if (
+                first != state.position
+                or request.num_preemptions != state.preemptions
+                or n != len(drafts) + 1
+                or n > len(state.tokens)
+                or state.tokens[:n] != [request.all_token_ids[first], *drafts]
+            ):
+                continue
+            streams[request.request_id] = state.stream[:n]
+            self.num_reused_rows += n
+        return streams
