@@ -139,3 +139,14 @@ def test_shipped_architecture_with_dummy_weights():
 def test_tp2_matches_tp1_on_gpu(tiny_dir):
     ref, _ = generate(tiny_dir, dtype="float32", enforce_eager=True)
     assert generate(tiny_dir, dtype="float32", enforce_eager=True, tensor_parallel_size=2)[0] == ref
+
+
+def test_early_exit_verifies_from_the_drafts_streams(tiny_dir):
+    """Early exit on CUDA: the draft (the first 2 of 3 layers) writes into the target's cache through
+    the Triton kernels, and the verify runs the last layer from the streams it left, beside steps
+    replayed from CUDA graphs: the greedy tokens of the engine without speculation."""
+    want, _ = generate(tiny_dir, dtype="float32")
+    spec = {"method": "early_exit", "draft_layers": 2, "num_speculative_tokens": 3, "draft_length": "fixed"}
+    got, engine = generate(tiny_dir, dtype="float32", speculative_config=json.dumps(spec))
+    assert engine.runner.graphs is not None and engine.core.proposer.draft_model.num_reused_rows > 0
+    assert_greedy_agree(got, want, first=8, fraction=0.95)
