@@ -311,7 +311,9 @@ class LlamaForCausalLM(nn.Module):
         view = copy.copy(self)  # shares the parameters; gets its own module table below
         view._modules = dict(self._modules)
         view.layers = nn.ModuleList(self.layers[:num_layers])
-        view.config = dataclasses.replace(cfg, num_hidden_layers=num_layers)
+        view.config = dataclasses.replace(
+            cfg, num_hidden_layers=num_layers, moe_layers=tuple(i for i in cfg.moe_layers if i < num_layers)
+        )
         view.cpu_decode_step = None
         return view
 
