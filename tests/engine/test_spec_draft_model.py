@@ -148,6 +148,30 @@ def test_warm_prefix_cache_limits_and_abort(smollm_gguf, prompts, reference):
     assert_all_freed(engine)
 
 
+def test_early_exit_limits_n_and_abort(smollm_gguf, prompts, reference):
+    """Early exit over the target's cache: max_tokens and stop tokens end a request where they would
+    without speculation (the slots its drafts took are the request's, freed with it), n = 2 siblings
+    decode alike, and an abort between a proposal and its verification drops the streams."""
+    engine = engine_over(smollm_gguf, speculative_config=spec("early_exit"))
+    drafter = engine.core.proposer.draft_model
+    ids, want = prompts["edit"], reference["edit"]
+    for n in (1, 2, 7):
+        assert generate(engine, {"edit": ids}, max_tokens=n)["edit"] == want[:n]
+    stop = want[9]
+    assert generate(engine, {"edit": ids}, stop_token_ids=[stop])["edit"] == want[: want.index(stop) + 1]
+    engine.add_request("pair", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=40, n=2))
+    done = run_to_completion(engine)
+    assert [c.token_ids for c in done["pair"].outputs] == [want, want]
+    assert_all_freed(engine)
+
+    engine.add_request("a", {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=40))
+    while not drafter.states:
+        engine.step()
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+    assert_all_freed(engine)
+
+
 def test_sampling_keeps_the_models_distribution(smollm_gguf):
     """Temperature 1, unseeded, drafts from the target's first 24 layers: over 1000 requests the
     token after the most common first token follows the model's own distribution there (its top
