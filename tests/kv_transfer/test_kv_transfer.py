@@ -126,9 +126,18 @@ def test_int8_in_transit_bounds_the_error_and_keeps_greedy_output(make_engine, c
     assert generate(decode, PROMPT) == colocated
 
 
-def test_a_speculating_decode_worker_continues_a_transferred_prefill(make_engine):
+@pytest.mark.parametrize(
+    "spec",
+    [
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "draft_length": "fixed"}',
+        '{"method": "early_exit", "draft_layers": 26, "num_speculative_tokens": 4, "draft_length": "fixed"}',
+    ],
+    ids=["ngram", "early_exit"],
+)
+def test_a_speculating_decode_worker_continues_a_transferred_prefill(make_engine, spec):
     """PD with speculation on the decode worker: it imports the prefill worker's blocks, takes the
-    token the prefill side sampled, then verifies n-gram drafts; the output is the colocated one
+    token the prefill side sampled, then verifies n-gram drafts, or early exit's (drafted into the
+    imported blocks' request, never prefilling the prompt again); the output is the colocated one
     and no block is left referenced."""
     from ferry.engine.messages import EngineCoreRequest
 
@@ -136,12 +145,15 @@ def test_a_speculating_decode_worker_continues_a_transferred_prefill(make_engine
     want = generate(make_engine(), prompt)
     prefill = make_engine()
     assert generate(prefill, prompt, SamplingParams(temperature=0, max_tokens=1)) == want[:1]
-    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "draft_length": "fixed"}'
     decode = make_engine(speculative_config=spec)
     assert decode.import_kv(prefill.export_kv(prompt)) == 4
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     request = EngineCoreRequest("r", prompt, params, 12, prefilled_token_ids=want[:1])
     assert core_tokens(decode, request) == want
     stats = decode.get_stats()
-    assert stats.prefix_cache_hits == 64 and stats.spec_num_accepted_tokens > 0  # drafts were kept
+    assert stats.prefix_cache_hits == 64 and stats.spec_num_draft_tokens > 0
+    if "early_exit" in spec:  # (SmolLM2's first 26 layers guess none of these 12 tokens)
+        assert decode.core.proposer.draft_model.num_reused_rows > stats.spec_num_draft_tokens
+    else:
+        assert stats.spec_num_accepted_tokens > 0  # drafts were kept
     assert_no_blocks_referenced(decode)
