@@ -375,7 +375,12 @@ class ModelRunner:
         """A step some of whose requests early exit drafted for: their rows (the last token and the
         drafts, whose first layers' K/V the draft wrote) run only the last layers, from the residual
         streams it left; the step's other requests run the whole model, as a forward of their own.
-        Both halves' logits are then sampled and verified together."""
+        Both halves' logits are then sampled and verified together.
+
+        The last layers run first: a prompt in the other half may share (as a prefix-cache hit
+        published when this step was scheduled) the block that a drafting request's last token
+        fills, and must find that token's K/V in every layer when it attends. The rows here only
+        read their own requests' blocks, which the other half never writes."""
         t0 = time.perf_counter()
         rest, whole = SchedulerOutput(), SchedulerOutput()
         for request, n in sched.scheduled:
@@ -389,24 +394,27 @@ class ModelRunner:
         plan_r, sampling_r, drafts_r = build_step_plan(rest, self.block_size)
         plan_w, sampling_w, drafts_w = build_step_plan(whole, self.block_size) if whole.scheduled else (None, [], [])
         stream = torch.cat([streams[r.request_id] for r, _ in rest.scheduled])  # decode rows, in this order
+        if self.profile:
+            _sync(self.device)
         t1 = time.perf_counter()
-        logits, hidden = [], []
-        if plan_w is not None:
-            logits_w = self._outputs(plan_w, self._run_model(plan_w))
-            if logits_w is not None:
-                logits.append(logits_w)
-                hidden.append(self.logits_hidden)
         ee = self.early_exit
         out_r = self._run_model(plan_r, (stream, None), model=ee.rest, kv_caches=self.kv_caches[ee.num_layers :])
         rows = torch.from_numpy(plan_r.logits_rows).to(self.device, non_blocking=True)
-        hidden.append(out_r.index_select(0, rows))
-        logits.append(self.model.compute_logits(hidden[-1]))
-        self.logits_hidden = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
-        t2 = time.perf_counter()
-        sampling, drafts = sampling_w + sampling_r, drafts_w + drafts_r
-        logits_all = torch.cat(logits) if len(logits) > 1 else logits[0]
-        if plan_w is None:
+        hidden = [out_r.index_select(0, rows)]
+        logits = [self.model.compute_logits(hidden[0])]
+        if plan_w is not None:
+            logits_w = self._outputs(plan_w, self._run_model(plan_w))  # (sets logits_hidden, pooling, prompt logprobs)
+            if logits_w is not None:
+                logits.append(logits_w)
+                hidden.append(self.logits_hidden)
+        else:
             self.pool_hidden, self.prompt_lps = None, []
+        self.logits_hidden = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+        if self.profile:
+            _sync(self.device)
+        t2 = time.perf_counter()
+        sampling, drafts = sampling_r + sampling_w, drafts_r + drafts_w
+        logits_all = torch.cat(logits) if len(logits) > 1 else logits[0]
         out = self._sample_and_attach(sched, plan_w or plan_r, sampling, drafts, logits_all)
         record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, time.perf_counter() - t2
         self._fill_record(record, plan_r)

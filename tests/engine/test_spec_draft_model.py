@@ -148,6 +148,44 @@ def test_warm_prefix_cache_limits_and_abort(smollm_gguf, prompts, reference):
     assert_all_freed(engine)
 
 
+def test_a_prompt_sharing_a_drafting_requests_last_block_reads_it_whole(smollm_gguf, prompts):
+    """Request a's last token fills a block; scheduling a's verify publishes that block, and a prompt
+    admitted in the same step (b: a's tokens and three more) hits it. The verify's last layers must
+    write the token's K/V before b's prompt attends to it: its slot in those layers is poisoned (NaN,
+    as a block's previous owner could have left anything there) before the step, and b's tokens
+    must be those of an engine without speculation at the same point."""
+    exit_at = 24
+
+    def run(speculative: bool, length: int | None = None) -> tuple[list[int], int]:
+        engine = engine_over(smollm_gguf, **({"speculative_config": spec("early_exit")} if speculative else {}))
+        engine.add_request("a", {"prompt_token_ids": prompts["edit"]}, SamplingParams(temperature=0.0, max_tokens=80))
+        a = engine.core.scheduler.requests["a"]
+        while True:
+            engine.step()
+            assert a.num_output_tokens < 80, "a never stopped with its last token at a block's end"
+            at_block_end = a.num_tokens % 16 == 0 and a.num_computed_tokens == a.num_tokens - 1
+            if speculative and at_block_end and "a" in engine.core.proposer.draft_model.states:
+                break
+            if not speculative and a.num_tokens == length:
+                break
+        if speculative:
+            p = a.num_tokens - 1
+            slot = engine.kv.block_ids("a")[p // 16] * 16 + p % 16
+            for k, v in engine.core.runner.kv_caches[exit_at:]:
+                k.view(-1, *k.shape[2:])[slot] = float("nan")
+                v.view(-1, *v.shape[2:])[slot] = float("nan")
+        length = a.num_tokens
+        engine.add_request("b", {"prompt_token_ids": a.all_token_ids + [11, 12, 13]},
+                           SamplingParams(temperature=0.0, max_tokens=8))  # fmt: skip
+        done = run_to_completion(engine)
+        assert done["b"].num_cached_tokens == length  # a's every block, the one its last token fills too
+        return done["b"].outputs[0].token_ids, length
+
+    got, length = run(speculative=True)
+    want, _ = run(speculative=False, length=length)
+    assert got == want
+
+
 def test_early_exit_limits_n_and_abort(smollm_gguf, prompts, reference):
     """Early exit over the target's cache: max_tokens and stop tokens end a request where they would
     without speculation (the slots its drafts took are the request's, freed with it), n = 2 siblings

@@ -83,10 +83,16 @@ class EarlyExitProposer:
         self.states = {}
         drafts: list[list[int]] = [[] for _ in requests]
         room: dict[int, int] = {}  # request index -> drafts it takes
-        keep_free = self.kv.blocks_short(running)  # what running requests need for their tokens comes first
+        # What running requests need for the tokens they have comes first; a drafting request's own
+        # need is part of what its allocation takes.
+        short = self.kv.blocks_short(running)
         for i, (request, n) in enumerate(zip(requests, rooms)):
-            if n > 0 and self.kv.allocate_slots(request, n + 1, publish=False, keep_free=keep_free):
+            if n <= 0:
+                continue
+            own = self.kv.blocks_short([request])
+            if self.kv.allocate_slots(request, n + 1, publish=False, keep_free=short - own):
                 room[i] = n
+                short -= own
         if not room:
             return drafts
         self.runner.kv_caches = self.target.kv_caches[: self.num_layers]
