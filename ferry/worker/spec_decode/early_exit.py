@@ -68,7 +68,8 @@ class EarlyExitProposer:
         self._pass_times: list[tuple[int, float]] = []
 
     def take_pass_times(self) -> list[tuple[int, float]]:
-        """The passes since the last call: (requests each fed a row for, seconds)."""
+        """The passes that drew drafts since the last call: (requests each fed a row for, seconds),
+        the last pass of a proposal (which draws nothing) counted in the one before it."""
         times, self._pass_times = self._pass_times, []
         return times
 
@@ -118,7 +119,12 @@ class EarlyExitProposer:
                     drafts[i].append(token)
             elif stream.is_cuda:  # nothing read back from this pass: wait for it to be timed
                 torch.cuda.synchronize(stream.device)
-            self._pass_times.append((len(rows), time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            if draw:
+                self._pass_times.append((len(rows), seconds))
+            else:  # the last pass draws nothing: the draft length policy prices a pass per draft
+                n, before = self._pass_times[-1]  # (so the drafts' passes carry its cost)
+                self._pass_times[-1] = (n, before + seconds)
         for i in room:
             request = requests[i]
             self.states[request.request_id] = ExitState(
