@@ -58,9 +58,10 @@ def compare(reference, candidate, token_ids: list[int], kv_cache_dtype: torch.dt
             decode_rows: bool = False) -> dict[str, float]:  # fmt: skip
     """Teacher-forced comparison of two loaded models (LlamaForCausalLM) on one token sequence; the
     candidate's K/V go through a cache of `kv_cache_dtype` (None: the model dtype), read as one
-    prompt or (`decode_rows`) as a decode row per token."""
+    prompt or (`decode_rows`) as a decode row per token, through the attention an engine runs
+    (on the CPU, the C++ prefill or decode kernel); the reference's through the exact one."""
     ref = reference.compute_logits(reference._forward_prompt(token_ids)).float().log_softmax(-1)
-    hidden = candidate._forward_prompt(token_ids, kv_cache_dtype, decode_rows=decode_rows)
+    hidden = candidate._forward_prompt(token_ids, kv_cache_dtype, decode_rows=decode_rows, engine_kernels=True)
     got = candidate.compute_logits(hidden).float().log_softmax(-1)
     target = torch.tensor(token_ids[1:], device=ref.device)[:, None]
     return {

@@ -549,31 +549,37 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def _forward_prompt(self, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None,
-                        decode_rows: bool = False) -> torch.Tensor:  # fmt: skip
+                        decode_rows: bool = False, engine_kernels: bool = False) -> torch.Tensor:  # fmt: skip
         """Final hidden states [T, hidden] of one prompt, with a throwaway KV cache (calibration; `ferry bench
         quality`, where a quantized `kv_cache_dtype` makes every position attend to quantized K/V).
-        `decode_rows`: every token a decode row of the one sequence (the decode kernels' arithmetic)."""
+        By default on the reference attention backend (exact: what the others are measured against);
+        `engine_kernels`: on the backend an engine picks (on the CPU, its C++ prefill attention),
+        in the engine's block size; `decode_rows`: every token a decode row of the one sequence (the
+        decode kernels' arithmetic; the engine's backend too)."""
         device, dtype = self.norm.weight.device, self.norm.weight.dtype
         cache_dtype = kv_cache_dtype or dtype
         T = len(token_ids)
-        if decode_rows:
-            bs = 16  # the engine's default block size
-            kv = self.new_kv_cache(-(-T // bs), bs, cache_dtype, device)
-            attn = self.layers[0].self_attn
-            backend = select_attention_backend(  # as an engine picks it
-                "auto",
-                device,
-                num_heads=attn.num_heads,
-                num_kv_heads=attn.num_kv_heads,
-                head_dim=self.config.head_dim,
-                dtype=dtype,
-                cache_dtype=cache_dtype,
-                latent=self.config.is_mla,
-            )
-            meta, positions = one_sequence_decode_metadata(T, bs, device, backend)
-        else:
+        if not (decode_rows or engine_kernels):
             kv = self.new_kv_cache(T, 1, cache_dtype, device)  # T blocks of one slot each
             meta, positions = one_prompt_metadata(T, device)
+            return self(torch.tensor(token_ids, device=device), positions, kv, meta)
+        bs = 16  # the engine's default block size
+        kv = self.new_kv_cache(-(-T // bs), bs, cache_dtype, device)
+        attn = self.layers[0].self_attn
+        backend = select_attention_backend(  # as an engine picks it
+            "auto",
+            device,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
+            latent=self.config.is_mla,
+        )
+        if decode_rows:
+            meta, positions = one_sequence_decode_metadata(T, bs, device, backend)
+        else:
+            meta, positions = one_prompt_metadata(T, device, backend, bs)
         return self(torch.tensor(token_ids, device=device), positions, kv, meta)
 
     # -- weights --------------------------------------------------------

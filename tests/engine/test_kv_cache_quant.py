@@ -68,11 +68,13 @@ def test_kl_of_each_format_is_bounded(smollm, text_ids, fmt, max_kl, decode_rows
     assert abs(r["ppl_candidate"] / r["ppl_reference"] - 1) < 0.05, r
 
 
-def test_decode_rows_read_what_the_prompt_path_reads(smollm, text_ids):
-    """The text as decode rows of one sequence (each row attending to the cache up to itself, its own
-    K/V stored in the same layer) computes what one prompt does, on an fp32 cache: the layout `ferry
-    bench quality --decode-rows` measures quantized caches with."""
-    r = compare(smollm.model, smollm.model, text_ids, None, decode_rows=True)
+@pytest.mark.parametrize("decode_rows", [False, True], ids=["prompt", "decode rows"])
+def test_the_engines_kernels_read_what_the_reference_reads(smollm, text_ids, decode_rows):
+    """`compare` runs the candidate through the attention an engine runs (on the CPU the C++ prefill
+    kernel over blocks of 16, or, as decode rows of one sequence, each attending to the cache up to
+    itself, the C++ decode kernel) and the reference through the exact backend: on an fp32 cache
+    they agree, so what `ferry bench quality` reports for a quantized cache is the format's."""
+    r = compare(smollm.model, smollm.model, text_ids, None, decode_rows=decode_rows)
     assert r["kl_mean"] < 1e-6 and r["top1_agreement"] == 1.0, r
 
 

@@ -29,16 +29,20 @@ __all__ = [
 ]
 
 
-def one_prompt_metadata(num_tokens: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
-    """One prompt of `num_tokens` tokens laid out in as many one-slot blocks (token t in slot t) on the
-    reference backend, and its positions: a forward outside the engine (calibration, quality
-    measurements, timing a layer) over a throwaway cache of [num_tokens, 1, ...] tensors."""
+def one_prompt_metadata(
+    num_tokens: int, device: torch.device, backend: AttentionBackend | None = None, block_size: int = 1
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """One prompt of `num_tokens` tokens laid out over blocks 0, 1, ... of `block_size` (token t in
+    slot t) on `backend` (default: the reference backend), and its positions: a forward outside the
+    engine (calibration, quality measurements, timing a layer) over a throwaway cache, by default
+    of [num_tokens, 1, ...] tensors."""
     import numpy as np
 
     slots = np.arange(num_tokens, dtype=np.int64)
-    meta = build_metadata(slot_mapping=slots, block_size=1, decode_blocks=[], decode_seq_lens=slots[:0],
-                          prefills=[PrefillHost(0, num_tokens, num_tokens, slots)], device=device,
-                          backend=TorchAttentionBackend(device))  # fmt: skip
+    table = np.arange(-(-num_tokens // block_size), dtype=np.int64)
+    meta = build_metadata(slot_mapping=slots, block_size=block_size, decode_blocks=[], decode_seq_lens=slots[:0],
+                          prefills=[PrefillHost(0, num_tokens, num_tokens, table)], device=device,
+                          backend=backend or TorchAttentionBackend(device))  # fmt: skip
     return meta, torch.from_numpy(slots).to(device)
 
 
