@@ -10,11 +10,11 @@ import json
 
 import pytest
 import torch
-from conftest import assert_no_blocks_referenced, run_to_completion, tiny_llama
+from conftest import tiny_llama
+from test_hf_parity import _tiny_config, ferry_greedy
 
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
-from ferry.sampling_params import SamplingParams
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.step_plan import decode_rows_plan
 
@@ -81,12 +81,7 @@ def _family_tokens(model_dir: str, **kwargs) -> tuple[list[list[int]], LLMEngine
     engine = LLMEngine(EngineArgs(model=model_dir, load_format="dummy", device="cpu", dtype="float32", seed=1,
                                   num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=32, **kwargs))  # fmt: skip
     prompts = [list(range(1, 40)), [7, 8, 9], list(range(50, 90)), [5] * 17]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    done = run_to_completion(engine)
-    assert_no_blocks_referenced(engine)
-    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))], engine
+    return ferry_greedy(engine, prompts, 30), engine
 
 
 @pytest.mark.parametrize(
@@ -99,8 +94,6 @@ def test_early_exit_on_other_families_is_token_exact(arch, architecture, tmp_pat
     before), MLA's latent cache, Gemma 2's soft caps and sandwich norms, a sliding window shorter
     than the prompts (its blocks freed while the request runs): tiny dummy-weight models, chunked
     prompts, the layer-by-layer path; the tokens of the engine without speculation."""
-    from test_hf_parity import _tiny_config
-
     config = _tiny_config(arch)
     config.architectures = [architecture]
     config.save_pretrained(tmp_path)
