@@ -27,6 +27,7 @@ from torch import nn
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.kv_quant import row_width
 from ferry.layers.attention import (
+    AttentionBackend,
     AttentionMetadata,
     one_prompt_metadata,
     one_sequence_decode_metadata,
@@ -308,13 +309,10 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         if not 1 <= num_layers < cfg.num_hidden_layers:
             raise ValueError(f"draft_layers must be in [1, {cfg.num_hidden_layers - 1}], got {num_layers}")
-        view = copy.copy(self)  # shares the parameters; gets its own module table below
-        view._modules = dict(self._modules)
-        view.layers = nn.ModuleList(self.layers[:num_layers])
+        view = self._view_of_layers(self.layers[:num_layers])
         view.config = dataclasses.replace(
             cfg, num_hidden_layers=num_layers, moe_layers=tuple(i for i in cfg.moe_layers if i < num_layers)
         )
-        view.cpu_decode_step = None
         return view
 
     def last_layers(self, first: int) -> LlamaForCausalLM:
@@ -326,10 +324,16 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         if not 1 <= first < cfg.num_hidden_layers:
             raise ValueError(f"the first layer must be in [1, {cfg.num_hidden_layers - 1}], got {first}")
+        view = self._view_of_layers(self.layers[first:])
+        view.first_layer = self.first_layer + first
+        return view
+
+    def _view_of_layers(self, layers: nn.ModuleList) -> LlamaForCausalLM:
+        """This model over `layers` only, sharing every parameter (its own module table, no C++
+        decode step: that holds its own layer list)."""
         view = copy.copy(self)
         view._modules = dict(self._modules)
-        view.layers = nn.ModuleList(self.layers[first:])
-        view.first_layer = self.first_layer + first
+        view.layers = nn.ModuleList(layers)
         view.cpu_decode_step = None
         return view
 
@@ -547,6 +551,23 @@ class LlamaForCausalLM(nn.Module):
             caches.append((k, k if self.config.is_mla else lazy_zeros.zeros(shape, dtype, device)))
         return caches
 
+    def attention_backend(
+        self, name: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype
+    ) -> AttentionBackend:
+        """The attention backend `name` ("auto": the one that fits) for this model's (this rank's)
+        heads, activations of `dtype` and a cache of `cache_dtype`."""
+        attn = self.layers[0].self_attn
+        return select_attention_backend(
+            name,
+            device,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
+            latent=self.config.is_mla,
+        )
+
     @torch.no_grad()
     def _forward_prompt(self, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None,
                         decode_rows: bool = False, engine_kernels: bool = False) -> torch.Tensor:  # fmt: skip
@@ -565,17 +586,7 @@ class LlamaForCausalLM(nn.Module):
             return self(torch.tensor(token_ids, device=device), positions, kv, meta)
         bs = 16  # the engine's default block size
         kv = self.new_kv_cache(-(-T // bs), bs, cache_dtype, device)
-        attn = self.layers[0].self_attn
-        backend = select_attention_backend(  # as an engine picks it
-            "auto",
-            device,
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=self.config.head_dim,
-            dtype=dtype,
-            cache_dtype=cache_dtype,
-            latent=self.config.is_mla,
-        )
+        backend = self.attention_backend("auto", device, dtype, cache_dtype)  # as an engine picks it
         if decode_rows:
             meta, positions = one_sequence_decode_metadata(T, bs, device, backend)
         else:

@@ -21,7 +21,7 @@ from ferry.core.request import Request
 from ferry.core.scheduler import SchedulerOutput
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.distributed.pipeline_channel import PipelineChannel
-from ferry.layers.attention import AttentionBackend, build_metadata, select_attention_backend
+from ferry.layers.attention import AttentionBackend, build_metadata
 from ferry.layers.moe import triton_moe_available
 from ferry.models.llama import LlamaForCausalLM
 from ferry.worker.cpu_allocator import tune_cpu_allocator
@@ -96,15 +96,8 @@ class ModelRunner:
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler(cfg.vocab_size)
-        self.attn_backend: AttentionBackend = select_attention_backend(
-            attention_backend,
-            device,
-            num_heads=model.layers[0].self_attn.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=dtype,
-            cache_dtype=self.cache_dtype,
-            latent=cfg.is_mla,
+        self.attn_backend: AttentionBackend = model.attention_backend(
+            attention_backend, device, dtype, self.cache_dtype
         )
         # Every backend applies each layer's window; when every layer has one (Mistral), the blocks that
         # fall out of it are freed while a request runs (core/kv_cache_manager.py), not with a
@@ -417,11 +410,7 @@ class ModelRunner:
         logits_all = torch.cat(logits) if len(logits) > 1 else logits[0]
         out = self._sample_and_attach(sched, plan_w or plan_r, sampling, drafts, logits_all)
         record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, time.perf_counter() - t2
-        self._fill_record(record, plan_r)
-        if plan_w is not None:
-            record.num_decodes += plan_w.num_decodes
-            record.num_prefill_tokens = sum(p.length for p in plan_w.prefills)
-            record.decode_context_tokens += int(plan_w.decode_seq_lens.sum())
+        self._fill_record(record, *(plan for plan in (plan_r, plan_w) if plan is not None))
         return sampling, out
 
     def _sample_and_attach(
@@ -462,7 +451,8 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _fill_record(record: StepRecord, plan: StepPlan) -> None:
-        record.num_decodes = plan.num_decodes
-        record.num_prefill_tokens = sum(p.length for p in plan.prefills)
-        record.decode_context_tokens = int(plan.decode_seq_lens.sum())
+    def _fill_record(record: StepRecord, *plans: StepPlan) -> None:
+        """The step's shape: over every forward it ran (early exit's verify runs two)."""
+        record.num_decodes = sum(plan.num_decodes for plan in plans)
+        record.num_prefill_tokens = sum(p.length for plan in plans for p in plan.prefills)
+        record.decode_context_tokens = sum(int(plan.decode_seq_lens.sum()) for plan in plans)

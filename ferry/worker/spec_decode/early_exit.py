@@ -97,21 +97,21 @@ class EarlyExitProposer:
         if not room:
             return drafts
         self.runner.kv_caches = self.target.kv_caches[: self.num_layers]
+        tables = {i: self.kv.block_ids(requests[i].request_id) for i in room}  # fixed while it drafts
         fed: dict[int, list[torch.Tensor]] = {i: [] for i in room}
         for j in range(max(room.values()) + 1):  # pass j feeds row j: the last token, then draft j
+            fed_now = [i for i, n in room.items() if n >= j]  # in row order
             rows, logits_rows, draw = [], [], []
-            for i, n in room.items():
-                if n < j:
-                    continue
+            for row, i in enumerate(fed_now):
                 request = requests[i]
                 token = request.all_token_ids[-1] if j == 0 else drafts[i][j - 1]
-                rows.append((token, request.num_computed_tokens + j, self.kv.block_ids(request.request_id)))
-                if j < n:  # its next draft is drawn from this row
-                    logits_rows.append(len(rows) - 1)
+                rows.append((token, request.num_computed_tokens + j, tables[i]))
+                if j < room[i]:  # its next draft is drawn from this row
+                    logits_rows.append(row)
                     draw.append(i)
             start = time.perf_counter()
             logits, stream = self.runner.forward_stream(decode_rows_plan(rows, self.kv.block_size, logits_rows))
-            for row, i in enumerate(i for i, n in room.items() if n >= j):
+            for row, i in enumerate(fed_now):
                 fed[i].append(stream[row])
             if draw:
                 tokens = self.sampler.draft(logits, [requests[i] for i in draw], [drafts[i] for i in draw])
@@ -123,8 +123,8 @@ class EarlyExitProposer:
             if draw:
                 self._pass_times.append((len(rows), seconds))
             else:  # the last pass draws nothing: the draft length policy prices a pass per draft
-                n, before = self._pass_times[-1]  # (so the drafts' passes carry its cost)
-                self._pass_times[-1] = (n, before + seconds)
+                num_requests, before = self._pass_times[-1]  # (so the drafts' passes carry its cost)
+                self._pass_times[-1] = (num_requests, before + seconds)
         for i in room:
             request = requests[i]
             self.states[request.request_id] = ExitState(
