@@ -60,13 +60,15 @@ def compare(reference, candidate, token_ids: list[int], kv_cache_dtype: torch.dt
     candidate's K/V go through a cache of `kv_cache_dtype` (None: the model dtype), read as one
     prompt or (`decode_rows`) as a decode row per token, through the attention an engine runs
     (on the CPU, the C++ prefill or decode kernel); the reference's through the exact one."""
-    ref = reference.compute_logits(reference._forward_prompt(token_ids)).float().log_softmax(-1)
+    # In float64: two near-equal distributions' KL is a sum of tiny terms of both signs, which in
+    # fp32 rounding came out as -0.0000; each position's KL is then clamped at 0, as the true one is.
+    ref = reference.compute_logits(reference._forward_prompt(token_ids)).double().log_softmax(-1)
     hidden = candidate._forward_prompt(token_ids, kv_cache_dtype, decode_rows=decode_rows, engine_kernels=True)
-    got = candidate.compute_logits(hidden).float().log_softmax(-1)
+    got = candidate.compute_logits(hidden).double().log_softmax(-1)
     target = torch.tensor(token_ids[1:], device=ref.device)[:, None]
     return {
         "tokens": len(token_ids),
-        "kl_mean": (ref.exp() * (ref - got)).sum(-1).mean().item(),
+        "kl_mean": (ref.exp() * (ref - got)).sum(-1).clamp_min(0.0).mean().item(),
         "top1_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
         "ppl_reference": math.exp(-ref[:-1].gather(1, target).mean().item()),
         "ppl_candidate": math.exp(-got[:-1].gather(1, target).mean().item()),
