@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import time
 
 import torch
@@ -66,7 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def binding_for(texts: dict[str, bytes]) -> str:
     """A binding that declares the revision's signature and calls it with no tree and no window."""
     source = texts[KERNEL]
-    n = source.split(b"torch::Tensor paged_decode_attention(", 1)[1].split(b")", 1)[0].count(b"c10::optional")
+    # its return type: torch::Tensor until the sources took ATen's headers instead of <torch/extension.h>
+    params = re.search(rb"(?:torch|at)::Tensor paged_decode_attention\((.*?)\)", source, re.S).group(1)
+    n = params.count(b"c10::optional")
     declared = BINDING.replace("OPTIONALS", ", c10::optional<torch::Tensor>" * n)
     return declared.replace("NULLOPTS", ", c10::nullopt" * n)
 

@@ -168,7 +168,7 @@ def cpu_kernels():
             sources = sorted(csrc.glob("*.cpp"))
             name, isa = _isa_flags()
             _put_ninja_on_path()
-            logger.info("loading the CPU kernels (compiled on first use, ~30 s)")
+            logger.info("loading the CPU kernels (compiled on first use, ~45 s on 2 cores)")
             build_dir = _get_build_directory(name, verbose=False)
             with _build_lock(build_dir), _sound_compiler():
                 _module = load(

@@ -1,28 +1,35 @@
 // The Python module of ferry's CPU kernels (ferry/kernels/cpu.py builds it from every file here).
-#include <torch/extension.h>
+//
+// No file here includes <torch/extension.h>: it pulls in the whole C++ frontend (torch/all.h: nn,
+// optim, data) and took ~24 s of a ~25-30 s compile per file on a 2-core EPYC, for kernels that use
+// ATen's tensors and parallel_for only. ATen (~7 s) and, where a binding is made, torch's pybind11
+// casters (<torch/csrc/utils/pybind.h>) are what the sources need.
+#include <ATen/core/Tensor.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <tuple>
 
 // paged_decode_attention_cpu.cpp
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> skip);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  c10::optional<at::Tensor> tree, c10::optional<at::Tensor> skip);
 std::string paged_decode_attention_isa();
 // paged_prefill_attention_cpu.cpp
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                             torch::Tensor spans, double scale, int64_t window, torch::Tensor out);
+void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                             at::Tensor spans, double scale, int64_t window, at::Tensor out);
 // quantize_per_token_cpu.cpp
-std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_u8(torch::Tensor x);
+std::tuple<at::Tensor, at::Tensor> quantize_per_token_u8(at::Tensor x);
 // gguf_quant_cpu.cpp
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias);
-torch::Tensor gguf_dequantize(torch::Tensor w, int64_t qtype, int64_t K);
-torch::Tensor gguf_get_rows(torch::Tensor w, torch::Tensor ids, int64_t qtype, int64_t K);
-torch::Tensor gguf_interleave(torch::Tensor w, int64_t qtype, int64_t K);
+at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias);
+at::Tensor gguf_dequantize(at::Tensor w, int64_t qtype, int64_t K);
+at::Tensor gguf_get_rows(at::Tensor w, at::Tensor ids, int64_t qtype, int64_t K);
+at::Tensor gguf_interleave(at::Tensor w, int64_t qtype, int64_t K);
 // fused_ops_cpu.cpp
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void rotary_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+void rotary_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 // decode_step_cpu.cpp
 void bind_decode_step(pybind11::module& m);
 

@@ -16,7 +16,9 @@
 // router, the top k and the weighting in the ATen ops layers/moe.py uses (so the same experts are
 // chosen and their outputs summed in the same order), the experts' GEMMs on their GGUF blocks, one
 // expert at a time over the rows routed to it.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // DecodeStep's binding (bind_decode_step)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -48,26 +50,26 @@ void gguf_matmul_rows(const int8_t* qx, const float* dy, const float* sy, int64_
 }  // namespace ferry_cpu
 
 // paged_decode_attention_cpu.cpp
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> skip);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  c10::optional<at::Tensor> tree, c10::optional<at::Tensor> skip);
 
 namespace {
 
-using Parts = std::vector<std::tuple<torch::Tensor, int64_t>>;  // (uint8 [rows, row_bytes], ggml type id)
+using Parts = std::vector<std::tuple<at::Tensor, int64_t>>;  // (uint8 [rows, row_bytes], ggml type id)
 
 struct QuantLinear {
   Parts parts;  // stacked by output rows (e.g. q, k, v), each in its own type
   std::vector<int64_t> rows;
-  c10::optional<torch::Tensor> bias;
+  c10::optional<at::Tensor> bias;
   int64_t in = 0, out = 0;
 };
 
-QuantLinear make_linear(Parts parts, c10::optional<torch::Tensor> bias, int64_t in, int64_t out, const char* name) {
+QuantLinear make_linear(Parts parts, c10::optional<at::Tensor> bias, int64_t in, int64_t out, const char* name) {
   QuantLinear L{std::move(parts), {}, std::move(bias), in, 0};
   TORCH_CHECK(in % 32 == 0, name, ": input size ", in, " is not a multiple of 32");
   for (auto& [data, qtype] : L.parts) {
-    TORCH_CHECK(data.dtype() == torch::kUInt8 && data.dim() == 2 && data.is_contiguous(), name,
+    TORCH_CHECK(data.dtype() == at::kByte && data.dim() == 2 && data.is_contiguous(), name,
                 ": weight parts must be contiguous uint8 [rows, row_bytes]");
     TORCH_CHECK(data.size(1) == ferry_cpu::gguf_row_bytes(qtype, in), name, ": rows of ", data.size(1),
                 " bytes do not hold ", in, " values of type ", qtype);
@@ -76,7 +78,7 @@ QuantLinear make_linear(Parts parts, c10::optional<torch::Tensor> bias, int64_t 
   }
   TORCH_CHECK(L.out == out, name, ": parts make ", L.out, " output rows, expected ", out);
   if (L.bias) {
-    TORCH_CHECK(L.bias->dtype() == torch::kFloat32 && L.bias->is_contiguous() && L.bias->numel() == out, name,
+    TORCH_CHECK(L.bias->dtype() == at::kFloat && L.bias->is_contiguous() && L.bias->numel() == out, name,
                 ": bias must be contiguous float32 [", out, "]");
   }
   return L;
@@ -124,18 +126,18 @@ void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Act
 // A sparse MLP: softmax routing to top_k of the experts, and an optional shared expert (Qwen2-MoE's,
 // scaled by a sigmoid gate when shared_gate is set).
 struct MoE {
-  torch::Tensor router;  // float32 [E, hidden]
+  at::Tensor router;  // float32 [E, hidden]
   int64_t top_k = 0, inter = 0;
   bool renormalize = false;
   double scale = 1.0;
   std::vector<QuantLinear> gate_up, down;  // per expert: [gate; up] [2 inter, hidden], down [hidden, inter]
   c10::optional<QuantLinear> shared_gate_up, shared_down;
-  c10::optional<torch::Tensor> shared_gate;  // float32 [1, hidden]
+  c10::optional<at::Tensor> shared_gate;  // float32 [1, hidden]
 };
 
 struct Layer {
-  torch::Tensor input_norm, post_norm;
-  c10::optional<torch::Tensor> q_norm, k_norm;
+  at::Tensor input_norm, post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
   QuantLinear qkv, o, gate_up, down;  // gate_up and down: a dense layer's MLP
   std::shared_ptr<MoE> moe;           // set: a sparse layer's MLP instead
 };
@@ -232,7 +234,7 @@ void store_quantized_row(uint8_t* dst, const float* x, int64_t D) {
 
 // One token's K or V (KVH heads of D values) into cache row `slot` ([NB, BS, KVH, W] viewed as slots):
 // fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale.
-inline void store_token_rows(const torch::Tensor& cache, int64_t slot, const float* src, int64_t KVH, int64_t D) {
+inline void store_token_rows(const at::Tensor& cache, int64_t slot, const float* src, int64_t KVH, int64_t D) {
   const auto dt = cache.scalar_type();
   if (dt == at::ScalarType::Float) {
     store_row(cache.data_ptr<float>() + slot * KVH * D, src, KVH * D);
@@ -253,11 +255,11 @@ inline void store_token_rows(const torch::Tensor& cache, int64_t slot, const flo
 // byte: fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale. One
 // pass per row, in parallel, where the torch path took ~ten elementwise ops and an index_copy_ per
 // layer (~8% of a 300-token prefill with an int8 cache).
-void store_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3, "x must be float32 [T, KVH, D]");
+void store_kv_rows(at::Tensor cache, at::Tensor slots, at::Tensor x) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 3, "x must be float32 [T, KVH, D]");
   if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();  // (a qkv split's rows already are)
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(2) == x.size(1), "cache: contiguous [NB, BS, KVH, W]");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == x.size(0), "slots must be int64 [T]");
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.dim() == 1 && slots.size(0) == x.size(0), "slots must be int64 [T]");
   const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2), W = cache.size(3);
   const int64_t num_slots = cache.size(0) * cache.size(1);
   const auto dt = cache.scalar_type();
@@ -281,18 +283,18 @@ void store_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor x) {
 class DecodeStep {
  public:
   DecodeStep(int64_t hidden, int64_t intermediate, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-             double eps, double scale, torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm)
+             double eps, double scale, at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
       : hidden_(hidden), inter_(intermediate), H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(float(eps)),
         scale_(scale), cos_(cos), sin_(sin), final_norm_(final_norm) {
-    TORCH_CHECK(cos.dtype() == torch::kFloat32 && cos.is_contiguous() && cos.dim() == 2 && cos.size(1) == D_ / 2,
+    TORCH_CHECK(cos.dtype() == at::kFloat && cos.is_contiguous() && cos.dim() == 2 && cos.size(1) == D_ / 2,
                 "cos must be contiguous float32 [max_position, head_dim / 2]");
-    TORCH_CHECK(sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.dtype() == torch::kFloat32, "sin like cos");
+    TORCH_CHECK(sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.dtype() == at::kFloat, "sin like cos");
     check_norm(final_norm, hidden_, "final norm");
   }
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, Parts qkv, c10::optional<torch::Tensor> qkv_bias,
-                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, Parts o,
-                 c10::optional<torch::Tensor> o_bias, Parts gate_up, Parts down) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, Parts qkv, c10::optional<at::Tensor> qkv_bias,
+                 c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, Parts o,
+                 c10::optional<at::Tensor> o_bias, Parts gate_up, Parts down) {
     Layer layer = attention_layer(input_norm, post_norm, std::move(qkv), std::move(qkv_bias), q_norm, k_norm,
                                   std::move(o), std::move(o_bias));
     layer.gate_up = make_linear(std::move(gate_up), {}, hidden_, 2 * inter_, "gate_up_proj");
@@ -302,17 +304,17 @@ class DecodeStep {
 
   // A layer whose MLP is a mixture of experts: `router` float32 [E, hidden]; per expert its [gate; up]
   // and down parts; the shared expert's (empty lists: none) and its sigmoid gate [1, hidden] (or none).
-  void add_moe_layer(torch::Tensor input_norm, torch::Tensor post_norm, Parts qkv,
-                     c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
-                     c10::optional<torch::Tensor> k_norm, Parts o, c10::optional<torch::Tensor> o_bias,
-                     torch::Tensor router, int64_t top_k, bool renormalize, double scale, int64_t moe_inter,
+  void add_moe_layer(at::Tensor input_norm, at::Tensor post_norm, Parts qkv,
+                     c10::optional<at::Tensor> qkv_bias, c10::optional<at::Tensor> q_norm,
+                     c10::optional<at::Tensor> k_norm, Parts o, c10::optional<at::Tensor> o_bias,
+                     at::Tensor router, int64_t top_k, bool renormalize, double scale, int64_t moe_inter,
                      std::vector<Parts> expert_gate_up, std::vector<Parts> expert_down, Parts shared_gate_up,
-                     Parts shared_down, c10::optional<torch::Tensor> shared_gate) {
+                     Parts shared_down, c10::optional<at::Tensor> shared_gate) {
     Layer layer = attention_layer(input_norm, post_norm, std::move(qkv), std::move(qkv_bias), q_norm, k_norm,
                                   std::move(o), std::move(o_bias));
     const int64_t E = int64_t(expert_gate_up.size());
     TORCH_CHECK(E > 0 && int64_t(expert_down.size()) == E, "one [gate; up] and one down projection per expert");
-    TORCH_CHECK(router.dtype() == torch::kFloat32 && router.is_contiguous() && router.dim() == 2 &&
+    TORCH_CHECK(router.dtype() == at::kFloat && router.is_contiguous() && router.dim() == 2 &&
                     router.size(0) == E && router.size(1) == hidden_,
                 "router must be contiguous float32 [", E, ", ", hidden_, "]");
     TORCH_CHECK(1 <= top_k && top_k <= E, "top_k must be in [1, ", E, "], got ", top_k);
@@ -332,7 +334,7 @@ class DecodeStep {
     }
     if (shared_gate) {
       TORCH_CHECK(moe->shared_gate_up.has_value(), "a shared-expert gate without a shared expert");
-      TORCH_CHECK(shared_gate->dtype() == torch::kFloat32 && shared_gate->is_contiguous() &&
+      TORCH_CHECK(shared_gate->dtype() == at::kFloat && shared_gate->is_contiguous() &&
                       shared_gate->numel() == hidden_,
                   "shared-expert gate must be contiguous float32 [1, ", hidden_, "]");
       moe->shared_gate = shared_gate->view({1, hidden_});
@@ -349,12 +351,12 @@ class DecodeStep {
   // Sliding windows: layer_view[l] >= 0 names the (tables, lens, skip) a windowed layer attends
   // through (the torch backend's WindowView: tables from the window's first block, the keys before
   // the window skipped in it); -1, or no layer_view at all, the whole context.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
-                        torch::Tensor block_tables, torch::Tensor seq_lens, std::vector<torch::Tensor> k_caches,
-                        std::vector<torch::Tensor> v_caches, c10::optional<torch::Tensor> tree,
-                        std::vector<int64_t> layer_view, std::vector<torch::Tensor> view_tables,
-                        std::vector<torch::Tensor> view_lens, std::vector<torch::Tensor> view_skips,
-                        c10::optional<torch::Tensor> pre_norm_out) {
+  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor seq_lens, std::vector<at::Tensor> k_caches,
+                     std::vector<at::Tensor> v_caches, c10::optional<at::Tensor> tree,
+                     std::vector<int64_t> layer_view, std::vector<at::Tensor> view_tables,
+                     std::vector<at::Tensor> view_lens, std::vector<at::Tensor> view_skips,
+                     c10::optional<at::Tensor> pre_norm_out) {
     const int64_t B = x.size(0), L = int64_t(layers_.size());
     const int64_t V = int64_t(view_tables.size());
     TORCH_CHECK(layer_view.empty() || int64_t(layer_view.size()) == L, "layer_view: one entry per layer, or none");
@@ -363,16 +365,16 @@ class DecodeStep {
       TORCH_CHECK(-1 <= v && v < V, "layer_view names view ", v, " of ", V);
       TORCH_CHECK(v < 0 || !(tree.has_value() && tree->defined()), "a sliding window does not combine with a tree");
     }
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_, "x must be float32 [B, ",
+    TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == hidden_, "x must be float32 [B, ",
                 hidden_, "]");
     if (pre_norm_out.has_value()) {
-      TORCH_CHECK(pre_norm_out->dtype() == torch::kFloat32 && pre_norm_out->is_contiguous() &&
+      TORCH_CHECK(pre_norm_out->dtype() == at::kFloat && pre_norm_out->is_contiguous() &&
                       pre_norm_out->dim() == 2 && pre_norm_out->size(0) == B && pre_norm_out->size(1) == hidden_,
                   "pre_norm_out must be a contiguous float32 [B, ", hidden_, "]");
     }
     TORCH_CHECK(int64_t(k_caches.size()) == L && int64_t(v_caches.size()) == L, "one K and one V cache per layer");
-    TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.numel() == B, "positions: int64 [B]");
-    TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.numel() == B, "slot_mapping: int64 [B]");
+    TORCH_CHECK(positions.dtype() == at::kLong && positions.numel() == B, "positions: int64 [B]");
+    TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.numel() == B, "slot_mapping: int64 [B]");
     auto pos = positions.contiguous();
     auto slots = slot_mapping.contiguous();
     const int64_t* pp = pos.data_ptr<int64_t>();
@@ -383,25 +385,25 @@ class DecodeStep {
     }
     for (int64_t l = 0; l < L; ++l) {
       const auto &kc = k_caches[l], &vc = v_caches[l];
-      const bool quantized = kc.dtype() == torch::kInt8 || kc.dtype() == at::ScalarType::Float8_e4m3fn;
+      const bool quantized = kc.dtype() == at::kChar || kc.dtype() == at::ScalarType::Float8_e4m3fn;
       const int64_t width = D_ + (quantized ? 4 : 0);  // a quantized row carries its fp32 scale
       TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() &&
                       kc.size(2) == KVH_ && kc.size(3) == width && kc.dtype() == vc.dtype(),
                   "layer ", l, ": caches must be contiguous [blocks, block_size, ", KVH_, ", ", width, "] pairs");
-      TORCH_CHECK(quantized || kc.dtype() == torch::kFloat32 || kc.dtype() == torch::kBFloat16,
+      TORCH_CHECK(quantized || kc.dtype() == at::kFloat || kc.dtype() == at::kBFloat16,
                   "cache must be float32, bfloat16, int8 or float8_e4m3fn");
       const int64_t capacity = kc.size(0) * kc.size(1);
       for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] < capacity, "slot ", sp[b], " out of range");
     }
     auto opts = x.options();
     auto residual = x.clone();
-    auto h = torch::empty({B, hidden_}, opts);
-    auto qkv = torch::empty({B, (H_ + 2 * KVH_) * D_}, opts);
-    auto q = torch::empty({B, H_, D_}, opts);
-    auto o = torch::empty({B, hidden_}, opts);
-    auto gate_up = torch::empty({B, 2 * inter_}, opts);
-    auto act = torch::empty({B, inter_}, opts);
-    auto mlp = torch::empty({B, hidden_}, opts);
+    auto h = at::empty({B, hidden_}, opts);
+    auto qkv = at::empty({B, (H_ + 2 * KVH_) * D_}, opts);
+    auto q = at::empty({B, H_, D_}, opts);
+    auto o = at::empty({B, hidden_}, opts);
+    auto gate_up = at::empty({B, 2 * inter_}, opts);
+    auto act = at::empty({B, inter_}, opts);
+    auto mlp = at::empty({B, hidden_}, opts);
     float *rp = residual.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
     float *qp = q.data_ptr<float>(), *op = o.data_ptr<float>(), *gp = gate_up.data_ptr<float>();
     float *ap = act.data_ptr<float>(), *mp = mlp.data_ptr<float>();
@@ -446,16 +448,16 @@ class DecodeStep {
       ferry_cpu::silu_and_mul_rows(gp, ap, B, inter_);
       run_linear(layer.down, ap, B, mp, qa);
     }
-    auto out = torch::empty({B, hidden_}, opts);
+    auto out = at::empty({B, hidden_}, opts);
     ferry_cpu::add_rms_norm_rows(mp, rp, final_norm_.data_ptr<float>(), out.data_ptr<float>(), B, hidden_, eps_);
     if (pre_norm_out.has_value()) pre_norm_out->copy_(residual);  // the add above left the stream in it
     return out;
   }
 
  private:
-  Layer attention_layer(torch::Tensor input_norm, torch::Tensor post_norm, Parts qkv,
-                        c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
-                        c10::optional<torch::Tensor> k_norm, Parts o, c10::optional<torch::Tensor> o_bias) {
+  Layer attention_layer(at::Tensor input_norm, at::Tensor post_norm, Parts qkv,
+                        c10::optional<at::Tensor> qkv_bias, c10::optional<at::Tensor> q_norm,
+                        c10::optional<at::Tensor> k_norm, Parts o, c10::optional<at::Tensor> o_bias) {
     check_norm(input_norm, hidden_, "input norm");
     check_norm(post_norm, hidden_, "post-attention norm");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
@@ -472,7 +474,7 @@ class DecodeStep {
   // scaled), grouped_experts (each expert over its rows in token order, outputs times their weights,
   // index_add'ed per token in expert order) and the shared expert, with the same ATen ops where it
   // uses them, so both paths produce the same bits.
-  torch::Tensor sparse_mlp(const MoE& m, const torch::Tensor& x, Q8Activations& qa) {
+  at::Tensor sparse_mlp(const MoE& m, const at::Tensor& x, Q8Activations& qa) {
     const int64_t B = x.size(0), k = m.top_k, E = int64_t(m.gate_up.size());
     auto scores = at::softmax(at::linear(x, m.router), -1);
     auto ids = std::get<1>(at::topk(scores, k, -1));
@@ -489,8 +491,8 @@ class DecodeStep {
       for (int64_t i = 0; i < B * k; ++i) order[next[idp[i]]++] = i;
     }
     auto opts = x.options();
-    auto rows = torch::empty({B * k, hidden_}, opts), out = torch::empty({B * k, hidden_}, opts);
-    auto gate_up = torch::empty({B, 2 * m.inter}, opts), act = torch::empty({B, m.inter}, opts);
+    auto rows = at::empty({B * k, hidden_}, opts), out = at::empty({B * k, hidden_}, opts);
+    auto gate_up = at::empty({B, 2 * m.inter}, opts), act = at::empty({B, m.inter}, opts);
     const float* xp = x.data_ptr<float>();
     float *rp = rows.data_ptr<float>(), *outp = out.data_ptr<float>();
     for (int64_t i = 0; i < B * k; ++i) std::memcpy(rp + i * hidden_, xp + (order[i] / k) * hidden_, hidden_ * 4);
@@ -501,12 +503,12 @@ class DecodeStep {
       ferry_cpu::silu_and_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), n, m.inter);
       run_linear(m.down[e], act.data_ptr<float>(), n, outp + start * hidden_, qa);
     }
-    auto order_t = torch::from_blob(order.data(), {B * k}, torch::kInt64);
+    auto order_t = at::from_blob(order.data(), {B * k}, at::kLong);
     out.mul_(weights.reshape(-1).index_select(0, order_t).unsqueeze(1));
-    auto sum = torch::zeros_like(x).index_add_(0, at::floor_divide(order_t, k), out);
+    auto sum = at::zeros_like(x).index_add_(0, at::floor_divide(order_t, k), out);
     if (!m.shared_gate_up) return sum;
     const int64_t si = m.shared_gate_up->out / 2;
-    auto sgu = torch::empty({B, 2 * si}, opts), sact = torch::empty({B, si}, opts), shared = torch::empty({B, hidden_}, opts);
+    auto sgu = at::empty({B, 2 * si}, opts), sact = at::empty({B, si}, opts), shared = at::empty({B, hidden_}, opts);
     run_linear(*m.shared_gate_up, xp, B, sgu.data_ptr<float>(), qa);
     ferry_cpu::silu_and_mul_rows(sgu.data_ptr<float>(), sact.data_ptr<float>(), B, si);
     run_linear(*m.shared_down, sact.data_ptr<float>(), B, shared.data_ptr<float>(), qa);
@@ -514,15 +516,15 @@ class DecodeStep {
     return sum + shared;
   }
 
-  static void check_norm(const torch::Tensor& w, int64_t n, const char* name) {
-    TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.numel() == n, name,
+  static void check_norm(const at::Tensor& w, int64_t n, const char* name) {
+    TORCH_CHECK(w.dtype() == at::kFloat && w.is_contiguous() && w.numel() == n, name,
                 " weight must be contiguous float32 [", n, "]");
   }
 
   int64_t hidden_, inter_, H_, KVH_, D_;
   float eps_;
   double scale_;
-  torch::Tensor cos_, sin_, final_norm_;
+  at::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
 };
 
@@ -530,16 +532,16 @@ void bind_decode_step(pybind11::module& m) {
   m.def("store_kv_rows", &store_kv_rows, "x [T, KVH, D] into the cache rows of slots, as kv_quant.store_rows writes them (CPU)",
         pybind11::arg("cache"), pybind11::arg("slots"), pybind11::arg("x"));
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a Llama-family decode step with GGUF weights, in one call (CPU)")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
-                          torch::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                          at::Tensor>())
       .def("add_layer", &DecodeStep::add_layer)
       .def("add_moe_layer", &DecodeStep::add_moe_layer)
       .def("forward", &DecodeStep::forward, pybind11::arg("x"), pybind11::arg("positions"),
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
            pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("tree") = pybind11::none(),
            pybind11::arg("layer_view") = std::vector<int64_t>{},
-           pybind11::arg("view_tables") = std::vector<torch::Tensor>{},
-           pybind11::arg("view_lens") = std::vector<torch::Tensor>{},
-           pybind11::arg("view_skips") = std::vector<torch::Tensor>{},
+           pybind11::arg("view_tables") = std::vector<at::Tensor>{},
+           pybind11::arg("view_lens") = std::vector<at::Tensor>{},
+           pybind11::arg("view_skips") = std::vector<at::Tensor>{},
            pybind11::arg("pre_norm_out") = pybind11::none());
 }

@@ -4,7 +4,7 @@
 // each as 4-8 dispatched ops (rms_norm alone: pow, mean, add, rsqrt, mul, mul).
 // One call each took a SmolLM2-135M decode step from ~28.2 to ~27 ms on an AVX2
 // EPYC (end to end, no profiler). One pass per op over rows split between threads.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -12,8 +12,8 @@
 
 namespace {
 
-void check_rows(const torch::Tensor& t, int64_t K, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.dim() >= 1 && t.size(-1) == K,
+void check_rows(const at::Tensor& t, int64_t K, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous() && t.dim() >= 1 && t.size(-1) == K,
               name, " must be a contiguous float32 tensor with last dimension ", K);
 }
 
@@ -90,13 +90,13 @@ void rotary_rows(const int64_t* pos, int64_t T, float* q, int64_t q_tok, int64_t
 }  // namespace ferry_cpu
 
 // residual += x (in place); returns rms_norm(residual) * weight.
-torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   const int64_t K = weight.size(0);
   check_rows(x, K, "x");
   check_rows(residual, K, "residual");
   check_rows(weight, K, "weight");
   TORCH_CHECK(x.numel() == residual.numel(), "x and residual differ in size");
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   ferry_cpu::add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(),
                                out.data_ptr<float>(), residual.numel() / K, K, float(eps));
   return out;
@@ -104,43 +104,43 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 
 // x: contiguous rows, or [T, H, K] heads of a token contiguous and tokens any stride apart (the
 // q or k heads viewed inside a fused qkv, Qwen3's q/k norms); the output is contiguous.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   const int64_t K = weight.size(0);
   check_rows(weight, K, "weight");
   if (!x.is_contiguous() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == K && x.size(2) == K &&
-      x.dtype() == torch::kFloat32) {
+      x.dtype() == at::kFloat) {
     const int64_t T = x.size(0), H = x.size(1);
-    auto out = torch::empty({T, H, K}, x.options());
+    auto out = at::empty({T, H, K}, x.options());
     for (int64_t t = 0; t < T; ++t)
       ferry_cpu::rms_norm_rows(x.data_ptr<float>() + t * x.stride(0), weight.data_ptr<float>(),
                                out.data_ptr<float>() + t * H * K, H, K, float(eps));
     return out;
   }
   check_rows(x, K, "x");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   ferry_cpu::rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.numel() / K, K,
                            float(eps));
   return out;
 }
 
 // [M, 2I] (gate | up) -> silu(gate) * up [M, I].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dtype() == at::kFloat && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
               "gate_up must be contiguous float32 with an even last dimension");
   const int64_t I = gate_up.size(-1) / 2, M = gate_up.numel() / (2 * I);
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
-  auto out = torch::empty(sizes, gate_up.options());
+  auto out = at::empty(sizes, gate_up.options());
   ferry_cpu::silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), M, I);
   return out;
 }
 
 // NeoX (rotate-half) rotary embedding of q [T, H, D] and k [T, KVH, D] in place (q/k may be views
 // into the fused qkv: any token and head strides, unit stride within a head).
-void rotary_(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "q and k must be float32");
-  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.dim() == 1, "positions must be 1-D int64");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == torch::kFloat32, "cos/sin: contiguous fp32");
+void rotary_(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat, "q and k must be float32");
+  TORCH_CHECK(positions.dtype() == at::kLong && positions.dim() == 1, "positions must be 1-D int64");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == at::kFloat, "cos/sin: contiguous fp32");
   const int64_t T = q.size(0), D = q.size(2), max_pos = cos.size(0);
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.size(1) == D / 2, "unexpected q/k/cos layout");
   TORCH_CHECK(k.size(0) == T && k.size(2) == D && positions.size(0) == T, "q, k and positions disagree in shape");

@@ -45,7 +45,7 @@
 // Prompt rows of Q4_0/Q4_1/Q8_0 take these kernels too (they outrun an fp32 GEMM
 // there); the K-quants' prompt rows are dequantized (gguf_dequantize) into a BLAS
 // GEMM on the Python side (ferry/layers/gguf_linear.py says why).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -5,8 +5,8 @@
 
 namespace {
 
-void check_weight(const torch::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight must be contiguous uint8 [N, row_bytes]");
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous(), "weight must be contiguous uint8 [N, row_bytes]");
   const Layout L = layout_of(qtype);
   TORCH_CHECK(K % L.block == 0, "K=", K, " is not a multiple of the block size ", L.block);
   TORCH_CHECK(w.size(1) == K / L.block * L.bytes, "weight rows are ", w.size(1), " bytes, expected ", K / L.block * L.bytes);
@@ -110,12 +110,12 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
 }  // namespace ferry_cpu
 
 // y [M, N] = x [M, K] @ dequant(w [N, row_bytes]).T (+ bias), through int8 dot products.
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be a 2-D float32 tensor");
+at::Tensor gguf_linear(at::Tensor x, at::Tensor w, int64_t qtype, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x must be a 2-D float32 tensor");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, qtype, K);
   auto xc = x.contiguous();
-  auto y = torch::empty({M, N}, xc.options());
+  auto y = at::empty({M, N}, xc.options());
   if (M == 0) return y;
   std::vector<int8_t> qx(M * K);
   std::vector<float> dy(M * (K / 32)), sy(M * (K / 32));
@@ -131,10 +131,10 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::
 }
 
 // fp32 [N, K] copy of a quantized weight (the prefill path's GEMM operand, and the test oracle's peer).
-torch::Tensor gguf_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
+at::Tensor gguf_dequantize(at::Tensor w, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
   const int64_t N = w.size(0), row_bytes = w.size(1);
-  auto out = torch::empty({N, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
@@ -146,14 +146,14 @@ torch::Tensor gguf_dequantize(torch::Tensor w, int64_t qtype, int64_t K) {
 }
 
 // fp32 rows `ids` of a quantized weight (an embedding lookup that reads only those rows).
-torch::Tensor gguf_get_rows(torch::Tensor w, torch::Tensor ids, int64_t qtype, int64_t K) {
+at::Tensor gguf_get_rows(at::Tensor w, at::Tensor ids, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "ids must be 1-D int64");
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "ids must be 1-D int64");
   auto idc = ids.contiguous();
   const int64_t T = idc.size(0), N = w.size(0), row_bytes = w.size(1);
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t i = 0; i < T; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "row id ", ip[i], " out of range [0, ", N, ")");
-  auto out = torch::empty({T, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  auto out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
@@ -166,11 +166,11 @@ torch::Tensor gguf_get_rows(torch::Tensor w, torch::Tensor ids, int64_t qtype, i
 
 // A Q4_0 / Q4_1 / Q8_0 weight [N, row_bytes] in the plain layout -> the same bytes interleaved by 8
 // rows (type id + 256); rows past the last whole group are copied as they are.
-torch::Tensor gguf_interleave(torch::Tensor w, int64_t qtype, int64_t K) {
+at::Tensor gguf_interleave(at::Tensor w, int64_t qtype, int64_t K) {
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "only Q4_0, Q4_1 and Q8_0 weights are interleaved, not type ", qtype);
   check_weight(w, qtype, K);
   const int64_t N = w.size(0), row_bytes = w.size(1), groups = N / kGroup;
-  auto out = torch::empty_like(w);
+  auto out = at::empty_like(w);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {

@@ -39,7 +39,7 @@
 // those weights are rounded to int16 per partition and the values summed in int32, two
 // keys per vpdpwssd (heads_values_int8). fp8 rows (and every row without AVX2)
 // are dequantized into an L1-resident fp32 scratch first (fp8 through a 256-entry table).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -665,9 +665,9 @@ inline void merge_partitions(const float* m, const float* l, const float* acc, i
 }
 
 template <typename CacheT>
-torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                          const int64_t* tree, const int64_t* skip) {
+at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                       at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                       const int64_t* tree, const int64_t* skip) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t W = k_cache.size(3);  // row width: D, or D + 4 with a quantized row's scale
@@ -675,7 +675,7 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
   const int64_t MAXB = block_tables.size(1);
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const CacheT* kp = reinterpret_cast<const CacheT*>(k_cache.data_ptr());
   const CacheT* vp = reinterpret_cast<const CacheT*>(v_cache.data_ptr());
@@ -1007,16 +1007,16 @@ torch::Tensor paged_decode_attention_impl(torch::Tensor q, torch::Tensor k_cache
   return out;
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     c10::optional<torch::Tensor> tree, c10::optional<torch::Tensor> skip) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32, "q must be float32");
-  torch::Tensor skip_rows;
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  c10::optional<at::Tensor> tree, c10::optional<at::Tensor> skip) {
+  TORCH_CHECK(q.dtype() == at::kFloat, "q must be float32");
+  at::Tensor skip_rows;
   const int64_t* sp = nullptr;
   if (skip.has_value() && skip->defined()) {
     TORCH_CHECK(!(tree.has_value() && tree->defined()), "skip (a sliding window) does not combine with a tree");
     skip_rows = skip->contiguous();
-    TORCH_CHECK(skip_rows.dtype() == torch::kInt64 && skip_rows.dim() == 1 && skip_rows.size(0) == q.size(0),
+    TORCH_CHECK(skip_rows.dtype() == at::kLong && skip_rows.dim() == 1 && skip_rows.size(0) == q.size(0),
                 "skip must be int64 [B]");
     sp = skip_rows.data_ptr<int64_t>();
     auto lens = seq_lens.contiguous();
@@ -1025,11 +1025,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       TORCH_CHECK(sp[b] >= 0 && sp[b] < std::min<int64_t>(k_cache.size(1), lp[b]),
                   "skip must leave each sequence's first block a key");
   }
-  torch::Tensor tree_rows;
+  at::Tensor tree_rows;
   const int64_t* tp = nullptr;
   if (tree.has_value() && tree->defined()) {
     tree_rows = tree->contiguous();
-    TORCH_CHECK(tree_rows.dtype() == torch::kInt64 && tree_rows.dim() == 2 && tree_rows.size(0) == q.size(0) &&
+    TORCH_CHECK(tree_rows.dtype() == at::kLong && tree_rows.dim() == 2 && tree_rows.size(0) == q.size(0) &&
                     tree_rows.size(1) == 2,
                 "tree must be int64 [B, 2]");
     tp = tree_rows.data_ptr<int64_t>();

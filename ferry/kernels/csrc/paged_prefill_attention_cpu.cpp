@@ -23,7 +23,7 @@
 // max grows, divided by the sum at the end. Values are read as [16][D] fp32 rows and summed with the
 // 16 weights broadcast. The context is dequantized kRangeKeys keys at a time, so the scratch stays
 // bounded whatever the context.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -372,14 +372,14 @@ void run(const Problem& pb, const uint8_t* kc, const uint8_t* vc, int64_t BS, in
 
 }  // namespace
 
-void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                             torch::Tensor spans, double scale, int64_t window, torch::Tensor out) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [T, H, D]");
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.sizes() == q.sizes() && out.is_contiguous(), "out must be like q");
+void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                             at::Tensor spans, double scale, int64_t window, at::Tensor out) {
+  TORCH_CHECK(q.dtype() == at::kFloat && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [T, H, D]");
+  TORCH_CHECK(out.dtype() == at::kFloat && out.sizes() == q.sizes() && out.is_contiguous(), "out must be like q");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype() && k_cache.sizes() == v_cache.sizes(), "k and v caches must match");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches: contiguous [NB, BS, KVH, W]");
-  TORCH_CHECK(tables.dtype() == torch::kInt64 && tables.dim() == 2, "tables must be int64 [C, MAXB]");
-  TORCH_CHECK(spans.dtype() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 3 && spans.size(0) == tables.size(0),
+  TORCH_CHECK(tables.dtype() == at::kLong && tables.dim() == 2, "tables must be int64 [C, MAXB]");
+  TORCH_CHECK(spans.dtype() == at::kLong && spans.dim() == 2 && spans.size(1) == 3 && spans.size(0) == tables.size(0),
               "spans must be int64 [C, 3] (first row, rows, context length)");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
@@ -401,8 +401,8 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
       TORCH_CHECK(tbp[c * MAXB + b] >= 0 && tbp[c * MAXB + b] < NB, "chunk ", c, ": block id out of range");
   }
   // Running max and sum per (row, head); the outputs accumulate unnormalized in out.
-  auto run_max = torch::full({T, H}, kNegBig, q.options());
-  auto run_sum = torch::zeros({T, H}, q.options());
+  auto run_max = at::full({T, H}, kNegBig, q.options());
+  auto run_sum = at::zeros({T, H}, q.options());
   float* op = out.data_ptr<float>();
   for (int64_t c = 0; c < C; ++c) std::memset(op + spp[3 * c] * H * D, 0, spp[3 * c + 1] * H * D * sizeof(float));
   // q pre-scaled (a copy: q is the caller's), so the scores need no multiply.

@@ -4,7 +4,7 @@
 // The torch version of the same math takes seven elementwise ops, each a full
 // pass and a dispatch (~2 ms per decode step at batch 16 over 121 linears);
 // see ferry/layers/int8_linear.py.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -12,12 +12,12 @@
 #include <cstdint>
 #include <tuple>
 
-std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_u8(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be a 2-D float32 tensor");
+std::tuple<at::Tensor, at::Tensor> quantize_per_token_u8(at::Tensor x) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x must be a 2-D float32 tensor");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  auto q = torch::empty({M, K}, xc.options().dtype(torch::kUInt8));
-  auto scale = torch::empty({M, 1}, xc.options());
+  auto q = at::empty({M, K}, xc.options().dtype(at::kByte));
+  auto scale = at::empty({M, 1}, xc.options());
   const float* xp = xc.data_ptr<float>();
   uint8_t* qp = q.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
