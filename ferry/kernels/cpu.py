@@ -120,16 +120,33 @@ def _sound_compiler():
         os.environ["CXX"] = cxx
 
 
+@functools.cache
+def _cpu_features_line() -> str:
+    """This CPU's instruction-set line of /proc/cpuinfo ("flags" on x86, "Features" on Arm), or ""."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
+
+
 def _checkout_key() -> str:
-    """Which sources and torch this build is of. torch keeps one build directory per extension
+    """Which sources, torch and CPU this build is of. torch keeps one build directory per extension
     name and rebuilds when the source paths change, so two checkouts (or venvs) on one machine
     sharing a name rebuilt each other's kernels in turn, minutes each, and waited on each other's
-    build locks (a CI clone beside a working tree timed its servers out that way)."""
+    build locks (a CI clone beside a working tree timed its servers out that way). The CPU's
+    features are in it because the build is -march=native: a cache directory shared by machines
+    of different CPUs (a network home, a volume that moves between nodes) would otherwise hand an
+    AVX-512 build to a CPU without AVX-512, which dies of SIGILL at its first kernel call."""
     import hashlib
+    import platform
 
     import torch
 
-    where = f"{Path(__file__).resolve().parent}|{torch.__version__}"
+    where = f"{Path(__file__).resolve().parent}|{torch.__version__}|{platform.machine()}|{_cpu_features_line()}"
     return hashlib.sha256(where.encode()).hexdigest()[:10]
 
 

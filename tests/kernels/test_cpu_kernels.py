@@ -241,6 +241,23 @@ def test_stale_build_lock_is_cleared(kernels):
     assert not os.path.exists(lock)
 
 
+def test_the_build_name_names_the_cpu_it_was_built_for(monkeypatch):
+    """The kernels are built with -march=native, so a build directory shared by machines of different
+    CPUs (a network home, a cache volume that moves between nodes) must not hand one CPU's build to
+    another: the name carries the CPU's feature flags, besides the sources and torch."""
+    from ferry.kernels import cpu
+
+    here, _ = cpu._isa_flags()
+    assert cpu._isa_flags()[0] == here  # the same CPU finds its build again
+    features = cpu._cpu_features_line()
+    assert ("avx2" in features.split()) == ("avx2" in cpu.cpu_flags())  # the line read is this CPU's
+    other = " ".join(sorted(set(features.split()) ^ {"avx512f"}))  # with AVX-512 if this one has none, else without
+    monkeypatch.setattr(cpu, "_cpu_features_line", lambda: other)
+    assert cpu._isa_flags()[0] != here  # that CPU gets its own build
+    monkeypatch.setenv("FERRY_CPU_ISA", "avx2")
+    assert cpu._isa_flags()[0].startswith(f"{cpu.EXTENSION_NAME}_avx2_")
+
+
 def test_a_compiler_that_embeds_libstdcxx_is_recognised(tmp_path):
     """The GPU image's CXX wrapper links libstdc++ statically; an extension built with it crashed
     on its first formatted TORCH_CHECK message, so the build must notice and use `c++` instead."""
