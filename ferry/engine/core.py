@@ -303,7 +303,8 @@ class EngineCore:
             if record.num_prefill_tokens == 0:  # prompt rows cost differently (GEMMs): not in the fit
                 # Plan, forward and sampling together: on a GPU the forward is only queued until
                 # sampling reads its logits.
-                self.proposer.observe_step(record.num_decodes, record.prepare + record.forward + record.sample)
+                seconds = record.prepare + record.forward + record.sample
+                self.proposer.observe_step(record.num_decodes, seconds, record.num_stream_rows)
             self.proposer.propose(self.scheduler.running)
         record.update = time.perf_counter() - t2
         if self.step_records is not None:

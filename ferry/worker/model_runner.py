@@ -411,6 +411,7 @@ class ModelRunner:
         out = self._sample_and_attach(sched, plan_w or plan_r, sampling, drafts, logits_all)
         record.prepare, record.forward, record.sample = t1 - t0, t2 - t1, time.perf_counter() - t2
         self._fill_record(record, *(plan for plan in (plan_r, plan_w) if plan is not None))
+        record.num_stream_rows = plan_r.num_decodes
         return sampling, out
 
     def _sample_and_attach(

@@ -67,6 +67,9 @@ class StepRecord:
     num_decodes: int
     num_prefill_tokens: int
     decode_context_tokens: int  # K/V positions read by the decode rows
+    # Of the decode rows, those that ran only the layers after early exit's exit layer, from the
+    # residual streams its draft left (model_runner.py: `_execute_from_streams`).
+    num_stream_rows: int = 0
     # Seconds in each phase: scheduling, building the plan, the forward pass, sampling, applying tokens.
     schedule: float = 0.0
     prepare: float = 0.0

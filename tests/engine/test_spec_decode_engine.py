@@ -154,7 +154,7 @@ def test_adaptive_draft_length_stops_verifying_drafts_that_fail(smollm_gguf, pro
         """Steps priced as on 2 CPU cores (a row a quarter of a 1-row step) rather than by the
         clock, so the test does not depend on how busy the machine is."""
         proposer = engine.core.proposer
-        proposer.observe_step = lambda rows, seconds: proposer.policy.observe_step(rows, 0.002 + 0.0005 * rows)
+        proposer.observe_step = lambda rows, seconds, *_: proposer.policy.observe_step(rows, 0.002 + 0.0005 * rows)
         return engine
 
     engine = deterministic(engine_over(loaded, speculative_config=adaptive))

@@ -85,11 +85,12 @@ def _throughput(worth, counts, num_rows, a, b, c=0.0):
 
 
 def _linear_cost(a, b, max_rows=80):
+    """The line a StepCostModel fits through steps that cost a + b * rows."""
     cost = StepCostModel()
     for _ in range(2):  # a row count's first step is not taken as its cost
         for rows in range(1, max_rows + 1):
             cost.observe(rows, a + b * rows)
-    return cost
+    return cost.coefficients()
 
 
 def _geometric(alpha, n):
@@ -149,10 +150,55 @@ def test_the_policy_prices_a_draft_models_passes():
         assert (policy.choose([r], [4])[0] > 0) == want_drafts
 
 
+def test_early_exit_verify_steps_price_a_draft_row_by_their_own_line():
+    """Early exit verifies through the last layers only: its verify steps (every row from a stream)
+    get their own line, whose slope prices an early-exit draft's row; the whole steps' line is left
+    as the whole steps make it, and a step of both kinds goes in neither. Where whole rows are dear
+    and rows from streams cheap, a draft with a modest chance then pays."""
+    r = req([1, 2, 3], rid="r")
+
+    def policy_with(stream_steps: bool) -> AdaptiveDraftLength:
+        policy = AdaptiveDraftLength(4)
+        for _ in range(3):
+            for rows in range(1, 6):
+                policy.observe_step(rows, 0.006 + 0.004 * rows)  # whole steps: rows dear
+                if stream_steps:
+                    policy.observe_step(rows, 0.002 + 0.0002 * rows, num_stream_rows=rows)
+            policy.observe_draft_pass(1, 0.0003)
+        for kept in (0, 0, 0, 1):
+            policy.observe_verification(r, 4, kept)
+        return policy
+
+    plain, early_exit = policy_with(False), policy_with(True)
+    for line, want in ((early_exit.step_cost, (0.006, 0.004)), (early_exit.stream_step_cost, (0.002, 0.0002))):
+        assert all(abs(got - w) < 1e-9 for got, w in zip(line.coefficients(), want)), line.coefficients()
+    before = early_exit.step_cost.coefficients(), early_exit.stream_step_cost.coefficients()
+    for _ in range(3):
+        early_exit.observe_step(5, 1.0, num_stream_rows=3)  # two forwards in one step: neither line
+    assert (early_exit.step_cost.coefficients(), early_exit.stream_step_cost.coefficients()) == before
+    chance = early_exit.acceptance.worth(r, 1)[0]
+    # Pays at a stream row's price (0.2 ms + 0.3 ms of pass against a 10 ms step), not at a whole row's (4 ms).
+    assert 0.06 < chance < 0.4, chance
+    assert plain.choose([r], [4]) == [0]
+    assert early_exit.choose([r], [4])[0] >= 1
+    # Where every step drafted (none ran the whole model), a whole step is taken to cost a verify
+    # step and a pass: drafts still pay where passes are cheap, and not where a pass costs most of a
+    # step (early exit through most layers of a model not trained for it).
+    for pass_seconds, drafts in ((0.0003, True), (0.008, False)):
+        only_streams = AdaptiveDraftLength(4)
+        for _ in range(3):
+            for rows in range(1, 6):
+                only_streams.observe_step(rows, 0.002 + 0.0002 * rows, num_stream_rows=rows)
+            only_streams.observe_draft_pass(1, pass_seconds)
+        for kept in (0, 0, 0, 1):
+            only_streams.observe_verification(r, 4, kept)
+        assert (only_streams.choose([r], [4])[0] > 0) == drafts, pass_seconds
+
+
 def test_step_cost_model_fits_the_engines_steps():
     model = StepCostModel()
     assert model.seconds(1) is None
-    assert allocate([_geometric(0.1, 3)], 1, model) == [3]  # nothing measured yet: every draft
+    assert allocate([_geometric(0.1, 3)], 1, model.coefficients()) == [3]  # nothing measured yet: every draft
     model.observe(1, 0.5)  # a cold first step of its row count: not counted
     assert model.seconds(1) is None
     for _ in range(3):

@@ -108,7 +108,8 @@ class DraftProposer:
         if self.policy:
             self.policy.observe_verification(request, num_drafts, num_accepted)
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        """A decode-only step ran `num_rows` rows through the model in `seconds`."""
+    def observe_step(self, num_rows: int, seconds: float, num_stream_rows: int = 0) -> None:
+        """A decode-only step ran `num_rows` rows in `seconds`, `num_stream_rows` of them through
+        early exit's last layers only."""
         if self.policy:
-            self.policy.observe_step(num_rows, seconds)
+            self.policy.observe_step(num_rows, seconds, num_stream_rows)

@@ -30,6 +30,13 @@ drafting, priced by a second line through the draft's passes. The policy then ru
 draft model does, so drafts it would not verify are never drafted; where drafting costs about as
 much as the tokens it could save (early exit through most of the target's layers, untrained for
 it), no drafts pay and speculation stays off.
+
+Early exit verifies its drafts through the target's last layers only, from where the draft left
+off, so its verify steps cost a fraction of a whole step and a verify row a fraction of a whole
+row. Those steps get a line of their own, and an early-exit draft's row is priced by its slope:
+fitted into the whole steps' line, as they once were, they tilted it flat (more rows, yet cheaper
+steps), and every draft's verify row then looked free. A step in which some requests ran from
+their streams and others the whole model (two forwards, two fixed costs) goes in neither line.
 """
 
 from __future__ import annotations
@@ -164,22 +171,28 @@ class AcceptanceTracker:
 
 
 def allocate(
-    worth: list[list[float]], num_rows: int, cost: StepCostModel | None, draft_seconds: float = 0.0
+    worth: list[list[float]],
+    num_rows: int,
+    line: tuple[float, float] | None,
+    draft_seconds: float = 0.0,
+    row_seconds: float | None = None,
 ) -> list[int]:
     """Drafts per request that raise the step's expected tokens per second, greedily (see the
     module's docstring). `worth[i]`: what request i's drafts 1..n each add in expected tokens
     (non-increasing; n its drafts on offer); `num_rows`: the step's rows before any draft (its
-    requests' own tokens); `cost`: the steps measured so far (None or empty: every draft);
-    `draft_seconds`: what drafting one more token costs (a draft model's share of a pass).
+    requests' own tokens); `line`: a step's seconds, a + b * rows (`StepCostModel.coefficients`
+    of the steps measured so far; None: every draft);
+    `draft_seconds`: what drafting one more token costs (a draft model's share of a pass);
+    `row_seconds`: what a draft's verify row costs, where not a whole row's (`line`'s slope).
     With worth non-increasing per request and a step's cost linear in its rows, adding the most
     valuable draft while it raises the throughput reaches the best allocation there is (the tests
     check it against brute force)."""
     counts = [0] * len(worth)
-    line = cost.coefficients() if cost is not None else None
     if line is None:
         return [len(w) for w in worth]
     a, row = line
-    b = row + draft_seconds  # a draft's price: its verify row and its drafting
+    # A draft's price: its verify row and its drafting.
+    b = (row if row_seconds is None else row_seconds) + draft_seconds
     seconds = a + row * num_rows
     expected = float(len(worth))  # each request gains its own token at least
     heap = [(-w[0], i) for i, w in enumerate(worth) if w and w[0] > 0]
@@ -208,6 +221,7 @@ class AdaptiveDraftLength:
     def __init__(self, num_speculative_tokens: int) -> None:
         self.acceptance = AcceptanceTracker(num_speculative_tokens)
         self.step_cost = StepCostModel()
+        self.stream_step_cost = StepCostModel()  # early exit's verify steps, every row from a stream
         self.draft_pass_cost = StepCostModel()  # a draft model's passes, by the requests in them
         self._verifications: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
@@ -218,7 +232,16 @@ class AdaptiveDraftLength:
         drafting = sum(1 for n in offered if n)
         pass_seconds = self.draft_pass_cost.seconds(drafting) if drafting else None
         per_draft = pass_seconds / drafting if pass_seconds is not None else 0.0  # a pass serves them all
-        counts = allocate(worth, len(requests), self.step_cost, per_draft)
+        whole, row = self.step_cost.coefficients(), None
+        stream = self.stream_step_cost.coefficients()  # None unless early exit verified from streams
+        if stream is not None:
+            row = stream[1]
+            passes = self.draft_pass_cost.coefficients()
+            if whole is None and passes is not None:
+                # Every step so far drafted, so none ran the whole model: such a step does what a
+                # verify step of the same rows and a pass of the first layers for each do.
+                whole = (stream[0] + passes[0], stream[1] + passes[1])
+        counts = allocate(worth, len(requests), whole, per_draft, row)
         for i, (request, n) in enumerate(zip(requests, offered)):
             if counts[i]:
                 seen = self._verifications.get(request, 0) + 1
@@ -238,5 +261,10 @@ class AdaptiveDraftLength:
     def observe_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_drafts, num_accepted)
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
-        self.step_cost.observe(num_rows, seconds)
+    def observe_step(self, num_rows: int, seconds: float, num_stream_rows: int = 0) -> None:
+        """A decode-only step: `num_rows` rows in `seconds`, `num_stream_rows` of them verified from
+        early exit's streams (the module's docstring says which line each kind of step goes in)."""
+        if num_stream_rows == 0:
+            self.step_cost.observe(num_rows, seconds)
+        elif num_stream_rows == num_rows:
+            self.stream_step_cost.observe(num_rows, seconds)
