@@ -19,7 +19,7 @@ def kernel_at(rev: str, picks: Callable[[str], bool], binding: Callable[[dict[st
     this build's flags."""
     from torch.utils.cpp_extension import load
 
-    from ferry.kernels.cpu import _isa_flags
+    from ferry.kernels.cpu import _checkout_key, _isa_flags
 
     git = dict(cwd=ROOT, check=True, capture_output=True)
     work = Path(tempfile.mkdtemp(prefix=f"ferry-{prefix}-"))
@@ -32,6 +32,7 @@ def kernel_at(rev: str, picks: Callable[[str], bool], binding: Callable[[dict[st
             (work / file).write_bytes(texts[file])
     (work / "binding.cpp").write_text(binding(texts))
     sources = [str(work / f) for f in texts if f.endswith(".cpp")] + [str(work / "binding.cpp")]
-    name = f"ferry_{prefix}_" + subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
+    short = subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
+    name = f"ferry_{prefix}_{short}_{_checkout_key()}"  # this CPU's and torch's, as ferry's own build
     flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
     return load(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"])

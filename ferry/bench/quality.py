@@ -60,18 +60,29 @@ def compare(reference, candidate, token_ids: list[int], kv_cache_dtype: torch.dt
     candidate's K/V go through a cache of `kv_cache_dtype` (None: the model dtype), read as one
     prompt or (`decode_rows`) as a decode row per token, through the attention an engine runs
     (on the CPU, the C++ prefill or decode kernel); the reference's through the exact one."""
-    # In float64: two near-equal distributions' KL is a sum of tiny terms of both signs, which in
-    # fp32 rounding came out as -0.0000; each position's KL is then clamped at 0, as the true one is.
-    ref = reference.compute_logits(reference._forward_prompt(token_ids)).double().log_softmax(-1)
+    ref_logits = reference.compute_logits(reference._forward_prompt(token_ids)).float()
     hidden = candidate._forward_prompt(token_ids, kv_cache_dtype, decode_rows=decode_rows, engine_kernels=True)
-    got = candidate.compute_logits(hidden).double().log_softmax(-1)
-    target = torch.tensor(token_ids[1:], device=ref.device)[:, None]
+    got_logits = candidate.compute_logits(hidden).float()
+    # KL in float64: two near-equal distributions' KL is a sum of tiny terms of both signs, which
+    # fp32 rounded to -0.0000; each position's KL is then clamped at 0, as the true one is. By
+    # chunks of positions, so the float64 copies of [T, vocab] never exist whole (GBs for a long
+    # text and a 150k vocabulary).
+    targets = token_ids[1:] + [-1]  # the last position predicts nothing in the text
+    kl, agree, ref_lp, got_lp = [], [], [], []
+    for ref_c, got_c, tgt in zip(ref_logits.split(256), got_logits.split(256), torch.tensor(targets).split(256)):
+        ref, got = ref_c.double().log_softmax(-1), got_c.double().log_softmax(-1)
+        kl.append((ref.exp() * (ref - got)).sum(-1).clamp_min(0.0))
+        agree.append(ref.argmax(-1) == got.argmax(-1))
+        rows = (tgt >= 0).nonzero().squeeze(1).to(ref.device)
+        picked = tgt.to(ref.device)[rows, None]
+        ref_lp.append(ref[rows].gather(1, picked).squeeze(1))
+        got_lp.append(got[rows].gather(1, picked).squeeze(1))
     return {
         "tokens": len(token_ids),
-        "kl_mean": (ref.exp() * (ref - got)).sum(-1).clamp_min(0.0).mean().item(),
-        "top1_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
-        "ppl_reference": math.exp(-ref[:-1].gather(1, target).mean().item()),
-        "ppl_candidate": math.exp(-got[:-1].gather(1, target).mean().item()),
+        "kl_mean": torch.cat(kl).mean().item(),
+        "top1_agreement": torch.cat(agree).float().mean().item(),
+        "ppl_reference": math.exp(-torch.cat(ref_lp).mean().item()),
+        "ppl_candidate": math.exp(-torch.cat(got_lp).mean().item()),
     }
 
 

@@ -4,6 +4,8 @@ scheduler's rollback of rejected drafts' blocks."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ferry.config import SpeculativeConfig
@@ -172,10 +174,17 @@ def test_early_exit_verify_steps_price_a_draft_row_by_their_own_line():
     plain, early_exit = policy_with(False), policy_with(True)
     for line, want in ((early_exit.step_cost, (0.006, 0.004)), (early_exit.stream_step_cost, (0.002, 0.0002))):
         assert all(abs(got - w) < 1e-9 for got, w in zip(line.coefficients(), want)), line.coefficients()
-    before = early_exit.step_cost.coefficients(), early_exit.stream_step_cost.coefficients()
+    # A step of both kinds (two forwards) is split by the whole steps' line: consistent with both
+    # lines it leaves them as they are; a slow one raises the stream line's cost, not the whole one's.
+    whole_before = early_exit.step_cost.coefficients()
     for _ in range(3):
-        early_exit.observe_step(5, 1.0, num_stream_rows=3)  # two forwards in one step: neither line
-    assert (early_exit.step_cost.coefficients(), early_exit.stream_step_cost.coefficients()) == before
+        early_exit.observe_step(5, 0.006 + 0.004 * 2 + 0.002 + 0.0002 * 3, num_stream_rows=3)
+    assert early_exit.step_cost.coefficients() == whole_before
+    assert all(abs(got - w) < 1e-9 for got, w in zip(early_exit.stream_step_cost.coefficients(), (0.002, 0.0002)))
+    slow = policy_with(True)
+    for _ in range(20):
+        slow.observe_step(5, 0.006 + 0.004 * 2 + 0.010, num_stream_rows=3)
+    assert slow.step_cost.coefficients() == whole_before and slow.stream_step_cost.seconds(3) > 0.005
     chance = early_exit.acceptance.worth(r, 1)[0]
     # Pays at a stream row's price (0.2 ms + 0.3 ms of pass against a 10 ms step), not at a whole row's (4 ms).
     assert 0.06 < chance < 0.4, chance
@@ -193,6 +202,18 @@ def test_early_exit_verify_steps_price_a_draft_row_by_their_own_line():
         for kept in (0, 0, 0, 1):
             only_streams.observe_verification(r, 4, kept)
         assert (only_streams.choose([r], [4])[0] > 0) == drafts, pass_seconds
+    # A batch mixed from its first step (some requests drafting, others not) still gives the policy
+    # a line to decide by, instead of none (with none, every draft would be verified for ever).
+    mixed = AdaptiveDraftLength(4)
+    for _ in range(3):
+        for whole_rows, stream_rows in itertools.product((1, 2, 3), (1, 2, 3)):
+            seconds = 0.006 + 0.004 * whole_rows + 0.002 + 0.0002 * stream_rows
+            mixed.observe_step(whole_rows + stream_rows, seconds, num_stream_rows=stream_rows)
+        mixed.observe_draft_pass(1, 0.008)  # passes dear
+    assert mixed.step_cost.coefficients() is not None and mixed.stream_step_cost.coefficients() is not None
+    for kept in (0, 0, 0, 1):
+        mixed.observe_verification(r, 4, kept)
+    assert mixed.choose([r], [4]) == [0]  # passes dear, a 0.3 chance: no draft pays
 
 
 def test_step_cost_model_fits_the_engines_steps():

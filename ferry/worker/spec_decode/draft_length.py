@@ -36,7 +36,10 @@ off, so its verify steps cost a fraction of a whole step and a verify row a frac
 row. Those steps get a line of their own, and an early-exit draft's row is priced by its slope:
 fitted into the whole steps' line, as they once were, they tilted it flat (more rows, yet cheaper
 steps), and every draft's verify row then looked free. A step in which some requests ran from
-their streams and others the whole model (two forwards, two fixed costs) goes in neither line.
+their streams and others the whole model (two forwards, the common case in a batch whose requests
+draft unevenly) is split by the line already known: what the whole steps' line says its whole rows
+cost, the rest is its stream rows' (or the other way round); with neither line yet it counts as a
+whole step, so the policy always has a line to decide by.
 """
 
 from __future__ import annotations
@@ -264,7 +267,17 @@ class AdaptiveDraftLength:
     def observe_step(self, num_rows: int, seconds: float, num_stream_rows: int = 0) -> None:
         """A decode-only step: `num_rows` rows in `seconds`, `num_stream_rows` of them verified from
         early exit's streams (the module's docstring says which line each kind of step goes in)."""
+        whole_rows = num_rows - num_stream_rows
         if num_stream_rows == 0:
             self.step_cost.observe(num_rows, seconds)
-        elif num_stream_rows == num_rows:
+        elif whole_rows == 0:
             self.stream_step_cost.observe(num_rows, seconds)
+        else:  # two forwards: one half priced by its line, the rest is the other half's
+            whole = self.step_cost.seconds(whole_rows)
+            stream = self.stream_step_cost.seconds(num_stream_rows)
+            if whole is not None and whole < seconds:
+                self.stream_step_cost.observe(num_stream_rows, seconds - whole)
+            elif stream is not None and stream < seconds:
+                self.step_cost.observe(whole_rows, seconds - stream)
+            else:
+                self.step_cost.observe(num_rows, seconds)
