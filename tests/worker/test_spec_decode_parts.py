@@ -216,6 +216,27 @@ def test_early_exit_verify_steps_price_a_draft_row_by_their_own_line():
     assert mixed.choose([r], [4]) == [0]  # passes dear, a 0.3 chance: no draft pays
 
 
+def test_early_exit_drafts_for_part_of_a_batch_only_if_the_second_forward_pays():
+    """With early exit, a batch where some requests draft and others do not runs the verify forward
+    beside the whole one, whose fixed cost the per-row allocation does not see: the policy drafts
+    for part of the batch only where the step still gains once that cost is counted."""
+    likely, hopeless = req([1, 2, 3], rid="likely"), req([4, 5, 6], rid="hopeless")
+    chosen = {}
+    for verify_fixed in (0.0005, 0.02):  # the verify forward's fixed cost: small, or twice a step's
+        policy = AdaptiveDraftLength(4)
+        for _ in range(3):
+            for rows in range(1, 6):
+                policy.observe_step(rows, 0.006 + 0.002 * rows)
+                policy.observe_step(rows, verify_fixed + 0.0002 * rows, num_stream_rows=rows)
+            policy.observe_draft_pass(1, 0.0003)
+        for _ in range(6):
+            policy.observe_verification(likely, 4, 4)  # kept every time
+            policy.observe_verification(hopeless, 4, 0)  # never
+        chosen[verify_fixed] = policy.choose([likely, hopeless], [4, 4])
+    assert chosen[0.0005][0] > 0 and chosen[0.0005][1] == 0  # part of the batch drafts
+    assert chosen[0.02] == [0, 0]  # the second forward would cost more than the drafts save
+
+
 def test_step_cost_model_fits_the_engines_steps():
     model = StepCostModel()
     assert model.seconds(1) is None

@@ -39,7 +39,9 @@ steps), and every draft's verify row then looked free. A step in which some requ
 their streams and others the whole model (two forwards, the common case in a batch whose requests
 draft unevenly) is split by the line already known: what the whole steps' line says its whole rows
 cost, the rest is its stream rows' (or the other way round); with neither line yet it counts as a
-whole step, so the policy always has a line to decide by.
+whole step, so the policy always has a line to decide by. Such a step pays the verify forward's
+fixed cost on top of the whole one's, so a batch where only some requests would draft drafts only
+if the step still gains with that cost counted.
 """
 
 from __future__ import annotations
@@ -245,6 +247,15 @@ class AdaptiveDraftLength:
                 # verify step of the same rows and a pass of the first layers for each do.
                 whole = (stream[0] + passes[0], stream[1] + passes[1])
         counts = allocate(worth, len(requests), whole, per_draft, row)
+        if stream is not None and whole is not None and any(counts) and not all(counts):
+            # Early exit with some requests drafting and others not runs two forwards: the verify
+            # forward's fixed cost comes on top of the whole one's, which `allocate` (a line per
+            # row) does not charge. Draft only if the step still gains with it.
+            tokens = len(requests) + sum(sum(w[:k]) for w, k in zip(worth, counts))
+            plain = whole[0] + whole[1] * len(requests)
+            seconds = plain + stream[0] + sum(counts) * (row + per_draft)
+            if tokens / seconds <= len(requests) / plain:
+                counts = [0] * len(counts)
         for i, (request, n) in enumerate(zip(requests, offered)):
             if counts[i]:
                 seen = self._verifications.get(request, 0) + 1
