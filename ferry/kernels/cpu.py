@@ -50,11 +50,12 @@ _INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (Linux's /proc/cpuinfo); empty where that is not readable."""
+    """This CPU's feature flags (Linux's /proc/cpuinfo: "flags" on x86, "Features" on Arm); empty
+    where that is not readable."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -120,17 +121,9 @@ def _sound_compiler():
         os.environ["CXX"] = cxx
 
 
-@functools.cache
 def _cpu_features_line() -> str:
-    """This CPU's instruction-set line of /proc/cpuinfo ("flags" on x86, "Features" on Arm), or ""."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return ""
+    """This CPU's feature flags as one line, in a fixed order (what the build's name carries)."""
+    return " ".join(sorted(cpu_flags()))
 
 
 def _checkout_key() -> str:
