@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ferry.bench.hardware import known_peak_bandwidth
-from ferry.bench.latency import weight_bytes_per_step
+from ferry.bench.latency import cache_sized_for, weight_bytes_per_step
 from ferry.bench.throughput import SHAREGPT_LIKE_CLIP, sharegpt_like_requests
 from ferry.cli import main
 from ferry.models.config import ModelConfig
@@ -102,6 +102,18 @@ def test_bench_throughput_sharegpt_like_with_hf_reference(tiny_dir, tmp_path, ca
     assert w["mean_prompt_tokens"] > 0 and w["mean_output_tokens"] > 0
     assert result["ferry"]["tokens_per_s"] > 0 and result["ferry"]["output_tokens"] == w["output_tokens"]
     assert result["hf"]["num_prompts"] == 2 and result["hf"]["tokens_per_s"] > 0 and result["ratio"] > 0
+
+
+def test_two_engine_benches_size_their_caches_to_their_runs():
+    """Two engines over one model on a GPU: the second's memory profile counts the first's cache, so
+    each bench engine gets the blocks its runs need instead of a share of the device."""
+    from ferry.config import EngineArgs
+
+    sized = cache_sized_for(EngineArgs(block_size=16), num_seqs=4, tokens_per_seq=100)
+    assert sized.num_kv_blocks == 4 * 7 + 16  # 100 tokens fill 7 blocks of 16
+    assert cache_sized_for(EngineArgs(num_kv_blocks=9), 4, 100).num_kv_blocks == 9  # the user's choice stands
+    by_memory = EngineArgs(kv_cache_memory_bytes=1 << 20)
+    assert cache_sized_for(by_memory, 4, 100) == by_memory
 
 
 def test_sharegpt_like_lengths():

@@ -20,6 +20,7 @@ and errs against the step. Prefill tok/s counts the steps that prefilled the B p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -102,6 +103,17 @@ def model_weight_bytes_per_step(model, batch: int) -> int:
     elif model._gguf_lm_head is not None:
         total += model._gguf_lm_head.nbytes
     return total
+
+
+def cache_sized_for(eargs: EngineArgs, num_seqs: int, tokens_per_seq: int) -> EngineArgs:
+    """`eargs` with a KV cache of what `num_seqs` sequences of `tokens_per_seq` tokens need, unless the
+    user sized it. For benches that build two engines over one loaded model: on a GPU the second
+    engine's memory profile sees the first one's cache as used memory, and the default (a share of
+    the whole GPU) leaves it nothing (a verify-cost run on an H100 failed so, 2026-11-26)."""
+    if eargs.num_kv_blocks is not None or eargs.kv_cache_memory_bytes is not None:
+        return eargs
+    blocks = num_seqs * -(-tokens_per_seq // eargs.block_size) + 16
+    return dataclasses.replace(eargs, num_kv_blocks=blocks)
 
 
 def _requests(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import time
 
+from ferry.bench.latency import cache_sized_for
 from ferry.bench.spec_workloads import WORKLOADS
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
@@ -106,17 +108,21 @@ def main(args: argparse.Namespace) -> int:
 
 def _single_stream(args, loaded, plain_args: EngineArgs, spec_args: EngineArgs, spec_config: str) -> dict:
     """Each shipped prompt alone, without and with speculation (the module's docstring)."""
-    share = dict(model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device, dtype=loaded.dtype)
-    plain, spec = LLMEngine(plain_args, **share), LLMEngine(spec_args, **share)
     tok = loaded.tokenizer
+    prompts = {name: [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                          add_generation_prompt=True, tokenize=False),
+                                 add_special_tokens=False) for text in WORKLOADS[name]]
+               for name in args.workloads}  # fmt: skip
+    # one request at a time; room for the drafts of the last step beyond max_tokens
+    longest = max(len(ids) for ids in itertools.chain(*prompts.values())) + args.max_tokens + 64
+    share = dict(model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device, dtype=loaded.dtype)
+    plain = LLMEngine(cache_sized_for(plain_args, 1, longest), **share)
+    spec = LLMEngine(cache_sized_for(spec_args, 1, longest), **share)
     print(f"model {args.model or 'default'}; speculative_config {spec_config}; max {args.max_tokens} tokens")
     result: dict = {"speculative_config": spec_config, "max_tokens": args.max_tokens, "workloads": {}}
     for name in args.workloads:
         rows = []
-        for i, text in enumerate(WORKLOADS[name]):
-            chat = [{"role": "user", "content": text}]
-            ids = tok.encode(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False),
-                             add_special_tokens=False)  # fmt: skip
+        for i, ids in enumerate(prompts[name]):
             runs: dict[str, list[float]] = {"off": [], "on": []}
             out_tokens = None
             drafts0, accepted0 = spec.get_stats().spec_num_drafts, spec.get_stats().spec_num_accepted_tokens

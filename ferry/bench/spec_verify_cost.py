@@ -16,7 +16,7 @@ import dataclasses
 import random
 import statistics
 
-from ferry.bench.latency import _requests, run_batch
+from ferry.bench.latency import _requests, cache_sized_for, run_batch
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 
@@ -30,6 +30,7 @@ def run(args, eargs: EngineArgs, loaded) -> dict:
     spec = f'{{"method": "ngram", "num_speculative_tokens": {k}, "draft_length": "fixed"}}'
     share = dict(model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device, dtype=loaded.dtype)
     max_seqs = max(args.batch_sizes)
+    eargs = cache_sized_for(eargs, max_seqs, args.input_len + args.output_len + k + 1)
     plain = LLMEngine(dataclasses.replace(eargs, speculative_config=None, max_num_seqs=max_seqs), **share)
     verifying = LLMEngine(dataclasses.replace(eargs, speculative_config=spec, max_num_seqs=max_seqs), **share)
     verifying.core.proposer.ngram.propose = _placeholder_drafts
