@@ -58,6 +58,10 @@ def k_quant_timings(peak_bandwidth: float) -> None:
                   f"  ({floor / times[0]:.0%} of peak at batch 1)", flush=True)  # fmt: skip
 
 
+def _tiles(cfg: dict) -> str:
+    return f"N{cfg['BLOCK_N']} blocks{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
+
+
 def launcher(launch, x: torch.Tensor, data: torch.Tensor, cfg: dict):
     """A callable timing one launch (`tg.launch_gemv` / `tg.launch_tiles`) with the tiles of `cfg`, and its y."""
     y = torch.empty(x.shape[0], data.shape[0], dtype=x.dtype, device="cuda")
@@ -94,13 +98,18 @@ def main() -> None:
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
                    "num_warps": warps, "num_stages": stages}  # fmt: skip
             timings.append((do_bench_cudagraph(launcher(tg.launch_gemv, x, data, cfg)[0], rep=20) * 1e3, cfg))
-        best, cfg = min(timings, key=lambda t: t[0])
-        tiles = f"N{cfg['BLOCK_N']} blocks{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
+        timings.sort(key=lambda t: t[0])
+        best, cfg = timings[0]
         print(
-            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best:8.1f}  {tiles}; {err:.1e}"
+            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best:8.1f}  {_tiles(cfg)};"
+            f" {err:.1e}"
             f"  ({floor / best:.0%} of peak at best, {floor / t_default:.0%} with the default tiles)",
             flush=True,
         )
+        ranked = [_tiles(c) for _, c in timings]
+        print(f"{'':8s} runners-up: " + ", ".join(f"{_tiles(c)} {t:.1f}" for t, c in timings[1:4])
+              + f"; the default ({_tiles(default)}) ranks {ranked.index(_tiles(default)) + 1} of {len(ranked)}"
+              if _tiles(default) in ranked else "")  # fmt: skip
     k_quant_timings(args.peak_bandwidth)
 
 
