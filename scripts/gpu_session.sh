@@ -92,6 +92,12 @@ bench)
   # graphs; 2026-11-26 it ran the torch backend, eagerly: 1,551 tok/s
   step throughput-deepseek-v2-lite 400 bash -c "ferry bench throughput --model deepseek-v2-lite --load-format dummy \
     --dataset sharegpt-like --no-hf --json $LOGS/sharegpt-deepseek-v2-lite.json"
+  # where a step's time goes, by operator (torch.profiler; bench/torch_profile.py): 2026-11-26 DeepSeek-V2-Lite's
+  # steps with prefill took 226 ms each (2,208 prompt tok/s) against 16 ms for decode-only ones
+  step profile-deepseek-v2-lite 240 bash -c "ferry bench throughput --model deepseek-v2-lite --load-format dummy \
+    --dataset sharegpt-like --num-prompts 256 --no-hf --torch-profile 5 --json $LOGS/profile-deepseek-v2-lite.json"
+  step profile-llama 200 bash -c "ferry bench throughput --model llama-3.1-8b --load-format dummy \
+    --dataset sharegpt-like --num-prompts 256 --no-hf --torch-profile 5 --json $LOGS/profile-llama.json"
   step mla-vs-gqa 300 bash -c "ferry bench mla --device cuda --dtype bfloat16 --context 4096 --json $LOGS/mla-vs-gqa.json"
   ;;
 esac

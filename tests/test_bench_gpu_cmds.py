@@ -116,6 +116,23 @@ def test_two_engine_benches_size_their_caches_to_their_runs():
     assert cache_sized_for(by_memory, 4, 100) == by_memory
 
 
+def test_bench_throughput_torch_profile_windows(tiny_dir, tmp_path, capsys):
+    """--torch-profile: a window of steps that all carry prompt tokens (24 queued prompts, 256-token
+    steps), then one that only decodes, each with its operators, and no timed run."""
+    out = tmp_path / "prof.json"
+    argv = ["bench", "throughput", "--model", tiny_dir, "--dataset", "sharegpt-like", "--num-prompts", "24",
+            "--no-hf", "--torch-profile", "2", "--json", str(out), *ENGINE]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "steps with prefill: 2 steps" in printed and "decode-only steps: 2 steps" in printed
+    prof = json.loads(out.read_text())["torch_profile"]
+    assert prof["prefill_steps"]["prompt_tokens_per_step"] > 0 and prof["decode_steps"]["prompt_tokens_per_step"] == 0
+    for window in prof.values():
+        assert window["steps"] == 2 and window["top"] and window["time_key"] == "self_cpu_time_total"
+        assert all(r["ms_per_step"] > 0 and r["calls_per_step"] > 0 for r in window["top"])
+    assert "ferry:" not in printed  # no timed run beside the profile
+
+
 def test_sharegpt_like_lengths():
     reqs = sharegpt_like_requests(1000, 32000, seed=0)
     plens, olens = [len(p) for p, _ in reqs], [n for _, n in reqs]

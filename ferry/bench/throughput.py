@@ -72,6 +72,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
     p.add_argument("--prefix-output-len", type=int, default=32)
     p.add_argument("--min-decode-batch", type=int, default=32, help="decode steps at least this large count as 'large'")
+    p.add_argument("--torch-profile", type=int, default=None, metavar="N",
+                   help="instead of the timed run: torch.profiler over N steps with prefill and N decode-only "
+                   "steps of the workload, operators by device (or CPU) time (bench/torch_profile.py)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -283,6 +286,12 @@ def main(args: argparse.Namespace) -> int:
             "output_tokens": sum(n for _, n in reqs),
             "shortened_to_fit_context": shortened,
         }
+        if args.torch_profile is not None:
+            from ferry.bench import torch_profile
+
+            result["torch_profile"] = torch_profile.run(engine, reqs, args.torch_profile)
+            _write_json(args.json, result)
+            return 0
         r = run_ferry(engine, reqs, "tp")
         peak = matmul_gflops(dtype, device)
         print(
@@ -358,7 +367,11 @@ def main(args: argparse.Namespace) -> int:
                 "tokens_per_s": hf_tokens / hf_s,
             }
             result["ratio"] = ratio
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+    _write_json(args.json, result)
     return 0
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
