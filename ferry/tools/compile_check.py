@@ -191,8 +191,6 @@ def engine_kernels(
     from ferry.models.loader import read_hf_config
     from ferry.models.paths import resolve_model_path
 
-    import triton
-
     cfg = read_hf_config(resolve_model_path(model, "dummy"))
     dt = getattr(torch, dtype)
     tp = tensor_parallel_size
@@ -254,7 +252,8 @@ def engine_kernels(
         w13, w2 = torch.empty(E, 2 * mi, hidden, dtype=dt), torch.empty(E, hidden, mi, dtype=dt)
         for case, rows in (("moe decode", max_num_seqs), ("moe prefill", T)):
             block_m = triton_moe.block_m_for(rows * top_k, E)
-            tiles = triton.cdiv(rows * top_k + E * (block_m - 1), block_m)
+            launch(f"{case} align", triton_moe.moe_align, torch.zeros(rows, top_k, dtype=torch.int64), E, block_m)
+            tiles = triton_moe.padded_pairs(rows * top_k, E, block_m) // block_m
             aligned = (torch.zeros(tiles * block_m, dtype=torch.int64), torch.zeros(tiles, dtype=torch.int64),
                        torch.zeros(1, dtype=torch.int64))  # fmt: skip
             launch(f"{case} gate_up", triton_moe.moe_gemm, torch.empty(rows, hidden, dtype=dt), w13,

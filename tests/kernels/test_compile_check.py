@@ -61,7 +61,8 @@ def test_engine_kernels_compile_for_sm90():
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
                             "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_kquant_matmul_kernel",
                             "_kquant_gemv_kernel", "_quantize_rows_kernel",
-                            "_int8_matmul_kernel", "_moe_gemm_kernel", "_latent_decode_kernel"}  # fmt: skip
+                            "_int8_matmul_kernel", "_moe_gemm_kernel", "_latent_decode_kernel",
+                            "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel"}  # fmt: skip
     # The GGUF dequantize-matmul: each 32-block type at a decode and a prefill shape, on tensor cores,
     # without spills (checked above with every kernel's other limits).
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
@@ -85,6 +86,10 @@ def test_engine_kernels_compile_for_sm90():
     moe = {r["case"]: r["tensor_cores"] for r in by_name["_moe_gemm_kernel"]}
     assert set(moe) == {f"moe {s} {g}" for s in ("decode", "prefill") for g in ("gate_up", "down")}
     assert set(moe.values()) <= {"mma", "wgmma"}, moe
+    # Its pairs' alignment: three launches a step, for 128 experts, each within the limits checked above.
+    align = {(r["kernel"], r["case"]) for r in kernels if r["case"].endswith("align")}
+    kernels_of_align = ("_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel")
+    assert align == {(k, f"moe {s} align") for k in kernels_of_align for s in ("decode", "prefill")}
     # DeepSeek-V2-Lite's latent attention: its rows stored without a V, the absorbed decode on tensor cores.
     latent = {r["case"]: r for r in by_name["_latent_decode_kernel"]}
     assert latent and all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in latent.values())
