@@ -1,9 +1,10 @@
-"""Q4_0 GEMV at batch 1 on CUDA: ferry's GEMV kernel (ferry/kernels/triton_gguf.py, what one row of x
-takes) with its default tiles and the best of a tile sweep, and the tile (mma) kernel that batch 1 took
-before it, against cuBLAS on a bf16 weight of the same shape and the bytes floor (the Q4_0 bytes over
-the datasheet bandwidth). Llama-3.1-8B's four projection shapes. Then the K-quant kernels (Q4_K, Q5_K,
-Q6_K) with their default tiles at batch 1 and 4 rows, against the same floor of their own bytes.
-CUDA-graph timings (triton.testing.do_bench_cudagraph); needs a GPU. From the repo root:
+"""Q4_0 GEMV at batch 1 on CUDA: ferry's GEMV kernels (ferry/kernels/triton_gguf.py, what one row of x
+takes: integer dots, the default, and floats) with their default tiles and the best of a tile sweep of
+each, and the tile (mma) kernel that batch 1 took before them, against cuBLAS on a bf16 weight of the same
+shape and the bytes floor (the Q4_0 bytes over the datasheet bandwidth). Llama-3.1-8B's four projection
+shapes. Then the K-quant kernels (Q4_K, Q5_K, Q6_K) with their default tiles at batch 1 and 4 rows,
+against the same floor of their own bytes. CUDA-graph timings (triton.testing.do_bench_cudagraph); needs
+a GPU. From the repo root:
     python3 scripts/gguf_gemv_sweep.py [--peak-bandwidth 3.35e12]"""
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def k_quant_timings(peak_bandwidth: float) -> None:
 
 
 def _tiles(cfg: dict) -> str:
-    return f"N{cfg['BLOCK_N']} blocks{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
+    kind = "int8" if cfg.get("INT8_DOTS") else "fp"
+    return f"{kind} N{cfg['BLOCK_N']} b{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
 
 
 def launcher(launch, x: torch.Tensor, data: torch.Tensor, cfg: dict):
@@ -74,8 +76,8 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'tiles us':>8s} {'gemv us':>8s} {'best us':>8s}"
-          "  best gemv tiles; rel. error of the default gemv")  # fmt: skip
+    print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'tiles us':>8s} {'default':>8s} {'int8 best':>9s}"
+          f" {'fp best':>8s}  best tiles of each; rel. errors: integer dots, floats")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         data = random_q4_0(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -88,22 +90,27 @@ def main() -> None:
         run, y = launcher(tg.launch_gemv, x, data, default)
         t_default = do_bench_cudagraph(run) * 1e3
         ref = x.float() @ tg.dequantize(data, tg.Q4_0, k, torch.float32).T
-        run()
-        err = ((y.float() - ref).norm() / ref.norm()).item()
+        errors = []
+        for int8_dots in (True, False):
+            run, y = launcher(tg.launch_gemv, x, data, default | {"INT8_DOTS": int8_dots})
+            run()
+            errors.append(((y.float() - ref).norm() / ref.norm()).item())
         timings = []
         nb = k // 32
-        for bn, blocks, warps, stages, split in itertools.product([16, 32, 64], [4, 8, 16], [4, 8], [1, 3],
-                                                                   [1, 2, 4, 8, 16]):  # fmt: skip
+        for int8_dots, bn, blocks, warps, stages, split in itertools.product(
+            [True, False], [16, 32], [8, 16], [4, 8], [1, 3], [1, 2, 4]
+        ):
             per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
-                   "num_warps": warps, "num_stages": stages}  # fmt: skip
+                   "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots}  # fmt: skip
             timings.append((do_bench_cudagraph(launcher(tg.launch_gemv, x, data, cfg)[0], rep=20) * 1e3, cfg))
         timings.sort(key=lambda t: t[0])
-        best, cfg = timings[0]
+        best_int8, cfg_int8 = next(t for t in timings if t[1]["INT8_DOTS"])
+        best_fp, cfg_fp = next(t for t in timings if not t[1]["INT8_DOTS"])
         print(
-            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best:8.1f}  {_tiles(cfg)};"
-            f" {err:.1e}"
-            f"  ({floor / best:.0%} of peak at best, {floor / t_default:.0%} with the default tiles)",
+            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best_int8:9.1f} {best_fp:8.1f}"
+            f"  {_tiles(cfg_int8)} | {_tiles(cfg_fp)}; {errors[0]:.1e} {errors[1]:.1e}"
+            f"  ({floor / min(best_int8, best_fp):.0%} of peak at best, {floor / t_default:.0%} by default)",
             flush=True,
         )
         ranked = [_tiles(c) for _, c in timings]

@@ -204,6 +204,99 @@ def _gguf_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_sp
     tl.store(y, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
+    """c + the dot product of the four bytes of a and of b (int32 words; b's bytes signed, a's signed when
+    SIGNED_A, else unsigned): one PTX dp4a on a GPU; emulated with shifts where no PTX runs (the
+    interpreter, whose tests check the indexing and scaling around it)."""
+    if ASM:
+        if SIGNED_A:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    for i in tl.static_range(4):
+        ai = (a >> (8 * i)) & 255
+        if SIGNED_A:
+            ai = ai - ((ai & 128) << 1)
+        bi = (b >> (8 * i)) & 255
+        c += ai * (bi - ((bi & 128) << 1))
+    return c
+
+
+@triton.jit
+def _x_words(x_row, blk, b_ok, half: tl.constexpr, scale):
+    """Half `half` (values 16 half .. 16 half + 15) of each block `blk` of x's row as 4 int32 words of 4
+    int8 values (byte i of word w: value 4w + i), rounded to nearest, ties away from zero; and their sum."""
+    w = tl.arange(0, 4)
+    xv = tl.load(x_row + (blk * 32 + 16 * half)[:, None, None] + (w * 4)[None, :, None] + w[None, None, :],
+                 mask=b_ok[:, None, None], other=0.0).to(tl.float32)  # fmt: skip
+    v = tl.div_rn(xv, scale[:, None, None])
+    q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5)).to(tl.int32)
+    words = tl.sum((q & 255) << (w * 8)[None, None, :], axis=2)
+    return words, tl.sum(tl.sum(q, axis=2), axis=1)
+
+
+@triton.jit
+def _x_block_amax(x_row, blk, b_ok):
+    """max |x| over each 32-value block `blk` of x's row."""
+    j = tl.arange(0, 32)
+    xv = tl.load(x_row + (blk * 32)[:, None] + j[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
+    return tl.max(tl.abs(xv), axis=1)
+
+
+@triton.jit
+def _gguf_gemv_int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_split, stride_xm, stride_ys,
+                           stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+                           ASM: tl.constexpr):  # fmt: skip
+    """The GEMV kernel with integer dots, as llama.cpp's mmvq: each block of x's row is quantized to int8
+    with one scale (max |x| / 127) in registers, and each weight word (8 nibbles, or 4 bytes of Q8_0) meets
+    the matching word of x in one dp4a: four multiply-adds an instruction instead of the float kernel's
+    unpack, convert and FMA per value. w_ptr: the weight's bytes as int32 words (row_bytes % 4 == 0);
+    s_ptr: the same bytes as fp16. Q4_0: sum (q - 8) d x = d (dx sum q xq - 8 dx sum xq); Q4_1 adds the
+    min times dx sum xq; Q8_0: d dx sum q xq."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    cols, n_ok, w_row, s_row, s_base = _weight_rows(pid_n, N, K, row_bytes, QTYPE, BLOCK_N)
+    w_word = w_row // 4
+    nb = K // 32
+    b_begin = pid_k * blocks_per_split
+    b_end = tl.minimum(b_begin + blocks_per_split, nb)
+    x_row = x_ptr + row * stride_xm
+    word = tl.arange(0, 4)
+    acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
+    for b0 in range(b_begin, b_end, BLOCKS):
+        blk = b0 + tl.arange(0, BLOCKS)
+        b_ok = blk < b_end
+        wm = n_ok[:, None] & b_ok[None, :]
+        scale = tl.div_rn(tl.maximum(_x_block_amax(x_row, blk, b_ok), 1e-12), 127.0)  # dx per block
+        x_lo, sum_lo = _x_words(x_row, blk, b_ok, 0, scale)
+        x_hi, sum_hi = _x_words(x_row, blk, b_ok, 1, scale)
+        d = tl.load(s_ptr + s_row[:, None] + s_base + blk[None, :], mask=wm, other=0.0).to(tl.float32)
+        zero = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.int32)
+        if QTYPE == 8:  # 32 signed bytes a block: words 0-3 hold values 0-15, words 4-7 values 16-31
+            wp = w_ptr + w_word[:, None, None] + (blk * 8)[None, :, None] + word[None, None, :]
+            lo = tl.load(wp, mask=wm[:, :, None], other=0)
+            hi = tl.load(wp + 4, mask=wm[:, :, None], other=0)
+            dots = _dp4a(hi, x_hi[None, :, :], _dp4a(lo, x_lo[None, :, :], zero, True, ASM), True, ASM)
+            acc += d * scale[None, :] * tl.sum(dots, axis=2).to(tl.float32)
+        else:  # 16 bytes a block: byte j holds value j (low nibble) and value j + 16 (high nibble)
+            wq = tl.load(w_ptr + w_word[:, None, None] + (blk * 4)[None, :, None] + word[None, None, :],
+                         mask=wm[:, :, None], other=0)  # fmt: skip
+            dots = _dp4a(wq & 0x0F0F0F0F, x_lo[None, :, :], zero, False, ASM)
+            dots = _dp4a((wq >> 4) & 0x0F0F0F0F, x_hi[None, :, :], dots, False, ASM)
+            qx = scale[None, :] * tl.sum(dots, axis=2).to(tl.float32)
+            sx = (scale * (sum_lo + sum_hi).to(tl.float32))[None, :]  # dx sum xq: the block's sum of x
+            if QTYPE == 2:  # Q4_0: w = (q - 8) d
+                acc += d * (qx - 8.0 * sx)
+            else:  # Q4_1: w = q d + m
+                mn = tl.load(s_ptr + s_row[:, None] + s_base + nb + blk[None, :], mask=wm, other=0.0).to(tl.float32)
+                acc += d * qx + mn * sx
+    y = y_ptr + pid_k.to(tl.int64) * stride_ys + row * stride_ym + cols
+    tl.store(y, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 # -- K-quants: 256-value super-blocks kept as ggml stores them ------------------------------------------------
 #
 # Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles;
@@ -456,12 +549,21 @@ def gemv_config(N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict
         per_split = triton.cdiv(nsb, decode_split_k(triton.cdiv(N, block_n), nsb, num_sms))
         return {"BLOCK_N": block_n, "split": triton.cdiv(nsb, per_split), "sb_per_split": per_split,
                 "num_warps": 4, "num_stages": 3}  # fmt: skip
-    block_n, blocks = 16, 8
+    # Integer dots (`_gguf_gemv_int8_kernel`) where rows are whole int32 words: 16 blocks a step, so that
+    # each of 8 warps' threads loads 16 bytes (4 words; 8 blocks would give 8-byte loads). Not yet timed.
+    int8_dots = block32_row_bytes(K, qtype) % 4 == 0
+    block_n, blocks = 16, 16 if int8_dots else 8
     nb = K // 32
     split = decode_split_k(triton.cdiv(N, block_n), triton.cdiv(nb, blocks), num_sms)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
     return {"BLOCK_N": block_n, "BLOCKS": blocks, "split": triton.cdiv(nb, blocks_per_split),
-            "blocks_per_split": blocks_per_split, "num_warps": 8, "num_stages": 3}  # fmt: skip
+            "blocks_per_split": blocks_per_split, "num_warps": 8, "num_stages": 3, "INT8_DOTS": int8_dots}  # fmt: skip
+
+
+def block32_row_bytes(K: int, qtype: int) -> int:
+    """Bytes of one weight row of a 32-value type in ferry's kernel layout: quants, fp16 scales (and mins)."""
+    quants = K if qtype == Q8_0 else K // 2
+    return quants + (K // 32) * (4 if qtype == Q4_1 else 2)
 
 
 def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
@@ -498,6 +600,12 @@ def launch_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: t
                                   x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
                                   BLOCK_BYTES=K_QUANTS[qtype], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
                                   num_stages=cfg["num_stages"])  # fmt: skip
+    elif cfg.get("INT8_DOTS") and row_bytes % 4 == 0 and data.data_ptr() % 4 == 0:  # words of whole rows
+        _gguf_gemv_int8_kernel[grid](
+            x, data.view(torch.int32), data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"],
+            x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
+            BLOCKS=cfg["BLOCKS"], ASM=not _INTERPRETED, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])  # fmt: skip
     else:
         _gguf_gemv_kernel[grid](
             x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"], x.stride(0),

@@ -59,7 +59,8 @@ def test_engine_kernels_compile_for_sm90():
         assert r["registers"] > 0
     assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
-                            "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_kquant_matmul_kernel",
+                            "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_gguf_gemv_int8_kernel",
+                            "_kquant_matmul_kernel",
                             "_kquant_gemv_kernel", "_quantize_rows_kernel",
                             "_int8_matmul_kernel", "_moe_gemm_kernel", "_latent_decode_kernel",
                             "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel"}  # fmt: skip
@@ -68,10 +69,12 @@ def test_engine_kernels_compile_for_sm90():
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
     assert set(gguf) == {f"{t} {c}" for t in ("Q4_0", "Q4_1", "Q8_0") for c in ("decode", "prefill")}
     assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in gguf.values())
-    # Batch 1's GEMV: CUDA cores, the weight bytes in 16-byte loads.
-    gemv = {r["case"]: r for r in by_name["_gguf_gemv_kernel"]}
-    assert set(gemv) == {f"{t} gemv" for t in ("Q4_0", "Q4_1", "Q8_0")}
-    assert all(r["tensor_cores"] == "-" and r["widest_load"] == 16 for r in gemv.values())
+    # Batch 1's GEMV, with integer dots (PTX dp4a, the default) and in floats: CUDA cores, the weight bytes
+    # in 16-byte loads.
+    for name in ("_gguf_gemv_kernel", "_gguf_gemv_int8_kernel"):
+        gemv = {r["case"]: r for r in by_name[name]}
+        assert set(gemv) == {f"{t} gemv" for t in ("Q4_0", "Q4_1", "Q8_0")}, name
+        assert all(r["tensor_cores"] == "-" and r["widest_load"] == 16 for r in gemv.values()), gemv
     # The K-quants' twins of both. Q6_K's 210-byte super-blocks are only 2-byte aligned: its loads are
     # 2 bytes wide (BENCHMARKS.md); Q4_K's 144 and Q5_K's 176 bytes keep 16-byte loads.
     k_tiles = {r["case"]: r for r in by_name["_kquant_matmul_kernel"]}

@@ -22,6 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device; 
 # short last split).
 N, K = 40, 320
 ALL_TYPES = list(GGUF_QUANT_TYPES)
+GEMV_INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the GEMV's integer dots: 32-value blocks of whole words a row
 
 
 def _columns(type_name: str) -> int:
@@ -53,6 +54,22 @@ def _fp32_close(y: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=max(1e-4, 1e-6 * expected.abs().max().item()))
 
 
+def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 32-value block quantized to int8 and back (scale max |x| / 127, rounded to
+    nearest, ties away from zero), in fp32: what the integer-dot GEMV multiplies the weight with."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+    v = blocks / scale
+    return (torch.sign(v) * torch.floor(v.abs() + 0.5) * scale).view(m, k)
+
+
+def _int8_dots_reference(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    """The integer-dot GEMV's result in fp32: x in the weight's column order, its blocks through int8."""
+    xs = x if w.input_order is None else x[:, w.input_order]
+    return _int8_blocks(xs) @ tg.dequantize(w.data, w.qtype, w.in_features).T
+
+
 def _reference(x: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
     """fp32 x @ dequant(w).T with the weight rounded to x's dtype, as the kernel feeds the dot. (Triton
     3.6's interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: bf16 results here are
@@ -71,7 +88,8 @@ def test_fused_matmul_matches_the_dequantized_weight(type_name, dtype, order):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         y = gguf_linear(x.to(DEVICE), [w.to(DEVICE)], bias.to(DEVICE), triton=True).cpu()
         assert y.dtype == dtype and y.shape == (m, N)
-        expected = _reference(x, w) + bias.float()
+        int8_dots = m == 1 and type_name in GEMV_INT8_TYPES  # one row: x's blocks through int8
+        expected = (_int8_dots_reference(x, w) if int8_dots else _reference(x, w)) + bias.float()
         if dtype == torch.float32:
             _fp32_close(y, expected)
         else:  # fp32 sums rounded to bf16, the bias added in bf16: within two ulps of the largest output
@@ -103,26 +121,46 @@ def test_decode_shapes_split_k_and_read_each_byte_once():
     torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, monkeypatch):
+GEMV_CASES = [(t, False) for t in ALL_TYPES] + [(t, True) for t in GEMV_INT8_TYPES]
+
+
+@pytest.mark.parametrize("type_name,int8_dots", GEMV_CASES)
+def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, int8_dots, monkeypatch):
     """Batch 1 runs the GEMV kernel: partial row tiles, a partial last step of quant blocks, K split
-    over programs or not, fp32 and bf16 activations; the fp32 result is the dequantized weight's."""
-    k = 7 * 256 if type_name.endswith("_K") else 96 * 32  # 7 super-blocks; 96 blocks: 12 steps of 8
+    over programs or not, fp32 and bf16 activations; the fp32 result is the dequantized weight's times x,
+    or, with integer dots (the 32-value types' default), times x's blocks through int8."""
+    k = 7 * 256 if type_name.endswith("_K") else 100 * 32  # 7 super-blocks; 100 blocks: steps of 8 or 16, then 4
     w = _weight(type_name, n=72, k=k, seed=3)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
-    expected = _reference(x, w)
+    reference = _int8_dots_reference if int8_dots else _reference
+    expected = reference(x, w)
     results = []
     for sms in (1, 132):  # one SM: no split; 132: split K
         monkeypatch.setattr(tg, "num_sms", lambda device, sms=sms: sms)
-        assert (tg.gemv_config(72, k, w.qtype, sms)["split"] > 1) == (sms > 1)
-        y = tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, k).cpu()
+        cfg = tg.gemv_config(72, k, w.qtype, sms)
+        assert (cfg["split"] > 1) == (sms > 1) and cfg.get("INT8_DOTS", False) == (type_name in GEMV_INT8_TYPES)
+        cfg["INT8_DOTS"] = int8_dots
+        y = tg.launch_gemv(x.to(DEVICE), w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, 72, device=DEVICE)).cpu()
         _fp32_close(y, expected)
         results.append(y)
-        yb = tg.gguf_matmul(x.to(DEVICE, torch.bfloat16), w.data.to(DEVICE), w.qtype, k).cpu()
-        assert yb.dtype == torch.bfloat16
+        xb = x.to(DEVICE, torch.bfloat16)
+        yb = tg.launch_gemv(xb, w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, 72, dtype=xb.dtype, device=DEVICE))
         bound = expected.abs().max().item() / 64  # two bf16 ulps of the largest output
-        torch.testing.assert_close(yb.float(), _reference(x.bfloat16(), w), rtol=0, atol=bound)
+        torch.testing.assert_close(yb.cpu().float(), reference(x.bfloat16(), w), rtol=0, atol=bound)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    if int8_dots:  # and through the public entry point, which takes them by default
+        _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, k).cpu(), expected)
+
+
+def test_int8_dots_need_whole_words_per_row():
+    """Q4_0 and Q8_0 rows of an odd number of blocks are not whole int32 words: the float GEMV takes them."""
+    assert tg.gemv_config(8, 96 * 32, tg.Q4_0)["INT8_DOTS"]  # 96 blocks: 1,728 bytes a row
+    assert not tg.gemv_config(8, 3 * 32, tg.Q4_0)["INT8_DOTS"]  # 3 blocks: 54 bytes
+    assert not tg.gemv_config(8, 3 * 32, tg.Q8_0)["INT8_DOTS"]  # 102 bytes
+    assert tg.gemv_config(8, 3 * 32, tg.Q4_1)["INT8_DOTS"]  # 60 bytes
+    w = _weight("Q4_0", n=8, k=3 * 32, seed=4)
+    x = torch.randn(1, 3 * 32)
+    _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, 3 * 32).cpu(), _reference(x, w))
 
 
 @pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
