@@ -98,6 +98,10 @@ bench)
     --dataset sharegpt-like --num-prompts 256 --no-hf --torch-profile 5 --json $LOGS/profile-deepseek-v2-lite.json"
   step profile-llama 200 bash -c "ferry bench throughput --model llama-3.1-8b --load-format dummy \
     --dataset sharegpt-like --num-prompts 256 --no-hf --torch-profile 5 --json $LOGS/profile-llama.json"
+  # int8 W8A8 decode ran 13-40% slower on 2026-11-26 than on 11-23 (BENCHMARKS.md): its operators
+  step profile-llama-int8 200 bash -c "ferry bench throughput --model llama-3.1-8b --load-format dummy \
+    --quantization int8 --dataset sharegpt-like --num-prompts 256 --no-hf --torch-profile 5 \
+    --json $LOGS/profile-llama-int8.json"
   step mla-vs-gqa 300 bash -c "ferry bench mla --device cuda --dtype bfloat16 --context 4096 --json $LOGS/mla-vs-gqa.json"
   ;;
 esac
