@@ -20,17 +20,24 @@ esac
 ONLY=" ${*:2} "
 OUT=${OUT:-/tmp/ferry-gpu}
 DEADLINE=${FERRY_GPU_DEADLINE:-$(($(date +%s) + 100000))}
-LOGS=/tmp/ferry-gpu-steps  # kept across invocations: the tarball holds every step's log of the call
+# One folder per deadline: the invocations of one call share it (its tarball holds all their logs); a
+# later call on the same warm machine starts a fresh one.
+LOGS=/tmp/ferry-gpu-steps-$DEADLINE
 mkdir -p "$LOGS" "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  [[ -d /tmp/site ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+  wheels=$(ls .whl)  # installed once per machine, again if the carried wheels change
+  if [[ $(cat /tmp/site/.ferry-wheels 2>/dev/null) != "$wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || exit 1
+    echo "$wheels" >/tmp/site/.ferry-wheels
+  fi
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$LOGS/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$LOGS/gpu.txt"
 cat "$LOGS/gpu.txt"
+tar czf "$OUT/ferry-gpu.tgz" -C "$LOGS" .
 ferry() { python3 -m ferry.cli "$@"; }
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $LOGS/NAME.log, report its status
   local name=$1 limit=$2

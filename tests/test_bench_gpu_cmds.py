@@ -114,6 +114,8 @@ def test_two_engine_benches_size_their_caches_to_their_runs():
     assert cache_sized_for(EngineArgs(num_kv_blocks=9), 4, 100).num_kv_blocks == 9  # the user's choice stands
     by_memory = EngineArgs(kv_cache_memory_bytes=1 << 20)
     assert cache_sized_for(by_memory, 4, 100) == by_memory
+    long_context = cache_sized_for(EngineArgs(block_size=16, max_model_len=8192), 4, 100)
+    assert long_context.num_kv_blocks == 8192 // 16  # the engine refuses a max_model_len its cache cannot hold
 
 
 def test_bench_throughput_torch_profile_windows(tiny_dir, tmp_path, capsys):

@@ -113,6 +113,8 @@ def cache_sized_for(eargs: EngineArgs, num_seqs: int, tokens_per_seq: int) -> En
     if eargs.num_kv_blocks is not None or eargs.kv_cache_memory_bytes is not None:
         return eargs
     blocks = num_seqs * -(-tokens_per_seq // eargs.block_size) + 16
+    if eargs.max_model_len:  # the engine refuses a context its cache cannot hold
+        blocks = max(blocks, -(-eargs.max_model_len // eargs.block_size))
     return dataclasses.replace(eargs, num_kv_blocks=blocks)
 
 

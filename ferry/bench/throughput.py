@@ -220,6 +220,8 @@ def breakdown(records: list[StepRecord]) -> dict[str, float]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.prefix and args.torch_profile is not None:
+        raise ValueError("--torch-profile profiles the --dataset workload; it does not combine with --prefix")
     eargs = EngineArgs.from_cli_args(args)
     eargs.model = args.model
     if args.num_prompts is None:

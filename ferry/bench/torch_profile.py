@@ -1,11 +1,12 @@
 """`ferry bench throughput --torch-profile N`: where a step's time goes, by operator, instead of the
 timed run.
 
-The workload's requests are queued at once, as the timed run queues them. Then torch.profiler
-records two windows of N engine steps each: the first N steps (every one of them carries prompt
+The workload's requests are queued at once, as the timed run queues them. Then, after three steps that
+compile what a full-size step needs, torch.profiler records two windows of N engine steps each: the
+next N steps (every one of them carries prompt
 tokens while the queue is long: chunked prefill beside the decodes of the requests already
 started), and, once no prompt is left to prefill, N steps that only decode. Each window prints its
-operators by self device time (CUDA) or self CPU time (elsewhere), with their call counts per
+kernels by device time (CUDA) or its operators by self CPU time (elsewhere), with their counts per
 step, and the wall time per step against the device's busy time: a step whose device sits idle
 most of its wall time is bound by the host (launches, Python, syncs), not by its kernels.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import time
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ferry.bench.hardware import synchronize
@@ -45,6 +47,8 @@ def _report(name: str, prof: profile, steps: list, wall: float, on_cuda: bool, r
     n = max(len(steps), 1)
     key = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    if on_cuda:  # the kernels and copies themselves: the CPU op that launched one carries its time too
+        events = [e for e in events if e.device_type == DeviceType.CUDA]
     events.sort(key=lambda e: getattr(e, key), reverse=True)
     busy = sum(getattr(e, key) for e in events) / 1e6 if on_cuda else None
     prefill_tokens = sum(r.num_prefill_tokens for r in steps)
@@ -71,6 +75,7 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], int]], num_steps: int
     if num_steps < 1:
         raise ValueError("--torch-profile needs at least 1 step")
     on_cuda = engine.device.type == "cuda"
+    engine.runner.profile = False  # its per-phase syncs would idle the device between phases
     warm = requests[0][0][:16][::-1]  # compile, capture and allocate outside the windows
     engine.add_request("profile-warmup", {"prompt_token_ids": warm}, SamplingParams(max_tokens=4, temperature=0))
     while engine.has_unfinished_requests():
@@ -82,6 +87,8 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], int]], num_steps: int
                                                                              ignore_eos=True))  # fmt: skip
     result = {}
     try:
+        for _ in range(_SETTLED):  # the first full-size prefill steps compile their kernels' shapes, unprofiled
+            engine.step()
         prof, steps, wall = _window(engine, records, num_steps, on_cuda)
         result["prefill_steps"] = _report("steps with prefill", prof, steps, wall, on_cuda, row_limit)
         while engine.has_unfinished_requests() and not (

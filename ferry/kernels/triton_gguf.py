@@ -536,11 +536,11 @@ def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SM
 GEMV_MAX_ROWS = 1
 
 
-def gemv_config(N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
+def gemv_config(N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int | bool]:
     """The GEMV kernel's tiles and K splits: host arithmetic on shapes only (graph-safe). BLOCKS quant
-    blocks of BLOCK_N rows per step. 32-value blocks: 16 rows x 8 blocks (2 KB of Q4 bytes) for 8 warps,
-    the best of scripts/gguf_gemv_sweep.py's 180 tilings for three of Llama-3.1-8B's four projection
-    shapes on an H100 (2026-11-26: 11.8 / 8.5 / 25.1 us for qkv / o / down against 16.2 / 13.5 / 31.3 with
+    blocks of BLOCK_N rows per step. The float kernel's 32-value blocks: 16 rows x 8 blocks (2 KB of Q4
+    bytes) for 8 warps, the best of scripts/gguf_gemv_sweep.py's 180 tilings for three of Llama-3.1-8B's
+    four projection shapes on an H100 (2026-11-26: 11.8 / 8.5 / 25.1 us for qkv / o / down against 16.2 / 13.5 / 31.3 with
     32 rows and 4 warps; gate_up within 2% either way). K-quants step one super-block (4 KB of Q4_K
     nibbles for 32 rows and 4 warps) and split K in super-blocks (`sb_per_split`)."""
     if qtype in K_QUANTS:

@@ -68,9 +68,11 @@ def test_moe_align_groups_pairs_by_expert_in_padded_tiles():
 @pytest.mark.parametrize("seed", range(6))
 def test_moe_align_kernels_match_the_torch_reference(seed):
     """The three alignment launches give exactly the torch reference's layout, for expert counts that
-    are and are not powers of two, chunks of pairs beyond one program's, and other ranks' experts."""
+    are and are not powers of two, more chunks of pairs than one pass of the offsets loop, and other
+    ranks' experts."""
     g = torch.Generator().manual_seed(seed)
-    for T, k, E, block_m in ((1, 2, 8, 16), (37, 6, 64, 16), (300, 8, 128, 64), (45, 3, 130, 16), (129, 4, 3, 64)):
+    # (600, 8, 128): 75 chunks of 64 pairs, more than the offsets kernel takes in one pass of its loop
+    for T, k, E, block_m in ((1, 2, 8, 16), (37, 6, 64, 16), (600, 8, 128, 64), (45, 3, 130, 16), (129, 4, 3, 64)):
         ids = torch.randint(0, E, (T, k), generator=g)
         if seed % 2:  # expert parallelism: ids outside [0, E) are another rank's
             ids = ids - E // 3
