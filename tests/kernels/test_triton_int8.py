@@ -21,8 +21,9 @@ def _x(m: int, k: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_quantize_as_the_oracle(dtype):
-    x = _x(9, 1500, dtype)  # K over one 1024-column pass: the row maximum spans passes
+@pytest.mark.parametrize("k", [1500, 17000])  # a row read in one pass; one over 16k columns: two passes of 1024
+def test_rows_quantize_as_the_oracle(dtype, k):
+    x = _x(9, k, dtype)
     x[2] *= 1000.0  # an outlier row keeps its own scale
     x[4] = 0.0  # an all-zero row: zeros and a tiny scale, no NaN
     x[6, 7] = 0.5 * x[6].float().abs().max()  # not a tie after scaling, but near one
