@@ -3,15 +3,17 @@ timed run.
 
 The workload's requests are queued at once, as the timed run queues them. Then, after three steps that
 compile what a full-size step needs, torch.profiler records two windows of N engine steps each: the
-next N steps (every one of them carries prompt
-tokens while the queue is long: chunked prefill beside the decodes of the requests already
-started), and, once no prompt is left to prefill, N steps that only decode. Each window prints its
-kernels by device time (CUDA) or its operators by self CPU time (elsewhere), with their counts per
-step, and the wall time per step against the device's busy time: a step whose device sits idle
-most of its wall time is bound by the host (launches, Python, syncs), not by its kernels.
+next N steps (every one of them carries prompt tokens while the queue is long: chunked prefill beside
+the decodes of the requests already started), and, once no prompt is left to prefill, N steps that
+only decode. Each window prints its kernels by device time (CUDA) or its operators by self CPU time
+(elsewhere), with their counts per step, and the wall time per step against the device's busy time: a
+step whose device sits idle most of its wall time is bound by the host (launches, Python, syncs), not
+by its kernels.
 
-The profiler's own overhead inflates the host side; the timed run without `--torch-profile`
-gives the figures to report. This only says where to look.
+On the CPU ferry's C++ kernels (GGUF dots, attention, the whole-step decode) are pybind calls, not
+dispatcher operators: the table lists the torch operators around them, and the header says how much
+of the wall time those take. The profiler's own overhead inflates the host side; the timed run
+without `--torch-profile` gives the figures to report. This only says where to look.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def _report(name: str, prof: profile, steps: list, wall: float, on_cuda: bool, r
             f"a step; {wall / n * 1e3:.2f} ms wall a step (profiled)")  # fmt: skip
     if busy is not None:
         head += f", device busy {busy / n * 1e3:.2f} ms a step ({busy / wall:.0%} of wall)"
+    else:  # ferry's C++ CPU kernels are pybind calls, not dispatcher operators: the profiler does not see them
+        ops = sum(e.self_cpu_time_total for e in events) / 1e6
+        head += (f"; torch operators {ops / n * 1e3:.2f} ms of it ({ops / max(wall, 1e-9):.0%}), the rest ferry's "
+                 "C++ kernels (not operators) and Python")  # fmt: skip
     print(head)
     total = sum(getattr(e, key) for e in events) or 1
     print(f"  {'operator':60s} {'ms/step':>8s} {'share':>6s} {'calls/step':>10s}")
