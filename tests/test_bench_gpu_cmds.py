@@ -193,6 +193,7 @@ def test_bench_moe_against_its_dense_twin(tmp_path, capsys, quant):
         assert moe["params_active"] - dense["params_active"] == 2 * 8 * 64
         assert moe["params_total"] > dense["params_total"] and moe["decode_steps"] == dense["decode_steps"] == 4
         assert r["tpot_ratio"] == pytest.approx(moe["tpot_ms"] / dense["tpot_ms"])
+        assert moe["prefill_tok_per_s"] > 0 and dense["prefill_tok_per_s"] > 0
     assert rows[0]["moe"]["experts_touched_per_layer"] == 2  # one token: exactly its top-2
     assert 2 < rows[1]["moe"]["experts_touched_per_layer"] <= 8
 
@@ -213,13 +214,15 @@ def test_bench_mla_against_its_gqa_twin(tmp_path, capsys):
             "--kv-lora-rank", "32", "--gqa-kv-heads", "2", "--gqa-head-dim", "16", "--batch-size", "4",
             "--context", "24", "--output-len", "5", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
-    assert "decode tok/s MLA / GQA" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "decode tok/s MLA / GQA" in printed and "prefill:" in printed
     r = json.loads(out.read_text())
     mla, gqa = r["mla"], r["gqa"]
     assert mla["kv_bytes_per_token"] == 2 * (32 + 64) * 4  # layers x (latent + rotary key) x fp32
     assert mla["expanded_kv_bytes_per_token"] == 2 * 4 * (128 + 64 + 128) * 4  # every head's K and V
     assert gqa["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert mla["decode_steps"] == gqa["decode_steps"] >= 5 and mla["tok_per_s"] > 0 and gqa["tok_per_s"] > 0
+    assert mla["prefill_tok_per_s"] > 0 and gqa["prefill_tok_per_s"] > 0
     assert r["deepseek_v2_lite_bf16"] == [27 * 576 * 2, 27 * 16 * 320 * 2]
 
 

@@ -154,6 +154,14 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag:
     return steps
 
 
+def prefill_tok_per_s(steps: list[tuple[object, float]]) -> float:
+    """Prompt tokens per second over run_batch's steps that carried prompt tokens (with the decodes of
+    the requests already prefilled beside them, as a serving step has them)."""
+    mixed = [(rec, dt) for rec, dt in steps if rec.num_prefill_tokens]
+    seconds = sum(dt for _, dt in mixed)
+    return sum(rec.num_prefill_tokens for rec, _ in mixed) / seconds if seconds > 0 else float("nan")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:

@@ -5,7 +5,8 @@ Both models are built here with random weights (`--load-format dummy`), dense (n
 attention is what differs): a DeepSeek-V2-shaped MLA model (`--heads` heads of qk_nope 128 + rope 64
 and v 128, a `--kv-lora-rank` latent, no q bottleneck, as V2-Lite) and its GQA twin, a Llama with the
 same hidden size, heads of `--gqa-head-dim` and `--gqa-kv-heads` KV heads. `--batch-size` requests
-of `--context` random tokens are prefilled (in chunked steps), then decode together; TPOT is the mean
+of `--context` random tokens are prefilled (in chunked steps: their prompt tok/s is reported too, MLA's
+expanded prefill against the twin's), then decode together; TPOT is the mean
 wall time of the steps in which all of them decode, at least `--output-len` (as `ferry bench latency`
 times them).
 
@@ -26,7 +27,7 @@ import tempfile
 import torch
 
 from ferry.bench.hardware import device_name, measure_cpu_read_bandwidth
-from ferry.bench.latency import _fmt_bytes, _requests, run_batch
+from ferry.bench.latency import _fmt_bytes, _requests, prefill_tok_per_s, run_batch
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.models.config import ModelConfig
@@ -115,6 +116,7 @@ def _measure(args: argparse.Namespace, path: str) -> dict:
             "tpot_ms": statistics.fmean(decode) * 1e3,
             "decode_steps": len(decode),
             "tok_per_s": args.batch_size / statistics.fmean(decode),
+            "prefill_tok_per_s": prefill_tok_per_s(steps),
             "kv_bytes_per_token": kv_bytes_per_token(cfg, engine.kv_cache_dtype),
             "attention_params": _attention_params(cfg),
         }
@@ -147,12 +149,14 @@ def main(args: argparse.Namespace) -> int:
         kv = row["kv_bytes_per_token"]
         print(f"{name:28s}: {kv:7,} KV bytes/token ({_fmt_bytes(kv * ctx_tokens)} for the batch's context), "
               f"attention {row['attention_params'] / 1e6:.1f}M params; "
-              f"TPOT {row['tpot_ms']:8.2f} ms = {row['tok_per_s']:7.1f} tok/s")  # fmt: skip
+              f"TPOT {row['tpot_ms']:8.2f} ms = {row['tok_per_s']:7.1f} tok/s; "
+              f"prefill {row['prefill_tok_per_s']:8.1f} prompt tok/s")  # fmt: skip
     expanded = mla["expanded_kv_bytes_per_token"]
     print(f"MLA's latent rows are {expanded / mla['kv_bytes_per_token']:.1f}x smaller than its "
           f"K/V expanded ({expanded:,} B/token) and "
           f"{gqa['kv_bytes_per_token'] / mla['kv_bytes_per_token']:.2f}x smaller than the GQA twin's; "
-          f"decode tok/s MLA / GQA: {mla['tok_per_s'] / gqa['tok_per_s']:.2f}x")  # fmt: skip
+          f"decode tok/s MLA / GQA: {mla['tok_per_s'] / gqa['tok_per_s']:.2f}x, "
+          f"prefill: {mla['prefill_tok_per_s'] / gqa['prefill_tok_per_s']:.2f}x")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             options = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))}

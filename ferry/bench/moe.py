@@ -5,11 +5,11 @@ Both models are built here with random weights (`--load-format dummy`): a Qwen3-
 (`--experts` experts of `--moe-intermediate-size`, `--top-k` per token, every layer sparse) and its
 dense twin, a Qwen3 model identical but for an MLP of top_k x moe_intermediate_size, i.e. the same
 parameters per token. For each batch size B, B requests of `--input-len` random tokens are
-prefilled, then decode `--output-len` tokens together; TPOT is the mean wall time of the steps in
-which all B decode (as `ferry bench latency` times them). A MoE step reads only the experts its
-tokens chose: at B=1 that is top_k of them per layer; as B grows, nearly all of them, so its bytes
-per step approach the total parameters while its FLOPs stay those of the active ones. The bytes
-each step reads are printed beside the times (the experts touched are counted from the router's
+prefilled (their prompt tok/s is printed too), then decode `--output-len` tokens together; TPOT is the
+mean wall time of the steps in which all B decode (as `ferry bench latency` times them). A MoE step
+reads only the experts its tokens chose: at B=1 that is top_k of them per layer; as B grows, nearly
+all of them, so its bytes per step approach the total parameters while its FLOPs stay those of the
+active ones. The bytes each step reads are printed beside the times (the experts touched are counted from the router's
 choices in the timed steps). `--quantization gguf`: both models' projections and experts as random
 Q4_0 blocks, run as stored by the CPU kernels (a quantized MoE GGUF's experts keep their blocks).
 """
@@ -26,7 +26,7 @@ import tempfile
 import torch
 
 from ferry.bench.hardware import device_name, measure_cpu_read_bandwidth
-from ferry.bench.latency import _fmt_bytes, _requests, run_batch
+from ferry.bench.latency import _fmt_bytes, _requests, prefill_tok_per_s, run_batch
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.moe import FusedMoE
@@ -122,7 +122,8 @@ def _measure(args, path: str) -> dict[int, dict]:
             steps = run_batch(engine, prompts, args.output_len, "b")
             decode = [dt for r, dt in steps if r.num_prefill_tokens == 0 and r.num_decodes == batch]
             row = {"tpot_ms": statistics.fmean(decode) * 1e3, "decode_steps": len(decode), "params_total": total,
-                   "params_active": active, "params_read_per_step": active}  # fmt: skip
+                   "params_active": active, "params_read_per_step": active,
+                   "prefill_tok_per_s": prefill_tok_per_s(steps)}  # fmt: skip
             if cfg.moe_layers:
                 # Counted on a second, untimed greedy run of the same prompts through the layer-by-layer
                 # forward (the C++ decode step routes identically, but has no module hooks). Only the
@@ -178,7 +179,8 @@ def main(args: argparse.Namespace) -> int:
                     f"{moe['experts_touched_per_layer']:.1f} experts/layer touched, reads "
                     f"{_fmt_bytes(moe['params_read_per_step'] * elem)}/step) vs dense twin {dense['tpot_ms']:8.2f} ms "
                     f"({dense['params_total'] / 1e6:.0f}M, reads {_fmt_bytes(dense['params_read_per_step'] * elem)})"
-                    f": {ratio:.2f}x"
+                    f": {ratio:.2f}x; prefill {moe['prefill_tok_per_s']:.0f} vs {dense['prefill_tok_per_s']:.0f}"
+                    " prompt tok/s"
                 )
     if args.json:
         with open(args.json, "w") as f:
