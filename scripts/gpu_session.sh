@@ -20,8 +20,9 @@ case ${1:-} in tests | bench | lease) ;; *)
 esac
 # The steps one 15-minute lease should run first (2026-11-26: what the third lease left to time, and the
 # changes made after it). Two calls: the first ~570 s, the second what is left on the warm machine.
-LEASE_ORDER="gpu-tests kernel-tests latency-int4 gguf-sweep spec-verify-cost moe-vs-dense profile-deepseek-v2-lite
-  latency-int8 profile-llama-int8 throughput-qwen3-moe throughput-deepseek-v2-lite latency profile-llama"
+LEASE_ORDER="gpu-tests kernel-tests latency-int4 gguf-sweep spec-verify-cost moe-vs-dense mla-vs-gqa
+  profile-deepseek-v2-lite latency-int8 profile-llama-int8 throughput-qwen3-moe throughput-deepseek-v2-lite latency
+  profile-llama"
 [[ $1 == lease && -z ${FERRY_GPU_DEADLINE:-} ]] && FERRY_GPU_DEADLINE=$(($(date +%s) + 570))
 GROUP=$1
 ASKED="${*:2}"
