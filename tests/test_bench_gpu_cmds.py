@@ -133,6 +133,9 @@ def test_bench_throughput_torch_profile_windows(tiny_dir, tmp_path, capsys):
         assert window["steps"] == 2 and window["top"] and window["time_key"] == "self_cpu_time_total"
         assert all(r["ms_per_step"] > 0 and r["calls_per_step"] > 0 for r in window["top"])
     assert "ferry:" not in printed  # no timed run beside the profile
+    for bad in (["--torch-profile", "0"], ["--torch-profile", "2", "--prefix"]):  # refused before loading
+        assert main(["bench", "throughput", "--model", tiny_dir, *bad, *ENGINE]) == 2
+        assert "--torch-profile" in capsys.readouterr().err
 
 
 def test_sharegpt_like_lengths():

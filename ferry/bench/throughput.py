@@ -220,6 +220,8 @@ def breakdown(records: list[StepRecord]) -> dict[str, float]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.torch_profile is not None and args.torch_profile < 1:
+        raise ValueError(f"--torch-profile needs at least 1 step, got {args.torch_profile}")
     if args.prefix and args.torch_profile is not None:
         raise ValueError("--torch-profile profiles the --dataset workload; it does not combine with --prefix")
     eargs = EngineArgs.from_cli_args(args)
