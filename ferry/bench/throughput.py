@@ -35,6 +35,7 @@ from dataclasses import asdict
 import torch
 
 from ferry.bench.hardware import device_name
+from ferry.bench.latency import warm_up
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.linear import pack_weight, packed_linear, should_pack
@@ -182,12 +183,7 @@ def release_engine(engine: LLMEngine | None) -> None:
 
 def run_ferry(engine: LLMEngine, requests, tag: str) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    # Warm-up outside the timed region (first-call allocations, thread pools).
-    # Reversed, so the warm-up fills no block that a timed request could hit.
-    warm = requests[0][0][:16][::-1]
-    engine.add_request("warmup", {"prompt_token_ids": warm}, SamplingParams(max_tokens=4, temperature=0))
-    while engine.has_unfinished_requests():
-        engine.step()
+    warm_up(engine, requests)  # outside the timed region
     engine.core.step_records = records = []
     t0 = time.perf_counter()
     for i, ((ids, _), p) in enumerate(zip(requests, params)):

@@ -24,6 +24,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ferry.bench.hardware import synchronize
+from ferry.bench.latency import warm_up
 from ferry.engine.llm_engine import LLMEngine
 from ferry.sampling_params import SamplingParams
 
@@ -77,15 +78,11 @@ def _report(name: str, prof: profile, steps: list, wall: float, on_cuda: bool, r
 
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], int]], num_steps: int, row_limit: int = 25) -> dict:
-    """Queue `requests` ((prompt ids, output tokens) each), profile the two windows, abort the rest."""
-    if num_steps < 1:
-        raise ValueError("--torch-profile needs at least 1 step")
+    """Queue `requests` ((prompt ids, output tokens) each), profile the two windows of `num_steps` (>= 1,
+    checked by the command) steps, abort the rest."""
     on_cuda = engine.device.type == "cuda"
     engine.runner.profile = False  # its per-phase syncs would idle the device between phases
-    warm = requests[0][0][:16][::-1]  # compile, capture and allocate outside the windows
-    engine.add_request("profile-warmup", {"prompt_token_ids": warm}, SamplingParams(max_tokens=4, temperature=0))
-    while engine.has_unfinished_requests():
-        engine.step()
+    warm_up(engine, requests)  # compile, capture and allocate outside the windows
     engine.core.step_records = records = []
     ids = [f"profile-{i}" for i in range(len(requests))]
     for rid, (prompt, n) in zip(ids, requests):

@@ -225,24 +225,39 @@ def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_words(x_row, blk, b_ok, half: tl.constexpr, scale):
-    """Half `half` (values 16 half .. 16 half + 15) of each block `blk` of x's row as 4 int32 words of 4
-    int8 values (byte i of word w: value 4w + i), rounded to nearest, ties away from zero; and their sum."""
-    w = tl.arange(0, 4)
-    xv = tl.load(x_row + (blk * 32 + 16 * half)[:, None, None] + (w * 4)[None, :, None] + w[None, None, :],
-                 mask=b_ok[:, None, None], other=0.0).to(tl.float32)  # fmt: skip
-    v = tl.div_rn(xv, scale[:, None, None])
-    q = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5)).to(tl.int32)
-    words = tl.sum((q & 255) << (w * 8)[None, None, :], axis=2)
-    return words, tl.sum(tl.sum(q, axis=2), axis=1)
+def int8_scale(amax):
+    """max |x| -> the int8 scale max |x| / 127, with IEEE division as torch's (CUDA's default fp32 `/` is
+    approximate: seen 1 ulp off on an H100); an all-zero x gets a tiny scale and zeros, no NaN."""
+    return tl.div_rn(tl.maximum(amax, 1e-12), 127.0)
 
 
 @triton.jit
-def _x_block_amax(x_row, blk, b_ok):
-    """max |x| over each 32-value block `blk` of x's row."""
-    j = tl.arange(0, 32)
-    xv = tl.load(x_row + (blk * 32)[:, None] + j[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
-    return tl.max(tl.abs(xv), axis=1)
+def quantize_int8(x, scale):
+    """x / scale rounded to nearest, ties away from zero, within [-127, 127], as int32."""
+    v = tl.div_rn(x, scale)
+    r = tl.minimum(tl.floor(tl.abs(v) + 0.5), 127.0)
+    return tl.where(v < 0, -r, r).to(tl.int32)
+
+
+@triton.jit
+def _x_halves(x_row, blk, b_ok):
+    """Each block `blk` of x's row as its two halves [BLOCKS, 4 words, 4 bytes] of fp32: value 4w + i of
+    the first half, and of the second (values 16 + 4w + i), as the weight's words pair them."""
+    w = tl.arange(0, 4)
+    offs = x_row + (blk * 32)[:, None, None] + (w * 4)[None, :, None] + w[None, None, :]
+    lo = tl.load(offs, mask=b_ok[:, None, None], other=0.0).to(tl.float32)
+    hi = tl.load(offs + 16, mask=b_ok[:, None, None], other=0.0).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _x_words(xv, scale):
+    """One half of each block (from _x_halves) as 4 int32 words of 4 int8 values (byte i of word w: value
+    4w + i) quantized with the block's scale; and the sum of those int8 values per block."""
+    q = quantize_int8(xv, scale[:, None, None])
+    shifts = tl.arange(0, 4) * 8
+    words = tl.sum((q & 255) << shifts[None, None, :], axis=2)
+    return words, tl.sum(tl.sum(q, axis=2), axis=1)
 
 
 @triton.jit
@@ -270,9 +285,11 @@ def _gguf_gemv_int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_p
         blk = b0 + tl.arange(0, BLOCKS)
         b_ok = blk < b_end
         wm = n_ok[:, None] & b_ok[None, :]
-        scale = tl.div_rn(tl.maximum(_x_block_amax(x_row, blk, b_ok), 1e-12), 127.0)  # dx per block
-        x_lo, sum_lo = _x_words(x_row, blk, b_ok, 0, scale)
-        x_hi, sum_hi = _x_words(x_row, blk, b_ok, 1, scale)
+        xv_lo, xv_hi = _x_halves(x_row, blk, b_ok)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(xv_lo), axis=2), axis=1), tl.max(tl.max(tl.abs(xv_hi), axis=2), axis=1))
+        scale = int8_scale(amax)  # dx per block
+        x_lo, sum_lo = _x_words(xv_lo, scale)
+        x_hi, sum_hi = _x_words(xv_hi, scale)
         d = tl.load(s_ptr + s_row[:, None] + s_base + blk[None, :], mask=wm, other=0.0).to(tl.float32)
         zero = tl.zeros((BLOCK_N, BLOCKS, 4), dtype=tl.int32)
         if QTYPE == 8:  # 32 signed bytes a block: words 0-3 hold values 0-15, words 4-7 values 16-31
@@ -540,9 +557,9 @@ def gemv_config(N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict
     """The GEMV kernel's tiles and K splits: host arithmetic on shapes only (graph-safe). BLOCKS quant
     blocks of BLOCK_N rows per step. The float kernel's 32-value blocks: 16 rows x 8 blocks (2 KB of Q4
     bytes) for 8 warps, the best of scripts/gguf_gemv_sweep.py's 180 tilings for three of Llama-3.1-8B's
-    four projection shapes on an H100 (2026-11-26: 11.8 / 8.5 / 25.1 us for qkv / o / down against 16.2 / 13.5 / 31.3 with
-    32 rows and 4 warps; gate_up within 2% either way). K-quants step one super-block (4 KB of Q4_K
-    nibbles for 32 rows and 4 warps) and split K in super-blocks (`sb_per_split`)."""
+    four projection shapes on an H100 (2026-11-26: 11.8 / 8.5 / 25.1 us for qkv / o / down against
+    16.2 / 13.5 / 31.3 with 32 rows and 4 warps; gate_up within 2% either way). K-quants step one
+    super-block (4 KB of Q4_K nibbles for 32 rows and 4 warps) and split K in super-blocks (`sb_per_split`)."""
     if qtype in K_QUANTS:
         block_n = 32
         nsb = K // 256

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.triton_compat import apply_interpreter_numpy_fix
-from ferry.kernels.triton_gguf import DECODE_MAX_ROWS, decode_split_k, num_sms
+from ferry.kernels.triton_gguf import DECODE_MAX_ROWS, decode_split_k, int8_scale, num_sms, quantize_int8
 
 apply_interpreter_numpy_fix()
 
@@ -46,11 +46,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
     if ONE_PASS:
         kk = tl.arange(0, BLOCK_K)
         v = tl.load(x_ptr + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12), 127.0)
-        v = tl.div_rn(v, scale)
-        r = tl.floor(tl.abs(v) + 0.5)
-        r = tl.minimum(tl.where(v < 0, -r, r), 127.0)
-        tl.store(q_ptr + row * K + kk, tl.maximum(r, -127.0).to(tl.int8), mask=kk < K)
+        scale = int8_scale(tl.max(tl.abs(v), axis=0))
+        tl.store(q_ptr + row * K + kk, quantize_int8(v, scale).to(tl.int8), mask=kk < K)
         tl.store(s_ptr + row, scale)
         return
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -58,14 +55,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
         kk = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_ptr + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    # div_rn: IEEE division, as torch's; CUDA's default fp32 `/` is approximate (seen 1 ulp off on an H100)
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 127.0)
+    scale = int8_scale(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        v = tl.div_rn(tl.load(x_ptr + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32), scale)
-        r = tl.floor(tl.abs(v) + 0.5)
-        r = tl.minimum(tl.where(v < 0, -r, r), 127.0)
-        tl.store(q_ptr + row * K + kk, tl.maximum(r, -127.0).to(tl.int8), mask=kk < K)
+        v = tl.load(x_ptr + row * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * K + kk, quantize_int8(v, scale).to(tl.int8), mask=kk < K)
     tl.store(s_ptr + row, scale)
 
 
