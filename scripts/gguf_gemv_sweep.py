@@ -1,5 +1,5 @@
 """Q4_0 GEMV at batch 1 on CUDA: ferry's GEMV kernels (ferry/kernels/triton_gguf.py, what one row of x
-takes: integer dots, the default, and floats) with their default tiles and the best of a tile sweep of
+takes: floats, the default, and integer dots) with their default tiles and the best of a tile sweep of
 each, and the tile (mma) kernel that batch 1 took before them, against cuBLAS on a bf16 weight of the same
 shape and the bytes floor (the Q4_0 bytes over the datasheet bandwidth). Llama-3.1-8B's four projection
 shapes. Then the K-quant kernels (Q4_K, Q5_K, Q6_K) with their default tiles at batch 1 and 4 rows,
@@ -86,13 +86,13 @@ def main() -> None:
         t_bf16 = do_bench_cudagraph(lambda: torch.matmul(x, w_bf16.T)) * 1e3  # noqa: B023
         tiles_cfg = tg.matmul_config(1, n, k, tg.Q4_0, tg.num_sms(x.device))  # what batch 1 took before the GEMV
         t_tiles = do_bench_cudagraph(launcher(tg.launch_tiles, x, data, tiles_cfg)[0]) * 1e3
-        default = tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device))
+        default = tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device), tg.GEMV_INT8_DOTS)
         run, y = launcher(tg.launch_gemv, x, data, default)
         t_default = do_bench_cudagraph(run) * 1e3
         ref = x.float() @ tg.dequantize(data, tg.Q4_0, k, torch.float32).T
         errors = []
         for int8_dots in (True, False):
-            run, y = launcher(tg.launch_gemv, x, data, default | {"INT8_DOTS": int8_dots})
+            run, y = launcher(tg.launch_gemv, x, data, tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device), int8_dots))
             run()
             errors.append(((y.float() - ref).norm() / ref.norm()).item())
         timings = []

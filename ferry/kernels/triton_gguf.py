@@ -553,28 +553,39 @@ def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SM
 GEMV_MAX_ROWS = 1
 
 
-def gemv_config(N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int | bool]:
+# Whether a batch-1 matmul of 32-value blocks takes the integer-dot GEMV (`_gguf_gemv_int8_kernel`)
+# instead of the float one. Off: on an H100 (2026-11-27, scripts/gguf_gemv_sweep.py, BENCHMARKS.md) the
+# integer dots at their best tiles only equal the float kernel at its own (93 against ~91 us a Llama-3.1-8B
+# layer) with 3x its error, and their first tiles ranked 16th-69th of 96.
+GEMV_INT8_DOTS = False
+
+
+def gemv_config(
+    N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS, int8_dots: bool = False
+) -> dict[str, int | bool]:
     """The GEMV kernel's tiles and K splits: host arithmetic on shapes only (graph-safe). BLOCKS quant
     blocks of BLOCK_N rows per step. The float kernel's 32-value blocks: 16 rows x 8 blocks (2 KB of Q4
-    bytes) for 8 warps, the best of scripts/gguf_gemv_sweep.py's 180 tilings for three of Llama-3.1-8B's
-    four projection shapes on an H100 (2026-11-26: 11.8 / 8.5 / 25.1 us for qkv / o / down against
-    16.2 / 13.5 / 31.3 with 32 rows and 4 warps; gate_up within 2% either way). K-quants step one
-    super-block (4 KB of Q4_K nibbles for 32 rows and 4 warps) and split K in super-blocks (`sb_per_split`)."""
+    bytes) for 8 warps, the best of scripts/gguf_gemv_sweep.py's tilings for three of Llama-3.1-8B's
+    four projection shapes on an H100 in two leases (2026-11-26: 11.8 / 8.5 / 25.1 us for qkv / o / down
+    against 16.2 / 13.5 / 31.3 with 32 rows and 4 warps; gate_up within 2% of its best either way).
+    `int8_dots` asks for the integer-dot kernel where rows are whole int32 words, with its best tiles
+    of the 2026-11-27 sweep (32 rows x 16 blocks, 4 warps; each thread loads 16 bytes). K-quants step
+    one super-block (4 KB of Q4_K nibbles for 32 rows and 4 warps) and split K in super-blocks
+    (`sb_per_split`)."""
     if qtype in K_QUANTS:
         block_n = 32
         nsb = K // 256
         per_split = triton.cdiv(nsb, decode_split_k(triton.cdiv(N, block_n), nsb, num_sms))
         return {"BLOCK_N": block_n, "split": triton.cdiv(nsb, per_split), "sb_per_split": per_split,
                 "num_warps": 4, "num_stages": 3}  # fmt: skip
-    # Integer dots (`_gguf_gemv_int8_kernel`) where rows are whole int32 words: 16 blocks a step, so that
-    # each of 8 warps' threads loads 16 bytes (4 words; 8 blocks would give 8-byte loads). Not yet timed.
-    int8_dots = block32_row_bytes(K, qtype) % 4 == 0
-    block_n, blocks = 16, 16 if int8_dots else 8
+    int8_dots = int8_dots and block32_row_bytes(K, qtype) % 4 == 0
+    block_n, blocks, warps = (32, 16, 4) if int8_dots else (16, 8, 8)
     nb = K // 32
     split = decode_split_k(triton.cdiv(N, block_n), triton.cdiv(nb, blocks), num_sms)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
     return {"BLOCK_N": block_n, "BLOCKS": blocks, "split": triton.cdiv(nb, blocks_per_split),
-            "blocks_per_split": blocks_per_split, "num_warps": 8, "num_stages": 3, "INT8_DOTS": int8_dots}  # fmt: skip
+            "blocks_per_split": blocks_per_split, "num_warps": warps, "num_stages": 3,
+            "INT8_DOTS": int8_dots}  # fmt: skip
 
 
 def block32_row_bytes(K: int, qtype: int) -> int:
@@ -598,7 +609,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
         return y
     sms = num_sms(x.device)
     if M <= GEMV_MAX_ROWS:
-        return launch_gemv(x, data, qtype, gemv_config(N, K, qtype, sms), y)
+        return launch_gemv(x, data, qtype, gemv_config(N, K, qtype, sms, GEMV_INT8_DOTS), y)
     return launch_tiles(x, data, qtype, matmul_config(M, N, K, qtype, sms), y)
 
 

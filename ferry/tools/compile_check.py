@@ -273,10 +273,10 @@ def engine_kernels(
                                      ("prefill", T, 2 * inter, hidden)):  # fmt: skip
                 data = torch.empty(n, k // block * block_bytes, dtype=torch.uint8)
                 launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
-                if case == "gemv" and tid in gguf.BLOCK32_TYPES:  # the float GEMV beside the integer-dot one
-                    cfg = gguf.gemv_config(n, k, tid) | {"INT8_DOTS": False, "BLOCKS": 8}  # its 8 blocks a step
-                    launch(f"{type_name} gemv", gguf.launch_gemv, torch.empty(rows, k, dtype=dt), data, tid, cfg,
-                           torch.empty(rows, n, dtype=dt))  # fmt: skip
+                if case == "gemv" and tid in gguf.BLOCK32_TYPES:  # the integer-dot GEMV beside the float one
+                    cfg = gguf.gemv_config(n, k, tid, int8_dots=True)
+                    launch(f"{type_name} gemv int8 dots", gguf.launch_gemv, torch.empty(rows, k, dtype=dt), data,
+                           tid, cfg, torch.empty(rows, n, dtype=dt))  # fmt: skip
     if quantization == "int8":
         from ferry.kernels import triton_int8
 

@@ -88,8 +88,7 @@ def test_fused_matmul_matches_the_dequantized_weight(type_name, dtype, order):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         y = gguf_linear(x.to(DEVICE), [w.to(DEVICE)], bias.to(DEVICE), triton=True).cpu()
         assert y.dtype == dtype and y.shape == (m, N)
-        int8_dots = m == 1 and type_name in GEMV_INT8_TYPES  # one row: x's blocks through int8
-        expected = (_int8_dots_reference(x, w) if int8_dots else _reference(x, w)) + bias.float()
+        expected = _reference(x, w) + bias.float()  # one row too: the float GEMV is the default
         if dtype == torch.float32:
             _fp32_close(y, expected)
         else:  # fp32 sums rounded to bf16, the bias added in bf16: within two ulps of the largest output
@@ -128,7 +127,7 @@ GEMV_CASES = [(t, False) for t in ALL_TYPES] + [(t, True) for t in GEMV_INT8_TYP
 def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, int8_dots, monkeypatch):
     """Batch 1 runs the GEMV kernel: partial row tiles, a partial last step of quant blocks, K split
     over programs or not, fp32 and bf16 activations; the fp32 result is the dequantized weight's times x,
-    or, with integer dots (the 32-value types' default), times x's blocks through int8."""
+    or, with integer dots (asked for, 32-value types only), times x's blocks through int8."""
     k = 7 * 256 if type_name.endswith("_K") else 100 * 32  # 7 super-blocks; 100 blocks: steps of 8 or 16, then 4
     w = _weight(type_name, n=72, k=k, seed=3)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
@@ -137,9 +136,8 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, int8_dots, monkey
     results = []
     for sms in (1, 132):  # one SM: no split; 132: split K
         monkeypatch.setattr(tg, "num_sms", lambda device, sms=sms: sms)
-        cfg = tg.gemv_config(72, k, w.qtype, sms)
-        assert (cfg["split"] > 1) == (sms > 1) and cfg.get("INT8_DOTS", False) == (type_name in GEMV_INT8_TYPES)
-        cfg["INT8_DOTS"] = int8_dots
+        cfg = tg.gemv_config(72, k, w.qtype, sms, int8_dots=int8_dots)
+        assert (cfg["split"] > 1) == (sms > 1) and cfg.get("INT8_DOTS", False) == int8_dots
         y = tg.launch_gemv(x.to(DEVICE), w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, 72, device=DEVICE)).cpu()
         _fp32_close(y, expected)
         results.append(y)
@@ -148,16 +146,20 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, int8_dots, monkey
         bound = expected.abs().max().item() / 64  # two bf16 ulps of the largest output
         torch.testing.assert_close(yb.cpu().float(), reference(x.bfloat16(), w), rtol=0, atol=bound)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
-    if int8_dots:  # and through the public entry point, which takes them by default
-        _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, k).cpu(), expected)
+    # and through the public entry point, which takes the integer dots only where GEMV_INT8_DOTS says
+    monkeypatch.setattr(tg, "GEMV_INT8_DOTS", int8_dots)
+    _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, k).cpu(), expected)
 
 
-def test_int8_dots_need_whole_words_per_row():
-    """Q4_0 and Q8_0 rows of an odd number of blocks are not whole int32 words: the float GEMV takes them."""
-    assert tg.gemv_config(8, 96 * 32, tg.Q4_0)["INT8_DOTS"]  # 96 blocks: 1,728 bytes a row
-    assert not tg.gemv_config(8, 3 * 32, tg.Q4_0)["INT8_DOTS"]  # 3 blocks: 54 bytes
-    assert not tg.gemv_config(8, 3 * 32, tg.Q8_0)["INT8_DOTS"]  # 102 bytes
-    assert tg.gemv_config(8, 3 * 32, tg.Q4_1)["INT8_DOTS"]  # 60 bytes
+def test_int8_dots_need_whole_words_per_row(monkeypatch):
+    """Q4_0 and Q8_0 rows of an odd number of blocks are not whole int32 words: the float GEMV takes them
+    even where the integer dots are asked for; by default every type takes the float GEMV."""
+    assert not tg.gemv_config(8, 96 * 32, tg.Q4_0)["INT8_DOTS"]
+    assert tg.gemv_config(8, 96 * 32, tg.Q4_0, int8_dots=True)["INT8_DOTS"]  # 96 blocks: 1,728 bytes a row
+    assert not tg.gemv_config(8, 3 * 32, tg.Q4_0, int8_dots=True)["INT8_DOTS"]  # 3 blocks: 54 bytes
+    assert not tg.gemv_config(8, 3 * 32, tg.Q8_0, int8_dots=True)["INT8_DOTS"]  # 102 bytes
+    assert tg.gemv_config(8, 3 * 32, tg.Q4_1, int8_dots=True)["INT8_DOTS"]  # 60 bytes
+    monkeypatch.setattr(tg, "GEMV_INT8_DOTS", True)
     w = _weight("Q4_0", n=8, k=3 * 32, seed=4)
     x = torch.randn(1, 3 * 32)
     _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, 3 * 32).cpu(), _reference(x, w))
