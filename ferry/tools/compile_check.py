@@ -275,7 +275,7 @@ def engine_kernels(
                 launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
                 if case == "gemv" and tid in gguf.BLOCK32_TYPES:  # the integer-dot GEMV beside the float one
                     cfg = gguf.gemv_config(n, k, tid, int8_dots=True)
-                    launch(f"{type_name} gemv int8 dots", gguf.launch_gemv, torch.empty(rows, k, dtype=dt), data,
+                    launch(f"{type_name} gemv", gguf.launch_gemv, torch.empty(rows, k, dtype=dt), data,
                            tid, cfg, torch.empty(rows, n, dtype=dt))  # fmt: skip
     if quantization == "int8":
         from ferry.kernels import triton_int8

@@ -69,7 +69,7 @@ def test_engine_kernels_compile_for_sm90():
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
     assert set(gguf) == {f"{t} {c}" for t in ("Q4_0", "Q4_1", "Q8_0") for c in ("decode", "prefill")}
     assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in gguf.values())
-    # Batch 1's GEMV, with integer dots (PTX dp4a, the default) and in floats: CUDA cores, the weight bytes
+    # Batch 1's GEMV, in floats (the default) and with integer dots (PTX dp4a): CUDA cores, the weight bytes
     # in 16-byte loads.
     for name in ("_gguf_gemv_kernel", "_gguf_gemv_int8_kernel"):
         gemv = {r["case"]: r for r in by_name[name]}
