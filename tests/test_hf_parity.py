@@ -502,3 +502,37 @@ def test_deepseek_v3_on_the_triton_backend_matches_the_torch_backend(tmp_path, k
     assert engine.runner.attn_backend.name == "triton"
     assert ferry_greedy(engine, prompts, 8) == expected
     assert engine.get_stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("path", ["chunk by chunk", "groups of 12 rows"])
+def test_deepseek_expanded_prefill_paths_match_hf(tmp_path, monkeypatch, path):
+    """MLA's prefill chunks attend all at once over their laid-out contexts (layers/attention/contexts.py)
+    where the backend can (the C++ prefill kernel here, fp32); the other two paths give HF's tokens
+    too: chunk by chunk through SDPA (a backend without such a kernel), and the layout split into
+    groups of at most 12 rows (three blocks of 4), so a step makes several calls and a chunk longer
+    than that is a group of its own."""
+    import transformers
+
+    from ferry.layers.attention import contexts, torch_backend
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_tiny_config("deepseek_v2"), dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(EngineArgs(model=str(tmp_path), device="cpu", dtype="float32"))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 21, 6, 13)]
+    prompts.append(prompts[1][:16] + [3, 4, 5])  # its first 16 tokens cached: a chunk behind a prefix
+    expected = [hf_greedy(hf, ids, 8) for ids in prompts]
+    calls = []
+    if path == "chunk by chunk":
+        monkeypatch.setattr(torch_backend.TorchAttentionBackend, "attends_contexts", lambda self, dtype: False)
+    else:
+        monkeypatch.setattr(contexts, "EXPANDED_GROUP_ROWS", 12)
+        real = torch_backend.TorchAttentionBackend.attend_contexts
+        monkeypatch.setattr(torch_backend.TorchAttentionBackend, "attend_contexts",
+                            lambda self, *a: calls.append(a[3].tables.shape[0]) or real(self, *a))  # fmt: skip
+    engine = _tiny_engine(loaded, block_size=4, max_num_batched_tokens=12)
+    assert ferry_greedy(engine, prompts, 8) == expected
+    assert engine.get_stats().prefix_cache_hits > 0
+    if path != "chunk by chunk":  # several calls a layer, some of one chunk, some of two
+        assert calls and set(calls) == {1, 2}, calls

@@ -216,7 +216,7 @@ def engine_kernels(
     q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.view(T, heads, d), k.view(T, kvh, d), v.view(T, kvh, d)
 
-    if cfg.is_mla:  # one latent row per token: the store without V, the absorbed decode (prefill: SDPA)
+    if cfg.is_mla:  # one latent row per token: the store without V, the absorbed decode, the expanded prefill
         from ferry.kernels import triton_mla
 
         width = cfg.kv_cache_width  # the latent, then the rotary key
@@ -226,6 +226,12 @@ def engine_kernels(
         for splits in _graph_split_counts(triton_mla.head_blocks(heads), max_num_seqs, num_sms):
             launch(f"latent decode splits={splits}", triton_mla.paged_latent_decode,
                    torch.empty(B, heads, width, dtype=dt), cache, tables, seq_lens, 0.1, cfg.kv_lora_rank, splits)  # fmt: skip
+        # prefill: the chunks' contexts expanded per head (V padded to K's width), through the varlen kernel
+        qk = cfg.qk_nope_head_dim + cfg.head_dim
+        expanded = torch.empty(4, block_size, heads, qk, dtype=dt)
+        q_expanded = torch.empty(T, heads, qk, dtype=dt)
+        launch("latent prefill expanded", attn.paged_prefill, q_expanded, expanded, expanded, tables,
+               torch.tensor([0, T]), torch.tensor([T]), T, 0.1, torch.empty_like(q_expanded))  # fmt: skip
     else:
         launch("store new K/V", attn.store_kv, k, v, k_cache, v_cache, torch.zeros(T, dtype=torch.int64))
     # Each kind of layer's attention: global, and windowed where the model has local layers; with its

@@ -97,6 +97,9 @@ def test_engine_kernels_compile_for_sm90():
     latent = {r["case"]: r for r in by_name["_latent_decode_kernel"]}
     assert latent and all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in latent.values())
     assert any(r["case"] == "store latent rows" for r in by_name["_store_kv_kernel"])
+    # ... and its prefill chunks' expanded K/V (192-wide heads) through the varlen prefill kernel.
+    (expanded,) = [r for r in by_name["_prefill_kernel"] if r["case"] == "latent prefill expanded"]
+    assert expanded["tensor_cores"] in ("mma", "wgmma") and expanded["local_bytes"] == 0, expanded
     # Gemma 2's soft-capped global and windowed layers (head_dim 256) fit without spills.
     gemma = {r["case"] for r in kernels if "cap=" in r["case"]}
     assert {"prefill cap=50", "prefill window=4096 cap=50"} <= gemma

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
+from ferry.layers.attention.contexts import ContextGroup, context_groups
 from ferry.layers.attention.metadata import AttentionMetadata, padded_table
 
 
@@ -65,6 +66,7 @@ class TorchState:
     use_cpu_kernel: bool  # the C++ decode and prefill kernels, for the layers without soft-capping
     views: dict[int | None, WindowView] = field(default_factory=dict)  # built when a layer first asks
     prefill_spans: torch.Tensor | None = None  # [C, 3] (first row, rows, context) for the prefill kernel
+    context_groups: list[ContextGroup] | None = None  # MLA's expanded prefill, built when first asked for
 
 
 def cpu_decode_kernel_usable(device: torch.device, cache_dtype: torch.dtype) -> bool:
@@ -244,6 +246,27 @@ class TorchAttentionBackend:
                 vp = read(flat_v.index_select(0, chunk.context_slots)).transpose(0, 1).unsqueeze(0)
                 o = attend(qp, kp, vp, scale, softcap, mask=chunk.mask)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    def attends_contexts(self, dtype: torch.dtype) -> bool:
+        """Whether `attend_contexts` takes queries of `dtype`: the C++ prefill kernel's fp32 on the CPU."""
+        return dtype == torch.float32 and cpu_decode_kernel_usable(self.device, dtype)
+
+    def context_groups(self, meta: AttentionMetadata) -> list[ContextGroup]:
+        """The prefill chunks' contexts laid out for `attend_contexts` (built once per step)."""
+        state: TorchState = meta.state
+        if state.context_groups is None:
+            state.context_groups = context_groups(meta, self.device)
+        return state.context_groups
+
+    def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The group's chunks' rows of q [T, H, D] attend causally over K/V [blocks, block_size, H, D] laid
+        out as `group` says (layers/attention/contexts.py), in one call of the C++ prefill kernel; the
+        other rows of the result are left unset."""
+        from ferry.kernels.cpu import cpu_kernels
+
+        out = torch.empty_like(q)
+        cpu_kernels().paged_prefill_attention(q.contiguous(), k, v, group.tables, group.spans, scale, 0, out)
         return out
 
     def store_latent(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

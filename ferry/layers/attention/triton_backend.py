@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.layers.attention.contexts import ContextGroup, context_groups
 from ferry.layers.attention.metadata import AttentionMetadata
 from ferry.layers.attention.torch_backend import WindowView, prefill_chunks
 
@@ -24,6 +25,7 @@ from ferry.layers.attention.torch_backend import WindowView, prefill_chunks
 class TritonState:
     num_splits: int
     prefill_view: WindowView | None = None  # MLA's expanded prefill: the chunks' contexts (`view`)
+    context_groups: list[ContextGroup] | None = None  # the same, laid out for `attend_contexts`
 
 
 def _num_sms(device: torch.device) -> int:
@@ -78,6 +80,27 @@ class TritonAttentionBackend:
 
         return paged_latent_decode(q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, v_width,
                                    meta.state.num_splits)  # fmt: skip
+
+    def attends_contexts(self, dtype: torch.dtype) -> bool:
+        return True
+
+    def context_groups(self, meta: AttentionMetadata) -> list[ContextGroup]:
+        """The prefill chunks' contexts laid out for `attend_contexts` (built once per step)."""
+        state: TritonState = meta.state
+        if state.context_groups is None:
+            state.context_groups = context_groups(meta, self.device)
+        return state.context_groups
+
+    def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The group's chunks' rows of q [T, H, D] attend causally over K/V [blocks, block_size, H, D] laid
+        out as `group` says, in one launch of the varlen prefill kernel (the layout's blocks as its
+        tables); the other rows of the result are left unset."""
+        out = torch.empty_like(q)
+        first, n = group.first, group.tables.shape[0]
+        self.kernels.paged_prefill(q, k, v, group.tables, meta.prefill_query_start_loc[first : first + n + 1],
+                                   meta.prefill_seq_lens[first : first + n], group.max_query_len, scale,
+                                   out)  # fmt: skip
+        return out
 
     def view(self, meta: AttentionMetadata, window: int | None = None) -> WindowView:
         """The prefill chunks' contexts for MLA's expanded prefill (built once per step)."""
