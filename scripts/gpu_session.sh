@@ -18,11 +18,11 @@ case ${1:-} in tests | bench | lease) ;; *)
   exit 2
   ;;
 esac
-# The steps one 15-minute lease should run first (2026-11-26: what the third lease left to time, and the
-# changes made after it). Two calls: the first ~570 s, the second what is left on the warm machine.
-LEASE_ORDER="gpu-tests kernel-tests latency-int4 gguf-sweep spec-verify-cost moe-vs-dense mla-vs-gqa
-  profile-deepseek-v2-lite latency-int8 profile-llama-int8 throughput-qwen3-moe throughput-deepseek-v2-lite latency
-  profile-llama"
+# The steps one 15-minute lease should run first (2026-11-27: the changes made after the fourth lease:
+# MLA's prefill chunks together, the float GEMV the batch-1 default again). Two calls: the first ~570 s,
+# the second what is left on the warm machine.
+LEASE_ORDER="gpu-tests kernel-tests mla-vs-gqa throughput-deepseek-v2-lite profile-deepseek-v2-lite latency-int4
+  throughput-qwen3-moe moe-vs-dense latency latency-int8 gguf-sweep throughput-llama profile-llama"
 [[ $1 == lease && -z ${FERRY_GPU_DEADLINE:-} ]] && FERRY_GPU_DEADLINE=$(($(date +%s) + 570))
 GROUP=$1
 ASKED="${*:2}"
