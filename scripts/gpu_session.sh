@@ -22,7 +22,7 @@ esac
 # MLA's prefill chunks together, the float GEMV the batch-1 default again). Two calls: the first ~570 s,
 # the second what is left on the warm machine.
 LEASE_ORDER="gpu-tests kernel-tests mla-vs-gqa throughput-deepseek-v2-lite profile-deepseek-v2-lite latency-int4
-  throughput-qwen3-moe moe-vs-dense latency latency-int8 gguf-sweep throughput-llama profile-llama"
+  moe-sweep throughput-qwen3-moe moe-vs-dense latency latency-int8 gguf-sweep throughput-llama profile-llama"
 [[ $1 == lease && -z ${FERRY_GPU_DEADLINE:-} ]] && FERRY_GPU_DEADLINE=$(($(date +%s) + 570))
 GROUP=$1
 ASKED="${*:2}"
@@ -108,6 +108,8 @@ step throughput-llama 280 bash -c "ferry bench throughput --model llama-3.1-8b -
 # (the fused-MoE Triton kernels, in CUDA graphs); vLLM publishes figures for this model to set beside it
 step throughput-qwen3-moe 400 bash -c "ferry bench throughput --model qwen3-30b-a3b --load-format dummy \
   --dataset sharegpt-like --no-hf --json $LOGS/sharegpt-moe.json"
+# the fused-MoE GEMMs' tiles (untuned 64x64 so far; 52-60% of DeepSeek-V2-Lite's device time, fourth lease)
+step moe-sweep 300 python3 scripts/moe_gemm_sweep.py
 step moe-vs-dense 300 bash -c "ferry bench moe --device cuda --dtype bfloat16 --json $LOGS/moe-vs-dense.json"
 # DeepSeek-V2-Lite's shape (31 GB of bf16 weights): MLA on the Triton backend (kernels/triton_mla.py) in CUDA
 # graphs; 2026-11-26 it ran the torch backend, eagerly: 1,551 tok/s

@@ -224,6 +224,13 @@ def _moe_gemm_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def gemm_tiles(K: int) -> dict[str, int]:
+    """The GEMM's tiles besides BLOCK_M (`block_m_for`): 64 output columns, K in steps of 64 (32 where K
+    is not a multiple of 64), Triton's default warps and stages. Not tuned yet: scripts/moe_gemm_sweep.py
+    times others on a GPU."""
+    return {"BLOCK_N": 64, "BLOCK_K": 32 if K % 64 else 64, "num_warps": 4, "num_stages": 3}
+
+
 def moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -233,22 +240,25 @@ def moe_gemm(
     block_m: int,
     rows_are_tokens: bool,
     weights: torch.Tensor | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """out[pair] = a[row(pair)] @ w[expert(pair)].T (times weights[pair]), for the pairs `aligned` lists;
-    a [rows, K], w [E, N, K], out [T * top_k, N]; row = pair // top_k when `rows_are_tokens`."""
+    a [rows, K], w [E, N, K], out [T * top_k, N]; row = pair // top_k when `rows_are_tokens`. `tiles`:
+    gemm_tiles' keys (default: gemm_tiles(K))."""
     pairs, tile_expert, num_padded = aligned
     E, N, K = w.shape
     if a.stride(-1) != 1:
         a = a.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
-    block_n, block_k = 64, 32 if K % 64 else 64
-    grid = (tile_expert.numel() * triton.cdiv(N, block_n),)
+    t = tiles or gemm_tiles(K)
+    grid = (tile_expert.numel() * triton.cdiv(N, t["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, w, out, pairs, tile_expert, num_padded, weights if weights is not None else out,
         N, K, out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOP_K=top_k, ROWS_ARE_TOKENS=rows_are_tokens, MUL_WEIGHT=weights is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=_INTERPRETED or a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], DOT_F32=_INTERPRETED or a.dtype == torch.float32,
+        num_warps=t["num_warps"], num_stages=t["num_stages"],
     )  # fmt: skip
     return out
 
@@ -264,17 +274,21 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    block_m: int | None = None, tiles: tuple[dict[str, int], dict[str, int]] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I],
-    x [T, H], weights / ids [T, k] (ids outside [0, E): no contribution). Returns [T, H] in x's dtype."""
+    x [T, H], weights / ids [T, k] (ids outside [0, E): no contribution). Returns [T, H] in x's dtype.
+    `block_m` and `tiles` (the gate/up GEMM's, then the down GEMM's) override the defaults (the sweep)."""
     T, H = x.shape
     E, k = w13.shape[0], ids.shape[1]
-    block_m = block_m_for(T * k, E)
+    block_m = block_m or block_m_for(T * k, E)
+    tiles13, tiles2 = tiles or (None, None)
     aligned = moe_align(ids, E, block_m)
     gate_up = moe_gemm(x, w13, torch.empty(T * k, w13.shape[1], dtype=x.dtype, device=x.device), aligned, k,
-                       block_m, rows_are_tokens=True)  # fmt: skip
+                       block_m, rows_are_tokens=True, tiles=tiles13)  # fmt: skip
     h = _silu_and_mul(gate_up)  # rows of dropped pairs hold whatever was there: never read below
     out = torch.zeros(T * k, H, dtype=x.dtype, device=x.device)  # dropped pairs add nothing
-    moe_gemm(h, w2, out, aligned, k, block_m, rows_are_tokens=False, weights=weights.reshape(-1).float())
+    moe_gemm(h, w2, out, aligned, k, block_m, rows_are_tokens=False, weights=weights.reshape(-1).float(),
+             tiles=tiles2)  # fmt: skip
     return out.view(T, k, H).sum(dim=1)

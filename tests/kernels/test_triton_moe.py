@@ -30,6 +30,20 @@ def test_fused_experts_match_grouped_experts(T, E, k):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_other_tiles_give_the_same_experts():
+    """The tiles scripts/moe_gemm_sweep.py tries (another BLOCK_M for the alignment and both GEMMs, each
+    GEMM's own BLOCK_N / BLOCK_K) compute the same layer."""
+    T, E, k, H, inter = 37, 8, 2, 64, 96
+    w13, w2 = experts(E, H, inter, seed=3)
+    x = torch.randn(T, H, device=DEVICE)
+    weights, ids = select_experts(torch.randn(T, E, device=DEVICE), k, renormalize=True)
+    ref = grouped_experts(x, w13, w2, weights, ids)
+    for block_m, n, kk in ((32, 32, 32), (16, 128, 64)):
+        tiles = {"BLOCK_N": n, "BLOCK_K": kk, "num_warps": 8, "num_stages": 4}
+        got = triton_moe.fused_experts(x, w13, w2, weights, ids, block_m, (tiles, triton_moe.gemm_tiles(inter)))
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_other_ranks_experts_add_nothing():
     """Expert parallelism: ids outside [0, E) are another rank's; only this rank's pairs count."""
     T, E, k, H, inter = 9, 4, 2, 32, 32
