@@ -2,7 +2,8 @@
 takes: floats, the default, and integer dots) with their default tiles and the best of a tile sweep of
 each, and the tile (mma) kernel that batch 1 took before them, against cuBLAS on a bf16 weight of the same
 shape and the bytes floor (the Q4_0 bytes over the datasheet bandwidth). Llama-3.1-8B's four projection
-shapes. Then the K-quant kernels (Q4_K, Q5_K, Q6_K) with their default tiles at batch 1 and 4 rows,
+shapes; every timing cycles through copies of the weight too large for L2 together, as a model's
+layers do. Then the K-quant kernels (Q4_K, Q5_K, Q6_K) with their default tiles at batch 1 and 4 rows,
 against the same floor of their own bytes. CUDA-graph timings (triton.testing.do_bench_cudagraph); needs
 a GPU. From the repo root:
     python3 scripts/gguf_gemv_sweep.py [--peak-bandwidth 3.35e12]"""
@@ -19,6 +20,25 @@ from triton.testing import do_bench_cudagraph
 from ferry.kernels import triton_gguf as tg
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# An H100's L2 holds 50 MB: a weight timed alone stays there between runs (the first leases' sweeps timed
+# qkv, o and down so), which a model's layers never see, each reading its own weight from HBM. Every
+# timing here cycles through distinct copies of the weight, at least this many bytes of them.
+ROTATE_BYTES = 256 << 20
+
+
+def copies(make, nbytes: int) -> list[torch.Tensor]:
+    """make() called often enough for ROTATE_BYTES of weights of `nbytes` each (at least 2)."""
+    return [make() for _ in range(max(2, -(-ROTATE_BYTES // nbytes)))]
+
+
+def per_weight_us(fn, weights: list[torch.Tensor], rep: int = 100) -> float:
+    """Microseconds per fn(w), timed in one CUDA graph over every weight in turn, as a model's layers run."""
+
+    def each() -> None:
+        for w in weights:
+            fn(w)
+
+    return do_bench_cudagraph(each, rep=rep) * 1e3 / len(weights)
 
 
 def random_q4_0(n: int, k: int) -> torch.Tensor:
@@ -44,15 +64,15 @@ def k_quant_timings(peak_bandwidth: float) -> None:
     print(f"{'type':5s} {'shape':8s} {'floor us':>8s} {'gemv us':>8s} {'4 rows us':>9s}  rel. errors (1 row, 4 rows)")
     for qtype, name in ((tg.Q4_K, "Q4_K"), (tg.Q5_K, "Q5_K"), (tg.Q6_K, "Q6_K")):
         for shape, (n, k) in SHAPES.items():
-            data = random_k_quant(qtype, n, k)
+            datas = copies(lambda: random_k_quant(qtype, n, k), random_k_quant(qtype, n, k).numel())  # noqa: B023
+            data = datas[0]
             floor = data.numel() / peak_bandwidth * 1e6
             ref_w = tg.dequantize(data, qtype, k, torch.float32)
             times, errors = [], []
             for rows in (1, 4):
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-                run = lambda: tg.gguf_matmul(x, data, qtype, k)  # noqa: E731, B023
-                times.append(do_bench_cudagraph(run) * 1e3)
-                y = run()
+                times.append(per_weight_us(lambda d: tg.gguf_matmul(x, d, qtype, k), datas))  # noqa: B023
+                y = tg.gguf_matmul(x, data, qtype, k)
                 ref = x.float() @ ref_w.T
                 errors.append(((y.float() - ref).norm() / ref.norm()).item())
             print(f"{name:5s} {shape:8s} {floor:8.1f} {times[0]:8.1f} {times[1]:9.1f}  {errors[0]:.1e} {errors[1]:.1e}"
@@ -64,10 +84,10 @@ def _tiles(cfg: dict) -> str:
     return f"{kind} N{cfg['BLOCK_N']} b{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
 
 
-def launcher(launch, x: torch.Tensor, data: torch.Tensor, cfg: dict):
-    """A callable timing one launch (`tg.launch_gemv` / `tg.launch_tiles`) with the tiles of `cfg`, and its y."""
-    y = torch.empty(x.shape[0], data.shape[0], dtype=x.dtype, device="cuda")
-    return (lambda: launch(x, data, tg.Q4_0, cfg, y)), y
+def launcher(launch, x: torch.Tensor, n: int, cfg: dict):
+    """fn(data): one launch (`tg.launch_gemv` / `tg.launch_tiles`) with the tiles of `cfg` into y, and y."""
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device="cuda")
+    return (lambda data: launch(x, data, tg.Q4_0, cfg, y)), y
 
 
 def main() -> None:
@@ -79,21 +99,21 @@ def main() -> None:
     print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'tiles us':>8s} {'default':>8s} {'int8 best':>9s}"
           f" {'fp best':>8s}  best tiles of each; rel. errors: integer dots, floats")  # fmt: skip
     for name, (n, k) in SHAPES.items():
-        data = random_q4_0(n, k)
+        datas = copies(lambda: random_q4_0(n, k), random_q4_0(n, k).numel())  # noqa: B023
+        data = datas[0]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        w_bf16 = copies(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)  # noqa: B023
         floor = data.numel() / args.peak_bandwidth * 1e6
-        t_bf16 = do_bench_cudagraph(lambda: torch.matmul(x, w_bf16.T)) * 1e3  # noqa: B023
+        t_bf16 = per_weight_us(lambda w: torch.matmul(x, w.T), w_bf16)  # noqa: B023
         tiles_cfg = tg.matmul_config(1, n, k, tg.Q4_0, tg.num_sms(x.device))  # what batch 1 took before the GEMV
-        t_tiles = do_bench_cudagraph(launcher(tg.launch_tiles, x, data, tiles_cfg)[0]) * 1e3
+        t_tiles = per_weight_us(launcher(tg.launch_tiles, x, n, tiles_cfg)[0], datas)
         default = tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device), tg.GEMV_INT8_DOTS)
-        run, y = launcher(tg.launch_gemv, x, data, default)
-        t_default = do_bench_cudagraph(run) * 1e3
+        t_default = per_weight_us(launcher(tg.launch_gemv, x, n, default)[0], datas)
         ref = x.float() @ tg.dequantize(data, tg.Q4_0, k, torch.float32).T
         errors = []
         for int8_dots in (True, False):
-            run, y = launcher(tg.launch_gemv, x, data, tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device), int8_dots))
-            run()
+            run, y = launcher(tg.launch_gemv, x, n, tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device), int8_dots))
+            run(data)
             errors.append(((y.float() - ref).norm() / ref.norm()).item())
         timings = []
         nb = k // 32
@@ -103,7 +123,7 @@ def main() -> None:
             per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
                    "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots}  # fmt: skip
-            timings.append((do_bench_cudagraph(launcher(tg.launch_gemv, x, data, cfg)[0], rep=20) * 1e3, cfg))
+            timings.append((per_weight_us(launcher(tg.launch_gemv, x, n, cfg)[0], datas, rep=20), cfg))
         timings.sort(key=lambda t: t[0])
         best_int8, cfg_int8 = next(t for t in timings if t[1]["INT8_DOTS"])
         best_fp, cfg_fp = next(t for t in timings if not t[1]["INT8_DOTS"])
