@@ -89,20 +89,20 @@ class MLAAttention(nn.Module):
         self._expanded_prefill(q_nope, q_pe, rows, cache, meta, out)
         return self.tp.all_reduce(self.o_proj(out.reshape(T, H * self.v_dim)))
 
-    def _attend_contexts(self, q: torch.Tensor, cache: torch.Tensor, group, meta, out: torch.Tensor) -> None:
+    def _attend_contexts(self, q: torch.Tensor, cache: torch.Tensor, group, meta, o: torch.Tensor) -> None:
         """A group of chunks (layers/attention/contexts.py): their contexts' rows gathered from the cache
         in one index_select, expanded by one kv_b_proj GEMM into K and V (padded to K's width), and
-        attended in one kernel call. Every row is read back from the cache, the chunk's own too."""
+        attended in one kernel call into the chunks' rows of o [T, H, qk]. Every row is read back from
+        the cache, the chunk's own too (with a bf16 or quantized cache, what decode will read)."""
         H, qk = self.num_heads, self.nope + self.rope
         ctx = cache.view(-1, cache.shape[-1]).index_select(0, group.slots)
         ctx = dequantize_rows(ctx, q.dtype) if is_quantized(cache.dtype) else ctx.to(q.dtype)
         kv = F.linear(ctx[:, : self.rank], self.kv_b_proj.weight).view(-1, H, self.nope + self.v_dim)
         k = torch.cat([kv[..., : self.nope], ctx[:, None, self.rank :].expand(-1, H, -1)], dim=-1)
         v = F.pad(kv[..., self.nope :], (0, qk - self.v_dim))
+        del kv, ctx  # K and V are what the kernel reads: hold no more than them
         blocks = (-1, meta.block_size, H, qk)
-        o = meta.backend.attend_contexts(q, k.view(blocks), v.view(blocks), group, meta, self.scale)
-        begin, end = group.rows
-        out[begin:end] = o[begin:end, :, : self.v_dim]
+        meta.backend.attend_contexts(q, k.view(blocks), v.view(blocks), group, meta, self.scale, o)
 
     def _head_matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, rank], W_UV [H, v, rank]): kv_b_proj's rows per head."""
@@ -124,8 +124,12 @@ class MLAAttention(nn.Module):
             return
         if meta.backend.attends_contexts(q_nope.dtype) and self.v_dim <= self.nope + self.rope:
             q = torch.cat([q_nope, q_pe], dim=-1)
-            for group in meta.backend.context_groups(meta):
-                self._attend_contexts(q, cache, group, meta, out)
+            o = torch.empty_like(q)  # every group writes its chunks' rows
+            groups = meta.backend.context_groups(meta)
+            for group in groups:
+                self._attend_contexts(q, cache, group, meta, o)
+            begin, end = groups[0].rows[0], groups[-1].rows[1]  # the chunks lie back to back (step_plan)
+            out[begin:end] = o[begin:end, :, : self.v_dim]
             return
         H = q_nope.shape[1]
         flat = cache.view(-1, cache.shape[-1])

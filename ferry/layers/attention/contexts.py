@@ -8,8 +8,10 @@ DeepSeek-V2-Lite prefill step). Here the chunks' context rows are gathered in on
 expanded by one GEMM, and attended in one call of a paged prefill kernel: each chunk's context
 (its cached prefix, then itself) is padded to whole blocks and given consecutive blocks of the
 layout, so `tables` are ranges and the kernels read the expanded K/V as they read a paged cache.
-Contexts are taken in groups of at most `max_rows` rows, so the expanded K/V of one call stay
-bounded (a chunk longer than that is a group of its own, as it was when each chunk went alone).
+Contexts are taken in groups, so the expanded K/V of one call stay within what the engine's memory
+profile saw or what one chunk alone needed before: at most the step's own rows (the profile runs a
+step of max_num_batched_tokens rows, whose one chunk expands that many) or the longest context of the
+step's chunks, whichever is more; a chunk longer than that is a group of its own.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import torch
 
 from ferry.layers.attention.metadata import AttentionMetadata
 
-# Context rows expanded at once: per layer ~2 x rows x heads x (qk width) values of K and V.
-# DeepSeek-V2-Lite (16 heads, 192 wide, bf16): 16k rows are ~200 MB of K and V.
-EXPANDED_GROUP_ROWS = 16384
+# Context rows expanded at once (per layer ~3 x rows x heads x (qk width) values of K, V and the
+# kv_b_proj output): None, the bound above; an int overrides it (the tests).
+EXPANDED_GROUP_ROWS: int | None = None
 
 
 @dataclass
@@ -67,9 +69,13 @@ def _group(meta: AttentionMetadata, first: int, end: int, device: torch.device) 
 
 def context_groups(meta: AttentionMetadata, device: torch.device, max_rows: int | None = None) -> list[ContextGroup]:
     """The step's prefill chunks in groups of consecutive chunks whose padded contexts fit `max_rows`
-    (default EXPANDED_GROUP_ROWS)."""
-    max_rows = EXPANDED_GROUP_ROWS if max_rows is None else max_rows
+    (default EXPANDED_GROUP_ROWS, else the module's bound: the step's rows or its longest context)."""
     bs = meta.block_size
+    if max_rows is None:
+        max_rows = EXPANDED_GROUP_ROWS
+    if max_rows is None:
+        longest = max((-(-p.context_len // bs) * bs for p in meta.prefills), default=0)
+        max_rows = max(meta.slot_mapping.numel(), longest)
     groups, first, rows = [], 0, 0
     for i, p in enumerate(meta.prefills):
         padded = -(-p.context_len // bs) * bs

@@ -259,15 +259,13 @@ class TorchAttentionBackend:
             state.context_groups = context_groups(meta, self.device)
         return state.context_groups
 
-    def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float, out) -> None:
         """The group's chunks' rows of q [T, H, D] attend causally over K/V [blocks, block_size, H, D] laid
-        out as `group` says (layers/attention/contexts.py), in one call of the C++ prefill kernel; the
-        other rows of the result are left unset."""
+        out as `group` says (layers/attention/contexts.py), in one call of the C++ prefill kernel, into
+        the same rows of out [T, H, D] (contiguous); its other rows are left as they are."""
         from ferry.kernels.cpu import cpu_kernels
 
-        out = torch.empty_like(q)
         cpu_kernels().paged_prefill_attention(q.contiguous(), k, v, group.tables, group.spans, scale, 0, out)
-        return out
 
     def store_latent(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """MLA's rows [T, W] (latent then rotary key) into the one-head cache at `slots`."""

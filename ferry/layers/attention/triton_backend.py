@@ -91,16 +91,14 @@ class TritonAttentionBackend:
             state.context_groups = context_groups(meta, self.device)
         return state.context_groups
 
-    def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float, out) -> None:
         """The group's chunks' rows of q [T, H, D] attend causally over K/V [blocks, block_size, H, D] laid
         out as `group` says, in one launch of the varlen prefill kernel (the layout's blocks as its
-        tables); the other rows of the result are left unset."""
-        out = torch.empty_like(q)
+        tables), into the same rows of out [T, H, D]; its other rows are left as they are."""
         first, n = group.first, group.tables.shape[0]
         self.kernels.paged_prefill(q, k, v, group.tables, meta.prefill_query_start_loc[first : first + n + 1],
                                    meta.prefill_seq_lens[first : first + n], group.max_query_len, scale,
                                    out)  # fmt: skip
-        return out
 
     def view(self, meta: AttentionMetadata, window: int | None = None) -> WindowView:
         """The prefill chunks' contexts for MLA's expanded prefill (built once per step)."""
