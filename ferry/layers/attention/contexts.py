@@ -86,3 +86,11 @@ def context_groups(meta: AttentionMetadata, device: torch.device, max_rows: int 
     if meta.prefills:
         groups.append(_group(meta, first, len(meta.prefills), device))
     return groups
+
+
+def step_context_groups(meta: AttentionMetadata, device: torch.device) -> list[ContextGroup]:
+    """context_groups, built once per step: kept in the backend's per-step state (`meta.state`, whose
+    `context_groups` field starts as None) for the model's other layers."""
+    if meta.state.context_groups is None:
+        meta.state.context_groups = context_groups(meta, device)
+    return meta.state.context_groups

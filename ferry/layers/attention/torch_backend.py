@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
-from ferry.layers.attention.contexts import ContextGroup, context_groups
+from ferry.layers.attention.contexts import ContextGroup, step_context_groups
 from ferry.layers.attention.metadata import AttentionMetadata, padded_table
 
 
@@ -254,10 +254,7 @@ class TorchAttentionBackend:
 
     def context_groups(self, meta: AttentionMetadata) -> list[ContextGroup]:
         """The prefill chunks' contexts laid out for `attend_contexts` (built once per step)."""
-        state: TorchState = meta.state
-        if state.context_groups is None:
-            state.context_groups = context_groups(meta, self.device)
-        return state.context_groups
+        return step_context_groups(meta, self.device)
 
     def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float, out) -> None:
         """The group's chunks' rows of q [T, H, D] attend causally over K/V [blocks, block_size, H, D] laid
