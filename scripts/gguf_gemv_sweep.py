@@ -64,7 +64,7 @@ def k_quant_timings(peak_bandwidth: float) -> None:
     print(f"{'type':5s} {'shape':8s} {'floor us':>8s} {'gemv us':>8s} {'4 rows us':>9s}  rel. errors (1 row, 4 rows)")
     for qtype, name in ((tg.Q4_K, "Q4_K"), (tg.Q5_K, "Q5_K"), (tg.Q6_K, "Q6_K")):
         for shape, (n, k) in SHAPES.items():
-            datas = copies(lambda: random_k_quant(qtype, n, k), random_k_quant(qtype, n, k).numel())  # noqa: B023
+            datas = copies(lambda: random_k_quant(qtype, n, k), n * k // 256 * tg.K_QUANTS[qtype])  # noqa: B023
             data = datas[0]
             floor = data.numel() / peak_bandwidth * 1e6
             ref_w = tg.dequantize(data, qtype, k, torch.float32)
@@ -99,7 +99,7 @@ def main() -> None:
     print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'tiles us':>8s} {'default':>8s} {'int8 best':>9s}"
           f" {'fp best':>8s}  best tiles of each; rel. errors: integer dots, floats")  # fmt: skip
     for name, (n, k) in SHAPES.items():
-        datas = copies(lambda: random_q4_0(n, k), random_q4_0(n, k).numel())  # noqa: B023
+        datas = copies(lambda: random_q4_0(n, k), n * tg.block32_row_bytes(k, tg.Q4_0))  # noqa: B023
         data = datas[0]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w_bf16 = copies(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16), n * k * 2)  # noqa: B023

@@ -33,6 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ferry.distributed.parallel_state import TensorParallel
 from ferry.kv_quant import dequantize_rows, is_quantized
 from ferry.layers.attention import AttentionMetadata
+from ferry.layers.attention.contexts import step_context_groups
 from ferry.layers.linear import Linear
 from ferry.layers.norm import RMSNorm
 from ferry.layers.rotary import RotaryEmbedding, attention_scale
@@ -125,7 +126,7 @@ class MLAAttention(nn.Module):
         if meta.backend.attends_contexts(q_nope.dtype) and self.v_dim <= self.nope + self.rope:
             q = torch.cat([q_nope, q_pe], dim=-1)
             o = torch.empty_like(q)  # every group writes its chunks' rows
-            groups = meta.backend.context_groups(meta)
+            groups = step_context_groups(meta, q.device)
             for group in groups:
                 self._attend_contexts(q, cache, group, meta, o)
             begin, end = groups[0].rows[0], groups[-1].rows[1]  # the chunks lie back to back (step_plan)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ferry.layers.attention.metadata import AttentionMetadata
+from ferry.layers.attention.metadata import AttentionMetadata, PrefillHost, padded_table
 
 # Context rows expanded at once (per layer ~3 x rows x heads x (qk width) values of K, V and the
 # kv_b_proj output): None, the bound above; an int overrides it (the tests).
@@ -40,28 +40,28 @@ class ContextGroup:
     rows: tuple[int, int]  # the flat batch's rows the group's chunks cover: [begin, end)
 
 
+def _padded_rows(p: PrefillHost, block_size: int) -> int:
+    """The rows chunk p's context takes in the layout: whole blocks."""
+    return -(-p.context_len // block_size) * block_size
+
+
 def _group(meta: AttentionMetadata, first: int, end: int, device: torch.device) -> ContextGroup:
     bs = meta.block_size
-    slots, tables, spans, taken = [], [], [], 0
-    for p in meta.prefills[first:end]:
-        blocks = -(-p.context_len // bs)
-        pos = np.arange(blocks * bs)
+    chunks = meta.prefills[first:end]
+    slots, tables, taken = [], [], 0
+    for p in chunks:
+        pos = np.arange(_padded_rows(p, bs))
         chunk_slots = p.block_ids[pos // bs] * bs + pos % bs
         # Rows past the context repeat its first one: real values the kernels mask, never stale ones.
         chunk_slots[p.context_len :] = chunk_slots[0]
         slots.append(chunk_slots)
-        tables.append(np.arange(taken, taken + blocks, dtype=np.int64))
-        spans.append((p.start, p.length, p.context_len))
-        taken += blocks
-    table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = t
-    chunks = meta.prefills[first:end]
+        tables.append(np.arange(taken, taken + len(pos) // bs, dtype=np.int64))
+        taken += len(pos) // bs
     return ContextGroup(
         first=first,
         slots=torch.from_numpy(np.concatenate(slots).astype(np.int64)).to(device, non_blocking=True),
-        tables=torch.from_numpy(table).to(device, non_blocking=True),
-        spans=torch.tensor(spans, dtype=torch.int64),
+        tables=torch.from_numpy(padded_table(tables)).to(device, non_blocking=True),
+        spans=torch.tensor([(p.start, p.length, p.context_len) for p in chunks], dtype=torch.int64),
         max_query_len=max(p.length for p in chunks),
         rows=(chunks[0].start, chunks[-1].start + chunks[-1].length),
     )
@@ -74,11 +74,11 @@ def context_groups(meta: AttentionMetadata, device: torch.device, max_rows: int 
     if max_rows is None:
         max_rows = EXPANDED_GROUP_ROWS
     if max_rows is None:
-        longest = max((-(-p.context_len // bs) * bs for p in meta.prefills), default=0)
+        longest = max((_padded_rows(p, bs) for p in meta.prefills), default=0)
         max_rows = max(meta.slot_mapping.numel(), longest)
     groups, first, rows = [], 0, 0
     for i, p in enumerate(meta.prefills):
-        padded = -(-p.context_len // bs) * bs
+        padded = _padded_rows(p, bs)
         if i > first and rows + padded > max_rows:
             groups.append(_group(meta, first, i, device))
             first, rows = i, 0

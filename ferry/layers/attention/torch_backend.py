@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
-from ferry.layers.attention.contexts import ContextGroup, step_context_groups
+from ferry.layers.attention.contexts import ContextGroup
 from ferry.layers.attention.metadata import AttentionMetadata, padded_table
 
 
@@ -251,10 +251,6 @@ class TorchAttentionBackend:
     def attends_contexts(self, dtype: torch.dtype) -> bool:
         """Whether `attend_contexts` takes queries of `dtype`: the C++ prefill kernel's fp32 on the CPU."""
         return dtype == torch.float32 and cpu_decode_kernel_usable(self.device, dtype)
-
-    def context_groups(self, meta: AttentionMetadata) -> list[ContextGroup]:
-        """The prefill chunks' contexts laid out for `attend_contexts` (built once per step)."""
-        return step_context_groups(meta, self.device)
 
     def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float, out) -> None:
         """The group's chunks' rows of q [T, H, D] attend causally over K/V [blocks, block_size, H, D] laid

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.layers.attention.contexts import ContextGroup, step_context_groups
+from ferry.layers.attention.contexts import ContextGroup
 from ferry.layers.attention.metadata import AttentionMetadata
 from ferry.layers.attention.torch_backend import WindowView, prefill_chunks
 
@@ -83,10 +83,6 @@ class TritonAttentionBackend:
 
     def attends_contexts(self, dtype: torch.dtype) -> bool:
         return True
-
-    def context_groups(self, meta: AttentionMetadata) -> list[ContextGroup]:
-        """The prefill chunks' contexts laid out for `attend_contexts` (built once per step)."""
-        return step_context_groups(meta, self.device)
 
     def attend_contexts(self, q, k, v, group: ContextGroup, meta: AttentionMetadata, scale: float, out) -> None:
         """The group's chunks' rows of q [T, H, D] attend causally over K/V [blocks, block_size, H, D] laid
