@@ -46,7 +46,8 @@ void quantize_q8_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dy
 int64_t gguf_row_bytes(int64_t qtype, int64_t K);
 // gguf_prompt_cpu.cpp
 void gguf_matmul_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
-                      int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy);
+                      int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, const uint8_t* then,
+                      int64_t then_bytes);
 }  // namespace ferry_cpu
 
 // paged_decode_attention_cpu.cpp
@@ -96,19 +97,48 @@ struct Q8Activations {
   }
 };
 
+// The weight bytes thread `tid` of `threads` reads first when run_linear runs `L` (its first run of
+// rows, within one part), as at::parallel_for(0, groups of 8, 2) hands them out: where the linear
+// before it keeps prefetching once its own rows are read, so every run of weight bytes in the step
+// starts warm (WeightStream, gguf_kernels.h).
+std::pair<const uint8_t*, int64_t> first_rows(const QuantLinear& L, int64_t tid, int64_t threads) {
+  const int64_t groups = (L.out + 7) / 8, used = std::min<int64_t>(threads, (groups + 1) / 2);
+  const int64_t chunk = (groups + used - 1) / used;
+  const int64_t r0 = tid * chunk * 8, r1 = std::min(L.out, (tid + 1) * chunk * 8);
+  int64_t offset = 0;
+  for (size_t p = 0; p < L.parts.size() && r0 < r1; ++p) {
+    if (r0 < offset + L.rows[p]) {
+      const auto& data = std::get<0>(L.parts[p]);
+      return {data.data_ptr<uint8_t>() + (r0 - offset) * data.size(1), (std::min(r1, offset + L.rows[p]) - r0) * data.size(1)};
+    }
+    offset += L.rows[p];
+  }
+  return {nullptr, 0};
+}
+
 // y [M, L.out] = x [M, L.in] @ W.T (+ bias): one fork over all output rows of all parts, split at
-// multiples of 8 rows (gguf_matmul_rows' interleaved groups).
-void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Activations& act) {
+// multiples of 8 rows (gguf_matmul_rows' interleaved groups). `next`: the linear the step runs after
+// this one (its first bytes prefetched as this one's end), or none.
+void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Activations& act,
+                const QuantLinear* next = nullptr) {
   act.quantize(x, M, L.in);
+  const int64_t threads = at::get_num_threads();
   at::parallel_for(0, (L.out + 7) / 8, 2, [&](int64_t t0, int64_t t1) {
+    const auto [then, then_bytes] = next ? first_rows(*next, at::get_thread_num(), threads)
+                                         : std::pair<const uint8_t*, int64_t>{nullptr, 0};
     const int64_t n0 = t0 * 8, n1 = std::min(L.out, t1 * 8);
     int64_t offset = 0;
     for (size_t p = 0; p < L.parts.size(); ++p) {
       const int64_t lo = std::max(n0, offset), hi = std::min(n1, offset + L.rows[p]);
       if (lo < hi) {
         const auto& [data, qtype] = L.parts[p];
+        // What this thread reads after these rows: the next part's first rows, or the next linear's.
+        const bool more = hi < n1;
+        const auto& following = std::get<0>(L.parts[more ? p + 1 : p]);
         ferry_cpu::gguf_matmul_rows(act.q.data(), act.dy.data(), act.sy.data(), M, L.in, data.data_ptr<uint8_t>(),
-                                    L.rows[p], qtype, lo - offset, hi - offset, y + offset, L.out);
+                                    L.rows[p], qtype, lo - offset, hi - offset, y + offset, L.out,
+                                    more ? following.data_ptr<uint8_t>() : then,
+                                    more ? (std::min(n1, hi + L.rows[p + 1]) - hi) * following.size(1) : then_bytes);
       }
       offset += L.rows[p];
     }
@@ -416,7 +446,7 @@ class DecodeStep {
       } else {
         ferry_cpu::add_rms_norm_rows(mp, rp, layer.input_norm.data_ptr<float>(), hp, B, hidden_, eps_);
       }
-      run_linear(layer.qkv, hp, B, qkvp, qa);
+      run_linear(layer.qkv, hp, B, qkvp, qa, &layer.o);
       if (layer.q_norm) {
         for (int64_t b = 0; b < B; ++b) {
           float* t = qkvp + b * stride;
@@ -438,15 +468,15 @@ class DecodeStep {
       auto attn = view < 0 ? paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt)
                            : paged_decode_attention(q, kc, vc, view_tables[view], view_lens[view], scale_,
                                                     c10::nullopt, view_skips[view]);
-      run_linear(layer.o, attn.data_ptr<float>(), B, op, qa);
+      run_linear(layer.o, attn.data_ptr<float>(), B, op, qa, layer.moe ? nullptr : &layer.gate_up);
       ferry_cpu::add_rms_norm_rows(op, rp, layer.post_norm.data_ptr<float>(), hp, B, hidden_, eps_);
       if (layer.moe) {
         mlp.copy_(sparse_mlp(*layer.moe, h, qa));
         continue;
       }
-      run_linear(layer.gate_up, hp, B, gp, qa);
+      run_linear(layer.gate_up, hp, B, gp, qa, &layer.down);
       ferry_cpu::silu_and_mul_rows(gp, ap, B, inter_);
-      run_linear(layer.down, ap, B, mp, qa);
+      run_linear(layer.down, ap, B, mp, qa, l + 1 < L ? &layers_[l + 1].qkv : nullptr);
     }
     auto out = at::empty({B, hidden_}, opts);
     ferry_cpu::add_rms_norm_rows(mp, rp, final_norm_.data_ptr<float>(), out.data_ptr<float>(), B, hidden_, eps_);

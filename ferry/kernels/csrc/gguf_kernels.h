@@ -76,6 +76,9 @@ enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K 
 constexpr int64_t kInterleaved = 256;
 constexpr int64_t Q4_0X8 = kInterleaved + Q4_0, Q4_1X8 = kInterleaved + Q4_1, Q8_0X8 = kInterleaved + Q8_0;
 constexpr int64_t kGroup = 8;  // rows per interleaved group
+// Bytes of an interleaved group per 32-value block (quants, scales and mins of its 8 rows).
+template <int T>
+constexpr int64_t kGroupBlockBytes = kGroup * (T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34);
 
 inline bool is_x8(int64_t t) { return t == Q4_0X8 || t == Q4_1X8 || t == Q8_0X8; }
 inline int64_t base_type(int64_t t) { return is_x8(t) ? t - kInterleaved : t; }
@@ -274,6 +277,41 @@ const uint8_t* plain_row(const uint8_t* w, int64_t N, int64_t t, int64_t row_byt
   gather_row(w + n / kGroup * kGroup * row_bytes, K / 32, base_type(t), int(n % kGroup), scratch);
   return scratch;
 }
+
+// A thread's weight bytes prefetched a few cache lines per block of arithmetic, kStreamAhead bytes
+// ahead of the block being read, and on into the start of its rows of the weight the step reads
+// next. A decode step streams ~120 short runs of weight bytes per thread (SmolLM2: 100-550 KB each),
+// a group of 8 rows (2-8 KB) at a time; prefetching each group's lines in one burst as it began
+// (prefetch_ahead) left the batch-1 matmuls at ~10 GB/s on a host whose plain sum over the same
+// tensors reads 21-24 GB/s: the burst overflows the core's miss buffers, then nothing is in flight
+// while the group is computed, and every run starts cold. Spread over the blocks, kept ahead across
+// groups and across calls, the same matmuls read at ~19-24 GB/s (BENCHMARKS.md, issue 15,
+// 2026-11-27). 4 and 8 KB ahead measured alike; 1-2 KB were too short to cover the latency.
+constexpr int64_t kStreamAhead = 6144;
+struct WeightStream {
+  const uint8_t* at = nullptr;    // the next bytes to prefetch, kStreamAhead ahead of the reads
+  const uint8_t* stop = nullptr;  // the end of the run `at` is in
+  const uint8_t* then = nullptr;  // the run after it (its first kStreamAhead bytes), or none
+  int64_t then_bytes = 0;
+  WeightStream() = default;
+  // The thread reads [from, from + bytes), then [next, next + next_bytes).
+  WeightStream(const uint8_t* from, int64_t bytes, const uint8_t* next, int64_t next_bytes)
+      : at(from), stop(from + bytes), then(next), then_bytes(next_bytes) {
+    for (int64_t i = 0; i < kStreamAhead / 64; ++i) ahead<64>();
+  }
+  // The kernel moves on by BYTES (a group's block): the lines BYTES further on are prefetched. Called
+  // from the kernels' inner loops on a local copy (registers): a compare, an add and a few prefetches.
+  template <int64_t BYTES>
+  void ahead() {
+    if (at >= stop) {
+      if (!then) return;
+      at = then, stop = then + std::min(then_bytes, kStreamAhead), then = nullptr;
+    }
+#pragma GCC unroll 8
+    for (int64_t o = 0; o < BYTES; o += 64) __builtin_prefetch(at + o, 0, 3);
+    at += BYTES;
+  }
+};
 
 // Activations [M, K] -> int8 [M, K], dy [M, K/32], sy [M, K/32] (sy = dy * sum of the block's q).
 void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* q, float* dy, float* sy) {
@@ -477,7 +515,7 @@ constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 // request share the pass; each row's arithmetic is the same whatever R.
 template <int T, int R>
 void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-                    const float* const* sy, float* out) {
+                    const float* const* sy, float* out, WeightStream* stream) {
   constexpr int64_t kBlock = kGroup * (T == Q8_0 ? 32 : 16);  // a block's quant bytes, 8 rows
   const uint8_t* scales = group + nb * kBlock;
   const uint8_t* mns = scales + nb * 16;
@@ -490,7 +528,9 @@ void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, co
   __m256 accm[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  WeightStream ws = stream ? *stream : WeightStream();
   for (int64_t b = 0; b < nb; ++b) {
+    if (stream) ws.ahead<kGroupBlockBytes<T>>();
     const uint8_t* q = group + b * kBlock;
     __m512i v[4];
     if constexpr (T == Q8_0) {
@@ -522,6 +562,7 @@ void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, co
       accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
     }
   }
+  if (stream) *stream = ws;
   const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1);
   for (int r = 0; r < R; ++r) {
@@ -536,13 +577,15 @@ void dot_group_vnni(const uint8_t* group, int64_t nb, const int8_t* const* y, co
 // out[r * 8 + i] = dot of activation row r with weight row i.
 template <int T, int R>
 void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-                  const float* const* sy, float* out) {
+                  const float* const* sy, float* out, WeightStream* stream) {
   const uint8_t* scales = group + nb * 128;
   const uint8_t* mns = scales + nb * 16;
   const __m256i mask = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
   __m256 acc[R], accm[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), accm[r] = _mm256_setzero_ps();
+  WeightStream ws = stream ? *stream : WeightStream();
   for (int64_t b = 0; b < nb; ++b) {
+    if (stream) ws.ahead<kGroupBlockBytes<T>>();
     const uint8_t* q = group + b * 128;
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
@@ -567,6 +610,7 @@ void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
       accm[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sy[r][b]), accm[r]);
     }
   }
+  if (stream) *stream = ws;
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kGroup, _mm256_add_ps(acc[r], accm[r]));
 }
 
@@ -575,12 +619,14 @@ void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
 // take the sign trick of the plain Q8_0 rows: |w| against y with w's sign, no offset term.
 template <int R>
 void dot_group_q8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-                  const float* const*, float* out) {
+                  const float* const*, float* out, WeightStream* stream) {
   const uint8_t* scales = group + nb * 256;
   const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  WeightStream ws = stream ? *stream : WeightStream();
   for (int64_t b = 0; b < nb; ++b) {
+    if (stream) ws.ahead<kGroupBlockBytes<Q8_0>>();
     const uint8_t* q = group + b * 256;
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
@@ -599,6 +645,7 @@ void dot_group_q8(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
     for (int r = 0; r < R; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(dy[r][b])), acc[r]);
   }
+  if (stream) *stream = ws;
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kGroup, acc[r]);
 }
 #endif
@@ -618,7 +665,8 @@ void dot_q32(int R, const uint8_t* w, int64_t nb, const int8_t* const* y, const 
 // Portable: each row of the group gathered back and taken by the plain kernel.
 template <int T, int R>
 void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-                  const float* const* sy, float* out) {
+                  const float* const* sy, float* out, WeightStream* stream) {
+  for (int64_t b = 0; stream && b < nb; ++b) stream->ahead<kGroupBlockBytes<T>>();
   std::vector<uint8_t> row(nb * layout_of(T).bytes);
   for (int i = 0; i < kGroup; ++i) {
     gather_row(group, nb, T, i, row.data());
@@ -630,12 +678,12 @@ void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
 #else
 template <int T, int R>
 void dot_group_x8(const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-                  const float* const* sy, float* out) {
+                  const float* const* sy, float* out, WeightStream* stream) {
 #ifdef FERRY_AVX512_VNNI
-  dot_group_vnni<T, R>(group, nb, y, dy, sy, out);
+  dot_group_vnni<T, R>(group, nb, y, dy, sy, out, stream);
 #else
-  if constexpr (T == Q8_0) dot_group_q8<R>(group, nb, y, dy, sy, out);
-  else dot_group_q4<T, R>(group, nb, y, dy, sy, out);
+  if constexpr (T == Q8_0) dot_group_q8<R>(group, nb, y, dy, sy, out, stream);
+  else dot_group_q4<T, R>(group, nb, y, dy, sy, out, stream);
 #endif
 }
 #endif
@@ -648,9 +696,10 @@ constexpr int kGroupRows = 4;
 #endif
 
 // Software prefetch of [at, at + bytes) shifted kPrefetchAhead bytes ahead, up to `end` (the end of
-// the calling thread's rows): the hardware prefetcher restarts on every one of a step's ~120 short
-// weight streams and alone left the batch-1 matmuls at ~14 GB/s; with it, ~20 GB/s (a standalone
-// pass over SmolLM2's shapes, 6.9 -> 4.5-5.0 ms).
+// the calling thread's rows), in one burst: a prompt tile's groups (compute-bound: each group is read
+// for 32 rows) and plain rows. Decode rows of interleaved groups take WeightStream instead (above):
+// the hardware prefetcher restarts on every one of a step's ~120 short weight streams and alone left
+// the batch-1 matmuls at ~14 GB/s; this burst per group took them to ~10-20 GB/s, WeightStream to 19-24.
 constexpr int64_t kPrefetchAhead = 2048;  // bytes; 1, 2 and 4 KB measured alike
 inline void prefetch_ahead(const uint8_t* at, int64_t bytes, const uint8_t* end) {
 #ifdef FERRY_AVX2
@@ -663,21 +712,22 @@ inline void prefetch_ahead(const uint8_t* at, int64_t bytes, const uint8_t* end)
 // gguf_prompt_cpu.cpp's tiles, kPromptRowBlock rows a block; decode rows stay one block.
 constexpr int64_t kPromptRowBlock = 32;
 
-// R (<= kGroupRows) activation rows against one interleaved group of 8 weight rows.
+// R (<= kGroupRows) activation rows against one interleaved group of 8 weight rows; `stream`, when
+// given, advanced block by block over the group's bytes.
 template <int T>
 void dot_group(int R, const uint8_t* group, int64_t nb, const int8_t* const* y, const float* const* dy,
-               const float* const* sy, float* out) {
+               const float* const* sy, float* out, WeightStream* stream = nullptr) {
   switch (R) {
 #ifdef FERRY_AVX512_VNNI
-    case 8: dot_group_x8<T, 8>(group, nb, y, dy, sy, out); break;
-    case 7: dot_group_x8<T, 7>(group, nb, y, dy, sy, out); break;
-    case 6: dot_group_x8<T, 6>(group, nb, y, dy, sy, out); break;
-    case 5: dot_group_x8<T, 5>(group, nb, y, dy, sy, out); break;
+    case 8: dot_group_x8<T, 8>(group, nb, y, dy, sy, out, stream); break;
+    case 7: dot_group_x8<T, 7>(group, nb, y, dy, sy, out, stream); break;
+    case 6: dot_group_x8<T, 6>(group, nb, y, dy, sy, out, stream); break;
+    case 5: dot_group_x8<T, 5>(group, nb, y, dy, sy, out, stream); break;
 #endif
-    case 4: dot_group_x8<T, 4>(group, nb, y, dy, sy, out); break;
-    case 3: dot_group_x8<T, 3>(group, nb, y, dy, sy, out); break;
-    case 2: dot_group_x8<T, 2>(group, nb, y, dy, sy, out); break;
-    default: dot_group_x8<T, 1>(group, nb, y, dy, sy, out);
+    case 4: dot_group_x8<T, 4>(group, nb, y, dy, sy, out, stream); break;
+    case 3: dot_group_x8<T, 3>(group, nb, y, dy, sy, out, stream); break;
+    case 2: dot_group_x8<T, 2>(group, nb, y, dy, sy, out, stream); break;
+    default: dot_group_x8<T, 1>(group, nb, y, dy, sy, out, stream);
   }
 }
 

@@ -56,7 +56,8 @@ namespace ferry_cpu {
 
 // gguf_quant_cpu.cpp
 void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
-                   int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy);
+                   int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, const uint8_t* then,
+                   int64_t then_bytes);
 
 // Output rows [n0, n1) of y = x @ dequant(w).T for M activation rows quantized by quantize_q8_rows,
 // as gguf_dot_rows computes them (the same per-row bits: a row is always computed with its whole
@@ -64,8 +65,11 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
 // other row through gguf_dot_rows. The branch lives here, not in gguf_dot_rows: a call added to
 // that loop cost batch-1 decode ~25% (weights streamed from memory, both builds in one process),
 // through register allocation and layout alone, since decode rows never took the branch.
+// [then, then + then_bytes): where the calling thread reads next (its rows of the step's next weight),
+// prefetched as these rows end (WeightStream); none: nullptr.
 void gguf_matmul_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
-                      int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+                      int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, const uint8_t* then,
+                      int64_t then_bytes) {
   const int64_t grouped = is_x8(qtype) ? N / kGroup * kGroup : 0;
   if (M > kPromptRowBlock && n0 < grouped) {
     const Layout L = layout_of(qtype);
@@ -75,7 +79,7 @@ void gguf_matmul_rows(const int8_t* qx, const float* dy, const float* sy, int64_
     else dot_groups_tiled<Q4_0>(qx, dy, sy, M, K, w, n0, end, y, ldy, row_bytes);
     n0 = end;
   }
-  if (n0 < n1) gguf_dot_rows(qx, dy, sy, M, K, w, N, qtype, n0, n1, y, ldy);
+  if (n0 < n1) gguf_dot_rows(qx, dy, sy, M, K, w, N, qtype, n0, n1, y, ldy, then, then_bytes);
 }
 
 }  // namespace ferry_cpu

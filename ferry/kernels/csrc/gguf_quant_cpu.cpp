@@ -18,7 +18,8 @@ namespace ferry_cpu {
 
 // gguf_prompt_cpu.cpp
 void gguf_matmul_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
-                      int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy);
+                      int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                      const uint8_t* then = nullptr, int64_t then_bytes = 0);
 
 void quantize_q8_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* dy, float* sy) {
   quantize_q8(x, M, K, q, dy, sy);
@@ -34,7 +35,8 @@ int64_t gguf_row_bytes(int64_t qtype, int64_t K) {
 // thread; a row of an interleaved group is always computed with its whole group, so its result does
 // not depend on how rows are split between threads (callers split at multiples of 8 to waste none).
 void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M, int64_t K, const uint8_t* w,
-                   int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+                   int64_t N, int64_t qtype, int64_t n0, int64_t n1, float* y, int64_t ldy, const uint8_t* then,
+                   int64_t then_bytes) {
   const int64_t row_bytes = gguf_row_bytes(qtype, K), nb = K / 32;
   const int64_t t = base_type(qtype);
   const bool kquant = layout_of(t).block == 256;
@@ -44,8 +46,9 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
   std::vector<float> sc16(kquant ? K / 16 : 0), mn32(kquant ? K / 32 : 0);
 #endif
   const uint8_t* end = w + std::min(N, (n1 + kGroup - 1) / kGroup * kGroup) * row_bytes;
-  // prefetch_ahead's loop (gguf_kernels.h), written out: calling the helper here changed this
-  // function's register allocation, and a change that small once cost its 1-row pass 25%.
+  // Plain rows (K-quants; a weight's rows past its last group of 8): prefetch_ahead's loop
+  // (gguf_kernels.h), written out: calling the helper here changed this function's register
+  // allocation, and a change that small once cost its 1-row pass 25%.
   auto prefetch = [&](const uint8_t* at, int64_t bytes) {
 #ifdef FERRY_AVX2
     for (const uint8_t* p = at + kPrefetchAhead; p < std::min(at + kPrefetchAhead + bytes, end); p += 64)
@@ -58,17 +61,20 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
     for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;
   };
   int64_t n = n0;
+  // The groups' bytes are one run, prefetched as the first pass of activation rows reads them.
+  const uint8_t* groups = w + n0 / kGroup * kGroup * row_bytes;
+  WeightStream stream(groups, std::max<int64_t>(0, std::min(end, w + grouped * row_bytes) - groups), then, then_bytes);
   while (n < n1 && n < grouped) {  // interleaved groups of 8 rows
     const int64_t g0 = n / kGroup * kGroup;
     const uint8_t* group = w + g0 * row_bytes;
-    prefetch(group, kGroup * row_bytes);
     for (int64_t m = 0; m < M; m += kGroupRows) {
       const int R = int(std::min<int64_t>(kGroupRows, M - m));
       activations(m, R);
       float out[kGroupRows * kGroup];
-      if (qtype == Q4_1X8) dot_group<Q4_1>(R, group, nb, yr, dr, sr, out);
-      else if (qtype == Q8_0X8) dot_group<Q8_0>(R, group, nb, yr, dr, sr, out);
-      else dot_group<Q4_0>(R, group, nb, yr, dr, sr, out);
+      WeightStream* ws = m == 0 ? &stream : nullptr;
+      if (qtype == Q4_1X8) dot_group<Q4_1>(R, group, nb, yr, dr, sr, out, ws);
+      else if (qtype == Q8_0X8) dot_group<Q8_0>(R, group, nb, yr, dr, sr, out, ws);
+      else dot_group<Q4_0>(R, group, nb, yr, dr, sr, out, ws);
       for (int64_t i = std::max(n, g0); i < std::min(n1, g0 + kGroup); ++i)
         for (int r = 0; r < R; ++r) y[(m + r) * ldy + i] = out[r * kGroup + (i - g0)];
     }
