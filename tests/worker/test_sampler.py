@@ -5,7 +5,7 @@ import torch
 
 from ferry.core.request import Request
 from ferry.sampling_params import SamplingParams
-from ferry.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from ferry.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p, argmax_rows
 
 NEG = float("-inf")
 
@@ -15,6 +15,26 @@ def make_req(params, prompt=(1, 2), output=()):
     for t in output:
         r.append_token(t)
     return r
+
+
+def test_argmax_rows_matches_torch_on_ties_nan_and_inf():
+    """The CPU float32 path (numpy) picks what torch.argmax picks: the first of equal maxima, a NaN
+    over everything, a row of -inf's first index; other dtypes take torch's own."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor(
+        [
+            [1.0, nan, 3.0, nan],
+            [NEG, NEG, NEG, NEG],
+            [2.0, 5.0, 5.0, 1.0],
+            [inf, 1.0, inf, nan],
+            [0.5, -1.0, 0.25, 0.75],
+        ]
+    )
+    wide = torch.randn(16, 49152)
+    for x in (rows, wide, wide[:, ::2], rows.to(torch.bfloat16)):
+        got = argmax_rows(x)
+        assert got.dtype == torch.int64
+        assert got.tolist() == x.argmax(dim=-1).tolist()
 
 
 def test_top_k_masks_all_but_k():
