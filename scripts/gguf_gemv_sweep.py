@@ -15,6 +15,7 @@ import itertools
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench_cudagraph
 
 from ferry.kernels import triton_gguf as tg
@@ -24,6 +25,21 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 # qkv, o and down so), which a model's layers never see, each reading its own weight from HBM. Every
 # timing here cycles through distinct copies of the weight, at least this many bytes of them.
 ROTATE_BYTES = 256 << 20
+
+
+# The tilings timed per shape. Floats: the two sweeps before (2026-11-26/27) ranged 16-32 rows x 8-16 blocks
+# and found 33-45% of peak at best, each program reading 2-4 KB per loop step; bytes in flight per SM look
+# like what bounds a GEMV that reads each byte once, so this one also tries 8 rows and 32-64 blocks (up to
+# 16 KB a step) and deeper pipelines. The integer dots: their best tiles of 2026-11-27 and a neighbour.
+# 80 tilings (each compiled once, ~1-2 s): the step's time limit is what bounds their number.
+TILINGS = (
+    [
+        (False, bn, blocks, warps, stages, split)
+        for bn, blocks, warps, stages, split in itertools.product([8, 16, 32], [16, 32, 64], [4, 8], [1, 3], [1, 2])
+    ]
+    + [(False, 16, 8, 8, stages, split) for stages in (1, 3) for split in (1, 2)]  # the default's neighbourhood
+    + [(True, 32, 16, 4, stages, split) for stages in (1, 3) for split in (1, 4)]
+)
 
 
 def copies(make, nbytes: int) -> list[torch.Tensor]:
@@ -117,13 +133,14 @@ def main() -> None:
             errors.append(((y.float() - ref).norm() / ref.norm()).item())
         timings = []
         nb = k // 32
-        for int8_dots, bn, blocks, warps, stages, split in itertools.product(
-            [True, False], [16, 32], [8, 16], [4, 8], [1, 3], [1, 2, 4]
-        ):
+        for int8_dots, bn, blocks, warps, stages, split in TILINGS:
             per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
                    "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots}  # fmt: skip
-            timings.append((per_weight_us(launcher(tg.launch_gemv, x, n, cfg)[0], datas, rep=20), cfg))
+            try:
+                timings.append((per_weight_us(launcher(tg.launch_gemv, x, n, cfg)[0], datas, rep=20), cfg))
+            except OutOfResources as e:  # a tiling too large for the SM: skipped, said
+                print(f"{'':8s} {_tiles(cfg)}: {type(e).__name__}", flush=True)
         timings.sort(key=lambda t: t[0])
         best_int8, cfg_int8 = next(t for t in timings if t[1]["INT8_DOTS"])
         best_fp, cfg_fp = next(t for t in timings if not t[1]["INT8_DOTS"])

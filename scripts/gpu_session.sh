@@ -19,10 +19,10 @@ case ${1:-} in tests | bench | lease) ;; *)
   ;;
 esac
 # The steps one 15-minute lease should run first (2026-11-27: the changes made after the fourth lease:
-# MLA's prefill chunks together, the float GEMV the batch-1 default again). Two calls: the first ~570 s,
-# the second what is left on the warm machine.
-LEASE_ORDER="gpu-tests kernel-tests mla-vs-gqa throughput-deepseek-v2-lite profile-deepseek-v2-lite latency-int4
-  moe-sweep throughput-qwen3-moe moe-vs-dense latency latency-int8 gguf-sweep throughput-llama profile-llama"
+# the float GEMV the batch-1 default again and a wider GEMV sweep, for issue 15's int4 target; MLA's
+# prefill chunks together). Two calls: the first ~570 s, the second what is left on the warm machine.
+LEASE_ORDER="gpu-tests kernel-tests latency-int4 gguf-sweep mla-vs-gqa throughput-deepseek-v2-lite
+  profile-deepseek-v2-lite moe-sweep throughput-qwen3-moe moe-vs-dense latency latency-int8 throughput-llama profile-llama"
 [[ $1 == lease && -z ${FERRY_GPU_DEADLINE:-} ]] && FERRY_GPU_DEADLINE=$(($(date +%s) + 570))
 GROUP=$1
 ASKED="${*:2}"
@@ -90,7 +90,7 @@ step latency-eager 150 bash -c "ferry bench latency --model llama-3.1-8b --load-
 step latency-int4 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization gguf \
   --batch-sizes 1 16 64 --json $LOGS/latency-int4.json"
 # the int4 GEMV alone: default tiles, the best of a sweep, cuBLAS bf16 and the bytes floor per shape
-step gguf-sweep 200 python3 scripts/gguf_gemv_sweep.py
+step gguf-sweep 300 python3 scripts/gguf_gemv_sweep.py
 step compile-check-gguf 120 python3 -m ferry.tools.compile_check --model llama-3.1-8b --quantization gguf
 # int8 W8A8 (SmoothQuant-calibrated, Triton int8 GEMM): 1 byte a weight read per decode step.
 step latency-int8 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization int8 \
