@@ -99,10 +99,12 @@ struct Q8Activations {
 
 // The weight bytes thread `tid` of `threads` reads first when run_linear runs `L` (its first run of
 // rows, within one part), as at::parallel_for(0, groups of 8, 2) hands them out: where the linear
-// before it keeps prefetching once its own rows are read, so every run of weight bytes in the step
-// starts warm (WeightStream, gguf_kernels.h).
+// before it keeps prefetching once its own rows are read, so that the next run of weight bytes does
+// not start cold (WeightStream, gguf_kernels.h). Prefetch only: a wrong guess costs time, not results.
 std::pair<const uint8_t*, int64_t> first_rows(const QuantLinear& L, int64_t tid, int64_t threads) {
-  const int64_t groups = (L.out + 7) / 8, used = std::min<int64_t>(threads, (groups + 1) / 2);
+  const int64_t groups = (L.out + 7) / 8;
+  if (groups == 0 || threads < 1) return {nullptr, 0};
+  const int64_t used = std::min<int64_t>(threads, (groups + 1) / 2);
   const int64_t chunk = (groups + used - 1) / used;
   const int64_t r0 = tid * chunk * 8, r1 = std::min(L.out, (tid + 1) * chunk * 8);
   int64_t offset = 0;
@@ -118,7 +120,7 @@ std::pair<const uint8_t*, int64_t> first_rows(const QuantLinear& L, int64_t tid,
 
 // y [M, L.out] = x [M, L.in] @ W.T (+ bias): one fork over all output rows of all parts, split at
 // multiples of 8 rows (gguf_matmul_rows' interleaved groups). `next`: the linear the step runs after
-// this one (its first bytes prefetched as this one's end), or none.
+// this one (each thread's first bytes of it prefetched at the end of its rows of this one), or none.
 void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Activations& act,
                 const QuantLinear* next = nullptr) {
   act.quantize(x, M, L.in);

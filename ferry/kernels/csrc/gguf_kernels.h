@@ -289,29 +289,30 @@ const uint8_t* plain_row(const uint8_t* w, int64_t N, int64_t t, int64_t row_byt
 // 2026-11-27). 4 and 8 KB ahead measured alike; 1-2 KB were too short to cover the latency.
 constexpr int64_t kStreamAhead = 6144;
 struct WeightStream {
-  const uint8_t* at = nullptr;    // the next bytes to prefetch, kStreamAhead ahead of the reads
-  const uint8_t* stop = nullptr;  // the end of the run `at` is in
+  const uint8_t* run = nullptr;   // the run being prefetched
+  int64_t pos = 0, len = 0;       // the next byte of it to prefetch (kStreamAhead ahead of the reads), its size
   const uint8_t* then = nullptr;  // the run after it (its first kStreamAhead bytes), or none
   int64_t then_bytes = 0;
   WeightStream() = default;
   // The thread reads [from, from + bytes), then [next, next + next_bytes).
   WeightStream(const uint8_t* from, int64_t bytes, const uint8_t* next, int64_t next_bytes)
-      : at(from), stop(from + bytes), then(next), then_bytes(next_bytes) {
+      : run(from), len(bytes), then(next), then_bytes(next_bytes) {
     for (int64_t i = 0; i < kStreamAhead / 64; ++i) ahead<64>();
   }
-  // The kernel moves on by BYTES (a group's block): the lines BYTES further on are prefetched. Called
-  // once per block from the kernels' inner loops, on a local copy, and kept out of line: inlined, it
-  // took registers the 8-row kernels hold their sums in, and weights already in cache ran 25-50%
-  // slower (out of line: within 4% of no prefetch at all).
+  // The kernel moves on by BYTES (a group's block): the lines BYTES further on are prefetched (offsets
+  // clamped to the run: no address past it is formed). Called once per block from the kernels' inner
+  // loops, on a local copy, and kept out of line: inlined, it took registers the 8-row kernels hold
+  // their sums in, and weights already in cache ran 25-50% slower (out of line: within 4% of the
+  // burst prefetch before it, hot weights, 1-4 rows).
   template <int64_t BYTES>
   __attribute__((noinline)) void ahead() {
-    if (at >= stop) {
-      if (!then) return;
-      at = then, stop = then + std::min(then_bytes, kStreamAhead), then = nullptr;
+    if (pos >= len) {
+      if (!then || then_bytes <= 0) return;
+      run = then, pos = 0, len = std::min(then_bytes, kStreamAhead), then = nullptr;
     }
 #pragma GCC unroll 8
-    for (int64_t o = 0; o < BYTES; o += 64) __builtin_prefetch(at + o, 0, 3);
-    at += BYTES;
+    for (int64_t o = 0; o < BYTES; o += 64) __builtin_prefetch(run + std::min(pos + o, len - 1), 0, 3);
+    pos = std::min(pos + BYTES, len);
   }
 };
 

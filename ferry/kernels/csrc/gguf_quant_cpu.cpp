@@ -61,9 +61,12 @@ void gguf_dot_rows(const int8_t* qx, const float* dy, const float* sy, int64_t M
     for (int r = 0; r < R; ++r) yr[r] = qx + (m + r) * K, dr[r] = dy + (m + r) * nb, sr[r] = sy + (m + r) * nb;
   };
   int64_t n = n0;
-  // The groups' bytes are one run, prefetched as the first pass of activation rows reads them.
-  const uint8_t* groups = w + n0 / kGroup * kGroup * row_bytes;
-  WeightStream stream(groups, std::max<int64_t>(0, std::min(end, w + grouped * row_bytes) - groups), then, then_bytes);
+  // The groups' bytes are one run, prefetched as the first pass of activation rows reads them, and
+  // on into `then`. (A thread without groups, e.g. a K-quant weight's, prefetches none of `then`: its
+  // plain rows come first.)
+  const int64_t g_begin = std::min(n0 / kGroup * kGroup, grouped), g_end = std::min(n1, grouped);
+  const int64_t group_bytes = std::max<int64_t>(0, (g_end + kGroup - 1) / kGroup * kGroup - g_begin) * row_bytes;
+  WeightStream stream(w + g_begin * row_bytes, group_bytes, group_bytes ? then : nullptr, then_bytes);
   while (n < n1 && n < grouped) {  // interleaved groups of 8 rows
     const int64_t g0 = n / kGroup * kGroup;
     const uint8_t* group = w + g0 * row_bytes;
