@@ -5,8 +5,10 @@ shape and the bytes floor (the Q4_0 bytes over the datasheet bandwidth). Llama-3
 shapes; every timing cycles through copies of the weight too large for L2 together, as a model's
 layers do. Then the K-quant kernels (Q4_K, Q5_K, Q6_K) with their default tiles at batch 1 and 4 rows,
 against the same floor of their own bytes. CUDA-graph timings (triton.testing.do_bench_cudagraph); needs
-a GPU. From the repo root:
-    python3 scripts/gguf_gemv_sweep.py [--peak-bandwidth 3.35e12]"""
+a GPU, except --compile-only (each tiling's kernel compiled for an architecture, its resources printed).
+From the repo root:
+    python3 scripts/gguf_gemv_sweep.py [--peak-bandwidth 3.35e12]
+    python3 scripts/gguf_gemv_sweep.py --compile-only 90"""
 
 from __future__ import annotations
 
@@ -28,17 +30,19 @@ ROTATE_BYTES = 256 << 20
 
 
 # The tilings timed per shape. Floats: the two sweeps before (2026-11-26/27) ranged 16-32 rows x 8-16 blocks
-# and found 33-45% of peak at best, each program reading 2-4 KB per loop step; bytes in flight per SM look
-# like what bounds a GEMV that reads each byte once, so this one also tries 8 rows and 32-64 blocks (up to
-# 16 KB a step) and deeper pipelines. The integer dots: their best tiles of 2026-11-27 and a neighbour.
-# 80 tilings (each compiled once, ~1-2 s): the step's time limit is what bounds their number.
+# and found 33-45% of peak at best. Compiled for sm_90 without a GPU (2026-11-27, BENCHMARKS.md), these
+# kernels keep their loads in registers: 1 or 3 stages compile to the same kernel (no shared-memory
+# pipeline), so a program has one loop step's bytes in flight, and an SM holds as many programs as the grid
+# and its registers allow (default tiles: 2 KB a step, 8 programs by registers, but ~2 per SM by the grid
+# for a 4096-row weight). So this sweep varies what sets the bytes in flight per SM: rows and blocks a
+# step (2-32 KB), warps, and K splits (more programs for few rows), at one stage.
 TILINGS = (
     [
-        (False, bn, blocks, warps, stages, split)
-        for bn, blocks, warps, stages, split in itertools.product([8, 16, 32], [16, 32, 64], [4, 8], [1, 3], [1, 2])
+        (False, bn, blocks, warps, 1, split)
+        for bn, blocks, warps, split in itertools.product([8, 16, 32], [16, 32, 64], [4, 8], [1, 2, 4, 8])
     ]
-    + [(False, 16, 8, 8, stages, split) for stages in (1, 3) for split in (1, 2)]  # the default's neighbourhood
-    + [(True, 32, 16, 4, stages, split) for stages in (1, 3) for split in (1, 4)]
+    + [(False, 16, 8, 8, 3, split) for split in (1, 2, 4)]  # the default and its splits
+    + [(True, 32, 16, 4, 3, split) for split in (1, 4)]  # the integer dots at their best tiles of 2026-11-27
 )
 
 
@@ -106,10 +110,43 @@ def launcher(launch, x: torch.Tensor, n: int, cfg: dict):
     return (lambda data: launch(x, data, tg.Q4_0, cfg, y)), y
 
 
+def compile_only(arch: int) -> None:
+    """Each distinct kernel of TILINGS compiled for `arch` on this machine, GPU or not (ferry.tools.compile_check):
+    registers and spills per thread, shared memory, the widest load, and how many programs an SM holds by
+    registers, beside the Q4 bytes one loop step of a program reads."""
+    from ferry.tools.compile_check import REGISTERS_PER_SM, compiling_for, report
+
+    n, k = SHAPES["down"]  # the longest K (the kernel is the same for every shape)
+    data = torch.empty(n, tg.block32_row_bytes(k, tg.Q4_0), dtype=torch.uint8)
+    x, y = torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+    seen = set()
+    with compiling_for(arch) as compiled:
+        for int8_dots, bn, blocks, warps, stages, _ in TILINGS:
+            if (int8_dots, bn, blocks, warps, stages) in seen:
+                continue  # K splits launch the same kernel
+            seen.add((int8_dots, bn, blocks, warps, stages))
+            cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": 1, "blocks_per_split": k // 32, "num_warps": warps,
+                   "num_stages": stages, "INT8_DOTS": int8_dots}  # fmt: skip
+            tg.launch_gemv(x, data, tg.Q4_0, cfg, y)
+            name, kernel = compiled[-1]
+            r = report(name, "", kernel, arch)
+            per_sm = REGISTERS_PER_SM // max(1, r.registers * 32 * warps)
+            print(f"{_tiles(cfg)[:-7]:24s} registers {r.registers:3d}  spilled {r.local_bytes:4d} B"
+                  f"  shared {r.shared_bytes:5d} B  widest load {r.widest_load:2d} B"
+                  f"  programs/SM by registers {per_sm:2d}"
+                  f"  Q4 bytes a loop step {bn * blocks * 16:5d}{'  ' + '; '.join(r.problems) if r.problems else ''}",
+                  flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peak-bandwidth", type=float, default=3.35e12, help="bytes/s (default: an H100 SXM's datasheet)")
+    p.add_argument("--compile-only", type=int, metavar="ARCH", help="no timings: compile the tilings for this "
+                   "architecture (e.g. 90) and print their resources; needs no GPU")  # fmt: skip
     args = p.parse_args()
+    if args.compile_only:
+        compile_only(args.compile_only)
+        return
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'tiles us':>8s} {'default':>8s} {'int8 best':>9s}"
@@ -137,6 +174,8 @@ def main() -> None:
             per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
                    "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots}  # fmt: skip
+            if any(c == cfg for _, c in timings):  # a split this K cannot take: the same launch as a smaller one
+                continue
             try:
                 timings.append((per_weight_us(launcher(tg.launch_gemv, x, n, cfg)[0], datas, rep=20), cfg))
             except OutOfResources as e:  # a tiling too large for the SM: skipped, said
