@@ -29,20 +29,27 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROTATE_BYTES = 256 << 20
 
 
-# The tilings timed per shape. Floats: the two sweeps before (2026-11-26/27) ranged 16-32 rows x 8-16 blocks
-# and found 33-45% of peak at best. Compiled for sm_90 without a GPU (2026-11-27, BENCHMARKS.md), these
-# kernels keep their loads in registers: 1 or 3 stages compile to the same kernel (no shared-memory
-# pipeline), so a program has one loop step's bytes in flight, and an SM holds as many programs as the grid
-# and its registers allow (default tiles: 2 KB a step, 8 programs by registers, but ~2 per SM by the grid
-# for a 4096-row weight). So this sweep varies what sets the bytes in flight per SM: rows and blocks a
-# step (2-32 KB), warps, and K splits (more programs for few rows), at one stage.
+# The tilings timed per shape: (integer dots, rows, blocks, warps, stages, K splits, preload). Floats: the
+# two sweeps before (2026-11-26/27) ranged 16-32 rows x 8-16 blocks and found 33-45% of peak at best.
+# Compiled for sm_90 without a GPU (2026-11-27, BENCHMARKS.md), these kernels keep their loads in
+# registers: 1 or 3 stages compile to the same kernel (no shared-memory pipeline), so a program has one
+# loop step's bytes in flight, and an SM holds as many programs as the grid and its registers allow
+# (default tiles: 2 KB a step, 8 programs by registers, but ~2 per SM by the grid for a 4096-row
+# weight). So this sweep varies what sets the bytes in flight per SM: rows and blocks a step (2-8 KB),
+# warps, K splits (more programs for few rows) and PRELOAD (the next step's bytes loaded before this
+# step's arithmetic: two steps in flight), at one stage.
 TILINGS = (
     [
-        (False, bn, blocks, warps, 1, split)
-        for bn, blocks, warps, split in itertools.product([8, 16, 32], [16, 32, 64], [4, 8], [1, 2, 4, 8])
+        (False, bn, blocks, warps, 1, split, preload)
+        for (bn, blocks), warps, split, preload in itertools.product(
+            [(8, 16), (8, 32), (8, 64), (16, 8), (16, 16), (16, 32), (32, 8), (32, 16)],
+            [4, 8],
+            [1, 2, 4],
+            [False, True],
+        )
     ]
-    + [(False, 16, 8, 8, 3, split) for split in (1, 2, 4)]  # the default and its splits
-    + [(True, 32, 16, 4, 3, split) for split in (1, 4)]  # the integer dots at their best tiles of 2026-11-27
+    + [(False, 16, 8, 8, 3, 1, False)]  # the default
+    + [(True, 32, 16, 4, 3, split, False) for split in (1, 4)]  # the integer dots at their best tiles of 2026-11-27
 )
 
 
@@ -100,7 +107,7 @@ def k_quant_timings(peak_bandwidth: float) -> None:
 
 
 def _tiles(cfg: dict) -> str:
-    kind = "int8" if cfg.get("INT8_DOTS") else "fp"
+    kind = "int8" if cfg.get("INT8_DOTS") else "fp+preload" if cfg.get("PRELOAD") else "fp"
     return f"{kind} N{cfg['BLOCK_N']} b{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
 
 
@@ -121,17 +128,17 @@ def compile_only(arch: int) -> None:
     x, y = torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
     seen = set()
     with compiling_for(arch) as compiled:
-        for int8_dots, bn, blocks, warps, stages, _ in TILINGS:
-            if (int8_dots, bn, blocks, warps, stages) in seen:
+        for int8_dots, bn, blocks, warps, stages, _, preload in TILINGS:
+            if (int8_dots, bn, blocks, warps, stages, preload) in seen:
                 continue  # K splits launch the same kernel
-            seen.add((int8_dots, bn, blocks, warps, stages))
+            seen.add((int8_dots, bn, blocks, warps, stages, preload))
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": 1, "blocks_per_split": k // 32, "num_warps": warps,
-                   "num_stages": stages, "INT8_DOTS": int8_dots}  # fmt: skip
+                   "num_stages": stages, "INT8_DOTS": int8_dots, "PRELOAD": preload}  # fmt: skip
             tg.launch_gemv(x, data, tg.Q4_0, cfg, y)
             name, kernel = compiled[-1]
             r = report(name, "", kernel, arch)
             per_sm = REGISTERS_PER_SM // max(1, r.registers * 32 * warps)
-            print(f"{_tiles(cfg)[:-7]:24s} registers {r.registers:3d}  spilled {r.local_bytes:4d} B"
+            print(f"{_tiles(cfg)[:-7]:32s} registers {r.registers:3d}  spilled {r.local_bytes:4d} B"
                   f"  shared {r.shared_bytes:5d} B  widest load {r.widest_load:2d} B"
                   f"  programs/SM by registers {per_sm:2d}"
                   f"  Q4 bytes a loop step {bn * blocks * 16:5d}{'  ' + '; '.join(r.problems) if r.problems else ''}",
@@ -170,10 +177,10 @@ def main() -> None:
             errors.append(((y.float() - ref).norm() / ref.norm()).item())
         timings = []
         nb = k // 32
-        for int8_dots, bn, blocks, warps, stages, split in TILINGS:
+        for int8_dots, bn, blocks, warps, stages, split, preload in TILINGS:
             per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
             cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
-                   "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots}  # fmt: skip
+                   "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots, "PRELOAD": preload}  # fmt: skip
             if any(c == cfg for _, c in timings):  # a split this K cannot take: the same launch as a smaller one
                 continue
             try:

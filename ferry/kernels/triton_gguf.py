@@ -153,11 +153,64 @@ _MAGIC = tl.constexpr(8388608.0)
 
 
 @triton.jit
+def _gemv_step_loads(q_ptr, s_ptr, w_row, s_row, s_base, nb, blk, b_ok, n_ok, QTYPE: tl.constexpr):
+    """One loop step's weight bytes for the GEMV: [BLOCK_N, BLOCKS, 16] (Q8_0: 32) quant bytes as int32,
+    and the blocks' scales d and (Q4_1) mins as fp32 [BLOCK_N, BLOCKS] (other types: d again)."""
+    wm = n_ok[:, None] & b_ok[None, :]
+    d = tl.load(s_ptr + s_row[:, None] + s_base + blk[None, :], mask=wm, other=0.0).to(tl.float32)
+    if QTYPE == 8:
+        j = tl.arange(0, 32)
+        byte = tl.load(q_ptr + w_row[:, None, None] + (blk * 32)[None, :, None] + j[None, None, :],
+                       mask=wm[:, :, None], other=128).to(tl.int32)  # fmt: skip
+    else:
+        j = tl.arange(0, 16)
+        byte = tl.load(q_ptr + w_row[:, None, None] + (blk * 16)[None, :, None] + j[None, None, :],
+                       mask=wm[:, :, None], other=0).to(tl.int32)  # fmt: skip
+    if QTYPE == 3:
+        mn = tl.load(s_ptr + s_row[:, None] + s_base + nb + blk[None, :], mask=wm, other=0.0).to(tl.float32)
+    else:
+        mn = d
+    return byte, d, mn
+
+
+@triton.jit
+def _gemv_step(acc, x_row, byte, d, mn, blk, b_ok, QTYPE: tl.constexpr):
+    """acc [BLOCK_N, BLOCKS] plus one step's products: each block's 32 dot products with x, scaled once."""
+    if QTYPE == 8:
+        # Bytes as uint8: q + 128 = byte ^ 128 in [0, 255] goes into the mantissa as the nibbles do.
+        j = tl.arange(0, 32)
+        q = ((byte ^ 128) | _MAGIC_BITS).to(tl.float32, bitcast=True) - (_MAGIC + 128.0)
+        xv = tl.load(x_row + (blk * 32)[:, None] + j[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
+        acc += d * tl.sum(q * xv[None, :, :], axis=2)
+    else:
+        # Byte j of block b: element j (low nibble) and j + 16 (high nibble) of the block.
+        j = tl.arange(0, 16)
+        if QTYPE == 2:  # Q4_0: w = (q - 8) d
+            offset = _MAGIC + 8.0
+        else:  # Q4_1: w = q d + m
+            offset = _MAGIC
+        lo = ((byte & 15) | _MAGIC_BITS).to(tl.float32, bitcast=True) - offset
+        hi = ((byte >> 4) | _MAGIC_BITS).to(tl.float32, bitcast=True) - offset
+        xb = x_row + (blk * 32)[:, None] + j[None, :]
+        x_lo = tl.load(xb, mask=b_ok[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(xb + 16, mask=b_ok[:, None], other=0.0).to(tl.float32)
+        dot = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
+        if QTYPE == 3:
+            acc += d * dot + mn * tl.sum(x_lo + x_hi, axis=1)[None, :]
+        else:
+            acc += d * dot
+    return acc
+
+
+@triton.jit
 def _gguf_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_split, stride_xm, stride_ys,
-                      stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+                      stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+                      PRELOAD: tl.constexpr = False):  # fmt: skip
     """y[row, cols] (or split pid_k's partial sums) for one row of x (program axis 2) and BLOCK_N weight
     rows over quant blocks [pid_k * blocks_per_split, ...). q_ptr: the weight's bytes (uint8, Q8_0's
-    too); s_ptr: the same bytes as fp16."""
+    too); s_ptr: the same bytes as fp16. PRELOAD: each step's weight bytes are loaded one step ahead (in
+    registers; Triton does not pipeline these loads through shared memory, whatever num_stages says), so
+    a program has two steps' bytes in flight instead of one; the arithmetic is the same either way."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
@@ -167,39 +220,22 @@ def _gguf_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_sp
     b_end = tl.minimum(b_begin + blocks_per_split, nb)
     x_row = x_ptr + row * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
-    for b0 in range(b_begin, b_end, BLOCKS):
-        blk = b0 + tl.arange(0, BLOCKS)
-        b_ok = blk < b_end
-        wm = n_ok[:, None] & b_ok[None, :]
-        d = tl.load(s_ptr + s_row[:, None] + s_base + blk[None, :], mask=wm, other=0.0).to(tl.float32)
-        if QTYPE == 8:
-            # Bytes as uint8: q + 128 = byte ^ 128 in [0, 255] goes into the mantissa as the nibbles do.
-            j = tl.arange(0, 32)
-            byte = tl.load(q_ptr + w_row[:, None, None] + (blk * 32)[None, :, None] + j[None, None, :],
-                           mask=wm[:, :, None], other=128).to(tl.int32)  # fmt: skip
-            q = ((byte ^ 128) | _MAGIC_BITS).to(tl.float32, bitcast=True) - (_MAGIC + 128.0)
-            xv = tl.load(x_row + (blk * 32)[:, None] + j[None, :], mask=b_ok[:, None], other=0.0).to(tl.float32)
-            acc += d * tl.sum(q * xv[None, :, :], axis=2)
-        else:
-            # Byte j of block b: element j (low nibble) and j + 16 (high nibble) of the block.
-            j = tl.arange(0, 16)
-            byte = tl.load(q_ptr + w_row[:, None, None] + (blk * 16)[None, :, None] + j[None, None, :],
-                           mask=wm[:, :, None], other=0).to(tl.int32)  # fmt: skip
-            if QTYPE == 2:  # Q4_0: w = (q - 8) d
-                offset = _MAGIC + 8.0
-            else:  # Q4_1: w = q d + m
-                offset = _MAGIC
-            lo = ((byte & 15) | _MAGIC_BITS).to(tl.float32, bitcast=True) - offset
-            hi = ((byte >> 4) | _MAGIC_BITS).to(tl.float32, bitcast=True) - offset
-            xb = x_row + (blk * 32)[:, None] + j[None, :]
-            x_lo = tl.load(xb, mask=b_ok[:, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(xb + 16, mask=b_ok[:, None], other=0.0).to(tl.float32)
-            dot = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
-            if QTYPE == 3:
-                mn = tl.load(s_ptr + s_row[:, None] + s_base + nb + blk[None, :], mask=wm, other=0.0).to(tl.float32)
-                acc += d * dot + mn * tl.sum(x_lo + x_hi, axis=1)[None, :]
-            else:
-                acc += d * dot
+    if PRELOAD:
+        blk = b_begin + tl.arange(0, BLOCKS)
+        byte, d, mn = _gemv_step_loads(q_ptr, s_ptr, w_row, s_row, s_base, nb, blk, blk < b_end, n_ok, QTYPE)
+        for b0 in range(b_begin, b_end, BLOCKS):
+            blk = b0 + tl.arange(0, BLOCKS)
+            nxt = blk + BLOCKS
+            byte_n, d_n, mn_n = _gemv_step_loads(q_ptr, s_ptr, w_row, s_row, s_base, nb, nxt, nxt < b_end, n_ok,
+                                                 QTYPE)  # fmt: skip
+            acc = _gemv_step(acc, x_row, byte, d, mn, blk, blk < b_end, QTYPE)
+            byte, d, mn = byte_n, d_n, mn_n
+    else:
+        for b0 in range(b_begin, b_end, BLOCKS):
+            blk = b0 + tl.arange(0, BLOCKS)
+            b_ok = blk < b_end
+            byte, d, mn = _gemv_step_loads(q_ptr, s_ptr, w_row, s_row, s_base, nb, blk, b_ok, n_ok, QTYPE)
+            acc = _gemv_step(acc, x_row, byte, d, mn, blk, b_ok, QTYPE)
     y = y_ptr + pid_k.to(tl.int64) * stride_ys + row * stride_ym + cols
     tl.store(y, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
@@ -638,7 +674,8 @@ def launch_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: t
         _gguf_gemv_kernel[grid](
             x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"], x.stride(0),
             out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
-            BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+            BLOCKS=cfg["BLOCKS"], PRELOAD=cfg.get("PRELOAD", False), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])  # fmt: skip
     if split > 1:
         y.copy_(out.sum(0))  # the splits' fp32 partial sums, rounded once to x's dtype
     return y
