@@ -106,6 +106,13 @@ def k_quant_timings(peak_bandwidth: float) -> None:
                   f"  ({floor / times[0]:.0%} of peak at batch 1)", flush=True)  # fmt: skip
 
 
+def _config(nb: int, int8_dots: bool, bn: int, blocks: int, warps: int, stages: int, split: int, preload: bool) -> dict:
+    """launch_gemv's config for one of TILINGS over `nb` quant blocks a row (gemv_config's keys)."""
+    per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
+    return {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
+            "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots, "PRELOAD": preload}  # fmt: skip
+
+
 def _tiles(cfg: dict) -> str:
     kind = "int8" if cfg.get("INT8_DOTS") else "fp+preload" if cfg.get("PRELOAD") else "fp"
     return f"{kind} N{cfg['BLOCK_N']} b{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
@@ -132,8 +139,7 @@ def compile_only(arch: int) -> None:
             if (int8_dots, bn, blocks, warps, stages, preload) in seen:
                 continue  # K splits launch the same kernel
             seen.add((int8_dots, bn, blocks, warps, stages, preload))
-            cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": 1, "blocks_per_split": k // 32, "num_warps": warps,
-                   "num_stages": stages, "INT8_DOTS": int8_dots, "PRELOAD": preload}  # fmt: skip
+            cfg = _config(k // 32, int8_dots, bn, blocks, warps, stages, 1, preload)
             tg.launch_gemv(x, data, tg.Q4_0, cfg, y)
             name, kernel = compiled[-1]
             r = report(name, "", kernel, arch)
@@ -177,10 +183,8 @@ def main() -> None:
             errors.append(((y.float() - ref).norm() / ref.norm()).item())
         timings = []
         nb = k // 32
-        for int8_dots, bn, blocks, warps, stages, split, preload in TILINGS:
-            per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
-            cfg = {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
-                   "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots, "PRELOAD": preload}  # fmt: skip
+        for tiling in TILINGS:
+            cfg = _config(nb, *tiling)
             if any(c == cfg for _, c in timings):  # a split this K cannot take: the same launch as a smaller one
                 continue
             try:

@@ -97,16 +97,9 @@ struct Q8Activations {
   }
 };
 
-// The weight bytes thread `tid` of `threads` reads first when run_linear runs `L` (its first run of
-// rows, within one part), as at::parallel_for(0, groups of 8, 2) hands them out: where the linear
-// before it keeps prefetching once its own rows are read, so that the next run of weight bytes does
-// not start cold (WeightStream, gguf_kernels.h). Prefetch only: a wrong guess costs time, not results.
-std::pair<const uint8_t*, int64_t> first_rows(const QuantLinear& L, int64_t tid, int64_t threads) {
-  const int64_t groups = (L.out + 7) / 8;
-  if (groups == 0 || threads < 1) return {nullptr, 0};
-  const int64_t used = std::min<int64_t>(threads, (groups + 1) / 2);
-  const int64_t chunk = (groups + used - 1) / used;
-  const int64_t r0 = tid * chunk * 8, r1 = std::min(L.out, (tid + 1) * chunk * 8);
+// The bytes of L's rows [r0, r1) that lie in the part holding row r0 (a thread's run of weight bytes
+// until a part ends), or none where r0 >= r1.
+std::pair<const uint8_t*, int64_t> part_rows(const QuantLinear& L, int64_t r0, int64_t r1) {
   int64_t offset = 0;
   for (size_t p = 0; p < L.parts.size() && r0 < r1; ++p) {
     if (r0 < offset + L.rows[p]) {
@@ -116,6 +109,18 @@ std::pair<const uint8_t*, int64_t> first_rows(const QuantLinear& L, int64_t tid,
     offset += L.rows[p];
   }
   return {nullptr, 0};
+}
+
+// The weight bytes thread `tid` of `threads` reads first when run_linear runs `L`, as
+// at::parallel_for(0, groups of 8, 2) hands them out: where the linear before it keeps prefetching
+// once its own rows are read, so that the next run of weight bytes does not start cold (WeightStream,
+// gguf_kernels.h). Prefetch only: a wrong guess costs time, not results.
+std::pair<const uint8_t*, int64_t> first_rows(const QuantLinear& L, int64_t tid, int64_t threads) {
+  const int64_t groups = (L.out + 7) / 8;
+  if (groups == 0 || threads < 1) return {nullptr, 0};
+  const int64_t used = std::min<int64_t>(threads, (groups + 1) / 2);
+  const int64_t chunk = (groups + used - 1) / used;
+  return part_rows(L, tid * chunk * 8, std::min(L.out, (tid + 1) * chunk * 8));
 }
 
 // y [M, L.out] = x [M, L.in] @ W.T (+ bias): one fork over all output rows of all parts, split at
@@ -134,13 +139,10 @@ void run_linear(const QuantLinear& L, const float* x, int64_t M, float* y, Q8Act
       const int64_t lo = std::max(n0, offset), hi = std::min(n1, offset + L.rows[p]);
       if (lo < hi) {
         const auto& [data, qtype] = L.parts[p];
-        // What this thread reads after these rows: the next part's first rows, or the next linear's.
-        const bool more = hi < n1;
-        const auto& following = std::get<0>(L.parts[more ? p + 1 : p]);
+        // What this thread reads after these rows: its rows of the next part, or of the next linear.
+        const auto [after, after_bytes] = hi < n1 ? part_rows(L, hi, n1) : std::pair{then, then_bytes};
         ferry_cpu::gguf_matmul_rows(act.q.data(), act.dy.data(), act.sy.data(), M, L.in, data.data_ptr<uint8_t>(),
-                                    L.rows[p], qtype, lo - offset, hi - offset, y + offset, L.out,
-                                    more ? following.data_ptr<uint8_t>() : then,
-                                    more ? (std::min(n1, hi + L.rows[p + 1]) - hi) * following.size(1) : then_bytes);
+                                    L.rows[p], qtype, lo - offset, hi - offset, y + offset, L.out, after, after_bytes);
       }
       offset += L.rows[p];
     }
