@@ -48,7 +48,7 @@ TILINGS = (
             [False, True],
         )
     ]
-    + [(False, 16, 8, 8, 3, 1, False)]  # the default
+    + [(False, 16, 8, 8, 3, 1, False)]  # the default until 2026-11-27's fifth lease (now N8 b64 w4 s1, above)
     + [(True, 32, 16, 4, 3, split, False) for split in (1, 4)]  # the integer dots at their best tiles of 2026-11-27
 )
 

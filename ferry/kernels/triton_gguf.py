@@ -600,10 +600,12 @@ def gemv_config(
     N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS, int8_dots: bool = False
 ) -> dict[str, int | bool]:
     """The GEMV kernel's tiles and K splits: host arithmetic on shapes only (graph-safe). BLOCKS quant
-    blocks of BLOCK_N rows per step. The float kernel's 32-value blocks: 16 rows x 8 blocks (2 KB of Q4
-    bytes) for 8 warps, the best of scripts/gguf_gemv_sweep.py's tilings for three of Llama-3.1-8B's
-    four projection shapes on an H100 in two leases (2026-11-26: 11.8 / 8.5 / 25.1 us for qkv / o / down
-    against 16.2 / 13.5 / 31.3 with 32 rows and 4 warps; gate_up within 2% of its best either way).
+    blocks of BLOCK_N rows per step. The float kernel's 32-value blocks: 8 rows x 64 blocks (8 KB of Q4
+    bytes a step, 64 per thread) for 4 warps, one stage: the best of scripts/gguf_gemv_sweep.py's 95-99
+    tilings for three of Llama-3.1-8B's four projection shapes and 3% off the best for qkv, timed on an
+    H100 with each weight read from HBM (2026-11-27, fifth lease: 13.4 / 9.8 / 43.8 / 26.3 us for qkv /
+    o / gate_up / down against 14.8 / 13.3 / 46.5 / 41.6 with the earlier 16 rows x 8 blocks and 8 warps,
+    which the first leases' sweeps, timing L2-resident weights, had picked).
     `int8_dots` asks for the integer-dot kernel where rows are whole int32 words, with its best tiles
     of the 2026-11-27 sweep (32 rows x 16 blocks, 4 warps; each thread loads 16 bytes). K-quants step
     one super-block (4 KB of Q4_K nibbles for 32 rows and 4 warps) and split K in super-blocks
@@ -615,12 +617,12 @@ def gemv_config(
         return {"BLOCK_N": block_n, "split": triton.cdiv(nsb, per_split), "sb_per_split": per_split,
                 "num_warps": 4, "num_stages": 3}  # fmt: skip
     int8_dots = int8_dots and block32_row_bytes(K, qtype) % 4 == 0
-    block_n, blocks, warps = (32, 16, 4) if int8_dots else (16, 8, 8)
+    block_n, blocks, warps = (32, 16, 4) if int8_dots else (8, 64, 4)
     nb = K // 32
     split = decode_split_k(triton.cdiv(N, block_n), triton.cdiv(nb, blocks), num_sms)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
     return {"BLOCK_N": block_n, "BLOCKS": blocks, "split": triton.cdiv(nb, blocks_per_split),
-            "blocks_per_split": blocks_per_split, "num_warps": warps, "num_stages": 3,
+            "blocks_per_split": blocks_per_split, "num_warps": warps, "num_stages": 3 if int8_dots else 1,
             "INT8_DOTS": int8_dots}  # fmt: skip
 
 
