@@ -42,8 +42,12 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
     """Rows per tile: 16 when the pairs are few per expert (decode: each expert's run is padded to a
-    tile, so small tiles waste least), 64 for prompt-sized steps."""
-    return 16 if num_pairs <= 4 * num_experts else 64
+    tile, so small tiles waste least), 64 for prompt-sized steps, 128 once the experts average a whole
+    such tile (scripts/moe_gemm_sweep.py on an H100, 2026-11-27: DeepSeek-V2-Lite's layer at 2,048
+    tokens, 192 pairs an expert, took 710 us with 128-row tiles against 916 with 64)."""
+    if num_pairs <= 4 * num_experts:
+        return 16
+    return 128 if num_pairs >= 128 * num_experts else 64
 
 
 def padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -224,10 +228,17 @@ def _moe_gemm_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemm_tiles(K: int) -> dict[str, int]:
-    """The GEMM's tiles besides BLOCK_M (`block_m_for`): 64 output columns, K in steps of 64 (32 where K
-    is not a multiple of 64), Triton's default warps and stages. Not tuned yet: scripts/moe_gemm_sweep.py
-    times others on a GPU."""
+def gemm_tiles(K: int, block_m: int = 64) -> dict[str, int]:
+    """The GEMM's tiles besides BLOCK_M (`block_m_for`), 4 warps and 3 stages. The best of
+    scripts/moe_gemm_sweep.py's on an H100 (2026-11-27) where it timed them: decode's 16-row tiles step K
+    by 128 (DeepSeek-V2-Lite's and Qwen3-30B-A3B's layers at one token: 60 and 52 us against 64 and 56
+    with 64), 128-row tiles take 128 output columns (DeepSeek-V2-Lite's at 2,048 tokens: 710 us against
+    916 for 64 x 64 tiles); otherwise 64 columns and K in steps of 64 (32 where K is not a multiple of
+    64), untimed against others."""
+    if block_m <= 32 and K % 128 == 0:
+        return {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    if block_m >= 128:
+        return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 64, "BLOCK_K": 32 if K % 64 else 64, "num_warps": 4, "num_stages": 3}
 
 
@@ -244,14 +255,14 @@ def moe_gemm(
 ) -> torch.Tensor:
     """out[pair] = a[row(pair)] @ w[expert(pair)].T (times weights[pair]), for the pairs `aligned` lists;
     a [rows, K], w [E, N, K], out [T * top_k, N]; row = pair // top_k when `rows_are_tokens`. `tiles`:
-    gemm_tiles' keys (default: gemm_tiles(K))."""
+    gemm_tiles' keys (default: gemm_tiles(K, block_m))."""
     pairs, tile_expert, num_padded = aligned
     E, N, K = w.shape
     if a.stride(-1) != 1:
         a = a.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
-    t = tiles or gemm_tiles(K)
+    t = tiles or gemm_tiles(K, block_m)
     grid = (tile_expert.numel() * triton.cdiv(N, t["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, w, out, pairs, tile_expert, num_padded, weights if weights is not None else out,

@@ -19,8 +19,9 @@ def experts(E: int, H: int, inter: int, dtype=torch.float32, seed=0):
     return w13, w2
 
 
-@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (7, 8, 2), (64, 8, 3), (5, 16, 4)])
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (7, 8, 2), (64, 8, 3), (5, 16, 4), (256, 4, 2)])
 def test_fused_experts_match_grouped_experts(T, E, k):
+    """Decode-sized (16-row tiles), prompt-sized (64) and, at 128 pairs an expert, 128-row tiles."""
     H, inter = 64, 48  # K of the down GEMM (48) not a multiple of the 32-wide k tile... of 64: both paths
     w13, w2 = experts(E, H, inter)
     x = torch.randn(T, H, device=DEVICE)
@@ -40,8 +41,22 @@ def test_other_tiles_give_the_same_experts():
     ref = grouped_experts(x, w13, w2, weights, ids)
     for block_m, n, kk in ((32, 32, 32), (16, 128, 64)):
         tiles = {"BLOCK_N": n, "BLOCK_K": kk, "num_warps": 8, "num_stages": 4}
-        got = triton_moe.fused_experts(x, w13, w2, weights, ids, block_m, (tiles, triton_moe.gemm_tiles(inter)))
+        got = triton_moe.fused_experts(x, w13, w2, weights, ids, block_m, (tiles, triton_moe.gemm_tiles(inter, block_m)))
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_default_tiles_follow_the_pairs_per_expert():
+    """block_m_for / gemm_tiles pick by pairs an expert; decode's K steps of 128 where K allows them."""
+    assert [triton_moe.block_m_for(p, 8) for p in (1, 32, 33, 1023, 1024)] == [16, 16, 64, 64, 128]
+    assert triton_moe.gemm_tiles(2048, 16)["BLOCK_K"] == 128 and triton_moe.gemm_tiles(1408, 16)["BLOCK_K"] == 128
+    assert triton_moe.gemm_tiles(48, 16)["BLOCK_K"] == 32  # K not a multiple of 128 (nor 64)
+    assert triton_moe.gemm_tiles(2048, 128)["BLOCK_N"] == 128 and triton_moe.gemm_tiles(2048, 64)["BLOCK_N"] == 64
+    T, E, k, H, inter = 3, 8, 2, 128, 64  # decode: the gate/up GEMM (K = 128) steps K by 128
+    w13, w2 = experts(E, H, inter, seed=5)
+    x = torch.randn(T, H, device=DEVICE)
+    weights, ids = select_experts(torch.randn(T, E, device=DEVICE), k, renormalize=True)
+    torch.testing.assert_close(triton_moe.fused_experts(x, w13, w2, weights, ids),
+                               grouped_experts(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
 def test_other_ranks_experts_add_nothing():
