@@ -1,6 +1,6 @@
 """Q4_0 GEMV at batch 1 on CUDA: ferry's GEMV kernels (ferry/kernels/triton_gguf.py, what one row of x
-takes: floats, the default, and integer dots) with their default tiles and the best of a tile sweep of
-each, and the tile (mma) kernel that batch 1 took before them, against cuBLAS on a bf16 weight of the same
+takes: floats, the default; integer dots; the word GEMV) with their default tiles and the best of a tile
+sweep of each, and the tile (mma) kernel that batch 1 took before them, against cuBLAS on a bf16 weight of the same
 shape and the bytes floor (the Q4_0 bytes over the datasheet bandwidth). Llama-3.1-8B's four projection
 shapes; every timing cycles through copies of the weight too large for L2 together, as a model's
 layers do. Then the K-quant kernels (Q4_K, Q5_K, Q6_K) with their default tiles at batch 1 and 4 rows,
@@ -29,27 +29,28 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 ROTATE_BYTES = 256 << 20
 
 
-# The tilings timed per shape: (integer dots, rows, blocks, warps, stages, K splits, preload). Floats: the
-# two sweeps before (2026-11-26/27) ranged 16-32 rows x 8-16 blocks and found 33-45% of peak at best.
-# Compiled for sm_90 without a GPU (2026-11-27, BENCHMARKS.md), these kernels keep their loads in
-# registers: 1 or 3 stages compile to the same kernel (no shared-memory pipeline), so a program has one
-# loop step's bytes in flight, and an SM holds as many programs as the grid and its registers allow
-# (default tiles: 2 KB a step, 8 programs by registers, but ~2 per SM by the grid for a 4096-row
-# weight). So this sweep varies what sets the bytes in flight per SM: rows and blocks a step (2-8 KB),
-# warps, K splits (more programs for few rows) and PRELOAD (the next step's bytes loaded before this
-# step's arithmetic: two steps in flight), at one stage.
+# The tilings timed per shape: (kernel, rows, blocks, warps, stages, K splits, preload). Floats: the
+# fifth lease's sweep (2026-11-27, 99 tilings of rows and blocks a step, warps, K splits and PRELOAD,
+# each weight read from HBM) found the best within 3% of one another at 29-45% of peak, 8 rows x 32-64
+# blocks with 4-8 warps first; its leaders are kept here to time the word GEMV against in the same run.
 TILINGS = (
     [
-        (False, bn, blocks, warps, 1, split, preload)
+        ("fp", bn, blocks, warps, 1, split, preload)
         for (bn, blocks), warps, split, preload in itertools.product(
-            [(8, 16), (8, 32), (8, 64), (16, 8), (16, 16), (16, 32), (32, 8), (32, 16)],
+            [(8, 32), (8, 64), (16, 16)],
             [4, 8],
-            [1, 2, 4],
+            [1, 4],
             [False, True],
         )
     ]
-    + [(False, 16, 8, 8, 3, 1, False)]  # the default until 2026-11-27's fifth lease (now N8 b64 w4 s1, above)
-    + [(True, 32, 16, 4, 3, split, False) for split in (1, 4)]  # the integer dots at their best tiles of 2026-11-27
+    + [("fp", 16, 8, 8, 3, 1, False)]  # the default until 2026-11-27's fifth lease (now N8 b64 w4 s1, above)
+    + [("int8", 32, 16, 4, 3, split, False) for split in (1, 4)]  # the integer dots at their best tiles of 2026-11-27
+    # The word GEMV (~4 instructions a value in its sm_90 SASS against the float kernel's ~8): a thread
+    # takes BLOCK_N rows of one block, a warp 32 blocks; never timed before the sixth lease.
+    + [
+        ("words", bn, 32 * warps, warps, 1, split, False)
+        for bn, warps, split in itertools.product([4, 8, 16], [1, 2, 4, 8], [1, 2, 4])
+    ]
 )
 
 
@@ -106,15 +107,20 @@ def k_quant_timings(peak_bandwidth: float) -> None:
                   f"  ({floor / times[0]:.0%} of peak at batch 1)", flush=True)  # fmt: skip
 
 
-def _config(nb: int, int8_dots: bool, bn: int, blocks: int, warps: int, stages: int, split: int, preload: bool) -> dict:
+def _config(nb: int, kernel: str, bn: int, blocks: int, warps: int, stages: int, split: int, preload: bool) -> dict:
     """launch_gemv's config for one of TILINGS over `nb` quant blocks a row (gemv_config's keys)."""
     per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
     return {"BLOCK_N": bn, "BLOCKS": blocks, "split": triton.cdiv(nb, per_split), "blocks_per_split": per_split,
-            "num_warps": warps, "num_stages": stages, "INT8_DOTS": int8_dots, "PRELOAD": preload}  # fmt: skip
+            "num_warps": warps, "num_stages": stages, "INT8_DOTS": kernel == "int8", "WORDS": kernel == "words",
+            "PRELOAD": preload}  # fmt: skip
+
+
+def _kernel(cfg: dict) -> str:
+    return "int8" if cfg.get("INT8_DOTS") else "words" if cfg.get("WORDS") else "fp"
 
 
 def _tiles(cfg: dict) -> str:
-    kind = "int8" if cfg.get("INT8_DOTS") else "fp+preload" if cfg.get("PRELOAD") else "fp"
+    kind = "fp+preload" if cfg.get("PRELOAD") else _kernel(cfg)
     return f"{kind} N{cfg['BLOCK_N']} b{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
 
 
@@ -127,27 +133,29 @@ def launcher(launch, x: torch.Tensor, n: int, cfg: dict):
 def compile_only(arch: int) -> None:
     """Each distinct kernel of TILINGS compiled for `arch` on this machine, GPU or not (ferry.tools.compile_check):
     registers and spills per thread, shared memory, the widest load, and how many programs an SM holds by
-    registers, beside the Q4 bytes one loop step of a program reads."""
-    from ferry.tools.compile_check import REGISTERS_PER_SM, compiling_for, report
+    registers, beside the Q4 bytes one loop step of a program reads and the SASS instructions its loop
+    issues per weight value a thread takes (K = 14336: every tiling loops)."""
+    from ferry.tools.compile_check import REGISTERS_PER_SM, compiling_for, main_loop_instructions, report
 
     n, k = SHAPES["down"]  # the longest K (the kernel is the same for every shape)
     data = torch.empty(n, tg.block32_row_bytes(k, tg.Q4_0), dtype=torch.uint8)
     x, y = torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
     seen = set()
     with compiling_for(arch) as compiled:
-        for int8_dots, bn, blocks, warps, stages, _, preload in TILINGS:
-            if (int8_dots, bn, blocks, warps, stages, preload) in seen:
+        for kernel_kind, bn, blocks, warps, stages, _, preload in TILINGS:
+            if (kernel_kind, bn, blocks, warps, stages, preload) in seen:
                 continue  # K splits launch the same kernel
-            seen.add((int8_dots, bn, blocks, warps, stages, preload))
-            cfg = _config(k // 32, int8_dots, bn, blocks, warps, stages, 1, preload)
+            seen.add((kernel_kind, bn, blocks, warps, stages, preload))
+            cfg = _config(k // 32, kernel_kind, bn, blocks, warps, stages, 1, preload)
             tg.launch_gemv(x, data, tg.Q4_0, cfg, y)
             name, kernel = compiled[-1]
             r = report(name, "", kernel, arch)
             per_sm = REGISTERS_PER_SM // max(1, r.registers * 32 * warps)
+            per_value = sum(main_loop_instructions(kernel.asm["cubin"]).values()) / (bn * blocks * 32 / (32 * warps))
             print(f"{_tiles(cfg)[:-7]:32s} registers {r.registers:3d}  spilled {r.local_bytes:4d} B"
                   f"  shared {r.shared_bytes:5d} B  widest load {r.widest_load:2d} B"
-                  f"  programs/SM by registers {per_sm:2d}"
-                  f"  Q4 bytes a loop step {bn * blocks * 16:5d}{'  ' + '; '.join(r.problems) if r.problems else ''}",
+                  f"  programs/SM by registers {per_sm:2d}  Q4 bytes a loop step {bn * blocks * 16:5d}"
+                  f"  loop instructions a value {per_value:4.1f}{'  ' + '; '.join(r.problems) if r.problems else ''}",
                   flush=True)  # fmt: skip
 
 
@@ -163,7 +171,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     print(f"{'shape':8s} {'floor us':>8s} {'bf16 us':>8s} {'tiles us':>8s} {'default':>8s} {'int8 best':>9s}"
-          f" {'fp best':>8s}  best tiles of each; rel. errors: integer dots, floats")  # fmt: skip
+          f" {'fp best':>8s} {'words best':>10s}  best tiles of each; rel. errors: int8, fp, words")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         datas = copies(lambda: random_q4_0(n, k), n * tg.block32_row_bytes(k, tg.Q4_0))  # noqa: B023
         data = datas[0]
@@ -173,12 +181,13 @@ def main() -> None:
         t_bf16 = per_weight_us(lambda w: torch.matmul(x, w.T), w_bf16)  # noqa: B023
         tiles_cfg = tg.matmul_config(1, n, k, tg.Q4_0, tg.num_sms(x.device))  # what batch 1 took before the GEMV
         t_tiles = per_weight_us(launcher(tg.launch_tiles, x, n, tiles_cfg)[0], datas)
-        default = tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device), tg.GEMV_INT8_DOTS)
+        sms = tg.num_sms(x.device)
+        default = tg.gemv_config(n, k, tg.Q4_0, sms, tg.GEMV_INT8_DOTS, tg.GEMV_WORDS)
         t_default = per_weight_us(launcher(tg.launch_gemv, x, n, default)[0], datas)
         ref = x.float() @ tg.dequantize(data, tg.Q4_0, k, torch.float32).T
         errors = []
-        for int8_dots in (True, False):
-            run, y = launcher(tg.launch_gemv, x, n, tg.gemv_config(n, k, tg.Q4_0, tg.num_sms(x.device), int8_dots))
+        for int8_dots, words in ((True, False), (False, False), (False, True)):
+            run, y = launcher(tg.launch_gemv, x, n, tg.gemv_config(n, k, tg.Q4_0, sms, int8_dots, words))
             run(data)
             errors.append(((y.float() - ref).norm() / ref.norm()).item())
         timings = []
@@ -192,12 +201,14 @@ def main() -> None:
             except OutOfResources as e:  # a tiling too large for the SM: skipped, said
                 print(f"{'':8s} {_tiles(cfg)}: {type(e).__name__}", flush=True)
         timings.sort(key=lambda t: t[0])
-        best_int8, cfg_int8 = next(t for t in timings if t[1]["INT8_DOTS"])
-        best_fp, cfg_fp = next(t for t in timings if not t[1]["INT8_DOTS"])
+        best = {kind: next(t for t in timings if _kernel(t[1]) == kind) for kind in ("int8", "fp", "words")}
         print(
-            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best_int8:9.1f} {best_fp:8.1f}"
-            f"  {_tiles(cfg_int8)} | {_tiles(cfg_fp)}; {errors[0]:.1e} {errors[1]:.1e}"
-            f"  ({floor / min(best_int8, best_fp):.0%} of peak at best, {floor / t_default:.0%} by default)",
+            f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best['int8'][0]:9.1f}"
+            f" {best['fp'][0]:8.1f} {best['words'][0]:10.1f}  "
+            + " | ".join(_tiles(c) for _, c in best.values())
+            + "; "
+            + " ".join(f"{e:.1e}" for e in errors)
+            + f"  ({floor / timings[0][0]:.0%} of peak at best, {floor / t_default:.0%} by default)",
             flush=True,
         )
         ranked = [_tiles(c) for _, c in timings]

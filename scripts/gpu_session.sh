@@ -18,11 +18,11 @@ case ${1:-} in tests | bench | lease) ;; *)
   exit 2
   ;;
 esac
-# The steps one 15-minute lease should run first (2026-11-27: the changes made after the fourth lease:
-# the float GEMV the batch-1 default again and a wider GEMV sweep, for issue 15's int4 target; MLA's
-# prefill chunks together). Two calls: the first ~570 s, the second what is left on the warm machine.
-LEASE_ORDER="gpu-tests kernel-tests latency-int4 gguf-sweep mla-vs-gqa throughput-deepseek-v2-lite
-  profile-deepseek-v2-lite moe-sweep throughput-qwen3-moe moe-vs-dense latency latency-int8 throughput-llama profile-llama"
+# The steps one 15-minute lease should run first (2026-11-27, after the fifth lease: the word GEMV, for
+# issue 15's int4 target, in the sweep and in a whole model; the MoE tiles it set, in whole models).
+# Two calls: the first ~570 s, the second what is left on the warm machine.
+LEASE_ORDER="gpu-tests kernel-tests gguf-sweep latency-int4 latency-int4-words throughput-qwen3-moe moe-sweep
+  throughput-deepseek-v2-lite moe-vs-dense latency latency-int8 throughput-llama profile-llama"
 [[ $1 == lease && -z ${FERRY_GPU_DEADLINE:-} ]] && FERRY_GPU_DEADLINE=$(($(date +%s) + 570))
 GROUP=$1
 ASKED="${*:2}"
@@ -89,6 +89,10 @@ step latency-eager 150 bash -c "ferry bench latency --model llama-3.1-8b --load-
 # the issue's target is >= 70% of peak HBM bandwidth per decode step at batch 1.
 step latency-int4 200 bash -c "ferry bench latency --model llama-3.1-8b --load-format dummy --quantization gguf \
   --batch-sizes 1 16 64 --json $LOGS/latency-int4.json"
+# the same with the word GEMV (~4 instructions a weight value against ~8; FERRY_GGUF_GEMV_WORDS=1 sets
+# triton_gguf.GEMV_WORDS), at batch 1 where the GEMV runs
+step latency-int4-words 150 bash -c "FERRY_GGUF_GEMV_WORDS=1 ferry bench latency --model llama-3.1-8b \
+  --load-format dummy --quantization gguf --batch-sizes 1 --json $LOGS/latency-int4-words.json"
 # the int4 GEMV alone: default tiles, the best of a sweep, cuBLAS bf16 and the bytes floor per shape
 step gguf-sweep 300 python3 scripts/gguf_gemv_sweep.py
 step compile-check-gguf 120 python3 -m ferry.tools.compile_check --model llama-3.1-8b --quantization gguf

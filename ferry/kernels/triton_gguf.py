@@ -21,7 +21,8 @@ weight. `_gguf_gemv_kernel` reads [BLOCK_N rows, BLOCKS quant blocks] of bytes p
 along each row), turns nibbles into floats with an exponent trick instead of int->float conversions
 (2^23 + q has q in its mantissa: an OR and a subtraction), multiplies with x in fp32 CUDA-core FMAs,
 reduces each block's 32 products, and applies the block's scale once to that sum. No tensor cores: at
-one row there is nothing for them to share.
+one row there is nothing for them to share. `_gguf_gemv_words_kernel` does the same arithmetic in about
+half the instructions a value (opt-in until a GPU times it; see its docstring).
 
 K-quants (Q4_K, Q5_K, Q6_K) keep ggml's 256-value super-blocks (scales inline) and have a twin of each
 kernel (`_kquant_gemv_kernel`, `_kquant_matmul_kernel`) that steps one super-block at a time: the GEMV
@@ -350,6 +351,102 @@ def _gguf_gemv_int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_p
     tl.store(y, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _split4(w):
+    """The last dimension (4, in one thread's registers) of w as four tensors."""
+    even, odd = tl.split(tl.reshape(w, w.shape[:-1] + (2, 2)))  # [..., (0, 2)] and [..., (1, 3)]
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _word_dot(dot, xsum, w, word: tl.constexpr, x_row, blk, b_ok, QTYPE: tl.constexpr):
+    """dot [BLOCKS, BLOCK_N] plus the products of one weight word of each (block, row) with x, value by
+    value: 8 nibbles (Q4) or 4 bytes (Q8_0, w already XOR 0x80808080 so byte = q + 128). Each value goes
+    into the mantissa of 2^23 where it lies, shifted by a multiple of 4 bits (16^p; Q8_0 256^p) and not
+    moved down: one LOP3 (an AND); scaling by 1 / 16^p and taking off 2^23 and the zero point, one FFMA;
+    the product with x's value, one FFMA (the sums contract to FFMA chains). xsum adds x's values
+    (Q4_1's min needs them)."""
+    for h in tl.static_range(2):  # the word's low and high 16 bits: shifts up to 12 stay in the mantissa
+        # 2^23's upper 16 bits over the half's 16: then each value takes one AND with an immediate (ptxas
+        # makes `(w & mask) | magic` two LOP3s, its immediates being one an instruction)
+        wh = (w & 65535) | _MAGIC_BITS if h == 0 else ((w >> 16) & 65535) | _MAGIC_BITS
+        for p in tl.static_range(2 if QTYPE == 8 else 4):
+            if QTYPE == 8:  # byte 2h + p of word `word`: value 4 word + 2h + p
+                e = 4 * word + 2 * h + p
+                step = 256.0 if p == 1 else 1.0
+                mask = 255 << (8 * p)
+                zero = 128.0
+            else:  # nibble p of the half: byte 2h + p // 2 of the word, low (value j) or high (j + 16)
+                e = 4 * word + 2 * h + p // 2 + 16 * (p % 2)
+                step = 4096.0 if p == 3 else 256.0 if p == 2 else 16.0 if p == 1 else 1.0
+                mask = 15 << (4 * p)
+                zero = 8.0 if QTYPE == 2 else 0.0
+            xe = tl.load(x_row + blk * 32 + e, mask=b_ok, other=0.0).to(tl.float32)
+            if QTYPE == 3:
+                xsum += xe
+            # (2^23 + v step) / step - (2^23 + zero step) / step: one FFMA, exact (v - zero is a float)
+            q = (wh & (mask | -65536)).to(tl.float32, bitcast=True) * (1.0 / step) - (_MAGIC + zero * step) / step
+            dot += q * xe[:, None]
+    return dot, xsum
+
+
+@triton.jit
+def _gguf_gemv_words_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_split, stride_xm, stride_ys,
+                            stride_ym, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    """The float GEMV with fewer instructions a value (the sm_90 SASS of `_gguf_gemv_kernel`'s loop: ~8 a
+    weight value, so it issues instructions, not bytes, at 40-45% of HBM bandwidth): the weight is read
+    as int32 words (16 bytes a block and row, one vector load) and each word's values are taken in
+    registers where they lie (`_word_dot`: LOP3, FADD, FFMA a value), with x's values loaded once per
+    block for the program's BLOCK_N rows. Tiles are [BLOCKS, BLOCK_N], blocks first, so that Triton lays
+    a block's rows in one thread and neighbouring threads read neighbouring blocks of a row. w_ptr: the
+    weight's bytes as int32 words (row_bytes % 4 == 0); s_ptr: the same bytes as fp16."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    cols, n_ok, w_row, s_row, s_base = _weight_rows(pid_n, N, K, row_bytes, QTYPE, BLOCK_N)
+    w_word = w_row // 4
+    nb = K // 32
+    b_begin = pid_k * blocks_per_split
+    b_end = tl.minimum(b_begin + blocks_per_split, nb)
+    x_row = x_ptr + row * stride_xm
+    word = tl.arange(0, 4)
+    acc = tl.zeros((BLOCKS, BLOCK_N), dtype=tl.float32)
+    for b0 in range(b_begin, b_end, BLOCKS):
+        blk = b0 + tl.arange(0, BLOCKS)
+        b_ok = blk < b_end
+        wm = b_ok[:, None] & n_ok[None, :]
+        d = tl.load(s_ptr + s_row[None, :] + s_base + blk[:, None], mask=wm, other=0.0).to(tl.float32)
+        dot = tl.zeros((BLOCKS, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((BLOCKS,), dtype=tl.float32)
+        if QTYPE == 8:  # 32 bytes a block: words 0-3 hold values 0-15, words 4-7 values 16-31
+            wp = w_ptr + w_word[None, :, None] + (blk * 8)[:, None, None] + word[None, None, :]
+            for half in tl.static_range(2):
+                w4 = tl.load(wp + 4 * half, mask=wm[:, :, None], other=0) ^ -2139062144  # ^ 0x80808080
+                w0, w1, w2, w3 = _split4(w4)
+                dot, xsum = _word_dot(dot, xsum, w0, 4 * half, x_row, blk, b_ok, QTYPE)
+                dot, xsum = _word_dot(dot, xsum, w1, 4 * half + 1, x_row, blk, b_ok, QTYPE)
+                dot, xsum = _word_dot(dot, xsum, w2, 4 * half + 2, x_row, blk, b_ok, QTYPE)
+                dot, xsum = _word_dot(dot, xsum, w3, 4 * half + 3, x_row, blk, b_ok, QTYPE)
+            acc += d * dot
+        else:  # 16 bytes a block: byte j holds value j (low nibble) and value j + 16 (high nibble)
+            w4 = tl.load(w_ptr + w_word[None, :, None] + (blk * 4)[:, None, None] + word[None, None, :],
+                         mask=wm[:, :, None], other=0)  # fmt: skip
+            w0, w1, w2, w3 = _split4(w4)
+            dot, xsum = _word_dot(dot, xsum, w0, 0, x_row, blk, b_ok, QTYPE)
+            dot, xsum = _word_dot(dot, xsum, w1, 1, x_row, blk, b_ok, QTYPE)
+            dot, xsum = _word_dot(dot, xsum, w2, 2, x_row, blk, b_ok, QTYPE)
+            dot, xsum = _word_dot(dot, xsum, w3, 3, x_row, blk, b_ok, QTYPE)
+            if QTYPE == 3:  # Q4_1: w = q d + m
+                mn = tl.load(s_ptr + s_row[None, :] + s_base + nb + blk[:, None], mask=wm, other=0.0).to(tl.float32)
+                acc += d * dot + mn * xsum[:, None]
+            else:  # Q4_0: w = (q - 8) d, the 8 taken off with 2^23
+                acc += d * dot
+    y = y_ptr + pid_k.to(tl.int64) * stride_ys + row * stride_ym + cols
+    tl.store(y, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 # -- K-quants: 256-value super-blocks kept as ggml stores them ------------------------------------------------
 #
 # Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles;
@@ -594,10 +691,14 @@ GEMV_MAX_ROWS = 1
 # integer dots at their best tiles only equal the float kernel at its own (93 against ~91 us a Llama-3.1-8B
 # layer) with 3x its error, and their first tiles ranked 16th-69th of 96.
 GEMV_INT8_DOTS = False
+# Whether it takes the word GEMV (`_gguf_gemv_words_kernel`): ~4 instructions a weight value against the
+# float kernel's ~8 in their sm_90 SASS, correct under the interpreter; off until a GPU times it
+# (scripts/gguf_gemv_sweep.py; gpu_session.sh's latency-int4-words runs a whole model with it).
+GEMV_WORDS = os.environ.get("FERRY_GGUF_GEMV_WORDS") == "1"
 
 
 def gemv_config(
-    N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS, int8_dots: bool = False
+    N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS, int8_dots: bool = False, words: bool = False
 ) -> dict[str, int | bool]:
     """The GEMV kernel's tiles and K splits: host arithmetic on shapes only (graph-safe). BLOCKS quant
     blocks of BLOCK_N rows per step. The float kernel's 32-value blocks: 8 rows x 64 blocks (8 KB of Q4
@@ -607,7 +708,10 @@ def gemv_config(
     o / gate_up / down against 14.8 / 13.3 / 46.5 / 41.6 with the earlier 16 rows x 8 blocks and 8 warps,
     which the first leases' sweeps, timing L2-resident weights, had picked).
     `int8_dots` asks for the integer-dot kernel where rows are whole int32 words, with its best tiles
-    of the 2026-11-27 sweep (32 rows x 16 blocks, 4 warps; each thread loads 16 bytes). K-quants step
+    of the 2026-11-27 sweep (32 rows x 16 blocks, 4 warps; each thread loads 16 bytes). `words` asks for
+    the word GEMV where rows are whole int32 words: 8 rows of one block a thread (4.2 instructions a
+    value in its sm_90 SASS; 16 rows: 3.9, but 168 registers) and 32 blocks a warp, up to 4 warps as K
+    has blocks for them (no tile timed on a GPU yet). K-quants step
     one super-block (4 KB of Q4_K nibbles for 32 rows and 4 warps) and split K in super-blocks
     (`sb_per_split`)."""
     if qtype in K_QUANTS:
@@ -616,14 +720,20 @@ def gemv_config(
         per_split = triton.cdiv(nsb, decode_split_k(triton.cdiv(N, block_n), nsb, num_sms))
         return {"BLOCK_N": block_n, "split": triton.cdiv(nsb, per_split), "sb_per_split": per_split,
                 "num_warps": 4, "num_stages": 3}  # fmt: skip
-    int8_dots = int8_dots and block32_row_bytes(K, qtype) % 4 == 0
-    block_n, blocks, warps = (32, 16, 4) if int8_dots else (8, 64, 4)
+    whole_words = block32_row_bytes(K, qtype) % 4 == 0
+    int8_dots = int8_dots and whole_words
+    words = words and whole_words and not int8_dots
     nb = K // 32
+    if words:
+        warps = 4 if nb >= 128 else 2 if nb >= 64 else 1
+        block_n, blocks = 8, 32 * warps
+    else:
+        block_n, blocks, warps = (32, 16, 4) if int8_dots else (8, 64, 4)
     split = decode_split_k(triton.cdiv(N, block_n), triton.cdiv(nb, blocks), num_sms)
     blocks_per_split = triton.cdiv(triton.cdiv(nb, blocks), split) * blocks
     return {"BLOCK_N": block_n, "BLOCKS": blocks, "split": triton.cdiv(nb, blocks_per_split),
             "blocks_per_split": blocks_per_split, "num_warps": warps, "num_stages": 3 if int8_dots else 1,
-            "INT8_DOTS": int8_dots}  # fmt: skip
+            "INT8_DOTS": int8_dots, "WORDS": words}  # fmt: skip
 
 
 def block32_row_bytes(K: int, qtype: int) -> int:
@@ -647,7 +757,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
         return y
     sms = num_sms(x.device)
     if M <= GEMV_MAX_ROWS:
-        return launch_gemv(x, data, qtype, gemv_config(N, K, qtype, sms, GEMV_INT8_DOTS), y)
+        return launch_gemv(x, data, qtype, gemv_config(N, K, qtype, sms, GEMV_INT8_DOTS, GEMV_WORDS), y)
     return launch_tiles(x, data, qtype, matmul_config(M, N, K, qtype, sms), y)
 
 
@@ -666,6 +776,11 @@ def launch_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: t
                                   x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
                                   BLOCK_BYTES=K_QUANTS[qtype], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
                                   num_stages=cfg["num_stages"])  # fmt: skip
+    elif cfg.get("WORDS") and row_bytes % 4 == 0 and data.data_ptr() % 4 == 0:  # words of whole rows
+        _gguf_gemv_words_kernel[grid](
+            x, data.view(torch.int32), data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"],
+            x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype, BLOCK_N=cfg["BLOCK_N"],
+            BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     elif cfg.get("INT8_DOTS") and row_bytes % 4 == 0 and data.data_ptr() % 4 == 0:  # words of whole rows
         _gguf_gemv_int8_kernel[grid](
             x, data.view(torch.int32), data.view(torch.float16), out, N, K, row_bytes, cfg["blocks_per_split"],

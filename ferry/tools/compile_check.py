@@ -21,9 +21,11 @@ Exit status 1 when a kernel fails to compile or exceeds the architecture's limit
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -120,6 +122,31 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
                 if value.isdigit():
                     usage[name] = int(value)
     return usage
+
+
+def main_loop_instructions(cubin: bytes) -> collections.Counter:
+    """SASS opcodes in the kernel's longest loop (the body between a label and the furthest branch back to
+    it; nvdisasm, shipped with Triton), counted; the whole kernel's if it has no loop. What a value costs
+    in issue slots, read without a GPU."""
+    nvdisasm = os.path.join(os.path.dirname(_cuobjdump()), "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout.splitlines()
+    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L\w+:$", line.strip())}
+    loop = None
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA `?\(?(\.L\w+)", line)
+        start = labels.get(target.group(1), i) if target else i
+        if start < i and (loop is None or i - start > loop[1] - loop[0]):
+            loop = (start, i)
+    first, last = loop or (0, len(lines) - 1)
+    ops: collections.Counter = collections.Counter()
+    for line in lines[first : last + 1]:
+        op = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if op:
+            ops[op.group(1)] += 1
+    return ops
 
 
 def widest_global_load(ptx: str) -> int:
@@ -279,10 +306,10 @@ def engine_kernels(
                                      ("prefill", T, 2 * inter, hidden)):  # fmt: skip
                 data = torch.empty(n, k // block * block_bytes, dtype=torch.uint8)
                 launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
-                if case == "gemv" and tid in gguf.BLOCK32_TYPES:  # the integer-dot GEMV beside the float one
-                    cfg = gguf.gemv_config(n, k, tid, int8_dots=True)
-                    launch(f"{type_name} gemv", gguf.launch_gemv, torch.empty(rows, k, dtype=dt), data,
-                           tid, cfg, torch.empty(rows, n, dtype=dt))  # fmt: skip
+                if case == "gemv" and tid in gguf.BLOCK32_TYPES:  # the integer-dot and word GEMVs beside it
+                    for cfg in (gguf.gemv_config(n, k, tid, int8_dots=True), gguf.gemv_config(n, k, tid, words=True)):
+                        launch(f"{type_name} gemv", gguf.launch_gemv, torch.empty(rows, k, dtype=dt), data,
+                               tid, cfg, torch.empty(rows, n, dtype=dt))  # fmt: skip
     if quantization == "int8":
         from ferry.kernels import triton_int8
 

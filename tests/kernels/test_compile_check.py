@@ -60,6 +60,7 @@ def test_engine_kernels_compile_for_sm90():
     assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
                             "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_gguf_gemv_int8_kernel",
+                            "_gguf_gemv_words_kernel",
                             "_kquant_matmul_kernel",
                             "_kquant_gemv_kernel", "_quantize_rows_kernel",
                             "_int8_matmul_kernel", "_moe_gemm_kernel", "_latent_decode_kernel",
@@ -69,9 +70,9 @@ def test_engine_kernels_compile_for_sm90():
     gguf = {r["case"]: r for r in by_name["_gguf_matmul_kernel"]}
     assert set(gguf) == {f"{t} {c}" for t in ("Q4_0", "Q4_1", "Q8_0") for c in ("decode", "prefill")}
     assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in gguf.values())
-    # Batch 1's GEMV, in floats (the default) and with integer dots (PTX dp4a): CUDA cores, the weight bytes
-    # in 16-byte loads.
-    for name in ("_gguf_gemv_kernel", "_gguf_gemv_int8_kernel"):
+    # Batch 1's GEMV, in floats (the default), with integer dots (PTX dp4a) and in words: CUDA cores, the
+    # weight bytes in 16-byte loads.
+    for name in ("_gguf_gemv_kernel", "_gguf_gemv_int8_kernel", "_gguf_gemv_words_kernel"):
         gemv = {r["case"]: r for r in by_name[name]}
         assert set(gemv) == {f"{t} gemv" for t in ("Q4_0", "Q4_1", "Q8_0")}, name
         assert all(r["tensor_cores"] == "-" and r["widest_load"] == 16 for r in gemv.values()), gemv
@@ -111,6 +112,40 @@ def test_engine_kernels_compile_for_sm90():
     assert {r["tensor_cores"] for r in by_name["_decode_kernel"]} <= {"mma", "wgmma"}
     assert by_name["_prefill_kernel"][0]["tensor_cores"] == "wgmma"
     assert any("shared memory" in p for p in oversized["oversized"]), oversized
+
+
+WORDS_SCRIPT = r"""
+import torch
+from ferry.kernels import triton_gguf as tg
+from ferry.tools.compile_check import compiling_for, main_loop_instructions
+
+n, k = 4096, 14336  # Llama-3.1-8B's down projection: 448 blocks, every tiling loops over K
+data = torch.empty(n, tg.block32_row_bytes(k, tg.Q4_0), dtype=torch.uint8)
+x, y = torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+for words in (False, True):
+    cfg = tg.gemv_config(n, k, tg.Q4_0, 132, words=words)
+    with compiling_for(90) as compiled:
+        tg.launch_gemv(x, data, tg.Q4_0, cfg, y)
+    ops = main_loop_instructions(compiled[-1][1].asm["cubin"])
+    values = cfg["BLOCK_N"] * cfg["BLOCKS"] * 32 / (32 * cfg["num_warps"])  # a thread's weight values a step
+    print(compiled[-1][0], sum(ops.values()) / values, (ops["FFMA"] + ops["FADD"]) / values, ops["BAR"])
+"""
+
+
+def test_word_gemv_loop_issues_about_half_the_instructions():
+    """The word GEMV's reason to be, read from its sm_90 SASS: its loop issues ~4 instructions a weight
+    value (one LOP3, two float ops, the rest amortized over a block's rows) against the float kernel's ~8,
+    and fewer barriers a step (its x values are loaded where the tile's layout needs them, not converted
+    through shared memory; the block scales still are)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", WORDS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (floats, f_per_value, _, f_bars), (words, w_per_value, w_float_ops, w_bars) = [
+        (name, float(a), float(b), int(c)) for name, a, b, c in (line.split() for line in proc.stdout.splitlines())
+    ]
+    assert (floats, words) == ("_gguf_gemv_kernel", "_gguf_gemv_words_kernel")
+    assert w_per_value < 4.5 and f_per_value > 7, (w_per_value, f_per_value)
+    assert 1.9 <= w_float_ops <= 2.1 and w_bars < f_bars, (w_float_ops, w_bars, f_bars)
 
 
 def test_widest_global_load_reads_vector_loads_and_async_copies():

@@ -120,15 +120,18 @@ def test_decode_shapes_split_k_and_read_each_byte_once():
     torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-4)
 
 
-GEMV_CASES = [(t, False) for t in ALL_TYPES] + [(t, True) for t in GEMV_INT8_TYPES]
+GEMV_CASES = ([(t, "float") for t in ALL_TYPES] + [(t, "int8") for t in GEMV_INT8_TYPES]
+              + [(t, "words") for t in GEMV_INT8_TYPES])  # fmt: skip
 
 
-@pytest.mark.parametrize("type_name,int8_dots", GEMV_CASES)
-def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, int8_dots, monkeypatch):
+@pytest.mark.parametrize("type_name,kernel", GEMV_CASES)
+def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, kernel, monkeypatch):
     """Batch 1 runs the GEMV kernel: partial row tiles, a partial last step of quant blocks, K split
     over programs or not, fp32 and bf16 activations; the fp32 result is the dequantized weight's times x,
     or, with integer dots (asked for, 32-value types only), times x's blocks through int8. The float
-    kernel with its weight loaded a step ahead (PRELOAD) gives the same bits."""
+    kernel with its weight loaded a step ahead (PRELOAD) gives the same bits. The word GEMV (asked for,
+    32-value types) is the dequantized weight's times x too."""
+    int8_dots, words = kernel == "int8", kernel == "words"
     k = 7 * 256 if type_name.endswith("_K") else 100 * 32  # 7 super-blocks; 100 blocks: steps of 8 or 16, then 4
     w = _weight(type_name, n=72, k=k, seed=3)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
@@ -137,10 +140,13 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, int8_dots, monkey
     results = []
     for sms in (1, 132):  # one SM: no split; 132: split K
         monkeypatch.setattr(tg, "num_sms", lambda device, sms=sms: sms)
-        cfg = tg.gemv_config(72, k, w.qtype, sms, int8_dots=int8_dots)
+        cfg = tg.gemv_config(72, k, w.qtype, sms, int8_dots=int8_dots, words=words)
         assert (cfg["split"] > 1) == (sms > 1) and cfg.get("INT8_DOTS", False) == int8_dots
+        assert cfg.get("WORDS", False) == words
+        if words:  # 100 blocks: 2 warps' 64 a step, the last step partial (unsplit)
+            assert cfg["BLOCKS"] == 64 and cfg["num_warps"] == 2
         # the float kernel with its weight bytes loaded a step ahead: the same arithmetic, the same bits
-        cfg = {**cfg, "PRELOAD": not int8_dots and not type_name.endswith("_K")}
+        cfg = {**cfg, "PRELOAD": kernel == "float" and not type_name.endswith("_K")}
         y = tg.launch_gemv(x.to(DEVICE), w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, 72, device=DEVICE)).cpu()
         _fp32_close(y, expected)
         results.append(y)
@@ -149,14 +155,16 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, int8_dots, monkey
         bound = expected.abs().max().item() / 64  # two bf16 ulps of the largest output
         torch.testing.assert_close(yb.cpu().float(), reference(x.bfloat16(), w), rtol=0, atol=bound)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
-    if not int8_dots and not type_name.endswith("_K"):  # preloaded or not: bit for bit
+    if kernel == "float" and not type_name.endswith("_K"):  # preloaded or not: bit for bit
         cfg = {**tg.gemv_config(72, k, w.qtype, 1), "BLOCKS": 4}  # 25 steps
         xd, wd = x.to(DEVICE), w.data.to(DEVICE)
         plain = tg.launch_gemv(xd, wd, w.qtype, cfg, torch.empty(1, 72, device=DEVICE))
         ahead = tg.launch_gemv(xd, wd, w.qtype, {**cfg, "PRELOAD": True}, torch.empty(1, 72, device=DEVICE))
         assert torch.equal(plain, ahead)
-    # and through the public entry point, which takes the integer dots only where GEMV_INT8_DOTS says
+    # and through the public entry point, which takes the integer dots (the word GEMV) only where
+    # GEMV_INT8_DOTS (GEMV_WORDS) says
     monkeypatch.setattr(tg, "GEMV_INT8_DOTS", int8_dots)
+    monkeypatch.setattr(tg, "GEMV_WORDS", words)
     _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, k).cpu(), expected)
 
 

@@ -41,7 +41,9 @@ def test_other_tiles_give_the_same_experts():
     ref = grouped_experts(x, w13, w2, weights, ids)
     for block_m, n, kk in ((32, 32, 32), (16, 128, 64)):
         tiles = {"BLOCK_N": n, "BLOCK_K": kk, "num_warps": 8, "num_stages": 4}
-        got = triton_moe.fused_experts(x, w13, w2, weights, ids, block_m, (tiles, triton_moe.gemm_tiles(inter, block_m)))
+        got = triton_moe.fused_experts(
+            x, w13, w2, weights, ids, block_m, (tiles, triton_moe.gemm_tiles(inter, block_m))
+        )
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
