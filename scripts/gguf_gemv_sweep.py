@@ -103,8 +103,18 @@ def k_quant_timings(peak_bandwidth: float) -> None:
                 y = tg.gguf_matmul(x, data, qtype, k)
                 ref = x.float() @ ref_w.T
                 errors.append(((y.float() - ref).norm() / ref.norm()).item())
+            words = ""
+            if qtype == tg.Q4_K:  # the word GEMV (opt-in), at batch 1
+                x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                cfg = tg.gemv_config(n, k, qtype, tg.num_sms(x.device), words=True)
+                run, y = launcher(tg.launch_gemv, x, n, cfg, qtype)
+                t_words = per_weight_us(run, datas)
+                run(data)
+                ref = x.float() @ ref_w.T
+                error = ((y.float() - ref).norm() / ref.norm()).item()
+                words = f"; words {t_words:.1f} us ({floor / t_words:.0%}), {error:.1e}"
             print(f"{name:5s} {shape:8s} {floor:8.1f} {times[0]:8.1f} {times[1]:9.1f}  {errors[0]:.1e} {errors[1]:.1e}"
-                  f"  ({floor / times[0]:.0%} of peak at batch 1)", flush=True)  # fmt: skip
+                  f"  ({floor / times[0]:.0%} of peak at batch 1{words})", flush=True)  # fmt: skip
 
 
 def _config(nb: int, kernel: str, bn: int, blocks: int, warps: int, stages: int, split: int, preload: bool) -> dict:
@@ -124,10 +134,10 @@ def _tiles(cfg: dict) -> str:
     return f"{kind} N{cfg['BLOCK_N']} b{cfg['BLOCKS']} w{cfg['num_warps']} s{cfg['num_stages']} split{cfg['split']}"
 
 
-def launcher(launch, x: torch.Tensor, n: int, cfg: dict):
+def launcher(launch, x: torch.Tensor, n: int, cfg: dict, qtype: int = tg.Q4_0):
     """fn(data): one launch (`tg.launch_gemv` / `tg.launch_tiles`) with the tiles of `cfg` into y, and y."""
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device="cuda")
-    return (lambda data: launch(x, data, tg.Q4_0, cfg, y)), y
+    return (lambda data: launch(x, data, qtype, cfg, y)), y
 
 
 def compile_only(arch: int) -> None:

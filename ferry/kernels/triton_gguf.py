@@ -579,6 +579,78 @@ def _kquant_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, sb_per_spli
 
 
 @triton.jit
+def _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w, word: tl.constexpr, x_chunk, c_ok):
+    """Q4_K's `_word_dot`: word `word` (0..7) of each (chunk, row) holds bytes 4 word .. 4 word + 3 of a
+    32-byte nibble chunk, whose low nibbles are values 4 word + m of the chunk's first sub-block and high
+    ones of its second: two chains (dot_lo, dot_hi [CHUNKS, BLOCK_N]) and the sub-blocks' sums of x."""
+    for h in tl.static_range(2):
+        wh = (w & 65535) | _MAGIC_BITS if h == 0 else ((w >> 16) & 65535) | _MAGIC_BITS
+        for p in tl.static_range(4):
+            step = 4096.0 if p == 3 else 256.0 if p == 2 else 16.0 if p == 1 else 1.0
+            q = (wh & ((15 << (4 * p)) | -65536)).to(tl.float32, bitcast=True) * (1.0 / step) - _MAGIC / step
+            e = 4 * word + 2 * h + p // 2
+            if p % 2 == 0:  # low nibble: the first sub-block
+                xe = tl.load(x_chunk + e, mask=c_ok, other=0.0).to(tl.float32)
+                sum_lo += xe
+                dot_lo += q * xe[:, None]
+            else:
+                xe = tl.load(x_chunk + 32 + e, mask=c_ok, other=0.0).to(tl.float32)
+                sum_hi += xe
+                dot_hi += q * xe[:, None]
+    return dot_lo, dot_hi, sum_lo, sum_hi
+
+
+@triton.jit
+def _q4k_gemv_words_kernel(x_ptr, w_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, sb_per_split, stride_xm, stride_ys,
+                           stride_ym, BLOCK_N: tl.constexpr, SB: tl.constexpr):  # fmt: skip
+    """The word GEMV for Q4_K: tiles [CHUNKS, BLOCK_N], a chunk being a quarter of a super-block (32
+    nibble bytes: sub-blocks 2c and 2c + 1, 64 values), SB super-blocks a step; a thread takes one
+    chunk of BLOCK_N rows, its eight int32 words taken apart as `_gguf_gemv_words_kernel` does (LOP3 and
+    two FFMAs a value), each sub-block's sum scaled once by d sc and its min by dmin mn times x's sum.
+    w_ptr: the bytes as int32 words (144-byte super-blocks: rows are whole words); q_ptr: as uint8 (the
+    scales); s_ptr: as fp16 (d, dmin)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    cols, n_ok, w_row, sb_begin, sb_end = _super_block_range(pid_n, pid_k, N, K, row_bytes, sb_per_split, BLOCK_N)
+    x_row = x_ptr + row * stride_xm
+    c = tl.arange(0, 4 * SB)  # the step's chunks: super-block c // 4, quarter c % 4
+    word = tl.arange(0, 4)
+    acc = tl.zeros((4 * SB, BLOCK_N), dtype=tl.float32)
+    for s0 in range(sb_begin, sb_end, SB):
+        sb = s0 + c // 4
+        c_ok = sb < sb_end
+        cm = c_ok[:, None] & n_ok[None, :]
+        first = w_row[None, :] + (sb * 144)[:, None]  # [CHUNKS, BLOCK_N] byte offset of each super-block
+        quarter = (c % 4)[:, None]
+        half = (first + 16 + 32 * quarter) // 4  # the chunk's first word: after d, dmin and 12 scale bytes
+        wa = tl.load(w_ptr + half[:, :, None] + word[None, None, :], mask=cm[:, :, None], other=0)
+        wb = tl.load(w_ptr + half[:, :, None] + 4 + word[None, None, :], mask=cm[:, :, None], other=0)
+        x_chunk = x_row + sb * 256 + 64 * (c % 4)
+        dot_lo = tl.zeros((4 * SB, BLOCK_N), dtype=tl.float32)
+        dot_hi = tl.zeros((4 * SB, BLOCK_N), dtype=tl.float32)
+        sum_lo = tl.zeros((4 * SB,), dtype=tl.float32)
+        sum_hi = tl.zeros((4 * SB,), dtype=tl.float32)
+        w0, w1, w2, w3 = _split4(wa)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w0, 0, x_chunk, c_ok)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w1, 1, x_chunk, c_ok)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w2, 2, x_chunk, c_ok)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w3, 3, x_chunk, c_ok)
+        w4, w5, w6, w7 = _split4(wb)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w4, 4, x_chunk, c_ok)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w5, 5, x_chunk, c_ok)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w6, 6, x_chunk, c_ok)
+        dot_lo, dot_hi, sum_lo, sum_hi = _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w7, 7, x_chunk, c_ok)
+        sc_lo, mn_lo = _k4_scale_min(q_ptr + first + 4, 2 * quarter, cm)
+        sc_hi, mn_hi = _k4_scale_min(q_ptr + first + 4, 2 * quarter + 1, cm)
+        d = tl.load(s_ptr + first // 2, mask=cm, other=0.0).to(tl.float32)
+        dmin = tl.load(s_ptr + first // 2 + 1, mask=cm, other=0.0).to(tl.float32)
+        acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (mn_lo * sum_lo[:, None] + mn_hi * sum_hi[:, None])
+    y = y_ptr + pid_k.to(tl.int64) * stride_ys + row * stride_ym + cols
+    tl.store(y, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _kquant_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, sb_per_split, stride_xm, stride_ys,
                           stride_ym, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
@@ -711,9 +783,18 @@ def gemv_config(
     of the 2026-11-27 sweep (32 rows x 16 blocks, 4 warps; each thread loads 16 bytes). `words` asks for
     the word GEMV where rows are whole int32 words: 8 rows of one block a thread (4.2 instructions a
     value in its sm_90 SASS; 16 rows: 3.9, but 168 registers) and 32 blocks a warp, up to 4 warps as K
-    has blocks for them (no tile timed on a GPU yet). K-quants step
+    has blocks for them (no tile timed on a GPU yet); for Q4_K (`_q4k_gemv_words_kernel`, 5.1 against
+    9.2) 8 rows of a quarter super-block a thread, 8 super-blocks a warp. K-quants step
     one super-block (4 KB of Q4_K nibbles for 32 rows and 4 warps) and split K in super-blocks
     (`sb_per_split`)."""
+    if qtype == Q4_K and words:  # a warp takes 8 super-blocks (32 chunks) of 8 rows a step
+        nsb = K // 256
+        warps = 4 if nsb >= 32 else 2 if nsb >= 16 else 1
+        sb = 8 * warps
+        split = decode_split_k(triton.cdiv(N, 8), triton.cdiv(nsb, sb), num_sms)
+        per_split = triton.cdiv(triton.cdiv(nsb, sb), split) * sb
+        return {"BLOCK_N": 8, "SB": sb, "split": triton.cdiv(nsb, per_split), "sb_per_split": per_split,
+                "num_warps": warps, "num_stages": 1, "WORDS": True}  # fmt: skip
     if qtype in K_QUANTS:
         block_n = 32
         nsb = K // 256
@@ -771,7 +852,12 @@ def launch_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: t
     (M, K), (N, row_bytes), split = x.shape, data.shape, cfg["split"]
     out = _split_sums(y, split)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split, M)
-    if qtype in K_QUANTS:
+    if qtype == Q4_K and cfg.get("WORDS") and data.data_ptr() % 4 == 0:  # 144-byte super-blocks: whole words
+        _q4k_gemv_words_kernel[grid](x, data.view(torch.int32), data, data.view(torch.float16), out, N, K, row_bytes,
+                                     cfg["sb_per_split"], x.stride(0), out.stride(0) if split > 1 else 0,
+                                     out.stride(-2), BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], num_warps=cfg["num_warps"],
+                                     num_stages=cfg["num_stages"])  # fmt: skip
+    elif qtype in K_QUANTS:
         _kquant_gemv_kernel[grid](x, data, data.view(torch.float16), out, N, K, row_bytes, cfg["sb_per_split"],
                                   x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
                                   BLOCK_BYTES=K_QUANTS[qtype], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],

@@ -306,8 +306,11 @@ def engine_kernels(
                                      ("prefill", T, 2 * inter, hidden)):  # fmt: skip
                 data = torch.empty(n, k // block * block_bytes, dtype=torch.uint8)
                 launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
-                if case == "gemv" and tid in gguf.BLOCK32_TYPES:  # the integer-dot and word GEMVs beside it
-                    for cfg in (gguf.gemv_config(n, k, tid, int8_dots=True), gguf.gemv_config(n, k, tid, words=True)):
+                if case == "gemv" and (tid in gguf.BLOCK32_TYPES or tid == gguf.Q4_K):  # the opt-in GEMVs beside it
+                    cfgs = [gguf.gemv_config(n, k, tid, words=True)]
+                    if tid in gguf.BLOCK32_TYPES:
+                        cfgs.append(gguf.gemv_config(n, k, tid, int8_dots=True))
+                    for cfg in cfgs:
                         launch(f"{type_name} gemv", gguf.launch_gemv, torch.empty(rows, k, dtype=dt), data,
                                tid, cfg, torch.empty(rows, n, dtype=dt))  # fmt: skip
     if quantization == "int8":

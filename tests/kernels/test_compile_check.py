@@ -60,7 +60,7 @@ def test_engine_kernels_compile_for_sm90():
     assert set(by_name) == {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
                             "_rotary_kernel", "_add_rms_norm_kernel", "_silu_and_mul_kernel",
                             "_gguf_matmul_kernel", "_gguf_gemv_kernel", "_gguf_gemv_int8_kernel",
-                            "_gguf_gemv_words_kernel",
+                            "_gguf_gemv_words_kernel", "_q4k_gemv_words_kernel",
                             "_kquant_matmul_kernel",
                             "_kquant_gemv_kernel", "_quantize_rows_kernel",
                             "_int8_matmul_kernel", "_moe_gemm_kernel", "_latent_decode_kernel",
@@ -83,6 +83,7 @@ def test_engine_kernels_compile_for_sm90():
     assert all(r["tensor_cores"] in ("mma", "wgmma") and r["local_bytes"] == 0 for r in k_tiles.values())
     k_gemv = {r["case"]: r["widest_load"] for r in by_name["_kquant_gemv_kernel"]}
     assert k_gemv == {"Q4_K gemv": 16, "Q5_K gemv": 16, "Q6_K gemv": 2}, k_gemv
+    assert [(r["case"], r["widest_load"]) for r in by_name["_q4k_gemv_words_kernel"]] == [("Q4_K gemv", 16)]
     # The W8A8 GEMM: integer dots on tensor cores (mma.sync for 16-row decode tiles, wgmma for prefill).
     int8 = {r["case"]: r["tensor_cores"] for r in by_name["_int8_matmul_kernel"]}
     assert int8 == {"int8 decode": "mma", "int8 prefill": "wgmma"}, int8

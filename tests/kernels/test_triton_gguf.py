@@ -121,7 +121,7 @@ def test_decode_shapes_split_k_and_read_each_byte_once():
 
 
 GEMV_CASES = ([(t, "float") for t in ALL_TYPES] + [(t, "int8") for t in GEMV_INT8_TYPES]
-              + [(t, "words") for t in GEMV_INT8_TYPES])  # fmt: skip
+              + [(t, "words") for t in (*GEMV_INT8_TYPES, "Q4_K")])  # fmt: skip
 
 
 @pytest.mark.parametrize("type_name,kernel", GEMV_CASES)
@@ -130,9 +130,11 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, kernel, monkeypat
     over programs or not, fp32 and bf16 activations; the fp32 result is the dequantized weight's times x,
     or, with integer dots (asked for, 32-value types only), times x's blocks through int8. The float
     kernel with its weight loaded a step ahead (PRELOAD) gives the same bits. The word GEMV (asked for,
-    32-value types) is the dequantized weight's times x too."""
+    32-value types and Q4_K) is the dequantized weight's times x too."""
     int8_dots, words = kernel == "int8", kernel == "words"
     k = 7 * 256 if type_name.endswith("_K") else 100 * 32  # 7 super-blocks; 100 blocks: steps of 8 or 16, then 4
+    if type_name == "Q4_K" and words:
+        k = 20 * 256  # 2 warps' 16 super-blocks a step, then 4
     w = _weight(type_name, n=72, k=k, seed=3)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
     reference = _int8_dots_reference if int8_dots else _reference
@@ -143,7 +145,9 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, kernel, monkeypat
         cfg = tg.gemv_config(72, k, w.qtype, sms, int8_dots=int8_dots, words=words)
         assert (cfg["split"] > 1) == (sms > 1) and cfg.get("INT8_DOTS", False) == int8_dots
         assert cfg.get("WORDS", False) == words
-        if words:  # 100 blocks: 2 warps' 64 a step, the last step partial (unsplit)
+        if words and type_name == "Q4_K":
+            assert cfg["SB"] == 16 and cfg["num_warps"] == 2
+        elif words:  # 100 blocks: 2 warps' 64 a step, the last step partial (unsplit)
             assert cfg["BLOCKS"] == 64 and cfg["num_warps"] == 2
         # the float kernel with its weight bytes loaded a step ahead: the same arithmetic, the same bits
         cfg = {**cfg, "PRELOAD": kernel == "float" and not type_name.endswith("_K")}
