@@ -211,11 +211,13 @@ def main() -> None:
             except OutOfResources as e:  # a tiling too large for the SM: skipped, said
                 print(f"{'':8s} {_tiles(cfg)}: {type(e).__name__}", flush=True)
         timings.sort(key=lambda t: t[0])
-        best = {kind: next(t for t in timings if _kernel(t[1]) == kind) for kind in ("int8", "fp", "words")}
+        # each kernel's best (None where every tiling of it ran out of resources)
+        best = {kind: next((t for t in timings if _kernel(t[1]) == kind), (float("nan"), None))
+                for kind in ("int8", "fp", "words")}  # fmt: skip
         print(
             f"{name:8s} {floor:8.1f} {t_bf16:8.1f} {t_tiles:8.1f} {t_default:8.1f} {best['int8'][0]:9.1f}"
             f" {best['fp'][0]:8.1f} {best['words'][0]:10.1f}  "
-            + " | ".join(_tiles(c) for _, c in best.values())
+            + " | ".join(_tiles(c) if c else "-" for _, c in best.values())
             + "; "
             + " ".join(f"{e:.1e}" for e in errors)
             + f"  ({floor / timings[0][0]:.0%} of peak at best, {floor / t_default:.0%} by default)",

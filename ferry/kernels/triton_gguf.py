@@ -38,6 +38,7 @@ capturable. The kernels also run under TRITON_INTERPRET=1 on CPU tensors (the te
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -767,6 +768,8 @@ GEMV_INT8_DOTS = False
 # float kernel's ~8 in their sm_90 SASS, correct under the interpreter; off until a GPU times it
 # (scripts/gguf_gemv_sweep.py; gpu_session.sh's latency-int4-words runs a whole model with it).
 GEMV_WORDS = os.environ.get("FERRY_GGUF_GEMV_WORDS") == "1"
+if GEMV_WORDS:
+    logging.getLogger(__name__).info("GGUF batch-1 matmuls take the word GEMV (FERRY_GGUF_GEMV_WORDS=1)")
 
 
 def gemv_config(

@@ -40,14 +40,16 @@ apply_interpreter_numpy_fix()
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def block_m_for(num_pairs: int, num_experts: int) -> int:
+def block_m_for(num_pairs: int, num_experts: int, two_byte: bool = True) -> int:
     """Rows per tile: 16 when the pairs are few per expert (decode: each expert's run is padded to a
     tile, so small tiles waste least), 64 for prompt-sized steps, 128 once the experts average a whole
     such tile (scripts/moe_gemm_sweep.py on an H100, 2026-11-27: DeepSeek-V2-Lite's layer at 2,048
-    tokens, 192 pairs an expert, took 710 us with 128-row tiles against 916 with 64)."""
+    tokens, 192 pairs an expert, took 710 us with 128-row tiles against 916 with 64) and activations
+    are 2-byte (fp32's 128 x 128 tiles ask 196 KB of shared memory: more than Ampere's and Ada's
+    99-163 KB)."""
     if num_pairs <= 4 * num_experts:
         return 16
-    return 128 if num_pairs >= 128 * num_experts else 64
+    return 128 if two_byte and num_pairs >= 128 * num_experts else 64
 
 
 def padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -238,7 +240,7 @@ def gemm_tiles(K: int, block_m: int = 64) -> dict[str, int]:
     if block_m <= 32 and K % 128 == 0:
         return {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
     if block_m >= 128:
-        return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_N": 128, "BLOCK_K": 32 if K % 64 else 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_N": 64, "BLOCK_K": 32 if K % 64 else 64, "num_warps": 4, "num_stages": 3}
 
 
@@ -293,7 +295,7 @@ def fused_experts(
     `block_m` and `tiles` (the gate/up GEMM's, then the down GEMM's) override the defaults (the sweep)."""
     T, H = x.shape
     E, k = w13.shape[0], ids.shape[1]
-    block_m = block_m or block_m_for(T * k, E)
+    block_m = block_m or block_m_for(T * k, E, x.element_size() <= 2)
     tiles13, tiles2 = tiles or (None, None)
     aligned = moe_align(ids, E, block_m)
     gate_up = moe_gemm(x, w13, torch.empty(T * k, w13.shape[1], dtype=x.dtype, device=x.device), aligned, k,

@@ -284,7 +284,7 @@ def engine_kernels(
         E, top_k, mi = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size // tp
         w13, w2 = torch.empty(E, 2 * mi, hidden, dtype=dt), torch.empty(E, hidden, mi, dtype=dt)
         for case, rows in (("moe decode", max_num_seqs), ("moe prefill", T)):
-            block_m = triton_moe.block_m_for(rows * top_k, E)
+            block_m = triton_moe.block_m_for(rows * top_k, E, dt.itemsize <= 2)
             launch(f"{case} align", triton_moe.moe_align, torch.zeros(rows, top_k, dtype=torch.int64), E, block_m)
             tiles = triton_moe.padded_pairs(rows * top_k, E, block_m) // block_m
             aligned = (torch.zeros(tiles * block_m, dtype=torch.int64), torch.zeros(tiles, dtype=torch.int64),

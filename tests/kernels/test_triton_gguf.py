@@ -120,6 +120,25 @@ def test_decode_shapes_split_k_and_read_each_byte_once():
     torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-4)
 
 
+class _LaunchCounter:
+    """Stands in for a Triton kernel in triton_gguf's namespace: counts its launches, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _gemv_kernel_name(type_name: str, kernel: str) -> str:
+    if kernel == "words":
+        return "_q4k_gemv_words_kernel" if type_name == "Q4_K" else "_gguf_gemv_words_kernel"
+    if kernel == "int8":
+        return "_gguf_gemv_int8_kernel"
+    return "_kquant_gemv_kernel" if type_name.endswith("_K") else "_gguf_gemv_kernel"
+
+
 GEMV_CASES = ([(t, "float") for t in ALL_TYPES] + [(t, "int8") for t in GEMV_INT8_TYPES]
               + [(t, "words") for t in (*GEMV_INT8_TYPES, "Q4_K")])  # fmt: skip
 
@@ -132,17 +151,20 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, kernel, monkeypat
     kernel with its weight loaded a step ahead (PRELOAD) gives the same bits. The word GEMV (asked for,
     32-value types and Q4_K) is the dequantized weight's times x too."""
     int8_dots, words = kernel == "int8", kernel == "words"
-    k = 7 * 256 if type_name.endswith("_K") else 100 * 32  # 7 super-blocks; 100 blocks: steps of 8 or 16, then 4
+    k = 7 * 256 if type_name.endswith("_K") else 100 * 32  # 7 super-blocks; 100 blocks: steps of 64, then 36
     if type_name == "Q4_K" and words:
         k = 20 * 256  # 2 warps' 16 super-blocks a step, then 4
-    w = _weight(type_name, n=72, k=k, seed=3)
+    n = 75  # not a multiple of any kernel's rows a program: the last row tile is partial
+    launched = _LaunchCounter(getattr(tg, _gemv_kernel_name(type_name, kernel)))
+    monkeypatch.setattr(tg, _gemv_kernel_name(type_name, kernel), launched)
+    w = _weight(type_name, n=n, k=k, seed=3)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
     reference = _int8_dots_reference if int8_dots else _reference
     expected = reference(x, w)
     results = []
     for sms in (1, 132):  # one SM: no split; 132: split K
         monkeypatch.setattr(tg, "num_sms", lambda device, sms=sms: sms)
-        cfg = tg.gemv_config(72, k, w.qtype, sms, int8_dots=int8_dots, words=words)
+        cfg = tg.gemv_config(n, k, w.qtype, sms, int8_dots=int8_dots, words=words)
         assert (cfg["split"] > 1) == (sms > 1) and cfg.get("INT8_DOTS", False) == int8_dots
         assert cfg.get("WORDS", False) == words
         if words and type_name == "Q4_K":
@@ -151,25 +173,26 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, kernel, monkeypat
             assert cfg["BLOCKS"] == 64 and cfg["num_warps"] == 2
         # the float kernel with its weight bytes loaded a step ahead: the same arithmetic, the same bits
         cfg = {**cfg, "PRELOAD": kernel == "float" and not type_name.endswith("_K")}
-        y = tg.launch_gemv(x.to(DEVICE), w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, 72, device=DEVICE)).cpu()
+        y = tg.launch_gemv(x.to(DEVICE), w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, n, device=DEVICE)).cpu()
         _fp32_close(y, expected)
         results.append(y)
         xb = x.to(DEVICE, torch.bfloat16)
-        yb = tg.launch_gemv(xb, w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, 72, dtype=xb.dtype, device=DEVICE))
+        yb = tg.launch_gemv(xb, w.data.to(DEVICE), w.qtype, cfg, torch.empty(1, n, dtype=xb.dtype, device=DEVICE))
         bound = expected.abs().max().item() / 64  # two bf16 ulps of the largest output
         torch.testing.assert_close(yb.cpu().float(), reference(x.bfloat16(), w), rtol=0, atol=bound)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
     if kernel == "float" and not type_name.endswith("_K"):  # preloaded or not: bit for bit
-        cfg = {**tg.gemv_config(72, k, w.qtype, 1), "BLOCKS": 4}  # 25 steps
+        cfg = {**tg.gemv_config(n, k, w.qtype, 1), "BLOCKS": 4}  # 25 steps
         xd, wd = x.to(DEVICE), w.data.to(DEVICE)
-        plain = tg.launch_gemv(xd, wd, w.qtype, cfg, torch.empty(1, 72, device=DEVICE))
-        ahead = tg.launch_gemv(xd, wd, w.qtype, {**cfg, "PRELOAD": True}, torch.empty(1, 72, device=DEVICE))
+        plain = tg.launch_gemv(xd, wd, w.qtype, cfg, torch.empty(1, n, device=DEVICE))
+        ahead = tg.launch_gemv(xd, wd, w.qtype, {**cfg, "PRELOAD": True}, torch.empty(1, n, device=DEVICE))
         assert torch.equal(plain, ahead)
     # and through the public entry point, which takes the integer dots (the word GEMV) only where
     # GEMV_INT8_DOTS (GEMV_WORDS) says
     monkeypatch.setattr(tg, "GEMV_INT8_DOTS", int8_dots)
     monkeypatch.setattr(tg, "GEMV_WORDS", words)
     _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, k).cpu(), expected)
+    assert launched.launches == 4 + 2 * (kernel == "float" and not type_name.endswith("_K")) + 1  # no fallback
 
 
 def test_int8_dots_need_whole_words_per_row(monkeypatch):
@@ -180,7 +203,15 @@ def test_int8_dots_need_whole_words_per_row(monkeypatch):
     assert not tg.gemv_config(8, 3 * 32, tg.Q4_0, int8_dots=True)["INT8_DOTS"]  # 3 blocks: 54 bytes
     assert not tg.gemv_config(8, 3 * 32, tg.Q8_0, int8_dots=True)["INT8_DOTS"]  # 102 bytes
     assert tg.gemv_config(8, 3 * 32, tg.Q4_1, int8_dots=True)["INT8_DOTS"]  # 60 bytes
+    # the word GEMV likewise
+    assert not tg.gemv_config(8, 96 * 32, tg.Q4_0)["WORDS"]
+    assert tg.gemv_config(8, 96 * 32, tg.Q4_0, words=True)["WORDS"]
+    assert not tg.gemv_config(8, 3 * 32, tg.Q4_0, words=True)["WORDS"]
+    assert not tg.gemv_config(8, 3 * 32, tg.Q8_0, words=True)["WORDS"]
+    assert tg.gemv_config(8, 3 * 32, tg.Q4_1, words=True)["WORDS"]
+    assert not tg.gemv_config(8, 3 * 32, tg.Q4_1, int8_dots=True, words=True)["WORDS"]  # one or the other
     monkeypatch.setattr(tg, "GEMV_INT8_DOTS", True)
+    monkeypatch.setattr(tg, "GEMV_WORDS", True)
     w = _weight("Q4_0", n=8, k=3 * 32, seed=4)
     x = torch.randn(1, 3 * 32)
     _fp32_close(tg.gguf_matmul(x.to(DEVICE), w.data.to(DEVICE), w.qtype, 3 * 32).cpu(), _reference(x, w))

@@ -50,6 +50,7 @@ def test_other_tiles_give_the_same_experts():
 def test_default_tiles_follow_the_pairs_per_expert():
     """block_m_for / gemm_tiles pick by pairs an expert; decode's K steps of 128 where K allows them."""
     assert [triton_moe.block_m_for(p, 8) for p in (1, 32, 33, 1023, 1024)] == [16, 16, 64, 64, 128]
+    assert triton_moe.block_m_for(1024, 8, two_byte=False) == 64  # fp32: 128 x 128 tiles outgrow shared memory
     assert triton_moe.gemm_tiles(2048, 16)["BLOCK_K"] == 128 and triton_moe.gemm_tiles(1408, 16)["BLOCK_K"] == 128
     assert triton_moe.gemm_tiles(48, 16)["BLOCK_K"] == 32  # K not a multiple of 128 (nor 64)
     assert triton_moe.gemm_tiles(2048, 128)["BLOCK_N"] == 128 and triton_moe.gemm_tiles(2048, 64)["BLOCK_N"] == 64
