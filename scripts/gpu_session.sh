@@ -19,10 +19,11 @@ case ${1:-} in tests | bench | lease) ;; *)
   ;;
 esac
 # The steps one 15-minute lease should run first (2026-11-27, after the fifth lease: the word GEMV, for
-# issue 15's int4 target, in the sweep and in a whole model; the MoE tiles it set, in whole models).
+# issue 15's int4 target, in the sweep and in a whole model, and the packed decode tiles; the MoE tiles
+# it set, in whole models).
 # Two calls: the first ~570 s, the second what is left on the warm machine.
-LEASE_ORDER="gpu-tests kernel-tests gguf-sweep latency-int4 latency-int4-words profile-int4-b1-words
-  throughput-qwen3-moe moe-sweep throughput-deepseek-v2-lite moe-vs-dense latency latency-int8 throughput-llama"
+LEASE_ORDER="gpu-tests kernel-tests gguf-sweep latency-int4 latency-int4-words latency-int4-packed
+  profile-int4-b1-words throughput-qwen3-moe moe-sweep throughput-deepseek-v2-lite moe-vs-dense latency latency-int8 throughput-llama"
 [[ $1 == lease && -z ${FERRY_GPU_DEADLINE:-} ]] && FERRY_GPU_DEADLINE=$(($(date +%s) + 570))
 GROUP=$1
 ASKED="${*:2}"
@@ -93,6 +94,10 @@ step latency-int4 200 bash -c "ferry bench latency --model llama-3.1-8b --load-f
 # triton_gguf.GEMV_WORDS), at batch 1 where the GEMV runs
 step latency-int4-words 150 bash -c "FERRY_GGUF_GEMV_WORDS=1 ferry bench latency --model llama-3.1-8b \
   --load-format dummy --quantization gguf --batch-sizes 1 --json $LOGS/latency-int4-words.json"
+# decode tiles (2-16 rows) with packed nibbles (FERRY_GGUF_PACKED_DEQUANT=1: 7.3 instructions a value
+# against 10.6 in their sm_90 SASS), beside latency-int4's batch 16 with the plain tiles
+step latency-int4-packed 150 bash -c "FERRY_GGUF_PACKED_DEQUANT=1 ferry bench latency --model llama-3.1-8b \
+  --load-format dummy --quantization gguf --batch-sizes 4 16 --json $LOGS/latency-int4-packed.json"
 # where an int4 batch-1 step's device time goes, by kernel (one request, CUDA graphs; 2026-11-27: the
 # GEMVs 75%, the bf16 head 9%, ~10 small kernels a layer the rest), with the float GEMV and the word one
 step profile-int4-b1 120 bash -c "ferry bench throughput --model llama-3.1-8b --load-format dummy --quantization gguf \

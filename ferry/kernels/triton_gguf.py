@@ -79,6 +79,61 @@ def _dot_halves(acc, x_lo, w_lo, x_hi, w_hi, IEEE: tl.constexpr, DOT_F32: tl.con
     return acc
 
 
+def _nibbles_asm(fp16: bool, zero: int) -> str:
+    """`_nibbles_16bit`'s PTX: $4 holds four bytes; $0, $1 get their low nibbles minus `zero` (bytes 0, 1
+    in $0's halves, 2, 3 in $1's), $2, $3 their high ones, as bf16 (fp16) pairs. PRMT spreads bytes 0, 1
+    (2, 3) over the 16-bit halves of t0 (t1); LOP3 (a & b | c) puts a nibble into the mantissa of 128.0
+    (fp16: 1024.0); one packed FMA takes 128 + zero off. bf16 has 7 mantissa bits, so its high nibbles
+    are shifted down first; fp16's stay in place (1024 + 16 q) and the FMA scales them by 1/16."""
+    if fp16:
+        magic, one, sixteenth = "0x64006400", "0x3C003C00", "0x2C002C00"
+        # -1032 and -72, or -1024 and -64
+        lo_c, hi_c = ("0xE408E408", "0xD480D480") if zero == 8 else ("0xE400E400", "0xD400D400")
+        hi_src, hi_mask, hi_m, fma = "t", "0x00F000F0", sixteenth, "fma.rn.f16x2"
+    else:
+        magic, one = "0x43004300", "0x3F803F80"
+        lo_c = hi_c = "0xC308C308" if zero == 8 else "0xC300C300"  # -136 / -128
+        hi_src, hi_mask, hi_m, fma = "u", "0x000F000F", one, "fma.rn.bf16x2"
+    return (
+        "{ .reg .b32 t0, t1, u0, u1, m, c; prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342;"
+        " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
+        f" lop3.b32 $0, t0, 0x000F000F, {magic}, 0xEA; lop3.b32 $1, t1, 0x000F000F, {magic}, 0xEA;"
+        f" lop3.b32 $2, {hi_src}0, {hi_mask}, {magic}, 0xEA; lop3.b32 $3, {hi_src}1, {hi_mask}, {magic}, 0xEA;"
+        f" mov.b32 m, {one}; mov.b32 c, {lo_c}; {fma} $0, $0, m, c; {fma} $1, $1, m, c;"
+        f" mov.b32 m, {hi_m}; mov.b32 c, {hi_c}; {fma} $2, $2, m, c; {fma} $3, $3, m, c; }}"
+    )
+
+
+_NIBBLES_BF16_Q4_0 = tl.constexpr(_nibbles_asm(False, 8))
+_NIBBLES_BF16_Q4_1 = tl.constexpr(_nibbles_asm(False, 0))
+_NIBBLES_F16_Q4_0 = tl.constexpr(_nibbles_asm(True, 8))
+_NIBBLES_F16_Q4_1 = tl.constexpr(_nibbles_asm(True, 0))
+
+
+@triton.jit
+def _nibbles_16bit(byte, ZERO: tl.constexpr, FP16: tl.constexpr, ASM: tl.constexpr):
+    """The low and the high nibbles of uint8 `byte` minus ZERO (8: Q4_0, 0: Q4_1) as exact integer-valued
+    bf16 (fp16 when FP16). On a GPU four bytes take ten instructions (`_nibbles_asm`) for their eight
+    values, against ~10 a value for a byte's nibbles to fp32, times d, to 16 bits; where no PTX runs
+    (the interpreter), the same values in plain ops."""
+    dt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
+    if ASM:
+        if FP16:
+            asm: tl.constexpr = _NIBBLES_F16_Q4_0 if ZERO == 8 else _NIBBLES_F16_Q4_1
+            lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=4)  # fmt: skip
+        else:
+            asm: tl.constexpr = _NIBBLES_BF16_Q4_0 if ZERO == 8 else _NIBBLES_BF16_Q4_1
+            lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [byte], dtype=(tl.bfloat16, tl.bfloat16),
+                                               is_pure=True, pack=4)  # fmt: skip
+    else:
+        b = byte.to(tl.int32)
+        # through fp32: the interpreter's int -> bf16 cast is not a conversion
+        lo = ((b & 15) - ZERO).to(tl.float32).to(dt)
+        hi = ((b >> 4) - ZERO).to(tl.float32).to(dt)
+    return lo, hi
+
+
 @triton.jit
 def _weight_rows(pid_n, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program pid_n's BLOCK_N weight rows (output columns) in ferry's kernel layout: their indices, which
@@ -96,7 +151,8 @@ def _weight_rows(pid_n, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.conste
 @triton.jit
 def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_split, stride_xm, stride_ys,
                         stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+                        BLOCK_K: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+                        PACKED: tl.constexpr = False, ASM: tl.constexpr = False):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of y (or of split pid_k's partial sums) over K [k_begin, k_end).
     q_ptr: the weight's bytes (int8 view for Q8_0, uint8 for Q4); s_ptr: the same bytes as fp16."""
     pid_m = tl.program_id(0)
@@ -126,6 +182,27 @@ def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_sp
                 acc += tl.dot(xv, w, input_precision="ieee")
             else:
                 acc += tl.dot(xv, w)
+        elif PACKED:
+            # Q4 with 16-bit x: per quant block, its nibbles as exact integers (q - 8, or q) in x's dtype
+            # (`_nibbles_16bit`), two dots of 16, then d (and Q4_1's m times x's block sum) in fp32.
+            j = tl.arange(0, 16)
+            for bb in tl.static_range(BLOCK_K // 32):
+                blk = k0 // 32 + bb
+                b_ok = blk * 32 < k_end
+                byte = tl.load(q_ptr + w_row[None, :] + (blk * 16 + j)[:, None], mask=b_ok & n_ok[None, :], other=0)
+                lo, hi = _nibbles_16bit(byte, 8 if QTYPE == 2 else 0, x_ptr.dtype.element_ty == tl.float16, ASM)
+                xm = m_ok[:, None] & b_ok
+                x_lo = tl.load(x_ptr + rows64[:, None] * stride_xm + (blk * 32 + j)[None, :], mask=xm, other=0.0)
+                x_hi = tl.load(x_ptr + rows64[:, None] * stride_xm + (blk * 32 + 16 + j)[None, :], mask=xm, other=0.0)
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                part = _dot_halves(part, x_lo, lo, x_hi, hi, IEEE, DOT_F32)
+                d = tl.load(s_ptr + s_row + s_base + blk, mask=n_ok & b_ok, other=0.0).to(tl.float32)
+                if QTYPE == 3:
+                    mn = tl.load(s_ptr + s_row + s_base + nb + blk, mask=n_ok & b_ok, other=0.0).to(tl.float32)
+                    sx = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
+                    acc += part * d[None, :] + sx[:, None] * mn[None, :]
+                else:
+                    acc += part * d[None, :]
         else:
             # Byte j of the tile: block (k0 + 2j) // 32, element j % 16 (low nibble) and j % 16 + 16 (high).
             j = tl.arange(0, BLOCK_K // 2)
@@ -730,9 +807,14 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index) if device.type == "cuda" else _DEFAULT_SMS
 
 
-def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS) -> dict[str, int]:
+def matmul_config(
+    M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS, packed: bool = False
+) -> dict[str, int | bool]:
     """Tile sizes and K splits of one launch: host arithmetic on shapes only (graph-safe). K-quant tiles
-    step one super-block (256 columns) at a time and split K in super-blocks (`sb_per_split`)."""
+    step one super-block (256 columns) at a time and split K in super-blocks (`sb_per_split`). `packed`
+    asks decode tiles of Q4_0/Q4_1 to take their nibbles as exact integers in x's 16-bit dtype
+    (`_nibbles_16bit`) and their scales after the dots: 7.3 SASS instructions a value against 10.6 for
+    Q4_0 (sm_90), 11.9 against 12.2 for Q4_1, untimed on a GPU."""
     if qtype in K_QUANTS:
         nsb = K // 256
         block_m, block_n = (16, 32) if M <= DECODE_MAX_ROWS else (64, 64)
@@ -751,7 +833,8 @@ def matmul_config(M: int, N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SM
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_per_split)  # no empty split
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "split": split, "k_per_split": k_per_split,
-            "num_warps": num_warps, "num_stages": num_stages}  # fmt: skip
+            "num_warps": num_warps, "num_stages": num_stages,
+            "PACKED": packed and M <= DECODE_MAX_ROWS and qtype in (Q4_0, Q4_1)}  # fmt: skip
 
 
 # Rows of x at or below which a matmul takes the GEMV kernel (one program row per x row; the weight is
@@ -770,6 +853,11 @@ GEMV_INT8_DOTS = False
 GEMV_WORDS = os.environ.get("FERRY_GGUF_GEMV_WORDS") == "1"
 if GEMV_WORDS:
     logging.getLogger(__name__).info("GGUF batch-1 matmuls take the word GEMV (FERRY_GGUF_GEMV_WORDS=1)")
+# Whether decode tiles (2-16 rows) of Q4_0/Q4_1 take their nibbles packed (`matmul_config(packed=)`): off
+# until a GPU times it (gpu_session.sh's latency-int4-packed).
+GEMM_PACKED = os.environ.get("FERRY_GGUF_PACKED_DEQUANT") == "1"
+if GEMM_PACKED:
+    logging.getLogger(__name__).info("GGUF decode tiles take packed nibbles (FERRY_GGUF_PACKED_DEQUANT=1)")
 
 
 def gemv_config(
@@ -842,7 +930,7 @@ def gguf_matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, in_features: in
     sms = num_sms(x.device)
     if M <= GEMV_MAX_ROWS:
         return launch_gemv(x, data, qtype, gemv_config(N, K, qtype, sms, GEMV_INT8_DOTS, GEMV_WORDS), y)
-    return launch_tiles(x, data, qtype, matmul_config(M, N, K, qtype, sms), y)
+    return launch_tiles(x, data, qtype, matmul_config(M, N, K, qtype, sms, GEMM_PACKED), y)
 
 
 def _split_sums(y: torch.Tensor, split: int) -> torch.Tensor:
@@ -901,11 +989,12 @@ def launch_tiles(x: torch.Tensor, data: torch.Tensor, qtype: int, cfg: dict, y: 
                                     IEEE=ieee, DOT_F32=dot_f32, num_warps=cfg["num_warps"],
                                     num_stages=cfg["num_stages"])  # fmt: skip
     else:
+        packed = bool(cfg.get("PACKED")) and qtype in (Q4_0, Q4_1) and x.dtype in (torch.bfloat16, torch.float16)
         _gguf_matmul_kernel[grid](x, q, data.view(torch.float16), out, M, N, K, row_bytes, cfg["k_per_split"],
                                   x.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2), QTYPE=qtype,
                                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                                  IEEE=ieee, DOT_F32=dot_f32, num_warps=cfg["num_warps"],
-                                  num_stages=cfg["num_stages"])  # fmt: skip
+                                  IEEE=ieee, DOT_F32=dot_f32, PACKED=packed, ASM=not _INTERPRETED,
+                                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     if split > 1:
         y.copy_(out.sum(0))
     return y

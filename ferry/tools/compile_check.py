@@ -306,6 +306,10 @@ def engine_kernels(
                                      ("prefill", T, 2 * inter, hidden)):  # fmt: skip
                 data = torch.empty(n, k // block * block_bytes, dtype=torch.uint8)
                 launch(f"{type_name} {case}", gguf.gguf_matmul, torch.empty(rows, k, dtype=dt), data, tid, k)
+                if case == "decode" and tid in (gguf.Q4_0, gguf.Q4_1):  # the opt-in packed nibbles beside it
+                    cfg = gguf.matmul_config(rows, n, k, tid, packed=True)
+                    launch(f"{type_name} decode packed", gguf.launch_tiles, torch.empty(rows, k, dtype=dt), data,
+                           tid, cfg, torch.empty(rows, n, dtype=dt))  # fmt: skip
                 if case == "gemv" and (tid in gguf.BLOCK32_TYPES or tid == gguf.Q4_K):  # the opt-in GEMVs beside it
                     cfgs = [gguf.gemv_config(n, k, tid, words=True)]
                     if tid in gguf.BLOCK32_TYPES:

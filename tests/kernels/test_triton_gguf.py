@@ -195,6 +195,107 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, kernel, monkeypat
     assert launched.launches == 4 + 2 * (kernel == "float" and not type_name.endswith("_K")) + 1  # no fallback
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_decode_tiles_with_packed_nibbles(type_name, monkeypatch):
+    """Decode tiles (2-16 rows of x) asked to take their nibbles packed (exact integers in x's 16-bit
+    dtype, the block scale after the dots): the dequantized weight's product, split or not, bf16 and
+    fp16, a partial row tile; other types, fp32 x and prompt tiles keep the plain path."""
+    k, n = 100 * 32, 75
+    w = _weight(type_name, n=n, k=k, seed=6)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
+    for sms in (1, 132):
+        cfg = tg.matmul_config(3, n, k, w.qtype, sms, packed=True)
+        assert cfg["PACKED"] and (cfg["split"] > 1) == (sms > 1)
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = x.to(dtype)
+            y = tg.launch_tiles(
+                xd.to(DEVICE), w.data.to(DEVICE), w.qtype, cfg, torch.empty(3, n, dtype=dtype, device=DEVICE)
+            )
+            expected = _reference(xd.float(), w)
+            bound = expected.abs().max().item() / 64  # two 16-bit ulps of the largest output
+            torch.testing.assert_close(y.cpu().float(), expected, rtol=0, atol=bound)
+    assert not tg.matmul_config(3, n, k, tg.Q8_0, packed=True)["PACKED"]
+    assert not tg.matmul_config(64, n, k, w.qtype, packed=True)["PACKED"]  # prompt tiles
+    assert not tg.matmul_config(3, n, k, w.qtype)["PACKED"]  # off unless asked
+    monkeypatch.setattr(tg, "GEMM_PACKED", True)  # through the entry point
+    y = tg.gguf_matmul(x.to(DEVICE, torch.bfloat16), w.data.to(DEVICE), w.qtype, k).cpu().float()
+    expected = _reference(x.bfloat16().float(), w)
+    torch.testing.assert_close(y, expected, rtol=0, atol=expected.abs().max().item() / 64)
+
+
+def _lanes_of(word: int, kind: str) -> list[float]:
+    """The two 16-bit lanes of a 32-bit word as floats (low half first)."""
+    if kind == "bf16x2":
+        return [float(np.array([(word >> sh & 0xFFFF) << 16], np.uint32).view(np.float32)[0]) for sh in (0, 16)]
+    return [float(np.array([word >> sh & 0xFFFF], np.uint16).view(np.float16)[0]) for sh in (0, 16)]
+
+
+def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """The few PTX instructions `_nibbles_asm` uses, run on 32-bit words as the PTX manual defines them
+    (prmt's default mode, lop3 with its truth table, shr.b32, fma.rn on bf16x2 / f16x2 lanes): what its
+    constants do, checked without a GPU (the kernel tests on CUDA run the real thing)."""
+    regs = dict(inputs)
+
+    def val(tok: str) -> int:
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    def pack(values: list[float], kind: str) -> int:
+        out = 0
+        for v, sh in zip(values, (0, 16)):
+            if kind == "bf16x2":
+                bits = int(np.array([v], np.float32).view(np.uint32)[0])
+                assert bits & 0xFFFF == 0, "inexact bf16 (the values are meant to be small integers)"
+                out |= (bits >> 16) << sh
+            else:
+                out |= int(np.array([v], np.float16).view(np.uint16)[0]) << sh
+        return out
+
+    for ins in asm.strip("{} ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        if op == "prmt.b32":  # default mode: result byte i = byte sel_i of {b, a} (a bytes 0-3, b 4-7)
+            src = [(val(a[1]) >> 8 * i) & 0xFF for i in range(4)] + [(val(a[2]) >> 8 * i) & 0xFF for i in range(4)]
+            sel = val(a[3])
+            regs[a[0]] = sum(src[(sel >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> int(a[2])
+        elif op == "mov.b32":
+            regs[a[0]] = val(a[1])
+        elif op == "lop3.b32":  # bit i of the result: lut bit (a_i << 2 | b_i << 1 | c_i)
+            x, y, z, lut = val(a[1]), val(a[2]), val(a[3]), val(a[4])
+            regs[a[0]] = sum(
+                ((lut >> ((x >> i & 1) << 2 | (y >> i & 1) << 1 | (z >> i & 1))) & 1) << i for i in range(32)
+            )
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            kind = op.split(".")[-1]
+            lanes = [_lanes_of(val(t), kind) for t in a[1:4]]
+            prod = [p * q + r for p, q, r in zip(*lanes)]  # exact here: small integers and powers of two
+            regs[a[0]] = pack(prod, kind)
+        else:
+            raise AssertionError(f"no emulation of {op}")
+    return regs
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize("zero", [8, 0])
+def test_packed_nibble_ptx_constants(fp16, zero):
+    """`_nibbles_asm`'s PTX, run by the emulation above over random bytes: $0, $1 hold bytes 0-3's low
+    nibbles minus `zero`, $2, $3 their high ones, lane by lane in element order."""
+    asm = tg._nibbles_asm(fp16, zero)
+    kind = "f16x2" if fp16 else "bf16x2"
+    rng = np.random.default_rng(zero + fp16)
+    for word in [0, 0xFFFFFFFF, *rng.integers(0, 2**32, 200, dtype=np.uint64).tolist()]:
+        word = int(word)
+        out = _run_ptx(asm.replace("$4", "in"), {"in": word, "$0": 0, "$1": 0, "$2": 0, "$3": 0})
+        got_lo = [v for r in ("$0", "$1") for v in _lanes_of(out[r], kind)]
+        got_hi = [v for r in ("$2", "$3") for v in _lanes_of(out[r], kind)]
+        data = [(word >> 8 * i) & 0xFF for i in range(4)]
+        assert got_lo == [(b & 15) - zero for b in data] and got_hi == [(b >> 4) - zero for b in data], hex(word)
+
+
 def test_int8_dots_need_whole_words_per_row(monkeypatch):
     """Q4_0 and Q8_0 rows of an odd number of blocks are not whole int32 words: the float GEMV takes them
     even where the integer dots are asked for; by default every type takes the float GEMV."""
