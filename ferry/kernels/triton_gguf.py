@@ -149,6 +149,18 @@ def _weight_rows(pid_n, N, K, row_bytes, QTYPE: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _gemv_range(x_ptr, N, K, row_bytes, blocks_per_split, stride_xm, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A 32-value GEMV program's prologue: its split and row of x (program axes 1, 2), its BLOCK_N weight
+    rows (`_weight_rows`), its quant blocks [b_begin, b_end) and the pointer to its row of x."""
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    cols, n_ok, w_row, s_row, s_base = _weight_rows(tl.program_id(0), N, K, row_bytes, QTYPE, BLOCK_N)
+    b_begin = pid_k * blocks_per_split
+    b_end = tl.minimum(b_begin + blocks_per_split, K // 32)
+    return pid_k, row, cols, n_ok, w_row, s_row, s_base, b_begin, b_end, x_ptr + row * stride_xm
+
+
+@triton.jit
 def _gguf_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, row_bytes, k_per_split, stride_xm, stride_ys,
                         stride_ym, QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
@@ -290,14 +302,9 @@ def _gguf_gemv_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_per_sp
     too); s_ptr: the same bytes as fp16. PRELOAD: each step's weight bytes are loaded one step ahead (in
     registers; Triton does not pipeline these loads through shared memory, whatever num_stages says), so
     a program has two steps' bytes in flight instead of one; the arithmetic is the same either way."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    row = tl.program_id(2).to(tl.int64)
-    cols, n_ok, w_row, s_row, s_base = _weight_rows(pid_n, N, K, row_bytes, QTYPE, BLOCK_N)
+    pid_k, row, cols, n_ok, w_row, s_row, s_base, b_begin, b_end, x_row = _gemv_range(
+        x_ptr, N, K, row_bytes, blocks_per_split, stride_xm, QTYPE, BLOCK_N)  # fmt: skip
     nb = K // 32
-    b_begin = pid_k * blocks_per_split
-    b_end = tl.minimum(b_begin + blocks_per_split, nb)
-    x_row = x_ptr + row * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
     if PRELOAD:
         blk = b_begin + tl.arange(0, BLOCKS)
@@ -385,15 +392,10 @@ def _gguf_gemv_int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_p
     unpack, convert and FMA per value. w_ptr: the weight's bytes as int32 words (row_bytes % 4 == 0);
     s_ptr: the same bytes as fp16. Q4_0: sum (q - 8) d x = d (dx sum q xq - 8 dx sum xq); Q4_1 adds the
     min times dx sum xq; Q8_0: d dx sum q xq."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    row = tl.program_id(2).to(tl.int64)
-    cols, n_ok, w_row, s_row, s_base = _weight_rows(pid_n, N, K, row_bytes, QTYPE, BLOCK_N)
+    pid_k, row, cols, n_ok, w_row, s_row, s_base, b_begin, b_end, x_row = _gemv_range(
+        x_ptr, N, K, row_bytes, blocks_per_split, stride_xm, QTYPE, BLOCK_N)  # fmt: skip
     w_word = w_row // 4
     nb = K // 32
-    b_begin = pid_k * blocks_per_split
-    b_end = tl.minimum(b_begin + blocks_per_split, nb)
-    x_row = x_ptr + row * stride_xm
     word = tl.arange(0, 4)
     acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
     for b0 in range(b_begin, b_end, BLOCKS):
@@ -476,19 +478,14 @@ def _gguf_gemv_words_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, row_bytes, blocks_
     """The float GEMV with fewer instructions a value (the sm_90 SASS of `_gguf_gemv_kernel`'s loop: ~8 a
     weight value, so it issues instructions, not bytes, at 40-45% of HBM bandwidth): the weight is read
     as int32 words (16 bytes a block and row, one vector load) and each word's values are taken in
-    registers where they lie (`_word_dot`: LOP3, FADD, FFMA a value), with x's values loaded once per
+    registers where they lie (`_word_dot`: a LOP3 and two FFMAs a value), with x's values loaded once per
     block for the program's BLOCK_N rows. Tiles are [BLOCKS, BLOCK_N], blocks first, so that Triton lays
     a block's rows in one thread and neighbouring threads read neighbouring blocks of a row. w_ptr: the
     weight's bytes as int32 words (row_bytes % 4 == 0); s_ptr: the same bytes as fp16."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    row = tl.program_id(2).to(tl.int64)
-    cols, n_ok, w_row, s_row, s_base = _weight_rows(pid_n, N, K, row_bytes, QTYPE, BLOCK_N)
+    pid_k, row, cols, n_ok, w_row, s_row, s_base, b_begin, b_end, x_row = _gemv_range(
+        x_ptr, N, K, row_bytes, blocks_per_split, stride_xm, QTYPE, BLOCK_N)  # fmt: skip
     w_word = w_row // 4
     nb = K // 32
-    b_begin = pid_k * blocks_per_split
-    b_end = tl.minimum(b_begin + blocks_per_split, nb)
-    x_row = x_ptr + row * stride_xm
     word = tl.arange(0, 4)
     acc = tl.zeros((BLOCKS, BLOCK_N), dtype=tl.float32)
     for b0 in range(b_begin, b_end, BLOCKS):
