@@ -441,33 +441,43 @@ def _split4(w):
 
 
 @triton.jit
+def _magic_half(w, h: tl.constexpr):
+    """Half h (0: low, 1: high 16 bits) of int32 words w under 2^23's upper 16 bits: each value in it then
+    becomes a float with one AND (`_value_at`; ptxas makes `(w & mask) | magic` two LOP3s, its immediates
+    being one an instruction)."""
+    if h == 0:
+        return (w & 65535) | _MAGIC_BITS
+    return ((w >> 16) & 65535) | _MAGIC_BITS
+
+
+@triton.jit
+def _value_at(wh, shift: tl.constexpr, bits: tl.constexpr, zero: tl.constexpr):
+    """The `bits`-wide value at bit `shift` of a `_magic_half`, minus `zero`, as an exact fp32. Left where
+    it lies, it is 2^23 + v 2^shift; scaling by 2^-shift and taking off 2^23 and the zero point is one
+    FFMA, exact (v - zero is a float)."""
+    step: tl.constexpr = float(1 << shift)
+    q = (wh & ((((1 << bits) - 1) << shift) | -65536)).to(tl.float32, bitcast=True)
+    return q * (1.0 / step) - (_MAGIC + zero * step) / step
+
+
+@triton.jit
 def _word_dot(dot, xsum, w, word: tl.constexpr, x_row, blk, b_ok, QTYPE: tl.constexpr):
     """dot [BLOCKS, BLOCK_N] plus the products of one weight word of each (block, row) with x, value by
-    value: 8 nibbles (Q4) or 4 bytes (Q8_0, w already XOR 0x80808080 so byte = q + 128). Each value goes
-    into the mantissa of 2^23 where it lies, shifted by a multiple of 4 bits (16^p; Q8_0 256^p) and not
-    moved down: one LOP3 (an AND); scaling by 1 / 16^p and taking off 2^23 and the zero point, one FFMA;
-    the product with x's value, one FFMA (the sums contract to FFMA chains). xsum adds x's values
-    (Q4_1's min needs them)."""
+    value: 8 nibbles (Q4) or 4 bytes (Q8_0, w already XOR 0x80808080 so byte = q + 128), each made a
+    float where it lies (`_value_at`: a LOP3 and an FFMA) and multiplied with x's value in one FFMA (the
+    sums contract to FFMA chains). xsum adds x's values (Q4_1's min needs them)."""
     for h in tl.static_range(2):  # the word's low and high 16 bits: shifts up to 12 stay in the mantissa
-        # 2^23's upper 16 bits over the half's 16: then each value takes one AND with an immediate (ptxas
-        # makes `(w & mask) | magic` two LOP3s, its immediates being one an instruction)
-        wh = (w & 65535) | _MAGIC_BITS if h == 0 else ((w >> 16) & 65535) | _MAGIC_BITS
+        wh = _magic_half(w, h)
         for p in tl.static_range(2 if QTYPE == 8 else 4):
             if QTYPE == 8:  # byte 2h + p of word `word`: value 4 word + 2h + p
                 e = 4 * word + 2 * h + p
-                step = 256.0 if p == 1 else 1.0
-                mask = 255 << (8 * p)
-                zero = 128.0
+                q = _value_at(wh, 8 * p, 8, 128.0)
             else:  # nibble p of the half: byte 2h + p // 2 of the word, low (value j) or high (j + 16)
                 e = 4 * word + 2 * h + p // 2 + 16 * (p % 2)
-                step = 4096.0 if p == 3 else 256.0 if p == 2 else 16.0 if p == 1 else 1.0
-                mask = 15 << (4 * p)
-                zero = 8.0 if QTYPE == 2 else 0.0
+                q = _value_at(wh, 4 * p, 4, 8.0 if QTYPE == 2 else 0.0)
             xe = tl.load(x_row + blk * 32 + e, mask=b_ok, other=0.0).to(tl.float32)
             if QTYPE == 3:
                 xsum += xe
-            # (2^23 + v step) / step - (2^23 + zero step) / step: one FFMA, exact (v - zero is a float)
-            q = (wh & (mask | -65536)).to(tl.float32, bitcast=True) * (1.0 / step) - (_MAGIC + zero * step) / step
             dot += q * xe[:, None]
     return dot, xsum
 
@@ -659,10 +669,9 @@ def _q4k_word_dot(dot_lo, dot_hi, sum_lo, sum_hi, w, word: tl.constexpr, x_chunk
     32-byte nibble chunk, whose low nibbles are values 4 word + m of the chunk's first sub-block and high
     ones of its second: two chains (dot_lo, dot_hi [CHUNKS, BLOCK_N]) and the sub-blocks' sums of x."""
     for h in tl.static_range(2):
-        wh = (w & 65535) | _MAGIC_BITS if h == 0 else ((w >> 16) & 65535) | _MAGIC_BITS
+        wh = _magic_half(w, h)
         for p in tl.static_range(4):
-            step = 4096.0 if p == 3 else 256.0 if p == 2 else 16.0 if p == 1 else 1.0
-            q = (wh & ((15 << (4 * p)) | -65536)).to(tl.float32, bitcast=True) * (1.0 / step) - _MAGIC / step
+            q = _value_at(wh, 4 * p, 4, 0.0)
             e = 4 * word + 2 * h + p // 2
             if p % 2 == 0:  # low nibble: the first sub-block
                 xe = tl.load(x_chunk + e, mask=c_ok, other=0.0).to(tl.float32)
@@ -857,6 +866,11 @@ if GEMM_PACKED:
     logging.getLogger(__name__).info("GGUF decode tiles take packed nibbles (FERRY_GGUF_PACKED_DEQUANT=1)")
 
 
+def _word_warps(units: int, per_warp: int) -> int:
+    """The word GEMVs' warps: up to 4, as many as K has `per_warp` units (blocks, super-blocks) for."""
+    return 4 if units >= 4 * per_warp else 2 if units >= 2 * per_warp else 1
+
+
 def gemv_config(
     N: int, K: int, qtype: int, num_sms: int = _DEFAULT_SMS, int8_dots: bool = False, words: bool = False
 ) -> dict[str, int | bool]:
@@ -877,7 +891,7 @@ def gemv_config(
     (`sb_per_split`)."""
     if qtype == Q4_K and words:  # a warp takes 8 super-blocks (32 chunks) of 8 rows a step
         nsb = K // 256
-        warps = 4 if nsb >= 32 else 2 if nsb >= 16 else 1
+        warps = _word_warps(nsb, 8)
         sb = 8 * warps
         split = decode_split_k(triton.cdiv(N, 8), triton.cdiv(nsb, sb), num_sms)
         per_split = triton.cdiv(triton.cdiv(nsb, sb), split) * sb
@@ -894,7 +908,7 @@ def gemv_config(
     words = words and whole_words and not int8_dots
     nb = K // 32
     if words:
-        warps = 4 if nb >= 128 else 2 if nb >= 64 else 1
+        warps = _word_warps(nb, 32)
         block_n, blocks = 8, 32 * warps
     else:
         block_n, blocks, warps = (32, 16, 4) if int8_dots else (8, 64, 4)
