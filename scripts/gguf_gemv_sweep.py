@@ -144,7 +144,8 @@ def compile_only(arch: int) -> None:
     """Each distinct kernel of TILINGS compiled for `arch` on this machine, GPU or not (ferry.tools.compile_check):
     registers and spills per thread, shared memory, the widest load, and how many programs an SM holds by
     registers, beside the Q4 bytes one loop step of a program reads and the SASS instructions its loop
-    issues per weight value a thread takes (K = 14336: every tiling loops)."""
+    issues per weight value a thread takes (K = 14336: every tiling loops); then the same count for the
+    K-quant GEMVs and for the decode tiles, plain and packed."""
     from ferry.tools.compile_check import REGISTERS_PER_SM, compiling_for, main_loop_instructions, report
 
     n, k = SHAPES["down"]  # the longest K (the kernel is the same for every shape)
@@ -167,6 +168,28 @@ def compile_only(arch: int) -> None:
                   f"  programs/SM by registers {per_sm:2d}  Q4 bytes a loop step {bn * blocks * 16:5d}"
                   f"  loop instructions a value {per_value:4.1f}{'  ' + '; '.join(r.problems) if r.problems else ''}",
                   flush=True)  # fmt: skip
+    # The K-quant GEMVs at their defaults (Q4_K's word twin too), and the decode tiles (16 rows of bf16 x)
+    # plain and with packed nibbles: their loops' instructions a weight value.
+    x = torch.empty(1, k, dtype=torch.bfloat16)
+    with compiling_for(arch) as compiled:
+        for qtype, name in ((tg.Q4_K, "Q4_K"), (tg.Q5_K, "Q5_K"), (tg.Q6_K, "Q6_K")):
+            kdata = torch.empty(n, k // 256 * tg.K_QUANTS[qtype], dtype=torch.uint8)
+            for words in (False, True) if qtype == tg.Q4_K else (False,):
+                cfg = tg.gemv_config(n, k, qtype, 132, words=words)
+                tg.launch_gemv(x, kdata, qtype, cfg, y)
+                values = cfg["BLOCK_N"] * cfg.get("SB", 1) * 256 / (32 * cfg["num_warps"])
+                per_value = sum(main_loop_instructions(compiled[-1][1].asm["cubin"]).values()) / values
+                print(f"{name} gemv{' words' if words else ''}: loop instructions a value {per_value:4.1f}", flush=True)
+        x16, y16 = torch.empty(16, k, dtype=torch.bfloat16), torch.empty(16, n, dtype=torch.bfloat16)
+        for qtype, name in ((tg.Q4_0, "Q4_0"), (tg.Q4_1, "Q4_1")):
+            qdata = torch.empty(n, tg.block32_row_bytes(k, qtype), dtype=torch.uint8)
+            for packed in (False, True):
+                cfg = tg.matmul_config(16, n, k, qtype, 132, packed=packed)
+                tg.launch_tiles(x16, qdata, qtype, cfg, y16)
+                values = cfg["BLOCK_N"] * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
+                per_value = sum(main_loop_instructions(compiled[-1][1].asm["cubin"]).values()) / values
+                print(f"{name} decode tiles, 16 rows{' packed' if packed else ''}: loop instructions a value"
+                      f" {per_value:4.1f}", flush=True)  # fmt: skip
 
 
 def main() -> None:
