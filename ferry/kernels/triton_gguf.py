@@ -884,7 +884,7 @@ def gemv_config(
     `int8_dots` asks for the integer-dot kernel where rows are whole int32 words, with its best tiles
     of the 2026-11-27 sweep (32 rows x 16 blocks, 4 warps; each thread loads 16 bytes). `words` asks for
     the word GEMV where rows are whole int32 words: 8 rows of one block a thread (4.2 instructions a
-    value in its sm_90 SASS; 16 rows: 3.9, but 168 registers) and 32 blocks a warp, up to 4 warps as K
+    value in its sm_90 SASS; 16 rows: 3.8, but 168 registers) and 32 blocks a warp, up to 4 warps as K
     has blocks for them (no tile timed on a GPU yet); for Q4_K (`_q4k_gemv_words_kernel`, 5.1 against
     9.2) 8 rows of a quarter super-block a thread, 8 super-blocks a warp. K-quants step
     one super-block (4 KB of Q4_K nibbles for 32 rows and 4 warps) and split K in super-blocks
