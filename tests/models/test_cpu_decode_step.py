@@ -127,6 +127,27 @@ def test_cpu_decode_step_matches_the_python_forward(overrides):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_cpu_decode_step_is_the_same_on_any_number_of_threads(threads):
+    """Each matmul's output rows are split between the threads at multiples of 8 (the interleaved
+    groups) and the decode attention's partitions are claimed by whichever thread is free: which
+    thread computes a value must never change it. One thread runs every loop itself; three on a
+    2-core machine split the rows in thirds, oversubscribed."""
+    model = tiny_gguf_model(hidden_size=256, intermediate_size=704)  # more row groups than threads
+    step = CPUDecodeStep.build(model)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # (both paths: the Python one's torch ops split by thread count too)
+    try:
+        ref_tokens, ref_logprobs, ref_kv, _ = generate(model, PROMPTS, None)
+        tokens, logprobs, kv, taken = generate(model, PROMPTS, step)
+    finally:
+        torch.set_num_threads(before)
+    assert taken > 5
+    assert tokens == ref_tokens and logprobs == ref_logprobs
+    for got, ref in zip(kv, ref_kv):
+        assert torch.equal(got, ref)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
