@@ -289,13 +289,17 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     block_m: int | None = None, tiles: tuple[dict[str, int], dict[str, int]] | None = None,
+    experts_in_layer: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I],
     x [T, H], weights / ids [T, k] (ids outside [0, E): no contribution). Returns [T, H] in x's dtype.
-    `block_m` and `tiles` (the gate/up GEMM's, then the down GEMM's) override the defaults (the sweep)."""
+    `block_m` and `tiles` (the gate/up GEMM's, then the down GEMM's) override the defaults (the sweep).
+    `experts_in_layer`: the layer's experts on all ranks under expert parallelism (E is this rank's):
+    the T k pairs spread over those, so an expert's expected share, which picks the tiles, is T k over
+    them, not over E (counted over E, 8 ranks took 128-row tiles for ~16 pairs an expert)."""
     T, H = x.shape
     E, k = w13.shape[0], ids.shape[1]
-    block_m = block_m or block_m_for(T * k, E, x.element_size() <= 2)
+    block_m = block_m or block_m_for(T * k, experts_in_layer or E, x.element_size() <= 2)
     tiles13, tiles2 = tiles or (None, None)
     aligned = moe_align(ids, E, block_m)
     gate_up = moe_gemm(x, w13, torch.empty(T * k, w13.shape[1], dtype=x.dtype, device=x.device), aligned, k,

@@ -175,7 +175,7 @@ class FusedMoE(nn.Module):
         if x.is_cuda and triton_moe_available():  # two launches, no host sync: CUDA graphs capture it
             from ferry.kernels.triton_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, weights, ids)
+            return fused_experts(x, self.w13, self.w2, weights, ids, experts_in_layer=self.num_experts)
         return grouped_experts(x, self.w13, self.w2, weights, ids)
 
     def _intermediate_split(self) -> tuple[int, int]:

@@ -75,6 +75,27 @@ def test_other_ranks_experts_add_nothing():
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_expert_parallel_tiles_count_the_layers_experts(monkeypatch):
+    """Under expert parallelism a rank's share of the pairs is what sizes its tiles: 128 pairs over
+    a layer of 32 experts are 4 an expert (decode's 16-row tiles), whether this rank holds 4 of them
+    or all 32."""
+    T, k, H, inter = 64, 2, 32, 32
+    w13, w2 = experts(4, H, inter, seed=6)
+    x = torch.randn(T, H, device=DEVICE)
+    weights, ids = select_experts(torch.randn(T, 32, device=DEVICE), k, renormalize=False)
+    local = ids - 8  # this rank holds global experts 8..11 as 0..3
+    chosen = []
+    align = triton_moe.moe_align
+    monkeypatch.setattr(
+        triton_moe, "moe_align", lambda ids, E, block_m: chosen.append(block_m) or align(ids, E, block_m)
+    )
+    got = triton_moe.fused_experts(x, w13, w2, weights, local, experts_in_layer=32)
+    assert chosen == [triton_moe.block_m_for(T * k, 32)] == [16]
+    triton_moe.fused_experts(x, w13, w2, weights, local)  # counted over this rank's 4: 32 an expert
+    assert chosen[1] == 64
+    torch.testing.assert_close(got, grouped_experts(x, w13, w2, weights, local), rtol=1e-4, atol=1e-4)
+
+
 def test_bf16_experts():
     T, E, k, H, inter = 6, 8, 2, 64, 64
     w13, w2 = experts(E, H, inter, dtype=torch.bfloat16, seed=2)
