@@ -230,6 +230,17 @@ def main(args: argparse.Namespace) -> int:
         "engine_args": asdict(eargs),
         "batches": [],
     }
+    populator = getattr(engine.runner, "kv_populator", None)
+    if populator is not None:  # --kv-cache-prefault: time as a server does once its pages are in
+        t0 = time.perf_counter()
+        populator.wait()
+        waited = time.perf_counter() - t0
+        print(
+            f"KV cache pages faulted in ahead (--kv-cache-prefault): {_fmt_bytes(populator.populated_bytes)} "
+            f"of {_fmt_bytes(populator.total_bytes)}, waited {waited:.1f} s"
+            + (f" (stopped: {populator.error})" if populator.error else "")
+        )
+        result["kv_prefault"] = {"bytes": populator.populated_bytes, "waited_s": waited, "error": populator.error}
     rng = random.Random(args.bench_seed)
     for batch in sizes:
         if args.warmup_steps > 0:  # allocator growth, kernel selection, graph capture for this batch size

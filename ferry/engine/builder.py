@@ -106,9 +106,10 @@ def _build(
     if tp_workers is not None:
         tp_workers.initialize_kv_cache(runner, num_blocks, args.max_num_seqs, max_len)
     else:
-        runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
+        runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager, args.kv_cache_prefault)
     if draft_runner is not None and not early_exit:  # (early exit drafts over the target's cache)
-        draft_runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
+        draft_runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager,
+                                         args.kv_cache_prefault)  # fmt: skip
     info = EngineInfo(
         model_path=str(args.model or ""),
         max_model_len=max_len,

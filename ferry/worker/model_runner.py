@@ -24,6 +24,7 @@ from ferry.distributed.pipeline_channel import PipelineChannel
 from ferry.layers.attention import AttentionBackend, build_metadata
 from ferry.layers.moe import triton_moe_available
 from ferry.models.llama import LlamaForCausalLM
+from ferry.utils import lazy_zeros
 from ferry.worker.cpu_allocator import tune_cpu_allocator
 from ferry.worker.cuda_graphs import CUDAGraphRunner
 from ferry.worker.model_loading import LoadedModel, resolve_kv_cache_dtype
@@ -95,6 +96,7 @@ class ModelRunner:
         self.cache_dtype = kv_cache_dtype or dtype
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_populator: lazy_zeros.Populator | None = None  # kv_cache_prefault's, on the CPU
         self.sampler = Sampler(cfg.vocab_size)
         self.attn_backend: AttentionBackend = model.attention_backend(
             attention_backend, device, dtype, self.cache_dtype
@@ -154,13 +156,22 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         """Drop the cache and the CUDA graphs captured over it (their memory goes with them)."""
+        if self.kv_populator is not None:
+            self.kv_populator.stop()
+            self.kv_populator = None
         self.kv_caches = []
         self.graphs = None
 
-    def initialize_kv_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
+    def initialize_kv_cache(
+        self, num_blocks: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool, prefault: bool = False
+    ) -> None:
         """Allocate the KV cache, then capture CUDA graphs for decode-only batches (on CUDA with
-        the Triton backend, unless `enforce_eager`); every rank does this together."""
+        the Triton backend, unless `enforce_eager`); every rank does this together. `prefault` (the
+        CPU's --kv-cache-prefault): its pages faulted in by a background thread from now on."""
         self.allocate_kv_cache(num_blocks)
+        if prefault and self.device.type == "cpu":
+            unique = {t.data_ptr(): t for pair in self.kv_caches for t in pair}  # (MLA: one tensor twice)
+            self.kv_populator = lazy_zeros.populate_in_background(list(unique.values()))
         if self.model.config.moe_layers and not enforce_eager and self.device.type == "cuda" \
                 and not triton_moe_available():  # fmt: skip
             # The grouped experts size their GEMMs on the host (layers/moe.py): nothing to replay.
