@@ -26,6 +26,7 @@ from ferry.models.config import ModelConfig
 from ferry.models.cpu_decode_step import CPUDecodeStep
 from ferry.models.llama import LlamaForCausalLM
 from ferry.models.loader import Checkpoint, load_checkpoint
+from ferry.models.weight_arena import gather_gguf_weights
 from ferry.tokenizer import load_tokenizer
 from ferry.utils.process import cyclic_gc_paused
 from ferry.worker.cpu_allocator import release_free_heap
@@ -212,6 +213,8 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> Load
         model.quantize_linear_weights_int8(calibration_token_ids(tokenizer, ckpt.config.vocab_size))
     elif should_pack(device, dtype) and cpu_kernels_enabled():
         model.pack_linear_weights()
+        if quantization == "gguf":  # (before the C++ step below takes their tensors)
+            gather_gguf_weights(model)
     quant = f", {quantization} weights" if quantization else ""
     logger.info("loaded %s (%s%s) in %.1fs", ckpt.path, dtype, quant, time.perf_counter() - t0)
     model.quantization = quantization  # what the weights run as: "gguf", "int8" or None (the dtype)

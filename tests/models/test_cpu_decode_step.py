@@ -16,6 +16,7 @@ from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.gguf_linear import GGUFWeight, gguf_available
 from ferry.models.cpu_decode_step import CPUDecodeStep
 from ferry.models.llama import LlamaForCausalLM, SparseMoeBlock
+from ferry.models.weight_arena import gather_gguf_weights, step_order
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
 from tests.conftest import assert_no_blocks_referenced, run_to_completion, tiny_llama
@@ -125,6 +126,26 @@ def test_cpu_decode_step_matches_the_python_forward(overrides):
     assert tokens == ref_tokens and logprobs == ref_logprobs
     for got, ref in zip(kv, ref_kv):
         assert torch.equal(got, ref)
+
+
+def test_weights_gathered_into_one_arena_compute_the_same():
+    """models/weight_arena.py moves every GGUF weight into one huge-page mapping in step order: the
+    same bytes (each weight one copy), and the C++ step built over them still matches the Python
+    forward bit for bit."""
+    model = tiny_gguf_model(hidden_size=256, intermediate_size=1024)  # ~2 MB of blocks: an arena
+    for layer in model.layers:  # as the loader leaves them: interleaved for the CPU kernel
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.gguf = [p.interleave() for p in linear.gguf]
+    ref_tokens, ref_logprobs, ref_kv, _ = generate(model, PROMPTS, None)
+    before = [w.data.clone() for w in step_order(model)]
+    assert gather_gguf_weights(model) >= sum(t.numel() for t in before)
+    after = step_order(model)
+    assert len({w.data.untyped_storage().data_ptr() for w in after}) == 1
+    assert [w.data.data_ptr() for w in after] == sorted(w.data.data_ptr() for w in after)
+    assert all(torch.equal(b, w.data) for b, w in zip(before, after))
+    tokens, logprobs, kv, taken = generate(model, PROMPTS, CPUDecodeStep.build(model))
+    assert taken > 5 and tokens == ref_tokens and logprobs == ref_logprobs
+    assert all(torch.equal(got, ref) for got, ref in zip(kv, ref_kv))
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -18,6 +18,7 @@ from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.gguf_linear import exact_prompt_rows, gguf_available
 from ferry.layers.linear import Linear
 from ferry.models.paths import default_model_path
+from ferry.models.weight_arena import step_order
 from ferry.models.weight_memory import held_weight_bytes
 from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import load_model
@@ -45,6 +46,11 @@ def test_weights_stay_quantized_and_are_the_only_copy(gguf_model):
     file_tensors = sum(int(t.n_bytes) for t in gguf.GGUFReader(default_model_path()).tensors)
     assert held["head"] == 0 and held["embedding"] == model.embed_tokens.gguf.nbytes
     assert file_tensors * 0.999 <= held["total"] <= 1.001 * file_tensors  # the file's bytes, nothing beside them
+    # ... all in one huge-page arena, in the order a decode step reads them (models/weight_arena.py)
+    order = step_order(model)
+    assert len(order) == 4 * len(model.layers) + 1 and order[-1] is model._gguf_lm_head
+    starts = [w.data.data_ptr() for w in order]
+    assert starts == sorted(starts) and len({w.data.untyped_storage().data_ptr() for w in order}) == 1
 
 
 def test_next_token_distributions_stay_close_to_the_dequantized_model(smollm, gguf_model):
