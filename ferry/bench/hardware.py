@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from ferry.utils import lazy_zeros
+
 # Datasheet HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name() in this order
 # (the first pattern whose words all appear in the lower-cased name wins).
 KNOWN_PEAK_BANDWIDTH: list[tuple[tuple[str, ...], float]] = [
@@ -45,9 +47,12 @@ def synchronize(device: torch.device) -> None:
 def measure_cpu_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s the CPU reads with all of torch's threads: the best of `repeats` sums over a
     buffer far larger than the last-level cache (a decode step's weights stream the same way).
-    The best, not the mean: the floor a step is compared against should be reachable."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    buf.sum()  # page it in
+    The best, not the mean: the floor a step is compared against should be reachable. On huge pages
+    (lazy_zeros asks for them), as the CPU's GGUF weights are held (models/weight_arena.py): a sum
+    over 4 KiB pages read 26-27 GB/s where huge pages gave 31-32 (the 2-vCPU KVM guest, 2026-11-27),
+    and a floor from the slower one would flatter the step."""
+    buf = lazy_zeros.zeros((nbytes // 4,), torch.float32, "cpu")
+    buf.fill_(1.0)  # page it in
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
