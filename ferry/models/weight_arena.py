@@ -56,6 +56,8 @@ def step_order(model) -> list[GGUFWeight]:
                 add(mlp.experts.gguf13[e], mlp.experts.gguf2[e])
         else:
             add(mlp.gate_up_proj.gguf, mlp.down_proj.gguf)
+        for module in layer.modules():  # anything else the layer holds as blocks, after the above
+            add(getattr(module, "gguf", None), getattr(module, "gguf13", None), getattr(module, "gguf2", None))
     add(getattr(model, "_gguf_lm_head", None))
     embed = getattr(model, "embed_tokens", None)
     add(getattr(embed, "gguf", None))

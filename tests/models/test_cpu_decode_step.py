@@ -148,6 +148,25 @@ def test_weights_gathered_into_one_arena_compute_the_same():
     assert all(torch.equal(got, ref) for got, ref in zip(kv, ref_kv))
 
 
+def test_experts_gathered_into_the_arena_compute_the_same(monkeypatch):
+    """The arena takes a mixture's experts (and its shared expert) too, layer by layer."""
+    from ferry.utils import lazy_zeros
+
+    monkeypatch.setattr(lazy_zeros, "LAZY_MIN_BYTES", 0)  # gather even a tiny model's blocks
+    model = tiny_gguf_moe_model(architecture="Qwen2MoeForCausalLM", moe_layers=(1,), shared_expert_intermediate_size=64)
+    step = CPUDecodeStep.build(model)
+    ref_tokens, ref_logprobs, ref_kv, _ = generate(model, PROMPTS, step)
+    experts = [w for layer in model.layers[1:] for parts in layer.mlp.experts.gguf13 for w in parts]
+    experts += [model.layers[1].mlp.shared_expert.down_proj.gguf[0], model.layers[0].mlp.down_proj.gguf[0]]
+    assert gather_gguf_weights(model) > 0
+    in_order = step_order(model)
+    assert all(any(w is x for x in in_order) for w in experts)
+    assert len({w.data.untyped_storage().data_ptr() for w in in_order}) == 1
+    tokens, logprobs, kv, taken = generate(model, PROMPTS, CPUDecodeStep.build(model))
+    assert taken > 5 and tokens == ref_tokens and logprobs == ref_logprobs
+    assert all(torch.equal(got, ref) for got, ref in zip(kv, ref_kv))
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_cpu_decode_step_is_the_same_on_any_number_of_threads(threads):
     """Each matmul's output rows are split between the threads at multiples of 8 (the interleaved
