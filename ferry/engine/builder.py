@@ -106,10 +106,9 @@ def _build(
     if tp_workers is not None:
         tp_workers.initialize_kv_cache(runner, num_blocks, args.max_num_seqs, max_len)
     else:
-        runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager, args.kv_cache_prefault)
+        runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
     if draft_runner is not None and not early_exit:  # (early exit drafts over the target's cache)
-        draft_runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager,
-                                         args.kv_cache_prefault)  # fmt: skip
+        draft_runner.initialize_kv_cache(num_blocks, args.max_num_seqs, max_len, args.enforce_eager)
     info = EngineInfo(
         model_path=str(args.model or ""),
         max_model_len=max_len,

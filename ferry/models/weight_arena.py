@@ -42,22 +42,17 @@ def step_order(model) -> list[GGUFWeight]:
                 seen.add(id(w))
                 order.append(w)
 
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("qkv_proj", "o_proj"):  # (MLA's projections have other names: taken below)
-            linear = getattr(attn, name, None)
-            add(getattr(linear, "gguf", None))
-        for module in attn.modules():
+    def add_modules(root) -> None:  # in registration order: q/k/v, o; gate/up, down
+        for module in root.modules():
             add(getattr(module, "gguf", None))
-        if isinstance(mlp, SparseMoeBlock):
-            if mlp.shared_expert is not None:
-                add(mlp.shared_expert.gate_up_proj.gguf, mlp.shared_expert.down_proj.gguf)
-            for e in range(len(mlp.experts.gguf13 or [])):
-                add(mlp.experts.gguf13[e], mlp.experts.gguf2[e])
-        else:
-            add(mlp.gate_up_proj.gguf, mlp.down_proj.gguf)
-        for module in layer.modules():  # anything else the layer holds as blocks, after the above
-            add(getattr(module, "gguf", None), getattr(module, "gguf13", None), getattr(module, "gguf2", None))
+
+    for layer in model.layers:
+        add_modules(layer.self_attn)
+        if isinstance(layer.mlp, SparseMoeBlock):  # the routed experts one by one, then a shared expert
+            experts = layer.mlp.experts
+            for e in range(len(experts.gguf13 or [])):
+                add(experts.gguf13[e], experts.gguf2[e])
+        add_modules(layer)  # a dense MLP, a shared expert, anything else the layer holds as blocks
     add(getattr(model, "_gguf_lm_head", None))
     embed = getattr(model, "embed_tokens", None)
     add(getattr(embed, "gguf", None))

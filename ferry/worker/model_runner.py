@@ -96,7 +96,8 @@ class ModelRunner:
         self.cache_dtype = kv_cache_dtype or dtype
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.kv_populator: lazy_zeros.Populator | None = None  # kv_cache_prefault's, on the CPU
+        self.kv_cache_prefault = False  # --kv-cache-prefault: the CPU cache's pages faulted in ahead
+        self.kv_populator: lazy_zeros.Populator | None = None  # its thread, while the cache lives
         self.sampler = Sampler(cfg.vocab_size)
         self.attn_backend: AttentionBackend = model.attention_backend(
             attention_backend, device, dtype, self.cache_dtype
@@ -147,6 +148,7 @@ class ModelRunner:
             channel=channel,
         )
         runner.pooling_type = args.pooling_type
+        runner.kv_cache_prefault = args.kv_cache_prefault
         return runner
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -162,14 +164,12 @@ class ModelRunner:
         self.kv_caches = []
         self.graphs = None
 
-    def initialize_kv_cache(
-        self, num_blocks: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool, prefault: bool = False
-    ) -> None:
+    def initialize_kv_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int, enforce_eager: bool) -> None:
         """Allocate the KV cache, then capture CUDA graphs for decode-only batches (on CUDA with
-        the Triton backend, unless `enforce_eager`); every rank does this together. `prefault` (the
-        CPU's --kv-cache-prefault): its pages faulted in by a background thread from now on."""
+        the Triton backend, unless `enforce_eager`); every rank does this together. With
+        `kv_cache_prefault` on the CPU, a background thread faults its pages in from now on."""
         self.allocate_kv_cache(num_blocks)
-        if prefault and self.device.type == "cpu":
+        if self.kv_cache_prefault and self.device.type == "cpu":
             unique = {t.data_ptr(): t for pair in self.kv_caches for t in pair}  # (MLA: one tensor twice)
             self.kv_populator = lazy_zeros.populate_in_background(list(unique.values()))
         if self.model.config.moe_layers and not enforce_eager and self.device.type == "cuda" \

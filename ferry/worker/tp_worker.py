@@ -150,8 +150,7 @@ def _control(msg: ControlMessage, runner: ModelRunner, args: EngineArgs, tp: Ten
     if isinstance(msg, ProfileMemory):
         tp.min_across_ranks(gpu_kv_blocks(runner, args))
     elif isinstance(msg, InitKVCache):
-        runner.initialize_kv_cache(msg.num_blocks, msg.max_num_seqs, msg.max_model_len, args.enforce_eager,
-                                   args.kv_cache_prefault)  # fmt: skip
+        runner.initialize_kv_cache(msg.num_blocks, msg.max_num_seqs, msg.max_model_len, args.enforce_eager)
     elif isinstance(msg, Shutdown):
         return False
     else:
@@ -246,8 +245,7 @@ class TensorParallelWorkers:
     def initialize_kv_cache(self, runner: ModelRunner, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
         """Every rank allocates the same number of blocks and captures its graphs."""
         self.broadcast(InitKVCache(num_blocks, max_num_seqs, max_model_len))
-        runner.initialize_kv_cache(num_blocks, max_num_seqs, max_model_len, self.args.enforce_eager,
-                                   self.args.kv_cache_prefault)  # fmt: skip
+        runner.initialize_kv_cache(num_blocks, max_num_seqs, max_model_len, self.args.enforce_eager)
 
     def shutdown(self) -> None:
         """Stop every worker. Steps still in flight must have been collected first (EngineCore.shutdown)."""
