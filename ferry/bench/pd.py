@@ -31,7 +31,7 @@ from ferry.bench.launch import LaunchedServer
 from ferry.bench.serve import distribution, send_request
 from ferry.config import EngineArgs
 from ferry.gateway.up import Replicas
-from ferry.utils.network import free_port, free_ports
+from ferry.utils.network import free_port, reserve_ports
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -89,14 +89,15 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
 def run_config(name: str, workers: list[tuple[str, list[str]]], gateway_flags: list[str], short, long, args,
                log_dir: str) -> dict:  # fmt: skip
     eargs = EngineArgs(model=args.model, max_model_len=args.long_input_len + args.long_output_len + 64)
-    ports = free_ports(len(workers))
+    socks = reserve_ports(len(workers))  # handed to the replicas (Replicas, ferry up)
+    ports = [s.getsockname()[1] for s in socks]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     base = [sys.executable, "-m", "ferry.cli", "serve", *([args.model] if args.model else []), "--enable-kv-events",
             *eargs.to_cli_flags()]  # fmt: skip
     cmds = [[*base, "--port", str(port), *flags] for port, (_, flags) in zip(ports, workers)]
     logs = [open(os.path.join(log_dir, f"{name}-{i}.log"), "wb") for i in range(len(workers))]
     replicas = Replicas(
-        cmds, urls, env={"OMP_NUM_THREADS": str(args.worker_threads)}, log_files=logs, split_cpus=False
+        cmds, urls, env={"OMP_NUM_THREADS": str(args.worker_threads)}, log_files=logs, split_cpus=False, sockets=socks
     )  # as recorded in BENCHMARKS.md: threads by flag, no pinning
     out = {"config": name}
     try:

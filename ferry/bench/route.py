@@ -29,7 +29,7 @@ from ferry.bench.serve import run_load
 from ferry.config import EngineArgs
 from ferry.gateway.policies import POLICIES
 from ferry.gateway.up import Replicas
-from ferry.utils.network import free_port, free_ports
+from ferry.utils.network import free_port, reserve_ports
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -123,13 +123,14 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--skew must be in [0, 1), got {args.skew}")
     eargs = EngineArgs(model=args.model, num_kv_blocks=args.replica_kv_blocks,
                        max_model_len=args.prefix_len + args.question_len[1] + args.max_tokens + 16)  # fmt: skip
-    ports = free_ports(args.replicas)
+    socks = reserve_ports(args.replicas)  # handed to the replicas (Replicas, ferry up)
+    ports = [s.getsockname()[1] for s in socks]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     cmds = [[sys.executable, "-m", "ferry.cli", "serve", *([args.model] if args.model else []), "--port", str(p),
              "--enable-kv-events", *eargs.to_cli_flags()] for p in ports]  # fmt: skip
     logs = [tempfile.NamedTemporaryFile(prefix="ferry-route-replica-", suffix=".log", delete=False) for _ in ports]
     replicas = Replicas(
-        cmds, urls, env={"OMP_NUM_THREADS": str(args.replica_threads)}, log_files=logs, split_cpus=False
+        cmds, urls, env={"OMP_NUM_THREADS": str(args.replica_threads)}, log_files=logs, split_cpus=False, sockets=socks
     )  # as recorded in BENCHMARKS.md: threads by flag, no pinning
     rng = random.Random(args.bench_seed)
     even = workload(args, rng)

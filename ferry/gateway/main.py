@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 import uvicorn
 
@@ -13,6 +14,7 @@ from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
 from ferry.gateway.replicas import MonitorConfig
 from ferry.utils.deployment_secret import load_secret
+from ferry.utils.network import listening_socket
 
 logger = logging.getLogger(__name__)
 
@@ -145,19 +147,28 @@ def gateway_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer
     return server
 
 
+def gateway_socket(args: argparse.Namespace) -> socket.socket:
+    """The gateway's listening socket, bound before anything else starts (utils/network.py)."""
+    try:
+        return listening_socket(args.host, args.port)
+    except OSError as e:
+        raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     if not args.worker and not args.decode:
         raise ValueError("give --worker URLs, or --prefill and --decode URLs")
+    sock = gateway_socket(args)
     gateway = build_gateway(args, args.worker, args.prefill, args.decode)
     server = gateway_server(gateway, args)
     logger.info(
         "ferry gateway on http://%s:%d over %s",
         args.host,
-        args.port,
+        sock.getsockname()[1],
         ", ".join(args.worker + [f"prefill {u}" for u in args.prefill] + [f"decode {u}" for u in args.decode]),
     )
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it has already handled
         pass
     return 0 if server.started else 1

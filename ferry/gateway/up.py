@@ -3,9 +3,11 @@
 `ferry up --pd P:D` instead starts P prefill and D decode workers (`--role`,
 KV blocks over `--kv-transfer`, tcp by default) and a disaggregating gateway.
 
-The replicas start as child processes on free ports (with KV events on, for
-the kv-aware policy), each given the engine flags of this command; when all
-are ready the gateway runs in this process. This process supervises them:
+The replicas start as child processes (with KV events on, for the kv-aware
+policy), each given the engine flags of this command and its port as a socket
+this process bound and hands over (`--fd`: nothing else can take the port
+between the pick and the replica's start); when all are ready the gateway
+runs in this process, on the port it bound first. This process supervises them:
 
 - they die with it, also when it is SIGKILLed and runs no cleanup (Linux's
   parent-death signal, set in each child before it runs);
@@ -30,6 +32,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,9 +41,9 @@ import urllib.request
 from functools import partial
 
 from ferry.config import EngineArgs
-from ferry.gateway.main import add_gateway_args, build_gateway, gateway_server
+from ferry.gateway.main import add_gateway_args, build_gateway, gateway_server, gateway_socket
 from ferry.utils.deployment_secret import load_secret
-from ferry.utils.network import free_ports
+from ferry.utils.network import reserve_ports
 from ferry.utils.process import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -84,9 +87,15 @@ BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER = 1.0, 60.0, 60.0  # seconds
 
 
 class Replicas:
+    """`ferry serve` processes, one per command, each with its `--port P` in its command. Where
+    `sockets` gives replica i's port already bound (utils/network.py reserve_ports), its first
+    start takes that socket (`--fd`) and this process closes its copy; a start again binds P."""
+
     def __init__(self, cmds: list[list[str]], urls: list[str], env: dict[str, str] | None = None,
-                 log_files: list | None = None, split_cpus: bool = True) -> None:  # fmt: skip
+                 log_files: list | None = None, split_cpus: bool = True,
+                 sockets: list[socket.socket] | None = None) -> None:  # fmt: skip
         self.cmds, self.urls = cmds, urls
+        self.handoff: list[socket.socket | None] = list(sockets) if sockets else [None] * len(cmds)
         self.env = {**os.environ, **(env or {})}
         self.log_files = log_files  # one open file per replica for its output (default: ours)
         self.procs: list[subprocess.Popen] = []
@@ -104,9 +113,19 @@ class Replicas:
         if cpus is not None and "OMP_NUM_THREADS" not in env:  # the operator's setting wins
             env = {**env, "OMP_NUM_THREADS": str(len(cpus))}
         setup = partial(_child_setup, cpus) if cpus is not None else die_with_parent
-        # Own process group: a terminal's Ctrl-C reaches us, and we stop them in order.
-        return subprocess.Popen(self.cmds[i], start_new_session=True, env=env, stdout=out, stderr=out,
-                                preexec_fn=setup)  # fmt: skip
+        cmd, sock = self.cmds[i], self.handoff[i]
+        fds = () if sock is None else (sock.fileno(),)
+        if sock is not None:
+            cmd = [*cmd, "--fd", str(sock.fileno())]
+        try:
+            # Own process group: a terminal's Ctrl-C reaches us, and we stop them in order.
+            return subprocess.Popen(cmd, start_new_session=True, env=env, stdout=out, stderr=out, preexec_fn=setup,
+                                    pass_fds=fds)  # fmt: skip
+        finally:
+            # The child has the port now; held here too, it would take connections while the child is dead.
+            self.handoff[i] = None
+            if sock is not None:
+                sock.close()
 
     def start(self, timeout: float) -> None:
         for i in range(len(self.cmds)):
@@ -160,6 +179,9 @@ class Replicas:
 
     def stop(self, timeout: float = 60.0) -> None:
         self.stopping = True
+        for sock in self.handoff:
+            if sock is not None:
+                sock.close()
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -188,7 +210,12 @@ def run_up(args: argparse.Namespace) -> int:
         if args.kv_transfer == "redis" and not args.redis_url:
             raise ValueError("--kv-transfer redis needs --redis-url")
         roles = ["prefill"] * num_p + ["decode"] * num_d
-    ports = free_ports(len(roles), exclude=frozenset({args.port}))  # the gateway's own port too
+    # Every port is ours before any worker starts: the gateway's listening, the workers' reserved and
+    # handed to them. A port picked and let go, a starting worker's ZMQ sockets (bound at random
+    # from the same range) could take (seen in CI: a worker's readiness poll got a ZMTP greeting).
+    gateway_sock = gateway_socket(args)
+    worker_socks = reserve_ports(len(roles))
+    ports = [s.getsockname()[1] for s in worker_socks]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     cmds = []
     for port, role in zip(ports, roles):
@@ -220,7 +247,7 @@ def run_up(args: argparse.Namespace) -> int:
                                 [u for u, r in zip(urls, roles) if r == "decode"], secret=secret)  # fmt: skip
     else:
         gateway = build_gateway(args, urls, secret=secret)
-    replicas = Replicas(cmds, urls, env=env)
+    replicas = Replicas(cmds, urls, env=env, sockets=worker_socks)
     # Until the gateway runs, SIGTERM (Kubernetes, systemd, kill) stops the start like Ctrl-C does;
     # then the gateway's server drains on it (DrainingServer).
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
@@ -228,10 +255,10 @@ def run_up(args: argparse.Namespace) -> int:
         replicas.start(args.replica_ready_timeout)
         gateway.also_run.append(replicas.supervise)
         server = gateway_server(gateway, args)
-        logger.info("ferry up: gateway on http://%s:%d, %s (%s)", args.host, args.port,
+        logger.info("ferry up: gateway on http://%s:%d, %s (%s)", args.host, gateway_sock.getsockname()[1],
                     f"{args.pd} prefill:decode workers" if args.pd else f"{args.replicas} replicas",
                     args.policy)  # fmt: skip
-        server.run()
+        server.run(sockets=[gateway_sock])
         return 0 if server.started else 1
     except KeyboardInterrupt:
         return 0

@@ -8,11 +8,13 @@ import sys
 
 import httpx
 import openai
+import pytest
+import zmq
 from server_utils import open_request, read_until, wait_for
 
 from ferry.bench.launch import LaunchedServer
 from ferry.gateway.up import cpu_slices
-from ferry.utils.network import free_port, free_ports
+from ferry.utils.network import free_port, listening_socket, reserve_ports
 
 
 def test_cpu_slices_split_evenly_and_wrap_when_short():
@@ -21,15 +23,61 @@ def test_cpu_slices_split_evenly_and_wrap_when_short():
     assert cpu_slices([4, 5, 6, 7], 4) == [[4], [5], [6], [7]]
 
 
-def test_free_ports_are_distinct_and_bindable():
-    """`ferry up` picks its workers' ports together: one port handed out twice made two workers
-    race for it (a CI failure of the PD test below)."""
-    taken = free_port()
-    ports = free_ports(64, exclude=frozenset({taken}))
-    assert len(set(ports)) == 64 and taken not in ports
-    for port in ports[:8]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))
+def test_reserved_ports_are_distinct_and_nobody_else_binds_them_until_handed_over():
+    """`ferry up` holds its workers' ports from the pick to each worker's start: a port let go
+    in between was taken by a starting worker's ZMQ socket (bound at random from the same
+    range; a CI failure of the PD test below), and ports picked one by one could repeat."""
+    socks = reserve_ports(64)
+    try:
+        ports = [s.getsockname()[1] for s in socks]
+        assert len(set(ports)) == 64
+        ctx = zmq.Context()
+        try:
+            for port in ports[:4]:
+                with socket.socket() as other:
+                    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    with pytest.raises(OSError, match="in use"):
+                        other.bind(("127.0.0.1", port))
+                with ctx.socket(zmq.PUB) as pub, pytest.raises(zmq.ZMQError):
+                    pub.bind(f"tcp://127.0.0.1:{port}")
+            socks[1].close()  # let go, the port is anyone's
+            with ctx.socket(zmq.PUB) as pub:
+                pub.bind(f"tcp://127.0.0.1:{ports[1]}")
+        finally:
+            ctx.term()
+        # What `ferry serve --fd` does with one: listen on it, and the port answers.
+        served = listening_socket("127.0.0.1", ports[0], fd=socks[0].fileno())
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=5) as client:
+            conn, _ = served.accept()
+            conn.close()  # the server closes first: its side of the connection waits in TIME_WAIT
+            assert client.recv(1) == b""
+        served.detach()
+        socks[0].close()  # the replica died; one started again binds the port by number
+        listening_socket("127.0.0.1", ports[0]).close()
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_listening_socket_refuses_what_is_not_a_bound_tcp_socket(tmp_path):
+    with open(tmp_path / "f", "w") as f, pytest.raises(ValueError, match="not an open socket"):
+        listening_socket("127.0.0.1", 0, fd=f.fileno())
+    with socket.socket() as unbound, pytest.raises(ValueError, match="not bound"):
+        listening_socket("127.0.0.1", 0, fd=unbound.fileno())
+    with socket.socket(socket.AF_UNIX) as unix, pytest.raises(ValueError, match="not a TCP socket"):
+        listening_socket("127.0.0.1", 0, fd=unix.fileno())
+
+
+def test_serve_and_gateway_on_a_taken_port_fail_at_once_with_a_clear_error():
+    """The port is bound before the engine core starts: a taken one is a flag to change (exit 2),
+    not a failure after the model has loaded."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        for cmd in (["serve", "--port", port], ["gateway", "--port", port, "--worker", "http://127.0.0.1:1"]):
+            out = subprocess.run([sys.executable, "-m", "ferry.cli", *cmd], capture_output=True, text=True,
+                                 timeout=120)  # fmt: skip
+            assert out.returncode == 2, out.stderr
+            assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in out.stderr
 
 
 def _alive(pid: int) -> bool:

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import logging
+import socket
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -396,9 +397,10 @@ def _openapi_with_bodies(app: FastAPI, bodies: dict[str, type]) -> dict[str, Any
 
 def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[str], path: str,
                kv_events: KVEventsConfig | None, kv_transfer: KVTransferConfig | None, api_keys: list[str] | None,
-               spawned: SpawnedCore | None = None) -> int:  # fmt: skip
-    """Serve until SIGTERM (drained) or the core's death; the exit code. `args` are checked
-    already (serve_command.py), and `spawned` is the core started meanwhile, if it was."""
+               sock: socket.socket, spawned: SpawnedCore | None = None) -> int:  # fmt: skip
+    """Serve on the listening `sock` until SIGTERM (drained) or the core's death; the exit code.
+    `args` are checked already (serve_command.py), and `spawned` is the core started meanwhile,
+    if it was."""
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
                     kv_events=kv_events, kv_transfer=kv_transfer, api_keys=api_keys,
                     allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,
@@ -416,8 +418,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
     )
     uv = DrainingServer(config, server.start_drain, lambda: server.state.draining)
     server.uvicorn = uv
-    logger.info("ferry serve on http://%s:%d (model %s)", args.host, args.port, path)
-    uv.run()
+    logger.info("ferry serve on http://%s:%d (model %s)", args.host, sock.getsockname()[1], path)
+    uv.run(sockets=[sock])
     if not uv.started and server.exit_code == 0:
-        return 1  # could not bind the port
+        return 1  # the HTTP side did not start
     return server.exit_code

@@ -26,6 +26,7 @@ from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.paths import resolve_model_path
 from ferry.utils.deployment_secret import load_secret
+from ferry.utils.network import listening_socket
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--fd", type=int, default=None,
+                   help="serve on this inherited, bound TCP socket instead of binding --host/--port (a launcher "
+                        "that holds the port until the server has it: `ferry up`)")  # fmt: skip
     p.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="answer 429 past this many sequences (prompts x n) waiting for their first token")  # fmt: skip
@@ -143,8 +147,14 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         kv_transfer.validate()  # ValueError: a clear message, exit 2
         allow_list(kv_transfer.allowed_receivers)  # ValueError naming a bad entry
-    # The core first: it loads the model while this process imports its HTTP side.
+    # The port before anything else: a taken one fails now, not after the model has loaded, and no
+    # socket the core binds at random (KV events, KV transfer) can take it meanwhile.
+    try:
+        sock = listening_socket(args.host, args.port, args.fd)
+    except OSError as e:
+        raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+    # Then the core: it loads the model while this process imports its HTTP side.
     spawned = spawn_engine_core(engine_args, kv_events, kv_transfer)
     from ferry.entrypoints.openai.api_server import run_server
 
-    return run_server(args, engine_args, names, path, kv_events, kv_transfer, api_keys, spawned)
+    return run_server(args, engine_args, names, path, kv_events, kv_transfer, api_keys, sock, spawned)
