@@ -17,16 +17,19 @@ import openai
 import pytest
 
 from ferry.bench.launch import LaunchedServer
-from ferry.utils.network import free_port
+from ferry.utils.network import free_port, reserve_ports
 
 
 class ServerProcess:
     def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None,
                  port: int | None = None) -> None:  # fmt: skip
-        self.port = port or free_port()  # a port: a replica coming back where it was
+        # A port given: a replica coming back where it was. Else one held from the pick to the server
+        # (`--fd`): another server's ZMQ socket or an outgoing connection could take a port let go.
+        sock = None if port else reserve_ports(1)[0]
+        self.port = port or sock.getsockname()[1]
         cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(self.port), *args]
         env = {"PYTHONUNBUFFERED": "1", **(env or {})}
-        self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env=env)
+        self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env=env, sock=sock)
         self.log = self.launched.log
         try:
             self.url = self.launched.__enter__()
@@ -67,11 +70,13 @@ class ServerProcess:
 
 class GatewayProcess:
     def __init__(self, workers: list[str], *flags: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+        sock = reserve_ports(1)[0]
+        self.port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(self.port), *flags]
         for w in workers:
             cmd += ["--worker", w]
-        self.launched = LaunchedServer(cmd, self.port, "/ready", 60, env={"PYTHONUNBUFFERED": "1", **(env or {})})
+        self.launched = LaunchedServer(cmd, self.port, "/ready", 60, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                                       sock=sock)  # fmt: skip
         self.log = self.launched.log
         self.url = self.launched.__enter__()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)

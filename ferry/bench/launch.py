@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -15,15 +16,26 @@ class LaunchedServer:
     """`with LaunchedServer(cmd, port, ready_path="/ready") as url:`; the log goes to a temp file."""
 
     def __init__(self, cmd: list[str], port: int, ready_path: str = "/health", timeout: float = 600.0,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, sock: socket.socket | None = None) -> None:  # fmt: skip
+        """`sock`: the port already bound here (utils/network.py reserve_ports), handed to the server
+        (`--fd`, which `ferry serve` and `ferry gateway` take) so nothing can take it meanwhile."""
         self.cmd, self.port, self.ready_path, self.timeout = cmd, port, ready_path, timeout
+        self.sock = sock
         self.env = {**os.environ, **(env or {})}
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="ferry-bench-server-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        cmd, fds = self.cmd, ()
+        if self.sock is not None:
+            cmd, fds = [*cmd, "--fd", str(self.sock.fileno())], (self.sock.fileno(),)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, pass_fds=fds)
+        finally:
+            if self.sock is not None:  # the server's now; held here too, it would take connections after it exits
+                self.sock.close()
+                self.sock = None
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -35,6 +35,9 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
     p.add_argument("--policy", choices=POLICIES, default="kv-aware")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--fd", type=int, default=None,
+                   help="serve on this inherited, bound TCP socket instead of binding --host/--port (a launcher "
+                        "that holds the port until the gateway has it)")  # fmt: skip
     if workers_required:  # under `ferry up`, --tokenizer is the engine flag (and the workers report it)
         p.add_argument("--tokenizer", default=None, help="tokenizer for prompt hashing (default: the workers' own)")
     p.add_argument("--max-retries", type=int, default=2, help="other workers to try when one fails before a byte")
@@ -150,7 +153,7 @@ def gateway_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer
 def gateway_socket(args: argparse.Namespace) -> socket.socket:
     """The gateway's listening socket, bound before anything else starts (utils/network.py)."""
     try:
-        return listening_socket(args.host, args.port)
+        return listening_socket(args.host, args.port, args.fd)
     except OSError as e:
         raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
 
