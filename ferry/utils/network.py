@@ -48,8 +48,17 @@ def listening_socket(host: str, port: int, fd: int | None = None) -> socket.sock
     listening shares its port with any other SO_REUSEADDR bind); connections made before the
     HTTP side runs wait in the backlog. OSError when the port is taken, ValueError for a bad fd."""
     if fd is None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return socket.create_server((host, port), family=family, backlog=BACKLOG)
+        # As uvicorn binds (not socket.create_server, which makes "::" IPv6-only where Linux's
+        # default lets it take IPv4 too, as uvicorn's did).
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
     try:
         sock = socket.socket(fileno=fd)
     except OSError as e:

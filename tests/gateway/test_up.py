@@ -68,6 +68,20 @@ def test_listening_socket_refuses_what_is_not_a_bound_tcp_socket(tmp_path):
         listening_socket("127.0.0.1", 0, fd=unix.fileno())
 
 
+def test_listening_socket_on_all_ipv6_addresses_follows_the_kernel_default_for_ipv4():
+    """`--host ::` listens as uvicorn's own bind did: with Linux's default (bindv6only 0) IPv4
+    clients reach it as well; socket.create_server would have made it IPv6-only everywhere."""
+    with open("/proc/sys/net/ipv6/bindv6only") as f:
+        dual_stack = f.read().strip() == "0"
+    with listening_socket("::", 0) as sock:
+        try:
+            socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=5).close()
+            reached = True
+        except ConnectionRefusedError:
+            reached = False
+    assert reached == dual_stack
+
+
 def test_serve_and_gateway_on_a_taken_port_fail_at_once_with_a_clear_error():
     """The port is bound before the engine core starts: a taken one is a flag to change (exit 2),
     not a failure after the model has loaded."""
