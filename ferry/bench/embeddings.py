@@ -25,7 +25,7 @@ import httpx
 
 from ferry.bench.launch import LaunchedServer
 from ferry.config import EngineArgs
-from ferry.utils.network import free_port
+from ferry.utils.network import reserve_ports
 
 TOPICS = ["the harbour at dawn", "a contract dispute", "protein folding", "a recipe for bread", "tax law changes",
           "a football match", "solar panel efficiency", "the history of Rome", "a bug in a compiler",
@@ -85,11 +85,12 @@ def main(args: argparse.Namespace) -> int:
     results = {}
     for delay in delays:
         flags = dataclasses.replace(eargs, embed_max_delay_ms=delay, embed_max_batch=args.embed_batch).to_cli_flags()
-        port = free_port()
+        sock = reserve_ports(1)[0]  # held until the server has it (--fd)
+        port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "ferry.cli", "serve", *([eargs.model] if eargs.model else []),
                "--port", str(port), "--served-model-name", "bench", "--max-queue-len", str(4 * args.concurrency),
                *flags]  # fmt: skip
-        with LaunchedServer(cmd, port, "/ready", 600) as url:
+        with LaunchedServer(cmd, port, "/ready", 600, sock=sock) as url:
             asyncio.run(_load(url, inputs[: args.concurrency], args.concurrency))  # warm-up
             r = asyncio.run(_load(url, inputs, args.concurrency))
         results[f"delay_{delay:g}ms"] = r

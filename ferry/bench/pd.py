@@ -31,7 +31,7 @@ from ferry.bench.launch import LaunchedServer
 from ferry.bench.serve import distribution, send_request
 from ferry.config import EngineArgs
 from ferry.gateway.up import Replicas
-from ferry.utils.network import free_port, reserve_ports
+from ferry.utils.network import reserve_ports
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -102,11 +102,12 @@ def run_config(name: str, workers: list[tuple[str, list[str]]], gateway_flags: l
     out = {"config": name}
     try:
         replicas.start(600)
-        gw_cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(free_port()), *gateway_flags]
+        gw_sock = reserve_ports(1)[0]  # held until the gateway has it (--fd)
+        port = gw_sock.getsockname()[1]
+        gw_cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(port), *gateway_flags]
         for (role, _), url in zip(workers, urls):
             gw_cmd += [{"both": "--worker", "prefill": "--prefill", "decode": "--decode"}[role], url]
-        port = int(gw_cmd[gw_cmd.index("--port") + 1])
-        with LaunchedServer(gw_cmd, port, "/ready", 120) as gw:
+        with LaunchedServer(gw_cmd, port, "/ready", 120, sock=gw_sock) as gw:
             for phase, with_long in (("alone", False), ("with_long", True)):
                 for url in urls:
                     httpx.post(url + "/reset_prefix_cache", timeout=30)

@@ -25,7 +25,7 @@ from ferry.bench.serve import bench_once, format_summary, parse_slos, salted
 from ferry.bench.throughput import run_ferry, synthetic_requests
 from ferry.config import EngineArgs
 from ferry.models.loader import load_checkpoint
-from ferry.utils.network import free_port
+from ferry.utils.network import free_port, reserve_ports
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -79,11 +79,12 @@ def main(args: argparse.Namespace) -> int:
         del engine, off
         gc.collect()
 
-    port = free_port()
+    sock = reserve_ports(1)[0]  # held until the server has it (--fd)
+    port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(port), *eargs.to_cli_flags()]
     if args.model:
         cmd.insert(4, args.model)
-    with LaunchedServer(cmd, port, ready_path="/ready") as url:
+    with LaunchedServer(cmd, port, ready_path="/ready", sock=sock) as url:
         bench_once(url, None, warmup, math.inf, None, 600, 0, slos)
         sat = bench_once(url, None, saturation_reqs, math.inf, None, 600, args.bench_seed, slos)
         print(format_summary(f"ferry serve, all {len(reqs)} at once", sat))

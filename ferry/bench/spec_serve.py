@@ -26,7 +26,7 @@ from ferry.bench.serve import bench_once, parse_slos
 from ferry.bench.spec_workloads import EDIT_PROMPTS
 from ferry.bench.throughput import synthetic_requests
 from ferry.config import EngineArgs
-from ferry.utils.network import free_port
+from ferry.utils.network import reserve_ports
 
 
 def edit_requests(tokenizer, n: int, max_tokens: int) -> list[tuple[list[int], int]]:
@@ -52,11 +52,12 @@ def run(args, eargs: EngineArgs, spec_config: str, tokenizer, vocab_size: int) -
     runs: dict[str, dict[str, list[float]]] = {m: {"edit": [], "throughput": []} for m in flags}
     for r in range(args.rounds):
         for mode, mode_flags in flags.items():
-            port = free_port()
+            sock = reserve_ports(1)[0]  # held until the server has it (--fd)
+            port = sock.getsockname()[1]
             cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(port), *mode_flags]
             if args.model:
                 cmd.insert(4, args.model)
-            with LaunchedServer(cmd, port, ready_path="/ready") as url:
+            with LaunchedServer(cmd, port, ready_path="/ready", sock=sock) as url:
                 bench_once(url, None, edits[:2], math.inf, None, 600, 0, slos, ignore_eos=False)  # warm-up
                 edit = bench_once(url, None, edits, math.inf, args.concurrency, 600, 0, slos, ignore_eos=False)
                 tput = bench_once(url, None, batch, math.inf, None, 600, 0, slos)
