@@ -243,7 +243,8 @@ class Gateway:
                 "reachable": w.reachable, "circuit_open_s": max(0.0, w.open_until - now),
                 "models": sorted(w.models), "in_flight": w.in_flight, "waiting": w.waiting, "running": w.running,
                 "kv_usage": w.kv_usage, "prefix_queries": w.prefix_queries, "prefix_hits": w.prefix_hits,
-                "last_error": w.last_error, "kv_blocks_known": self.kv.blocks_known(w)}  # fmt: skip
+                "last_error": w.last_error, "kv_blocks_known": self.kv.blocks_known(w),
+                "kv_mirrored": self.kv.mirrored(w)}  # fmt: skip
 
     # -- app --------------------------------------------------------------
 

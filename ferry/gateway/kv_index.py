@@ -228,10 +228,9 @@ class KVMirrors(BackgroundTask):
 
     def overlap(self, worker: Worker, hashes: list[bytes]) -> int:
         """Leading blocks of a prompt `worker` caches, as far as its mirror knows."""
-        sub = self.subscribers.get(worker.url)
-        if sub is None or not sub.index.synced or not sub.running:
+        if not self.mirrored(worker):
             return 0  # no live mirror of this worker's cache: route it by load
-        return sub.index.overlap(hashes)
+        return self.subscribers[worker.url].index.overlap(hashes)
 
     def add_pending(self, worker: Worker, hashes: list[bytes]) -> None:
         """A prompt was just sent to `worker`: count its blocks as cached there until events confirm them."""
@@ -242,6 +241,11 @@ class KVMirrors(BackgroundTask):
     def blocks_known(self, worker: Worker) -> int | None:
         sub = self.subscribers.get(worker.url)
         return len(sub.index.hashes) if sub is not None else None
+
+    def mirrored(self, worker: Worker) -> bool:
+        """Whether `worker`'s cache has a live, synced mirror here (else it is routed by load alone)."""
+        sub = self.subscribers.get(worker.url)
+        return sub is not None and sub.index.synced and sub.running
 
     async def _run(self) -> None:
         warned: set[str] = set()
