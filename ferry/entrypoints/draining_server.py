@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import uvicorn
 
+from ferry.utils.network import allow_rebind
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, start_drain: Callable[[], None], draining: Callable[[], bool]) -> None:
@@ -28,6 +30,8 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        for sock in sockets or ():  # bound before the server started (utils/network.py), listening now
+            allow_rebind(sock)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit or self.draining():

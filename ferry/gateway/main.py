@@ -14,7 +14,7 @@ from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
 from ferry.gateway.replicas import MonitorConfig
 from ferry.utils.deployment_secret import load_secret
-from ferry.utils.network import listening_socket
+from ferry.utils.network import server_socket
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def gateway_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer
 def gateway_socket(args: argparse.Namespace) -> socket.socket:
     """The gateway's listening socket, bound before anything else starts (utils/network.py)."""
     try:
-        return listening_socket(args.host, args.port, args.fd)
+        return server_socket(args.host, args.port, args.fd)
     except OSError as e:
         raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
 

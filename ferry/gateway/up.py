@@ -210,7 +210,7 @@ def run_up(args: argparse.Namespace) -> int:
         if args.kv_transfer == "redis" and not args.redis_url:
             raise ValueError("--kv-transfer redis needs --redis-url")
         roles = ["prefill"] * num_p + ["decode"] * num_d
-    # Every port is ours before any worker starts: the gateway's listening, the workers' reserved and
+    # Every port is ours before any worker starts: the gateway's bound, the workers' reserved and
     # handed to them. A port picked and let go, a starting worker's ZMQ sockets (bound at random
     # from the same range) could take (seen in CI: a worker's readiness poll got a ZMTP greeting).
     gateway_sock = gateway_socket(args)

@@ -4,15 +4,13 @@ A port picked by binding port 0 and closing the socket is free only until someon
 and ferry's own processes bind ports at random as they start (the engine core's ZMQ sockets for
 KV events and KV transfers), from the same range the kernel hands out for port 0. So a launcher
 that starts several servers at once reserves their ports (`reserve_ports`: sockets it keeps
-bound) and hands each socket to its server (`ferry serve --fd`), and a server binds and listens
-on its own port before it starts anything else (`listening_socket`).
+bound) and hands each socket to its server (`ferry serve --fd`), and a server binds its own port
+before it starts anything else (`server_socket`).
 """
 
 from __future__ import annotations
 
 import socket
-
-BACKLOG = 2048  # uvicorn's default
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,25 +38,33 @@ def reserve_ports(n: int, host: str = "127.0.0.1") -> list[socket.socket]:
     return socks
 
 
-def listening_socket(host: str, port: int, fd: int | None = None) -> socket.socket:
-    """The TCP socket a server serves on, listening from now on: the inherited socket `fd` (bound
-    by a launcher; `port` is then only what it was told) or `host:port` bound here (SO_REUSEADDR,
-    as uvicorn binds: a restart need not wait out the last run's TIME_WAIT connections).
-    Listening at once keeps the port ours while the rest starts (a bound socket that is not
-    listening shares its port with any other SO_REUSEADDR bind); connections made before the
-    HTTP side runs wait in the backlog. OSError when the port is taken, ValueError for a bad fd."""
-    if fd is None:
-        # As uvicorn binds (not socket.create_server, which makes "::" IPv6-only where Linux's
-        # default lets it take IPv4 too, as uvicorn's did).
+def server_socket(host: str, port: int, fd: int | None = None) -> socket.socket:
+    """The TCP socket a server will serve on, bound and not yet listening (uvicorn listens when its
+    HTTP side is up, so clients are refused until then, as with uvicorn's own bind): the inherited
+    socket `fd` (bound by a launcher; `port` is then only what it was told) or `host:port` bound
+    here. Bound without SO_REUSEADDR, so no other socket can share the port meanwhile (one that is
+    bound with it could, ZMQ's random binds included); only when that fails does it bind with it,
+    as uvicorn does, for a port whose last server left connections in TIME_WAIT. Call
+    `allow_rebind` once it listens. OSError when the port is taken, ValueError for a bad fd."""
+    if fd is not None:
+        return _inherited_socket(fd)
+    for reuse in (False, True):
+        # AF_INET6 for "::" as uvicorn binds it: Linux's default (bindv6only 0) lets IPv4 in too,
+        # where socket.create_server would make it IPv6-only.
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
-            sock.listen(BACKLOG)
-        except BaseException:
+            return sock
+        except OSError:
             sock.close()
-            raise
-        return sock
+            if reuse:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _inherited_socket(fd: int) -> socket.socket:
     try:
         sock = socket.socket(fileno=fd)
     except OSError as e:
@@ -70,9 +76,11 @@ def listening_socket(host: str, port: int, fd: int | None = None) -> socket.sock
         sock.detach()
         raise ValueError(f"--fd {fd}: the socket is not bound to a port")
     sock.set_inheritable(False)  # ours alone from here: no child of this server keeps the port open
-    # The launcher held it without SO_REUSEADDR (so nothing could share it); set now, before the
-    # first connection: accepted connections inherit it, and without it their TIME_WAIT would keep
-    # a replica restarted on this port from binding it for a minute.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.listen(BACKLOG)
     return sock
+
+
+def allow_rebind(sock: socket.socket) -> None:
+    """SO_REUSEADDR on a server's socket once it listens (nothing can share a listening port), before
+    its first connection: accepted connections inherit it, and without it their TIME_WAIT would keep
+    a server restarted on this port from binding it for a minute."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

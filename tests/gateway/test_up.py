@@ -14,7 +14,7 @@ from server_utils import open_request, read_until, wait_for
 
 from ferry.bench.launch import LaunchedServer
 from ferry.gateway.up import cpu_slices
-from ferry.utils.network import free_port, listening_socket, reserve_ports
+from ferry.utils.network import allow_rebind, free_port, reserve_ports, server_socket
 
 
 def test_cpu_slices_split_evenly_and_wrap_when_short():
@@ -45,35 +45,40 @@ def test_reserved_ports_are_distinct_and_nobody_else_binds_them_until_handed_ove
                 pub.bind(f"tcp://127.0.0.1:{ports[1]}")
         finally:
             ctx.term()
-        # What `ferry serve --fd` does with one: listen on it, and the port answers.
-        served = listening_socket("127.0.0.1", ports[0], fd=socks[0].fileno())
+        # What `ferry serve --fd` does with one: take it, and once its HTTP side listens, the port answers.
+        served = server_socket("127.0.0.1", ports[0], fd=socks[0].fileno())
+        with pytest.raises(ConnectionRefusedError):  # not before: a client is refused, as by a port not yet bound
+            socket.create_connection(("127.0.0.1", ports[0]), timeout=5)
+        served.listen()
+        allow_rebind(served)
         with socket.create_connection(("127.0.0.1", ports[0]), timeout=5) as client:
             conn, _ = served.accept()
             conn.close()  # the server closes first: its side of the connection waits in TIME_WAIT
             assert client.recv(1) == b""
         served.detach()
         socks[0].close()  # the replica died; one started again binds the port by number
-        listening_socket("127.0.0.1", ports[0]).close()
+        server_socket("127.0.0.1", ports[0]).close()
     finally:
         for s in socks:
             s.close()
 
 
-def test_listening_socket_refuses_what_is_not_a_bound_tcp_socket(tmp_path):
+def test_server_socket_refuses_what_is_not_a_bound_tcp_socket(tmp_path):
     with open(tmp_path / "f", "w") as f, pytest.raises(ValueError, match="not an open socket"):
-        listening_socket("127.0.0.1", 0, fd=f.fileno())
+        server_socket("127.0.0.1", 0, fd=f.fileno())
     with socket.socket() as unbound, pytest.raises(ValueError, match="not bound"):
-        listening_socket("127.0.0.1", 0, fd=unbound.fileno())
+        server_socket("127.0.0.1", 0, fd=unbound.fileno())
     with socket.socket(socket.AF_UNIX) as unix, pytest.raises(ValueError, match="not a TCP socket"):
-        listening_socket("127.0.0.1", 0, fd=unix.fileno())
+        server_socket("127.0.0.1", 0, fd=unix.fileno())
 
 
-def test_listening_socket_on_all_ipv6_addresses_follows_the_kernel_default_for_ipv4():
+def test_server_socket_on_all_ipv6_addresses_follows_the_kernel_default_for_ipv4():
     """`--host ::` listens as uvicorn's own bind did: with Linux's default (bindv6only 0) IPv4
     clients reach it as well; socket.create_server would have made it IPv6-only everywhere."""
     with open("/proc/sys/net/ipv6/bindv6only") as f:
         dual_stack = f.read().strip() == "0"
-    with listening_socket("::", 0) as sock:
+    with server_socket("::", 0) as sock:
+        sock.listen()
         try:
             socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=5).close()
             reached = True

@@ -26,7 +26,7 @@ from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.paths import resolve_model_path
 from ferry.utils.deployment_secret import load_secret
-from ferry.utils.network import listening_socket
+from ferry.utils.network import server_socket
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -148,9 +148,10 @@ def serve(args: argparse.Namespace) -> int:
         kv_transfer.validate()  # ValueError: a clear message, exit 2
         allow_list(kv_transfer.allowed_receivers)  # ValueError naming a bad entry
     # The port before anything else: a taken one fails now, not after the model has loaded, and no
-    # socket the core binds at random (KV events, KV transfer) can take it meanwhile.
+    # socket the core binds at random (KV events, KV transfer) can take it meanwhile. Listened on
+    # when the HTTP side is up: until then clients are refused.
     try:
-        sock = listening_socket(args.host, args.port, args.fd)
+        sock = server_socket(args.host, args.port, args.fd)
     except OSError as e:
         raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
     # Then the core: it loads the model while this process imports its HTTP side.
