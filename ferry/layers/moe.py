@@ -22,12 +22,12 @@ host sync, so MoE decode steps are captured in CUDA graphs like dense ones.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import contextlib
-from collections.abc import Callable
 
 from ferry.distributed.parallel_state import TensorParallel
 from ferry.layers import gguf_linear as gguf
