@@ -11,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 
+from ferry.utils.network import handed_over
+
 
 class LaunchedServer:
     """`with LaunchedServer(cmd, port, ready_path="/ready") as url:`; the log goes to a temp file."""
@@ -27,15 +29,9 @@ class LaunchedServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
-        cmd, fds = self.cmd, ()
-        if self.sock is not None:
-            cmd, fds = [*cmd, "--fd", str(self.sock.fileno())], (self.sock.fileno(),)
-        try:
+        sock, self.sock = self.sock, None
+        with handed_over(self.cmd, sock) as (cmd, fds):
             self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, pass_fds=fds)
-        finally:
-            if self.sock is not None:  # the server's now; held here too, it would take connections after it exits
-                self.sock.close()
-                self.sock = None
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 
 import uvicorn
 
@@ -150,18 +149,10 @@ def gateway_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer
     return server
 
 
-def gateway_socket(args: argparse.Namespace) -> socket.socket:
-    """The gateway's listening socket, bound before anything else starts (utils/network.py)."""
-    try:
-        return server_socket(args.host, args.port, args.fd)
-    except OSError as e:
-        raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
-
-
 def run_gateway(args: argparse.Namespace) -> int:
     if not args.worker and not args.decode:
         raise ValueError("give --worker URLs, or --prefill and --decode URLs")
-    sock = gateway_socket(args)
+    sock = server_socket(args.host, args.port, args.fd)  # before anything else (utils/network.py)
     gateway = build_gateway(args, args.worker, args.prefill, args.decode)
     server = gateway_server(gateway, args)
     logger.info(

@@ -41,9 +41,9 @@ import urllib.request
 from functools import partial
 
 from ferry.config import EngineArgs
-from ferry.gateway.main import add_gateway_args, build_gateway, gateway_server, gateway_socket
+from ferry.gateway.main import add_gateway_args, build_gateway, gateway_server
 from ferry.utils.deployment_secret import load_secret
-from ferry.utils.network import reserve_ports
+from ferry.utils.network import handed_over, reserve_ports, server_socket
 from ferry.utils.process import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -113,19 +113,11 @@ class Replicas:
         if cpus is not None and "OMP_NUM_THREADS" not in env:  # the operator's setting wins
             env = {**env, "OMP_NUM_THREADS": str(len(cpus))}
         setup = partial(_child_setup, cpus) if cpus is not None else die_with_parent
-        cmd, sock = self.cmds[i], self.handoff[i]
-        fds = () if sock is None else (sock.fileno(),)
-        if sock is not None:
-            cmd = [*cmd, "--fd", str(sock.fileno())]
-        try:
+        sock, self.handoff[i] = self.handoff[i], None  # a start again binds the port by number
+        with handed_over(self.cmds[i], sock) as (cmd, fds):
             # Own process group: a terminal's Ctrl-C reaches us, and we stop them in order.
             return subprocess.Popen(cmd, start_new_session=True, env=env, stdout=out, stderr=out, preexec_fn=setup,
                                     pass_fds=fds)  # fmt: skip
-        finally:
-            # The child has the port now; held here too, it would take connections while the child is dead.
-            self.handoff[i] = None
-            if sock is not None:
-                sock.close()
 
     def start(self, timeout: float) -> None:
         for i in range(len(self.cmds)):
@@ -213,7 +205,7 @@ def run_up(args: argparse.Namespace) -> int:
     # Every port is ours before any worker starts: the gateway's bound, the workers' reserved and
     # handed to them. A port picked and let go, a starting worker's ZMQ sockets (bound at random
     # from the same range) could take (seen in CI: a worker's readiness poll got a ZMTP greeting).
-    gateway_sock = gateway_socket(args)
+    gateway_sock = server_socket(args.host, args.port, args.fd)
     worker_socks = reserve_ports(len(roles))
     ports = [s.getsockname()[1] for s in worker_socks]
     urls = [f"http://127.0.0.1:{p}" for p in ports]

@@ -10,7 +10,9 @@ before it starts anything else (`server_socket`).
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,9 +47,16 @@ def server_socket(host: str, port: int, fd: int | None = None) -> socket.socket:
     here. Bound without SO_REUSEADDR, so no other socket can share the port meanwhile (one that is
     bound with it could, ZMQ's random binds included); only when that fails does it bind with it,
     as uvicorn does, for a port whose last server left connections in TIME_WAIT. Call
-    `allow_rebind` once it listens. OSError when the port is taken, ValueError for a bad fd."""
+    `allow_rebind` once it listens. ValueError (a flag to change) for a taken port or a bad fd."""
     if fd is not None:
         return _inherited_socket(fd)
+    try:
+        return _bound_socket(host, port)
+    except OSError as e:
+        raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
     for reuse in (False, True):
         # AF_INET6 for "::" as uvicorn binds it: Linux's default (bindv6only 0) lets IPv4 in too,
         # where socket.create_server would make it IPv6-only.
@@ -77,6 +86,18 @@ def _inherited_socket(fd: int) -> socket.socket:
         raise ValueError(f"--fd {fd}: the socket is not bound to a port")
     sock.set_inheritable(False)  # ours alone from here: no child of this server keeps the port open
     return sock
+
+
+@contextlib.contextmanager
+def handed_over(cmd: list[str], sock: socket.socket | None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """A child's command and pass_fds for a server given `sock` (`--fd`; none: the command as is);
+    the socket is closed here on leaving, once the child has it: held here too, the port would take
+    connections while the child is dead."""
+    try:
+        yield ([*cmd, "--fd", str(sock.fileno())], (sock.fileno(),)) if sock is not None else (cmd, ())
+    finally:
+        if sock is not None:
+            sock.close()
 
 
 def allow_rebind(sock: socket.socket) -> None:

@@ -150,10 +150,7 @@ def serve(args: argparse.Namespace) -> int:
     # The port before anything else: a taken one fails now, not after the model has loaded, and no
     # socket the core binds at random (KV events, KV transfer) can take it meanwhile. Listened on
     # when the HTTP side is up: until then clients are refused.
-    try:
-        sock = server_socket(args.host, args.port, args.fd)
-    except OSError as e:
-        raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+    sock = server_socket(args.host, args.port, args.fd)  # ValueError: a taken port, exit 2
     # Then the core: it loads the model while this process imports its HTTP side.
     spawned = spawn_engine_core(engine_args, kv_events, kv_transfer)
     from ferry.entrypoints.openai.api_server import run_server
