@@ -105,16 +105,19 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(type_name):
         raw = quantize(values, GGMLQuantizationType[type_name])
         w = GGUFWeight.from_numpy(raw, type_name, (n, k))
     w = w.interleave()
-    x = torch.randn(11, w.in_features, generator=torch.Generator().manual_seed(5))
+    # 37 rows: more than a prompt block (32), so the batch takes the tiles, and its rows are quantized
+    # by the threads in shares (quantize_q8_rows); one row alone takes neither
+    x = torch.randn(37, w.in_features, generator=torch.Generator().manual_seed(5))
     y = kernels.gguf_linear(x, w.data, w.qtype, None)
-    for r in range(11):
+    for r in range(len(x)):
         assert torch.equal(kernels.gguf_linear(x[r : r + 1], w.data, w.qtype, None)[0], y[r]), r
     for start in (1, 2, 3, 5):
         assert torch.equal(kernels.gguf_linear(x[start:], w.data, w.qtype, None), y[start:]), start
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(kernels.gguf_linear(x, w.data, w.qtype, None), y)
+        for n in (1, 3):  # one thread quantizes every row; three on two cores, oversubscribed
+            torch.set_num_threads(n)
+            assert torch.equal(kernels.gguf_linear(x, w.data, w.qtype, None), y), n
     finally:
         torch.set_num_threads(threads)
 
