@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from ferry.bench.launch import LaunchedServer
-from ferry.utils.network import free_port, reserve_ports
+from ferry.utils.network import free_port, reserve_port, reserve_ports
 
 
 class ServerProcess:
@@ -70,8 +70,7 @@ class ServerProcess:
 
 class GatewayProcess:
     def __init__(self, workers: list[str], *flags: str, env: dict[str, str] | None = None) -> None:
-        sock = reserve_ports(1)[0]
-        self.port = sock.getsockname()[1]
+        sock, self.port = reserve_port()
         cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(self.port), *flags]
         for w in workers:
             cmd += ["--worker", w]

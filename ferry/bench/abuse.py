@@ -37,7 +37,7 @@ import httpx
 
 from ferry.bench.launch import LaunchedServer
 from ferry.bench.serve import distribution
-from ferry.utils.network import reserve_ports
+from ferry.utils.network import reserve_port
 
 KINDS = ("token-ids-30MB", "chunked-33MB", "text-2M-words", "nested-json", "many-prompts", "slow-body")
 MODEL = "abuse-bench"
@@ -208,8 +208,7 @@ def report(target: str, name: str, r: dict) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.abusers < 1 or args.probe_interval <= 0:
         raise ValueError("need --duration > 0, --abusers >= 1 and --probe-interval > 0")
-    sock = reserve_ports(1)[0]  # held until the server has it (--fd)
-    port = sock.getsockname()[1]
+    sock, port = reserve_port()  # held until the server has it (--fd)
     serve = [sys.executable, "-m", "ferry.cli", "serve", *([args.model] if args.model else []), "--port", str(port),
              "--served-model-name", MODEL, "--max-model-len", "2048"]  # fmt: skip
     results: dict = {}
@@ -218,8 +217,7 @@ def main(args: argparse.Namespace) -> int:
             if target == "server":
                 runs = {name: phase(server_url, args, n) for name, n in (("quiet", 0), ("abused", args.abusers))}
             else:
-                gw_sock = reserve_ports(1)[0]
-                gw_port = gw_sock.getsockname()[1]
+                gw_sock, gw_port = reserve_port()
                 gw = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(gw_port), "--worker", server_url]
                 with LaunchedServer(gw, gw_port, "/ready", 120, sock=gw_sock) as gw_url:
                     runs = {name: phase(gw_url, args, n) for name, n in (("quiet", 0), ("abused", args.abusers))}

@@ -25,7 +25,7 @@ import httpx
 
 from ferry.bench.launch import LaunchedServer
 from ferry.config import EngineArgs
-from ferry.utils.network import reserve_ports
+from ferry.utils.network import reserve_port
 
 TOPICS = ["the harbour at dawn", "a contract dispute", "protein folding", "a recipe for bread", "tax law changes",
           "a football match", "solar panel efficiency", "the history of Rome", "a bug in a compiler",
@@ -85,8 +85,7 @@ def main(args: argparse.Namespace) -> int:
     results = {}
     for delay in delays:
         flags = dataclasses.replace(eargs, embed_max_delay_ms=delay, embed_max_batch=args.embed_batch).to_cli_flags()
-        sock = reserve_ports(1)[0]  # held until the server has it (--fd)
-        port = sock.getsockname()[1]
+        sock, port = reserve_port()  # held until the server has it (--fd)
         cmd = [sys.executable, "-m", "ferry.cli", "serve", *([eargs.model] if eargs.model else []),
                "--port", str(port), "--served-model-name", "bench", "--max-queue-len", str(4 * args.concurrency),
                *flags]  # fmt: skip

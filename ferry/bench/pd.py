@@ -31,7 +31,7 @@ from ferry.bench.launch import LaunchedServer
 from ferry.bench.serve import distribution, send_request
 from ferry.config import EngineArgs
 from ferry.gateway.up import Replicas
-from ferry.utils.network import reserve_ports
+from ferry.utils.network import reserve_port, reserve_ports
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -102,8 +102,7 @@ def run_config(name: str, workers: list[tuple[str, list[str]]], gateway_flags: l
     out = {"config": name}
     try:
         replicas.start(600)
-        gw_sock = reserve_ports(1)[0]  # held until the gateway has it (--fd)
-        port = gw_sock.getsockname()[1]
+        gw_sock, port = reserve_port()  # held until the gateway has it (--fd)
         gw_cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(port), *gateway_flags]
         for (role, _), url in zip(workers, urls):
             gw_cmd += [{"both": "--worker", "prefill": "--prefill", "decode": "--decode"}[role], url]

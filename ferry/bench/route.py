@@ -29,7 +29,7 @@ from ferry.bench.serve import run_load
 from ferry.config import EngineArgs
 from ferry.gateway.policies import POLICIES
 from ferry.gateway.up import Replicas
-from ferry.utils.network import reserve_ports
+from ferry.utils.network import reserve_port, reserve_ports
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -98,8 +98,7 @@ def run_policy(policy: str, urls: list[str], reqs, args) -> dict:
         r = httpx.post(url + "/reset_prefix_cache", timeout=30)
         r.raise_for_status()
     hits0, queries0 = cache_counters(urls)
-    sock = reserve_ports(1)[0]  # held until the gateway has it (--fd)
-    port = sock.getsockname()[1]
+    sock, port = reserve_port()  # held until the gateway has it (--fd)
     cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(port), "--policy", policy]
     for url in urls:
         cmd += ["--worker", url]

@@ -25,7 +25,7 @@ from ferry.bench.serve import bench_once, format_summary, parse_slos, salted
 from ferry.bench.throughput import run_ferry, synthetic_requests
 from ferry.config import EngineArgs
 from ferry.models.loader import load_checkpoint
-from ferry.utils.network import free_port, reserve_ports
+from ferry.utils.network import free_port, reserve_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -79,8 +79,7 @@ def main(args: argparse.Namespace) -> int:
         del engine, off
         gc.collect()
 
-    sock = reserve_ports(1)[0]  # held until the server has it (--fd)
-    port = sock.getsockname()[1]
+    sock, port = reserve_port()  # held until the server has it (--fd)
     cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(port), *eargs.to_cli_flags()]
     if args.model:
         cmd.insert(4, args.model)

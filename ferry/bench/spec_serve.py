@@ -26,7 +26,7 @@ from ferry.bench.serve import bench_once, parse_slos
 from ferry.bench.spec_workloads import EDIT_PROMPTS
 from ferry.bench.throughput import synthetic_requests
 from ferry.config import EngineArgs
-from ferry.utils.network import reserve_ports
+from ferry.utils.network import reserve_port
 
 
 def edit_requests(tokenizer, n: int, max_tokens: int) -> list[tuple[list[int], int]]:
@@ -52,8 +52,7 @@ def run(args, eargs: EngineArgs, spec_config: str, tokenizer, vocab_size: int) -
     runs: dict[str, dict[str, list[float]]] = {m: {"edit": [], "throughput": []} for m in flags}
     for r in range(args.rounds):
         for mode, mode_flags in flags.items():
-            sock = reserve_ports(1)[0]  # held until the server has it (--fd)
-            port = sock.getsockname()[1]
+            sock, port = reserve_port()  # held until the server has it (--fd)
             cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(port), *mode_flags]
             if args.model:
                 cmd.insert(4, args.model)

@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.request
 
-from ferry.utils.network import handed_over, reserve_ports
+from ferry.utils.network import handed_over, reserve_port
 
 PHASES = ("api_process_start", "core_process_start", "load_weights", "kv_cache", "warm_up", "tokenizer")
 
@@ -40,8 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def start_once(model: str | None, serve_args: list[str], env: dict[str, str], timeout: float) -> dict:
     """One `ferry serve` from launch to /ready: the wall time and the server's own phases."""
-    sock = reserve_ports(1)[0]  # held until the server has it (--fd): no other process can take the port
-    port = sock.getsockname()[1]
+    sock, port = reserve_port()  # held until the server has it (--fd): no other process can take the port
     cmd = [sys.executable, "-m", "ferry.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
            "--port", str(port), *serve_args]  # fmt: skip
     url = f"http://127.0.0.1:{port}"

@@ -40,6 +40,12 @@ def reserve_ports(n: int, host: str = "127.0.0.1") -> list[socket.socket]:
     return socks
 
 
+def reserve_port(host: str = "127.0.0.1") -> tuple[socket.socket, int]:
+    """One reserved port (reserve_ports): its socket, held until a server has it (`--fd`), and its number."""
+    sock = reserve_ports(1, host)[0]
+    return sock, sock.getsockname()[1]
+
+
 def server_socket(host: str, port: int, fd: int | None = None) -> socket.socket:
     """The TCP socket a server will serve on, bound and not yet listening (uvicorn listens when its
     HTTP side is up, so clients are refused until then, as with uvicorn's own bind): the inherited
