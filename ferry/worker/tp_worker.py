@@ -38,7 +38,6 @@ from ferry.config import EngineArgs
 from ferry.distributed.parallel_state import PipelineStage, TensorParallel, init_parallel
 from ferry.distributed.pipeline_channel import PipelineChannel
 from ferry.models.loader import load_checkpoint
-from ferry.utils.network import free_port
 from ferry.utils.process import die_with_parent
 from ferry.worker.memory import gpu_kv_blocks
 from ferry.worker.model_loading import load_model, resolve_device, resolve_dtype
@@ -202,11 +201,13 @@ class TensorParallelWorkers:
     def __init__(self, args: EngineArgs) -> None:
         if args.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes run `ferry serve --node-rank R` (workers only)")
+        # Rank 0 serves the store; with master_port 0 it binds a port of the kernel's choosing and
+        # the other ranks are told that one (a port picked free and bound later could be taken between).
+        self.store = rendezvous_store(args, 0)
         if args.master_port == 0:
-            args = dataclasses.replace(args, master_port=free_port())
+            args = dataclasses.replace(args, master_port=self.store.port)
         self.args = args
         self.layer_ranges = self._partition(args)
-        self.store = rendezvous_store(args, 0)
         # What the other nodes run: node 0's arguments, as JSON (no pickles from the network)
         self.store.set(_ENGINE_ARGS_KEY, json.dumps(dataclasses.asdict(args)))
         self.store.set(_LAYERS_KEY, json.dumps(self.layer_ranges))
