@@ -100,6 +100,11 @@ class EngineArgs:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3") and self.block_size % 2:
+            # its blocks hold their tokens' values in pairs (ferry/kv_quant.py)
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} needs an even --block-size, got {self.block_size}"
+            )
         if self.quantization not in QUANTIZATION_METHODS:
             choices = ", ".join(m for m in QUANTIZATION_METHODS if m)
             raise ValueError(f"quantization must be one of {choices} (or unset), got {self.quantization!r}")

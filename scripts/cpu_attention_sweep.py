@@ -25,7 +25,7 @@ import torch
 from kernels_at_revision import kernel_at
 
 from ferry.kernels.cpu import cpu_kernels
-from ferry.kv_quant import quantize_rows
+from ferry.kv_quant import KEYS, VALUES, blocks_of_rows, quantize_rows
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -74,6 +74,18 @@ def binding_for(texts: dict[str, bytes]) -> str:
     return declared.replace("NULLOPTS", ", c10::nullopt" * n)
 
 
+def revision_lays_out_blocks(rev: str) -> bool:
+    """Whether commit `rev`'s kernel reads a quantized cache's blocks laid out by head (kv_layout.h);
+    before, it read rows."""
+    import subprocess
+
+    from kernels_at_revision import CSRC, ROOT
+
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, CSRC + "/"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.split()  # fmt: skip
+    return any(p.endswith("/kv_layout.h") for p in listed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
@@ -91,8 +103,10 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
     builds = {"this tree": kernels}
+    laid_out = {"this tree": True}  # whether a build reads a quantized cache's blocks laid out by head
     if args.against:
         builds[args.against] = kernel_at(args.against, lambda f: f == KERNEL, binding_for, "attention")
+        laid_out[args.against] = revision_lays_out_blocks(args.against)
     print(f"threads {args.threads}, {args.layers} layers' caches, blocks of {BLOCK} in random order")
     print("| blocks | cache | batch | context | kernel | ms per layer | x 30 layers | K/V GB/s |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
@@ -106,19 +120,21 @@ def main() -> None:
             for order, dtype in itertools.product(args.order, args.dtypes):
                 table = block_table(order, batch, per_seq, gen)
                 layers = [(cache(blocks, dtype, gen), cache(blocks, dtype, gen)) for _ in range(args.layers)]
+                # the same caches as laid-out blocks (kv_quant.py), for the builds that read them so
+                as_blocks = [(blocks_of_rows(k, KEYS), blocks_of_rows(v, VALUES)) for k, v in layers]
                 k, v = layers[0]
                 read = (k.numel() * k.element_size() + v.numel() * v.element_size()) * context / (per_seq * BLOCK)
                 for _, (name, build) in itertools.product(range(args.rounds), builds.items()):
                     best = float("inf")
                     for _ in range(args.repeats + 1):
                         start = time.perf_counter()
-                        for k, v in layers:
+                        for k, v in as_blocks if laid_out[name] else layers:
                             build.paged_decode_attention(q, k, v, table, lens, HEAD_DIM**-0.5)
                         best = min(best, (time.perf_counter() - start) / args.layers)
                     gbs = read / best / 1e9
                     print(f"| {order} | {dtype} | {batch} | {context} | {name} | {best * 1e3:.3f} | {best * 30e3:.1f} "
                           f"| {gbs:.1f} |", flush=True)  # fmt: skip
-                del layers
+                del layers, as_blocks
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def sdpa_reference(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, 
 
 def kernel_alone(lengths: list[int], rounds: int) -> None:
     from ferry.kernels.cpu import cpu_kernels
-    from ferry.kv_quant import quantize_rows
+    from ferry.kv_quant import KEYS, VALUES, blocks_of_rows, quantize_rows
 
     k = cpu_kernels()
     heads, kvh, d, bs = 9, 3, 64, 16
@@ -54,7 +54,7 @@ def kernel_alone(lengths: list[int], rounds: int) -> None:
                 kc, vc = quantize_rows(kx, torch.int8), quantize_rows(vx, torch.int8)
             else:
                 kc, vc = kx, vx
-            kc4, vc4 = kc.view(nb, bs, kvh, -1), vc.view(nb, bs, kvh, -1)
+            kc4, vc4 = blocks_of_rows(kc.view(nb, bs, kvh, -1), KEYS), blocks_of_rows(vc.view(nb, bs, kvh, -1), VALUES)
             out = torch.empty_like(q)
             ours = functools.partial(k.paged_prefill_attention, q, kc4, vc4, table, spans, d**-0.5, 0, out)
             sdpa = functools.partial(sdpa_reference, q, kc[slots], vc[slots], d**-0.5)

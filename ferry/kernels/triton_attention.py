@@ -23,7 +23,7 @@ logit soft-capping, as compile-time constants (a model has at most two kinds of 
 
 Scores and softmax run in fp32; `tl.dot` takes the cache dtype (bf16/fp16 on tensor
 cores) and full fp32 precision (no TF32) when the cache is fp32. A quantized cache (int8 or
-fp8 e4m3 rows, each followed by its fp32 scale: ferry/kv_quant.py) is quantized by
+fp8 e4m3 rows and their fp32 scales, each block laid out by head: ferry/kv_quant.py) is quantized by
 `store_kv` and widened to q's dtype in the loops (exact in bf16); K's scales multiply the
 scores' columns, V's fold into the probabilities before the second dot. On the CPU the
 kernels run under TRITON_INTERPRET=1 (the tests compare them with the torch backend).
@@ -96,6 +96,26 @@ def _quantize_rows(x, QUANT: tl.constexpr, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _kv_offsets(block, t, kvh, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+                QUANT: tl.constexpr):  # fmt: skip
+    """Element offsets of tokens (block, t)'s values d of kv head kvh: K's and V's [N, D_PAD], and the
+    rows' scales' [N] (in the cache seen as fp32). A float cache's rows are [BS][KVH][D]; a quantized
+    one's blocks are laid out by head (kv_quant.py): head h's part is BLOCK_SIZE rows' bytes, K's values
+    [D/2][BLOCK_SIZE][2] or V's [BLOCK_SIZE/2][D][2], then BLOCK_SIZE fp32 scales."""
+    if QUANT:
+        head = block * stride_cb + kvh * (BLOCK_SIZE * stride_ch)
+        k_off = head[:, None] + ((d[None, :] // 2) * BLOCK_SIZE + t[:, None]) * 2 + d[None, :] % 2
+        v_off = head[:, None] + ((t[:, None] // 2) * D + d[None, :]) * 2 + t[:, None] % 2
+        sc_off = (head + D * BLOCK_SIZE) // 4 + t
+    else:
+        row = block * stride_cb + t * stride_cs + kvh * stride_ch
+        k_off = row[:, None] + d[None, :]
+        v_off = k_off
+        sc_off = row
+    return k_off, v_off, sc_off
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -117,6 +137,7 @@ def _store_kv_kernel(
     QUANT: tl.constexpr,
     QMAX: tl.constexpr,
     HAS_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -127,22 +148,32 @@ def _store_kv_kernel(
     row = slot * stride_cs + h * stride_ch
     dst = row[:, None] + d[None, :]
     h_ok = (h < KVH) & (slot >= 0)
+    # A quantized K/V cache's blocks are laid out by head (kv_quant.py): head h's part of a block is
+    # BLOCK_SIZE rows' bytes, K's values [D/2][BLOCK_SIZE][2] or V's [BLOCK_SIZE/2][D][2], then the
+    # BLOCK_SIZE fp32 scales (its byte offset a multiple of 4). MLA's latent cache (no V) stays rows:
+    # D values, then the scale (element D // 4 of the row seen as fp32).
+    tt = slot % BLOCK_SIZE
+    head = (slot // BLOCK_SIZE) * (BLOCK_SIZE * stride_cs) + h * (BLOCK_SIZE * stride_ch)
+    scale_at = (head + D * BLOCK_SIZE) // 4 + tt
     if QUANT:
-        # Each (token, head) row: D quantized values, then its fp32 scale (element D // 4 of the
-        # row seen as fp32; the row's byte offset is a multiple of 4).
         k, k_sc = _quantize_rows(k, QUANT, QMAX)
-        tl.store(k_scale_ptr + row // 4 + D // 4, k_sc, mask=h_ok)
+        if HAS_V:
+            tl.store(k_scale_ptr + scale_at, k_sc, mask=h_ok)
+            dst = head[:, None] + ((d[None, :] // 2) * BLOCK_SIZE + tt) * 2 + d[None, :] % 2
+        else:
+            tl.store(k_scale_ptr + row // 4 + D // 4, k_sc, mask=h_ok)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if HAS_V:
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
         if QUANT:
             v, v_sc = _quantize_rows(v, QUANT, QMAX)
-            tl.store(v_scale_ptr + row // 4 + D // 4, v_sc, mask=h_ok)
+            tl.store(v_scale_ptr + scale_at, v_sc, mask=h_ok)
+            dst = head[:, None] + ((tt // 2) * D + d[None, :]) * 2 + tt % 2
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _quant(cache: torch.Tensor) -> int:
-    """The kernels' QUANT constant: 0 a float cache, 1 int8, 2 fp8 e4m3 (rows + scales, kv_quant.py)."""
+    """The kernels' QUANT constant: 0 a float cache, 1 int8, 2 fp8 e4m3 (values + scales, kv_quant.py)."""
     return {torch.int8: 1, torch.float8_e4m3fn: 2}.get(cache.dtype, 0)
 
 
@@ -171,7 +202,7 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
         KVH=kvh, D=d, KVH_PAD=_pow2(kvh), D_PAD=_pow2(d), QUANT=quant, QMAX=qmax(k_cache.dtype) if quant else 1.0,
-        HAS_V=has_v,
+        HAS_V=has_v, BLOCK_SIZE=k_cache.shape[1],
     )  # fmt: skip
 
 
@@ -240,11 +271,12 @@ def _decode_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k_off, v_off, sc_off = _kv_offsets(block, pos % BLOCK_SIZE, kvh, d, stride_cb, stride_cs, stride_ch,
+                                           BLOCK_SIZE, D, QUANT)  # fmt: skip
         kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)
         if QUANT:
-            k_sc = tl.load(k_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            k_sc = tl.load(k_scale_ptr + sc_off, mask=valid, other=0.0)
             s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, DOT_F32) * (k_sc * scale)[None, :]
         else:
             s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale  # [GROUP_PAD, BLOCK_N]
@@ -253,9 +285,9 @@ def _decode_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
         if QUANT:  # V's scales fold into the probabilities: p @ (diag(sc) v) = (p * sc) @ v
-            v_sc = tl.load(v_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            v_sc = tl.load(v_scale_ptr + sc_off, mask=valid, other=0.0)
             pv = _dot((p * v_sc[None, :]).to(q.dtype), v.to(q.dtype), PRECISION, DOT_F32)
         else:
             pv = _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
@@ -439,11 +471,12 @@ def _prefill_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kvh * stride_ch
+        k_off, v_off, sc_off = _kv_offsets(block, pos % BLOCK_SIZE, kvh, d, stride_cb, stride_cs, stride_ch,
+                                           BLOCK_SIZE, D, QUANT)  # fmt: skip
         kv_mask = valid[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)
         if QUANT:
-            k_sc = tl.load(k_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            k_sc = tl.load(k_scale_ptr + sc_off, mask=valid, other=0.0)
             s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, DOT_F32) * (k_sc * scale)[None, :]
         else:
             s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
@@ -456,9 +489,9 @@ def _prefill_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=kv_mask, other=0.0)
         if QUANT:
-            v_sc = tl.load(v_scale_ptr + off // 4 + D // 4, mask=valid, other=0.0)
+            v_sc = tl.load(v_scale_ptr + sc_off, mask=valid, other=0.0)
             pv = _dot((p * v_sc[None, :]).to(q.dtype), v.to(q.dtype), PRECISION, DOT_F32)
         else:
             pv = _dot(p.to(v.dtype), v, PRECISION, DOT_F32)

@@ -97,6 +97,10 @@ def test_kv_cache_dtype_is_validated():
         EngineArgs(kv_cache_dtype="int4")
     for name in ("int8", "fp8", "fp8_e4m3"):
         EngineArgs(kv_cache_dtype=name)
+        EngineArgs(kv_cache_dtype=name, block_size=2)
+        with pytest.raises(ValueError, match="needs an even --block-size, got 5"):
+            EngineArgs(kv_cache_dtype=name, block_size=5)  # its blocks hold tokens in pairs
+    EngineArgs(kv_cache_dtype="bfloat16", block_size=5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

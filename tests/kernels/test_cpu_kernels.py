@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ferry.kernels.cpu import cpu_flags, embeds_its_own_libstdcxx
+from ferry.kv_quant import KEYS, VALUES, blocks_of_rows, quantize_blocks, rows_of_blocks
 from ferry.layers.attention import TorchAttentionBackend, build_metadata, paged_attention
 from tests.conftest import outputs_of_both_cpu_builds
 
@@ -91,10 +92,8 @@ def test_decode_kernel_tree_rows_are_plain_rows_over_their_path(kernels, cache_d
     torch.manual_seed(4)
     nb, bs, kvh, heads, d = 24, 16, 2, 6, 32
     if cache_dtype == torch.int8:
-        from ferry.kv_quant import quantize_rows
-
-        k_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
-        v_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
+        k_cache = quantize_blocks(torch.randn(nb, bs, kvh, d), torch.int8, KEYS)
+        v_cache = quantize_blocks(torch.randn(nb, bs, kvh, d), torch.int8, VALUES)
     else:
         k_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
         v_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype)
@@ -114,10 +113,12 @@ def test_decode_kernel_tree_rows_are_plain_rows_over_their_path(kernels, cache_d
     for i in range(5):
         path, at = torch.tensor(visible[i]), torch.arange(len(visible[i]))
         src, dst = blocks[path // bs] * bs + path % bs, blocks[at // bs] * bs + at % bs
+        # the path's rows at consecutive positions
+        k_plain, v_plain = rows_of_blocks(k_cache, KEYS).clone(), rows_of_blocks(v_cache, VALUES).clone()
         w = k_cache.shape[-1]
-        k_plain, v_plain = k_cache.clone(), v_cache.clone()  # the path's rows at consecutive positions
-        k_plain.view(-1, kvh, w)[dst] = k_cache.view(-1, kvh, w)[src]
-        v_plain.view(-1, kvh, w)[dst] = v_cache.view(-1, kvh, w)[src]
+        k_plain.view(-1, kvh, w)[dst] = k_plain.view(-1, kvh, w)[src]
+        v_plain.view(-1, kvh, w)[dst] = v_plain.view(-1, kvh, w)[src]
+        k_plain, v_plain = blocks_of_rows(k_plain, KEYS), blocks_of_rows(v_plain, VALUES)
         plain_row = kernels.paged_decode_attention(q[i : i + 1], k_plain, v_plain, table[i : i + 1],
                                                    torch.tensor([len(path)]), d**-0.5)  # fmt: skip
         assert torch.equal(got[i], plain_row[0])
@@ -147,8 +148,6 @@ def test_large_batch_merges_each_sequence_in_its_thread(kernels, cache_dtype):
     it finishes each; a sequence alone is split into partitions merged after all are done. Both
     merge the same partitions in the same order, so each result is bit-identical either way (and
     with fp32 rows matches dense attention)."""
-    from ferry.kv_quant import quantize_rows
-
     gen = torch.Generator().manual_seed(11)
     bs, kvh, heads, d, batch = 16, 3, 9, 64, 64
     lens = torch.randint(130, 260, (batch,), generator=gen)  # 3 to 5 partitions each
@@ -157,7 +156,7 @@ def test_large_batch_merges_each_sequence_in_its_thread(kernels, cache_dtype):
     nb = batch * per_seq
     k, v = torch.randn(nb, bs, kvh, d, generator=gen), torch.randn(nb, bs, kvh, d, generator=gen)
     if cache_dtype == torch.int8:
-        k_cache, v_cache = quantize_rows(k, torch.int8), quantize_rows(v, torch.int8)
+        k_cache, v_cache = quantize_blocks(k, torch.int8, KEYS), quantize_blocks(v, torch.int8, VALUES)
     else:
         k_cache, v_cache = k.to(cache_dtype), v.to(cache_dtype)
     table = torch.randperm(nb, generator=gen).view(batch, per_seq)
@@ -274,7 +273,7 @@ def test_a_compiler_that_embeds_libstdcxx_is_recognised(tmp_path):
 _ATTENTION_ISA_SCRIPT = r"""
 import sys, torch
 from ferry.kernels.cpu import cpu_kernels
-from ferry.kv_quant import quantize_rows
+from ferry.kv_quant import KEYS, VALUES, quantize_blocks, rows_at
 from tests.conftest import int8_values_rounding
 out = {}
 for d in (64, 40):  # 40: a multiple of 8, not of 16 (AVX-512's loops skip it; int8 goes through fp32)
@@ -285,9 +284,11 @@ for d in (64, 40):  # 40: a multiple of 8, not of 16 (AVX-512's loops skip it; i
     q = torch.randn(5, heads, d, generator=g)
     k, v = torch.randn(nb, bs, kvh, d, generator=g), torch.randn(nb, bs, kvh, d, generator=g)
     for name, (kc, vc) in {"float32": (k, v), "bfloat16": (k.bfloat16(), v.bfloat16()),
-                           "int8": (quantize_rows(k, torch.int8), quantize_rows(v, torch.int8))}.items():
+                           "int8": (quantize_blocks(k, torch.int8, KEYS),
+                                    quantize_blocks(v, torch.int8, VALUES))}.items():
         out[f"{name} d={d}"] = cpu_kernels().paged_decode_attention(q, kc, vc, table, lens, d**-0.5)
-    rows = [vc[table[b].repeat_interleave(bs)[:n], torch.arange(n) % bs] for b, n in enumerate(lens.tolist())]
+    rows = [rows_at(vc, table[b].repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs, VALUES)
+            for b, n in enumerate(lens.tolist())]
     out[f"int8 d={d} rounding"] = torch.stack([int8_values_rounding(r, d, heads // kvh) for r in rows])
 torch.save(out, sys.argv[1])
 """
@@ -315,14 +316,12 @@ def test_decode_kernel_sliding_window(kernels, cache_dtype, bs):
     """A windowed layer's decode rows in the C++ kernel (tables from the window's first block, the keys
     before the window skipped there) equal the SDPA reference's, whatever the blocks before the
     window hold (the cache manager may have handed them to another request)."""
-    from ferry.kv_quant import quantize_rows
-
     torch.manual_seed(5)
     nb, kvh, heads, d, window = 64, 2, 8, 64, 21
     lens = np.array([1, 20, 21, 22, bs * 5 + 3, 150])
     if cache_dtype == torch.int8:
-        k_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
-        v_cache = quantize_rows(torch.randn(nb * bs, kvh, d), torch.int8).view(nb, bs, kvh, d + 4)
+        k_cache = quantize_blocks(torch.randn(nb, bs, kvh, d), torch.int8, KEYS)
+        v_cache = quantize_blocks(torch.randn(nb, bs, kvh, d), torch.int8, VALUES)
     else:
         k_cache, v_cache = torch.randn(nb, bs, kvh, d).to(cache_dtype), torch.randn(nb, bs, kvh, d).to(cache_dtype)
     perm, used, blocks = torch.randperm(nb - 1) + 1, 0, []

@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from ferry.kernels.cpu import cpu_flags
-from ferry.kv_quant import dequantize_rows, is_quantized, quantize_rows
+from ferry.kv_quant import KEYS, VALUES, dequantize_rows, is_quantized, quantize_blocks, rows_at
 from ferry.layers.attention import TorchAttentionBackend, build_metadata
 from ferry.layers.attention.metadata import PrefillHost
 from tests.conftest import outputs_of_both_cpu_builds
 
 
-def random_cache(nb, bs, kvh, d, dtype, gen):
-    x = torch.randn(nb * bs, kvh, d, generator=gen)
+def random_cache(nb, bs, kvh, d, dtype, gen, layout):
+    x = torch.randn(nb, bs, kvh, d, generator=gen)
     if is_quantized(dtype):
-        return quantize_rows(x, dtype).view(nb, bs, kvh, d + 4)
-    return x.to(dtype).view(nb, bs, kvh, d)
+        return quantize_blocks(x, dtype, layout)
+    return x.to(dtype)
 
 
 def as_float(cache):
@@ -30,8 +30,8 @@ def dense_chunk(q, k_cache, v_cache, blocks, length, context, scale, window):
     g = q.shape[1] // kvh
     pos = torch.arange(context)
     slots = torch.as_tensor(blocks)[pos // bs] * bs + pos % bs
-    kk = as_float(k_cache.view(-1, kvh, k_cache.shape[-1])[slots]).repeat_interleave(g, 1).transpose(0, 1)
-    vv = as_float(v_cache.view(-1, kvh, v_cache.shape[-1])[slots]).repeat_interleave(g, 1).transpose(0, 1)
+    kk = as_float(rows_at(k_cache, slots, KEYS)).repeat_interleave(g, 1).transpose(0, 1)
+    vv = as_float(rows_at(v_cache, slots, VALUES)).repeat_interleave(g, 1).transpose(0, 1)
     qpos = torch.arange(context - length, context)[:, None]
     mask = pos[None, :] <= qpos
     if window:
@@ -47,7 +47,7 @@ def chunks_case(heads, kvh, d, bs, dtype, spans, window, seed=0):
     gen = torch.Generator().manual_seed(seed)
     need = sum(-(-ctx // bs) for _, ctx in spans)
     nb = need + 3
-    k_cache, v_cache = random_cache(nb, bs, kvh, d, dtype, gen), random_cache(nb, bs, kvh, d, dtype, gen)
+    k_cache, v_cache = random_cache(nb, bs, kvh, d, dtype, gen, KEYS), random_cache(nb, bs, kvh, d, dtype, gen, VALUES)
     perm = torch.randperm(nb, generator=gen).numpy()
     tables, rows, used, row = [], [], 0, 1
     for length, ctx in spans:
@@ -71,6 +71,8 @@ def test_prefill_kernel_matches_dense(kernels, cache_dtype, heads, kv_heads, d, 
     """Whole prompts, chunks after a cached prefix (one longer than a 1,024-key range), a one-row chunk;
     GQA groups below, at and above the 12 query vectors a pass takes (G = 3, 1, 8, 16), head sizes with
     and without a multiple of 16 (the vector and the plain loops), blocks not a multiple of 16 keys."""
+    if is_quantized(cache_dtype) and bs % 2:
+        bs += 1  # a quantized cache's blocks hold pairs of tokens (kv_quant.py)
     spans = [(37, 37), (1, 20), (70, 300), (200, 1100), (16, 16)]
     q, kc, vc, table, rows, tables = chunks_case(heads, kv_heads, d, bs, cache_dtype, spans, 0)
     out = torch.full_like(q, 7.0)
@@ -118,7 +120,8 @@ def test_backend_prefill_paths_agree(kernels, cache_dtype, window):
     paths are compared in test_cpu_kernels.py: with an int8 cache they round apart by more)."""
     gen = torch.Generator().manual_seed(11)
     bs, kvh, heads, d, nb = 16, 3, 9, 64, 40
-    k_cache, v_cache = random_cache(nb, bs, kvh, d, cache_dtype, gen), random_cache(nb, bs, kvh, d, cache_dtype, gen)
+    k_cache = random_cache(nb, bs, kvh, d, cache_dtype, gen, KEYS)
+    v_cache = random_cache(nb, bs, kvh, d, cache_dtype, gen, VALUES)
     # Two decode rows, then a whole prompt of 50 and a 30-token chunk after 70 cached tokens.
     blocks = [np.arange(1, 6), np.arange(6, 10), np.arange(10, 14), np.arange(14, 21)]
     dec_lens = np.array([70, 33])

@@ -29,6 +29,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kv_layout.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define FERRY_STEP_AVX512 1
@@ -266,20 +268,26 @@ void store_quantized_row(uint8_t* dst, const float* x, int64_t D) {
 }
 #pragma GCC pop_options
 
-// One token's K or V (KVH heads of D values) into cache row `slot` ([NB, BS, KVH, W] viewed as slots):
-// fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale.
-inline void store_token_rows(const at::Tensor& cache, int64_t slot, const float* src, int64_t KVH, int64_t D) {
+// One token's K or V (KVH heads of D values) into cache slot `slot` ([NB, BS, KVH, W] viewed as slots):
+// fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale and placed as
+// `layout` lays out a quantized cache's blocks (kv_layout.h).
+inline void store_token_rows(const at::Tensor& cache, int64_t slot, const float* src, int64_t KVH, int64_t D,
+                             KvLayout layout) {
   const auto dt = cache.scalar_type();
   if (dt == at::ScalarType::Float) {
     store_row(cache.data_ptr<float>() + slot * KVH * D, src, KVH * D);
   } else if (dt == at::ScalarType::BFloat16) {
     store_row(cache.data_ptr<c10::BFloat16>() + slot * KVH * D, src, KVH * D);
   } else {
-    const int64_t W = D + 4;
-    auto* dst = static_cast<uint8_t*>(cache.data_ptr()) + slot * KVH * W;
+    const int64_t W = D + 4, BS = cache.size(1);
+    auto* base = static_cast<uint8_t*>(cache.data_ptr());
+    uint8_t row[4096 + 4];  // D <= 4096 (checked by the callers)
     for (int64_t h = 0; h < KVH; ++h) {
-      if (dt == at::ScalarType::Char) store_quantized_row<int8_t>(dst + h * W, src + h * D, D);
-      else store_quantized_row<c10::Float8_e4m3fn>(dst + h * W, src + h * D, D);
+      uint8_t* dst = layout == KvLayout::Rows ? base + (slot * KVH + h) * W : row;
+      if (dt == at::ScalarType::Char) store_quantized_row<int8_t>(dst, src + h * D, D);
+      else store_quantized_row<c10::Float8_e4m3fn>(dst, src + h * D, D);
+      if (layout != KvLayout::Rows)
+        kv_scatter_row(base + kv_head_offset(slot / BS, h, BS, KVH, W), layout, slot % BS, BS, D, row);
     }
   }
 }
@@ -289,8 +297,10 @@ inline void store_token_rows(const at::Tensor& cache, int64_t slot, const float*
 // byte: fp32 copied, bf16 rounded to nearest even, int8 / fp8 rows quantized with their scale. One
 // pass per row, in parallel, where the torch path took ~ten elementwise ops and an index_copy_ per
 // layer (~8% of a 300-token prefill with an int8 cache).
-void store_kv_rows(at::Tensor cache, at::Tensor slots, at::Tensor x) {
+void store_kv_rows(at::Tensor cache, at::Tensor slots, at::Tensor x, int64_t layout) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 3, "x must be float32 [T, KVH, D]");
+  TORCH_CHECK(layout >= 0 && layout <= 2, "layout: 0 rows, 1 keys, 2 values (kv_layout.h)");
+  TORCH_CHECK(x.size(2) <= 4096, "head_dim above 4096");
   if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();  // (a qkv split's rows already are)
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.size(2) == x.size(1), "cache: contiguous [NB, BS, KVH, W]");
   TORCH_CHECK(slots.dtype() == at::kLong && slots.dim() == 1 && slots.size(0) == x.size(0), "slots must be int64 [T]");
@@ -308,7 +318,7 @@ void store_kv_rows(at::Tensor cache, at::Tensor slots, at::Tensor x) {
   const int64_t xs = x.stride(0);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      if (sp[t] >= 0) store_token_rows(cache, sp[t], xp + t * xs, KVH, D);
+      if (sp[t] >= 0) store_token_rows(cache, sp[t], xp + t * xs, KVH, D, static_cast<KvLayout>(layout));
   });
 }
 
@@ -323,6 +333,7 @@ class DecodeStep {
     TORCH_CHECK(cos.dtype() == at::kFloat && cos.is_contiguous() && cos.dim() == 2 && cos.size(1) == D_ / 2,
                 "cos must be contiguous float32 [max_position, head_dim / 2]");
     TORCH_CHECK(sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.dtype() == at::kFloat, "sin like cos");
+    TORCH_CHECK(head_dim <= 4096, "head_dim above 4096");
     check_norm(final_norm, hidden_, "final norm");
   }
 
@@ -465,8 +476,8 @@ class DecodeStep {
         const float* t = qkvp + b * stride;
         std::memcpy(qp + b * q_size, t, q_size * sizeof(float));
         if (sp[b] < 0) continue;  // a padding row: its K/V go nowhere
-        store_token_rows(kc, sp[b], t + q_size, KVH_, D_);
-        store_token_rows(vc, sp[b], t + q_size + row, KVH_, D_);
+        store_token_rows(kc, sp[b], t + q_size, KVH_, D_, KvLayout::Keys);
+        store_token_rows(vc, sp[b], t + q_size + row, KVH_, D_, KvLayout::Values);
       }
       const int64_t view = layer_view.empty() ? -1 : layer_view[l];
       auto attn = view < 0 ? paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt)
@@ -563,8 +574,10 @@ class DecodeStep {
 };
 
 void bind_decode_step(pybind11::module& m) {
-  m.def("store_kv_rows", &store_kv_rows, "x [T, KVH, D] into the cache rows of slots, as kv_quant.store_rows writes them (CPU)",
-        pybind11::arg("cache"), pybind11::arg("slots"), pybind11::arg("x"));
+  m.def("store_kv_rows", &store_kv_rows,
+        "x [T, KVH, D] into the cache rows of slots, as kv_quant.store_rows writes them (CPU); layout 0 rows, 1 keys, "
+        "2 values (a quantized cache's blocks)",
+        pybind11::arg("cache"), pybind11::arg("slots"), pybind11::arg("x"), pybind11::arg("layout"));
   pybind11::class_<DecodeStep>(m, "DecodeStep", "a Llama-family decode step with GGUF weights, in one call (CPU)")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                           at::Tensor>())

@@ -2,8 +2,9 @@
 // straight from the block-paged cache (no gathered copy).
 //
 // q:            [B, H, D]           float32
-// k/v_cache:    [NB, BS, KVH, W]    float32 or bfloat16 (W = D), or int8 / float8_e4m3fn rows of
-//                                   D values followed by their fp32 scale (W = D + 4; ferry/kv_quant.py)
+// k/v_cache:    [NB, BS, KVH, W]    float32 or bfloat16 (W = D), or int8 / float8_e4m3fn: D values
+//                                   and their fp32 scale per row (W = D + 4), each block laid out by
+//                                   head, K's and V's values as their kernels read them (kv_layout.h)
 // block_tables: [B, MAXB]           int64
 // seq_lens:     [B]                 int64 (tokens attended to, including the new one)
 // tree:         [B, 2] int64 or None: (start, bits) per sequence (tree verification): of the
@@ -54,6 +55,7 @@
 #include <vector>
 
 #include "fp8_table.h"
+#include "kv_layout.h"
 #include "simd_exp.h"
 
 // Built with -ffast-math (so expf vectorizes): no infinities, a large finite floor instead.
@@ -478,10 +480,79 @@ inline void values_from_int32(const int32_t* acc, int64_t D, float step, float* 
     }
 }
 
+// An int8 cache's scores for GH heads from a block's K laid out for them (kv_layout.h: [D/2][BS][2],
+// then BS scales; BS a multiple of 16): out[g * os + t - s] = qscale[g] * kscale_t * dot(q16_g, k_t) for
+// the keys t in [s, s + n). Sixteen keys at a time, one per 32-bit lane: each pair of K's values for the
+// 16 keys is one 32-byte load, widened to int16 and multiplied by every head's q pair (vpdpwssd), and
+// the lanes' sums are the 16 keys' dots, with no reduction across lanes; the scales are 16 floats in a
+// row. The int32 sums are exact, so this is heads_scores_int8 (rows) to the last bit.
+template <int GH>
+inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, int64_t s, int64_t n, int64_t D,
+                               const float* qscale, float* out, int64_t os) {
+  const float* ksc = reinterpret_cast<const float*>(kh + D * BS);
+  const int32_t* q32 = reinterpret_cast<const int32_t*>(q);
+  const int64_t D2 = D / 2;
+  for (int64_t k0 = 0; k0 < BS; k0 += 16) {
+    const int64_t lo = std::max(s, k0), hi = std::min(s + n, k0 + 16);
+    if (lo >= hi) continue;
+    __m512i a[GH][4];
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_si512();
+    for (int64_t p = 0; p < D2; p += 4)
+      for (int i = 0; i < 4; ++i) {
+        const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kh + ((p + i) * BS + k0) * 2)));
+        for (int g = 0; g < GH; ++g) a[g][i] = _mm512_dpwssd_epi32(a[g][i], kv, _mm512_set1_epi32(q32[g * D2 + p + i]));
+      }
+    const __m512 ks = _mm512_loadu_ps(ksc + k0);
+    const __mmask16 m = static_cast<__mmask16>(((1u << (hi - k0)) - 1) & ~((1u << (lo - k0)) - 1));
+    for (int g = 0; g < GH; ++g) {
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[g][0], a[g][1]), _mm512_add_epi32(a[g][2], a[g][3]));
+      __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(qscale[g])), ks);
+      if (lo > k0) f = _mm512_maskz_compress_ps(m, f);
+      _mm512_mask_storeu_ps(out + g * os + (lo - s), tail_mask(hi - lo), f);
+    }
+  }
+}
+
+// heads_values_int8 for a block's V laid out for it (kv_layout.h: [BS/2][D][2]): acc_g (int32, in
+// order) += the sum over key pairs j in [j0, j1) of u_g[2j], u_g[2j + 1] times the pair's values, u_g
+// (BS int16 at u + g * us, indexed by position in the block) zero for keys the block does not attend
+// to. Each pair's values are already side by side: four 32-byte loads per 64 values, no interleaving.
+template <int GH>
+inline void heads_values_lanes(const int16_t* u, int64_t us, const int8_t* vh, int64_t j0, int64_t j1, int64_t D,
+                               int32_t* acc) {
+  for (int64_t c = 0; c < D; c += 64) {
+    __m512i a[GH][4];
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_si512(acc + g * D + c + 16 * i);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int8_t* r = vh + (j * D + c) * 2;
+      __m512i v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * i)));
+      for (int g = 0; g < GH; ++g) {
+        int32_t w2;
+        std::memcpy(&w2, u + g * us + 2 * j, sizeof(w2));
+        const __m512i w = _mm512_set1_epi32(w2);
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_dpwssd_epi32(a[g][i], v[i], w);
+      }
+    }
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_si512(acc + g * D + c + 16 * i, a[g][i]);
+  }
+}
+
+// out[0, D) = step * acc (acc in order, from heads_values_lanes).
+inline void values_from_int32_natural(const int32_t* acc, int64_t D, float step, float* out) {
+  const __m512 sc = _mm512_set1_ps(step);
+  for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c)), sc));
+}
+
 // Heads g0 .. g0 + gh of a kv head's G, in passes of at most kMaxHeadsPerPass (4 as 2 + 2, so no pass
 // is a lone head): calls f(first head, the pass's head count as a std::integral_constant).
+// Always inlined: the task loop grew past GCC's inlining budget with the int8 lanes path, and a call
+// per block left the bf16 kernel 7-10% slower with its blocks in cache.
 template <typename F>
-inline void for_head_passes(int64_t G, F&& f) {
+__attribute__((always_inline)) inline void for_head_passes(int64_t G, F&& f) {
   for (int64_t g0 = 0; g0 < G;) {
     const int64_t left = G - g0;
     const int64_t gh = left == 4 ? 2 : std::min<int64_t>(left, kMaxHeadsPerPass);
@@ -735,7 +806,10 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   constexpr bool kInPlace = false;
 #endif
   const bool in_place = kInPlace && D % 8 == 0 && (int8_dots || !kInt8Dots);
-  const int64_t row_stride = KVH * W;  // elements from one token's row of a head to the next token's
+  // A quantized cache's blocks are laid out by head (kv_layout.h): the lanes path below reads them as
+  // they are; every other path reads rows, gathered per block (stride W) into a task's scratch.
+  constexpr bool kQuantized = std::is_same_v<CacheT, int8_t> || std::is_same_v<CacheT, Fp8E4M3>;
+  const int64_t row_stride = kQuantized ? W : KVH * W;  // elements from one token's row of a head to the next's
   // With AVX-512, in-place rows are taken by up to three heads per pass (heads_scores / heads_values).
 #ifdef FERRY_ATTN_AVX512
   const bool grouped = in_place && D % (int8_dots ? 32 : 16) == 0;
@@ -752,6 +826,9 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
 #else
   constexpr bool int_values = false;
 #endif
+  // The int8 cache's blocks read in their own layout, 16 keys per vector (heads_scores_lanes,
+  // heads_values_lanes); with other block sizes, head sizes or ISAs its rows are gathered first.
+  const bool lanes = int_values && BS % 16 == 0;
   // Threads take work from a shared counter rather than fixed halves: a task's time depends on where
   // its blocks are (cache or memory), and a static split left one thread waiting on the other at the
   // end. Where no one sequence is more than a 1 / kChunksPerThread share of a thread's work, a claim
@@ -788,7 +865,13 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
     std::vector<float> m(G), l(G);
     // Tree rows: a task's blocks that hold drafts, gathered into virtual blocks (one head's rows, at
     // the cache's own stride) so every kernel below reads them as it reads a plain block.
-    std::vector<CacheT> virtual_k(tree != nullptr ? P * BS * KVH * W : 0), virtual_v(virtual_k.size());
+    std::vector<CacheT> virtual_k(tree != nullptr && !kQuantized ? P * BS * KVH * W : 0), virtual_v(virtual_k.size());
+    // A quantized cache: each block's rows gathered (stride W), or with lanes a tree block's head part
+    // rebuilt in the cache's layout (kv_layout.h) from the positions its rows stand for.
+    std::vector<CacheT> gathered_k(kQuantized && (!lanes || tree != nullptr) ? P * BS * W : 0), gathered_v(gathered_k.size());
+    std::vector<uint8_t> row(kQuantized ? W : 0);  // one packed row
+    std::vector<int64_t> s_of(lanes ? P : 0);  // lanes: each block's first key
+    std::vector<int16_t> upad(lanes ? G * BS + 2 : 0);  // lanes: a block's weights by position
     std::vector<const CacheT*> vrows_of(P);  // each block's V rows in place,
     std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
     std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
@@ -843,9 +926,55 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         const int64_t n = std::min(BS, L - j * BS) - s;
         n_of[i] = n;
         ahead.issue(ahead.share);
+        const bool tree_block = tree != nullptr && logical[b] != seq_lp[b] && (j + 1) * BS > tree[2 * b];
         const CacheT* krows = kp + ((blk * BS + s) * KVH + h) * W;
         const CacheT* vrows = vp + ((blk * BS + s) * KVH + h) * W;
-        if (tree != nullptr && logical[b] != seq_lp[b] && (j + 1) * BS > tree[2 * b]) {
+        if constexpr (kQuantized) {
+          const auto* kbytes = reinterpret_cast<const uint8_t*>(kp);
+          const auto* vbytes = reinterpret_cast<const uint8_t*>(vp);
+          auto* kg = reinterpret_cast<uint8_t*>(gathered_k.data() + i * BS * W);
+          auto* vg = reinterpret_cast<uint8_t*>(gathered_v.data() + i * BS * W);
+          // Row t of the block: where logical position j * BS + s + t is stored (a tree's drafts elsewhere).
+          auto source = [&](int64_t t, int64_t& sblk, int64_t& st) {
+            const int64_t l = j * BS + s + t, pos = tree_block && l >= tree[2 * b] ? tree_row(b, l) : l;
+            sblk = btp[b * MAXB + pos / BS], st = pos % BS;
+          };
+#ifdef FERRY_ATTN_AVX512
+          if constexpr (kInt8Dots) {
+            if (lanes) {
+              const uint8_t* kh = kbytes + kv_head_offset(blk, h, BS, KVH, W);
+              const uint8_t* vh = vbytes + kv_head_offset(blk, h, BS, KVH, W);
+              if (tree_block) {  // (no window with a tree: s is 0)
+                for (int64_t t = 0; t < n; ++t) {
+                  int64_t sblk, st;
+                  source(t, sblk, st);
+                  kv_gather_row(kbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Keys, st, BS, D, row.data());
+                  kv_scatter_row(kg, KvLayout::Keys, t, BS, D, row.data());
+                  kv_gather_row(vbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Values, st, BS, D, row.data());
+                  kv_scatter_row(vg, KvLayout::Values, t, BS, D, row.data());
+                }
+                kh = kg, vh = vg;
+              }
+              vrows_of[i] = reinterpret_cast<const CacheT*>(vh);
+              s_of[i] = s;
+              for_head_passes(G, [&](int64_t g0, auto gh) {
+                heads_scores_lanes<decltype(gh)::value>(q16 + g0 * D, reinterpret_cast<const int8_t*>(kh), BS, s, n, D,
+                                                        qs.data() + g0, scores.data() + g0 * PT + rows, PT);
+              });
+              std::memcpy(vscale.data() + rows, vh + kv_scale_offset(s, BS, D), n * sizeof(float));
+              rows += n;
+              continue;
+            }
+          }
+#endif
+          for (int64_t t = 0; t < n; ++t) {
+            int64_t sblk, st;
+            source(t, sblk, st);
+            kv_gather_row(kbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Keys, st, BS, D, kg + t * W);
+            kv_gather_row(vbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Values, st, BS, D, vg + t * W);
+          }
+          krows = reinterpret_cast<const CacheT*>(kg), vrows = reinterpret_cast<const CacheT*>(vg);
+        } else if (tree_block) {
           CacheT* vk = virtual_k.data() + i * BS * KVH * W;
           CacheT* vv = virtual_v.data() + i * BS * KVH * W;
           for (int64_t t = 0; t < n; ++t) {
@@ -924,13 +1053,28 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         if (int_values) {
           std::fill(acc32.begin(), acc32.end(), 0);
           for (int64_t i = 0, r = 0; i < j1 - j0; r += n_of[i++]) {
+            if (lanes) {  // the block's weights by position in it, zero where it has no key
+              const int64_t s0 = s_of[i], n = n_of[i];
+              for (int64_t g = 0; g < G; ++g) {
+                int16_t* ub = upad.data() + g * BS;
+                std::memset(ub, 0, BS * sizeof(int16_t));
+                std::memcpy(ub + s0, u16.data() + g * PT + r, n * sizeof(int16_t));
+              }
+              for_head_passes(G, [&](int64_t g0, auto gh) {
+                heads_values_lanes<decltype(gh)::value>(upad.data() + g0 * BS, BS, reinterpret_cast<const int8_t*>(vrows_of[i]),
+                                                        s0 / 2, (s0 + n + 1) / 2, D, acc32.data() + g0 * D);
+              });
+              continue;
+            }
             for_head_passes(G, [&](int64_t g0, auto gh) {
               heads_values_int8<decltype(gh)::value>(u16.data() + g0 * PT + r, PT, vrows_of[i], row_stride, n_of[i], D,
                                                      acc32.data() + g0 * D);
             });
           }
-          for (int64_t g = 0; g < G; ++g)
-            values_from_int32(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
+          for (int64_t g = 0; g < G; ++g) {
+            if (lanes) values_from_int32_natural(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
+            else values_from_int32(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
+          }
         }
       }
 #endif
@@ -1048,6 +1192,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const auto dt = k_cache.scalar_type();
   const bool quantized = dt == at::ScalarType::Char || dt == at::ScalarType::Float8_e4m3fn;
   TORCH_CHECK(k_cache.size(3) == q.size(2) + (quantized ? 4 : 0), "cache rows must be head_dim wide (+4: a scale)");
+  TORCH_CHECK(!quantized || k_cache.size(1) % 2 == 0, "a quantized cache's block size must be even (kv_layout.h)");
   if (dt == at::ScalarType::Float)
     return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
   if (dt == at::ScalarType::BFloat16)

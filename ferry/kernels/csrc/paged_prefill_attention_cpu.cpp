@@ -3,8 +3,9 @@
 // block-paged cache: the cached prefix and the chunk's own rows, which the caller stored first.
 //
 // q:         [T, H, D]         float32, the step's flat batch (only the chunks' rows are read)
-// k/v_cache: [NB, BS, KVH, W]  float32 or bfloat16 (W = D), or int8 / float8_e4m3fn rows of D
-//                              values followed by their fp32 scale (W = D + 4; ferry/kv_quant.py)
+// k/v_cache: [NB, BS, KVH, W]  float32 or bfloat16 (W = D), or int8 / float8_e4m3fn: D values and
+//                              their fp32 scale per row (W = D + 4), each block laid out by head
+//                              (kv_layout.h; ferry/kv_quant.py)
 // tables:    [C, MAXB]         int64, each chunk's request blocks
 // spans:     [C, 3]            int64, per chunk (first row in q, rows, context length); row i of a
 //                              chunk sits at position context - rows + i and sees keys up to it
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "fp8_table.h"
+#include "kv_layout.h"
 #include "simd_exp.h"
 
 namespace {
@@ -311,6 +313,7 @@ void run(const Problem& pb, const uint8_t* kc, const uint8_t* vc, int64_t BS, in
     // Dequantize the range: K transposed per tile, V as rows.
     at::parallel_for(0, tile_start.back(), 1, [&](int64_t a, int64_t b) {
       std::vector<float> row(D);
+      std::vector<uint8_t> packed(D + 4);  // a quantized cache's row, gathered
       for (int64_t task = a; task < b; ++task) {
         const size_t s = std::upper_bound(tile_start.begin(), tile_start.end(), task) - tile_start.begin() - 1;
         const RangeSlice& sl = slices[s];
@@ -324,6 +327,15 @@ void run(const Problem& pb, const uint8_t* kc, const uint8_t* vc, int64_t BS, in
           if (pos >= ctx) {
             for (int64_t d = 0; d < D; ++d) kt[d * kLanes + l] = 0.f;
             std::memset(vf + l * D, 0, D * sizeof(float));
+            continue;
+          }
+          if constexpr (K == Kind::I8 || K == Kind::F8) {  // rows gathered from the blocks' layout
+            const int64_t head = kv_head_offset(table[pos / BS], h, BS, KVH, row_bytes);
+            kv_gather_row(kc + head, KvLayout::Keys, pos % BS, BS, D, packed.data());
+            row_to_f32<K>(packed.data(), D, row.data());
+            for (int64_t d = 0; d < D; ++d) kt[d * kLanes + l] = row[d];
+            kv_gather_row(vc + head, KvLayout::Values, pos % BS, BS, D, packed.data());
+            row_to_f32<K>(packed.data(), D, vf + l * D);
             continue;
           }
           const int64_t slot = table[pos / BS] * BS + pos % BS;
@@ -388,6 +400,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   const auto dt = k_cache.scalar_type();
   const bool quantized = dt == at::ScalarType::Char || dt == at::ScalarType::Float8_e4m3fn;
   TORCH_CHECK(k_cache.size(3) == D + (quantized ? 4 : 0), "cache rows must be head_dim wide (+4: a scale)");
+  TORCH_CHECK(!quantized || BS % 2 == 0, "a quantized cache's block size must be even (kv_layout.h)");
   auto tb = tables.contiguous();
   auto sp = spans.contiguous();
   const int64_t C = sp.size(0), MAXB = tb.size(1);

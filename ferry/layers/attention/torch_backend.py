@@ -30,7 +30,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ferry.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, store_rows
+from ferry.kv_quant import (
+    KEYS,
+    LAYOUT_IDS,
+    QUANTIZED_KV_DTYPES,
+    ROWS,
+    VALUES,
+    dequantize_rows,
+    is_quantized,
+    rows_at,
+    rows_of_blocks,
+    store_rows,
+)
 from ferry.layers.attention.contexts import ContextGroup
 from ferry.layers.attention.metadata import AttentionMetadata, padded_table
 
@@ -183,13 +194,11 @@ class TorchAttentionBackend:
         if state.use_cpu_kernel and k.dtype == torch.float32:  # the same bytes in one pass a row
             from ferry.kernels.cpu import cpu_kernels
 
-            cpu_kernels().store_kv_rows(k_cache, meta.slot_mapping, k)
-            cpu_kernels().store_kv_rows(v_cache, meta.slot_mapping, v)
+            cpu_kernels().store_kv_rows(k_cache, meta.slot_mapping, k, LAYOUT_IDS[KEYS])
+            cpu_kernels().store_kv_rows(v_cache, meta.slot_mapping, v, LAYOUT_IDS[VALUES])
         else:
-            store_rows(k_cache, meta.slot_mapping, k)
-            store_rows(v_cache, meta.slot_mapping, v)
-        flat_k = k_cache.view(-1, kvh, w)
-        flat_v = v_cache.view(-1, kvh, w)
+            store_rows(k_cache, meta.slot_mapping, k, KEYS)
+            store_rows(v_cache, meta.slot_mapping, v, VALUES)
         quantized = is_quantized(k_cache.dtype)
 
         def read(rows: torch.Tensor) -> torch.Tensor:
@@ -217,8 +226,8 @@ class TorchAttentionBackend:
             tables = meta.decode_block_tables if view.decode_tables is None else view.decode_tables
             length = tables.shape[1] * block_size
             ids = tables.reshape(-1)
-            kd = read(k_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
-            vd = read(v_cache.index_select(0, ids)).view(nd, length, kvh, -1).transpose(1, 2)
+            kd = read(rows_of_blocks(k_cache.index_select(0, ids), KEYS)).view(nd, length, kvh, -1).transpose(1, 2)
+            vd = read(rows_of_blocks(v_cache.index_select(0, ids), VALUES)).view(nd, length, kvh, -1).transpose(1, 2)
             qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
             out[:nd] = attend(qd, kd, vd, scale, softcap, mask=self.decode_mask(meta, window)).squeeze(2)
         if prefill_kernel:
@@ -238,12 +247,12 @@ class TorchAttentionBackend:
                 # A quantized cache: attend to the stored (quantized) rows, as decode and the Triton
                 # prefill do, so a prompt's logits see the same K/V its continuation will.
                 slots = meta.slot_mapping[s : s + n]
-                kp = read(flat_k.index_select(0, slots)).transpose(0, 1).unsqueeze(0)
-                vp = read(flat_v.index_select(0, slots)).transpose(0, 1).unsqueeze(0)
+                kp = read(rows_at(k_cache, slots, KEYS)).transpose(0, 1).unsqueeze(0)
+                vp = read(rows_at(v_cache, slots, VALUES)).transpose(0, 1).unsqueeze(0)
                 o = attend(qp, kp, vp, scale, softcap, causal=True)
             else:
-                kp = read(flat_k.index_select(0, chunk.context_slots)).transpose(0, 1).unsqueeze(0)
-                vp = read(flat_v.index_select(0, chunk.context_slots)).transpose(0, 1).unsqueeze(0)
+                kp = read(rows_at(k_cache, chunk.context_slots, KEYS)).transpose(0, 1).unsqueeze(0)
+                vp = read(rows_at(v_cache, chunk.context_slots, VALUES)).transpose(0, 1).unsqueeze(0)
                 o = attend(qp, kp, vp, scale, softcap, mask=chunk.mask)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)
         return out
@@ -262,7 +271,7 @@ class TorchAttentionBackend:
 
     def store_latent(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """MLA's rows [T, W] (latent then rotary key) into the one-head cache at `slots`."""
-        store_rows(cache, slots, rows.unsqueeze(1))
+        store_rows(cache, slots, rows.unsqueeze(1), ROWS)
 
     def latent_decode(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                       v_width: int) -> torch.Tensor:  # fmt: skip
