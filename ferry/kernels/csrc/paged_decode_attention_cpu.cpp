@@ -710,6 +710,26 @@ struct PrefetchQueue {
   }
 };
 
+// A task's buffers for a quantized cache (kv_layout.h): each block's rows gathered (stride W), or with
+// the int8 lanes path a tree block's head part rebuilt in the cache's layout from the positions its
+// rows stand for; one packed row; with lanes, each block's first key and its weights by position.
+// Empty for the float caches, whose kernels stay as they were: with these declared there (size 0)
+// the bf16 task loop was 3 KB larger than before the layout (1.2 KB without) and ran up to 6%
+// slower in the attention sweep.
+template <bool Quantized, typename CacheT>
+struct QuantizedBuffers {};
+template <typename CacheT>
+struct QuantizedBuffers<true, CacheT> {
+  std::vector<CacheT> gathered_k, gathered_v;
+  std::vector<uint8_t> row;
+  std::vector<int64_t> s_of;
+  std::vector<int16_t> upad;
+  void size(bool lanes, bool tree, int64_t P, int64_t BS, int64_t W, int64_t G) {
+    gathered_k.resize(!lanes || tree ? P * BS * W : 0), gathered_v.resize(gathered_k.size());
+    row.resize(W), s_of.resize(lanes ? P : 0), upad.resize(lanes ? G * BS + 2 : 0);
+  }
+};
+
 // A split sequence's output for kv head h's G query heads, from its nparts partitions' softmax maxima m
 // and sums l (G each) and unnormalized values acc (G x D each), partition p's at index p * KVH + h:
 // each rescaled to their common max (flash-decoding). Both ways of sharing out the work call this, in
@@ -866,12 +886,9 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
     // Tree rows: a task's blocks that hold drafts, gathered into virtual blocks (one head's rows, at
     // the cache's own stride) so every kernel below reads them as it reads a plain block.
     std::vector<CacheT> virtual_k(tree != nullptr && !kQuantized ? P * BS * KVH * W : 0), virtual_v(virtual_k.size());
-    // A quantized cache: each block's rows gathered (stride W), or with lanes a tree block's head part
-    // rebuilt in the cache's layout (kv_layout.h) from the positions its rows stand for.
-    std::vector<CacheT> gathered_k(kQuantized && (!lanes || tree != nullptr) ? P * BS * W : 0), gathered_v(gathered_k.size());
-    std::vector<uint8_t> row(kQuantized ? W : 0);  // one packed row
-    std::vector<int64_t> s_of(lanes ? P : 0);  // lanes: each block's first key
-    std::vector<int16_t> upad(lanes ? G * BS + 2 : 0);  // lanes: a block's weights by position
+    // A quantized cache's buffers (QuantizedBuffers; none in the float caches' kernels).
+    QuantizedBuffers<kQuantized, CacheT> quant;
+    if constexpr (kQuantized) quant.size(lanes, tree != nullptr, P, BS, W, G);
     std::vector<const CacheT*> vrows_of(P);  // each block's V rows in place,
     std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
     std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
@@ -932,8 +949,9 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         if constexpr (kQuantized) {
           const auto* kbytes = reinterpret_cast<const uint8_t*>(kp);
           const auto* vbytes = reinterpret_cast<const uint8_t*>(vp);
-          auto* kg = reinterpret_cast<uint8_t*>(gathered_k.data() + i * BS * W);
-          auto* vg = reinterpret_cast<uint8_t*>(gathered_v.data() + i * BS * W);
+          auto* kg = reinterpret_cast<uint8_t*>(quant.gathered_k.data() + i * BS * W);
+          auto* vg = reinterpret_cast<uint8_t*>(quant.gathered_v.data() + i * BS * W);
+          uint8_t* row = quant.row.data();
           // Row t of the block: where logical position j * BS + s + t is stored (a tree's drafts elsewhere).
           auto source = [&](int64_t t, int64_t& sblk, int64_t& st) {
             const int64_t l = j * BS + s + t, pos = tree_block && l >= tree[2 * b] ? tree_row(b, l) : l;
@@ -948,15 +966,15 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
                 for (int64_t t = 0; t < n; ++t) {
                   int64_t sblk, st;
                   source(t, sblk, st);
-                  kv_gather_row(kbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Keys, st, BS, D, row.data());
-                  kv_scatter_row(kg, KvLayout::Keys, t, BS, D, row.data());
-                  kv_gather_row(vbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Values, st, BS, D, row.data());
-                  kv_scatter_row(vg, KvLayout::Values, t, BS, D, row.data());
+                  kv_gather_row(kbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Keys, st, BS, D, row);
+                  kv_scatter_row(kg, KvLayout::Keys, t, BS, D, row);
+                  kv_gather_row(vbytes + kv_head_offset(sblk, h, BS, KVH, W), KvLayout::Values, st, BS, D, row);
+                  kv_scatter_row(vg, KvLayout::Values, t, BS, D, row);
                 }
                 kh = kg, vh = vg;
               }
               vrows_of[i] = reinterpret_cast<const CacheT*>(vh);
-              s_of[i] = s;
+              quant.s_of[i] = s;
               for_head_passes(G, [&](int64_t g0, auto gh) {
                 heads_scores_lanes<decltype(gh)::value>(q16 + g0 * D, reinterpret_cast<const int8_t*>(kh), BS, s, n, D,
                                                         qs.data() + g0, scores.data() + g0 * PT + rows, PT);
@@ -1054,14 +1072,14 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
           std::fill(acc32.begin(), acc32.end(), 0);
           for (int64_t i = 0, r = 0; i < j1 - j0; r += n_of[i++]) {
             if (lanes) {  // the block's weights by position in it, zero where it has no key
-              const int64_t s0 = s_of[i], n = n_of[i];
+              const int64_t s0 = quant.s_of[i], n = n_of[i];
               for (int64_t g = 0; g < G; ++g) {
-                int16_t* ub = upad.data() + g * BS;
+                int16_t* ub = quant.upad.data() + g * BS;
                 std::memset(ub, 0, BS * sizeof(int16_t));
                 std::memcpy(ub + s0, u16.data() + g * PT + r, n * sizeof(int16_t));
               }
               for_head_passes(G, [&](int64_t g0, auto gh) {
-                heads_values_lanes<decltype(gh)::value>(upad.data() + g0 * BS, BS, reinterpret_cast<const int8_t*>(vrows_of[i]),
+                heads_values_lanes<decltype(gh)::value>(quant.upad.data() + g0 * BS, BS, reinterpret_cast<const int8_t*>(vrows_of[i]),
                                                         s0 / 2, (s0 + n + 1) / 2, D, acc32.data() + g0 * D);
               });
               continue;
