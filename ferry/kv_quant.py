@@ -38,6 +38,9 @@ QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 KEYS, VALUES, ROWS = "keys", "values", "rows"
 # Their numbers in the C++ kernels (KvLayout, ferry/kernels/csrc/kv_layout.h).
 LAYOUT_IDS = {ROWS: 0, KEYS: 1, VALUES: 2}
+# The name PD payloads and the shared store's namespace give this block layout: an earlier ferry
+# stored quantized blocks row by row, and a peer that did must not have its blocks read as these.
+BLOCK_LAYOUT = "heads"
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # --kv-cache-dtype names of the quantized formats (fp8 is e4m3, as in vLLM).
 KV_FORMAT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}

@@ -18,10 +18,12 @@ symmetric, one fp32 scale per (block, layer, K/V, token, head), i.e. over a
 head's `head_dim` values, which keeps the error at ~0.4% of each vector's
 largest element while halving bf16 (quartering fp32) bytes.
 
-A quantized cache (`--kv-cache-dtype int8 | fp8`, ferry/kv_quant.py) is sent as stored: its rows
-(values + scale) are the raw bytes, `dtype` names the format, nothing is requantized (an
-`int8` transit encoding is ignored for it), and an importer whose cache has another dtype
-refuses the payload (both peers need the same --kv-cache-dtype).
+A quantized cache (`--kv-cache-dtype int8 | fp8`, ferry/kv_quant.py) is sent as stored: its blocks
+(values + scales, laid out by head) are the raw bytes, `dtype` names the format and `layout` the
+block layout, nothing is requantized (an `int8` transit encoding is ignored for it), and an
+importer whose cache has another dtype refuses the payload (both peers need the same
+--kv-cache-dtype), as it refuses quantized blocks in another layout (a ferry from before the
+layout sent rows and no `layout`; one that only knows rows rejects a payload with the field).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from ferry.config import KV_ENCODINGS
 from ferry.core.block_hash import BlockHash
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.kv_quant import as_bytes, head_dim_of, is_quantized, row_width
+from ferry.kv_quant import BLOCK_LAYOUT, as_bytes, head_dim_of, is_quantized, row_width
 
 
 class KVBlocks(msgspec.Struct, array_like=True):
@@ -46,6 +48,7 @@ class KVBlocks(msgspec.Struct, array_like=True):
     data: bytes  # [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim (+ 4: a quantized row's scale)]
     encoding: str = "raw"  # "raw": `dtype` values; "int8": int8 values + fp32 `scales`
     scales: bytes = b""  # int8: [num_blocks, num_layers, 2, block_size, num_kv_heads] float32
+    layout: str = "rows"  # a quantized cache's block layout (kv_quant.BLOCK_LAYOUT); "rows": an older ferry's
 
     @property
     def num_blocks(self) -> int:
@@ -77,7 +80,7 @@ class KVBlocks(msgspec.Struct, array_like=True):
         step, sstep = len(self.data) // max(n, 1), len(self.scales) // max(n, 1)
         return KVBlocks(self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
                         self.block_hashes[k:], self.block_hashes[k - 1], self.data[k * step:],
-                        self.encoding if k < n else "raw", self.scales[k * sstep:])  # fmt: skip
+                        self.encoding if k < n else "raw", self.scales[k * sstep:], self.layout)  # fmt: skip
 
     def split(self) -> list["KVBlocks"]:
         """One payload per block (the unit a shared store keeps, keyed by its hash)."""
@@ -88,7 +91,7 @@ class KVBlocks(msgspec.Struct, array_like=True):
             parent = self.block_hashes[i - 1] if i else self.parent_hash
             out.append(KVBlocks(self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, [h],
                                 parent, self.data[i * step:(i + 1) * step], self.encoding,
-                                self.scales[i * sstep:(i + 1) * sstep]))  # fmt: skip
+                                self.scales[i * sstep:(i + 1) * sstep], self.layout))  # fmt: skip
         return out
 
     @staticmethod
@@ -98,12 +101,13 @@ class KVBlocks(msgspec.Struct, array_like=True):
         for prev, p in zip(parts, parts[1:]):
             if p.parent_hash != prev.block_hashes[-1]:
                 raise ValueError("KV payloads to join are not one chain")
-            if (p.encoding, p.dtype, p.shape()[1:]) != (first.encoding, first.dtype, first.shape()[1:]):
+            if (p.encoding, p.dtype, p.layout, p.shape()[1:]) != (first.encoding, first.dtype, first.layout,
+                                                                  first.shape()[1:]):  # fmt: skip
                 raise ValueError("KV payloads to join differ in geometry or encoding")
         return KVBlocks(first.block_size, first.num_layers, first.num_kv_heads, first.head_dim, first.dtype,
                         [h for p in parts for h in p.block_hashes], first.parent_hash,
                         b"".join(p.data for p in parts), first.encoding,
-                        b"".join(p.scales for p in parts))  # fmt: skip
+                        b"".join(p.scales for p in parts), first.layout)  # fmt: skip
 
 
 def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +179,7 @@ def export_blocks(
         data=raw,
         encoding=encoding if raw else "raw",
         scales=scales,
+        layout=BLOCK_LAYOUT if is_quantized(k0.dtype) else "rows",
     )
 
 
@@ -205,6 +210,11 @@ def import_blocks(kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.
         )
     if quantized and payload.encoding != "raw":
         raise ValueError(f"KV blocks of a quantized cache travel raw, got encoding {payload.encoding!r}")
+    if quantized and payload.layout != BLOCK_LAYOUT:
+        raise ValueError(
+            f"quantized KV blocks laid out as {payload.layout!r} do not fit this cache's {BLOCK_LAYOUT!r} "
+            "blocks (a peer from before the layout, kv_quant.py): both peers need the same ferry"
+        )
     elements = len(kv_caches) * 2 * block_size * kvh * row_width(d, src_dtype) * payload.num_blocks
     itemsize = 1 if payload.encoding == "int8" else src_dtype.itemsize
     if len(payload.data) != elements * itemsize:
@@ -221,7 +231,7 @@ def import_blocks(kv: KVCacheManager, kv_caches: list[tuple[torch.Tensor, torch.
     data = payload.values()
     blocks = kv.pool.allocate(len(wanted))
     index = torch.tensor([b.block_id for b in blocks], device=k0.device)
-    if quantized:  # the bytes as stored (same dtype, checked above)
+    if quantized:  # the bytes as stored (same dtype and layout, checked above)
         rows = data.view(torch.uint8)[torch.tensor(wanted)].to(k0.device)  # [n, layers, 2, bs, kvh, d + 4]
     else:
         rows = data[torch.tensor(wanted)].to(device=k0.device, dtype=k0.dtype)  # [n, layers, 2, bs, kvh, d]

@@ -23,7 +23,7 @@ import zmq
 from ferry.config import KVTransferConfig
 from ferry.core.block_hash import hash_prompt_blocks
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.kv_quant import is_quantized
+from ferry.kv_quant import BLOCK_LAYOUT, is_quantized
 from ferry.kv_transfer.blocks import KVBlocks, export_blocks, import_blocks
 from ferry.kv_transfer.connector import KVConnector, TransferResult
 from ferry.kv_transfer.outcome import KVTransferDone
@@ -76,8 +76,9 @@ class KVTransferCoordinator:
         _, bs, kvh, d = k0.shape
         layers = len(kv_caches)
         namespace = f"{os.path.basename(model_path)}:{model_bytes(model_path)}:{layers}x{kvh}x{d}x{bs}"
-        if is_quantized(k0.dtype):  # int8 and fp8 blocks are stored as they are: never mixed in one namespace
-            namespace += f":{str(k0.dtype).removeprefix('torch.')}"
+        if is_quantized(k0.dtype):  # int8 and fp8 blocks are stored as they are: never mixed in one namespace,
+            # nor with an older ferry's (rows, not BLOCK_LAYOUT)
+            namespace += f":{str(k0.dtype).removeprefix('torch.')}:{BLOCK_LAYOUT}"
         max_payload = kv.pool.num_blocks * layers * 2 * bs * kvh * d * 4
         cached = kv.pool.cached
         self.connector = KVConnector(config, ctx, namespace, max_payload, has_block=lambda h: h in cached)

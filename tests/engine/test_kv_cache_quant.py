@@ -12,7 +12,8 @@ from ferry.bench.quality import DEFAULT_TEXT, compare
 from ferry.config import EngineArgs
 from ferry.core.block_hash import hash_prompt_blocks
 from ferry.engine.llm_engine import LLMEngine
-from ferry.kv_quant import KV_FORMAT_DTYPES
+from ferry.kv_quant import BLOCK_LAYOUT, KV_FORMAT_DTYPES
+from ferry.kv_transfer.blocks import KVBlocks
 from ferry.sampling_params import SamplingParams
 from ferry.worker.memory import blocks_in_budget, kv_bytes_per_block
 from tests.conftest import assert_no_blocks_referenced, run_to_completion, tiny_llama
@@ -139,6 +140,15 @@ def test_pd_transfer_moves_quantized_blocks_as_stored(make_engine, fmt):
     mismatched = msgspec.structs.replace(payload, dtype="float8_e4m3fn" if fmt == "int8" else "int8")
     with pytest.raises(ValueError, match="same --kv-cache-dtype"):
         decode.import_kv(mismatched)
+    # Quantized blocks from a ferry that stored them row by row (no `layout` in its payload: "rows")
+    # are refused, not read in this layout; the wire form of an old payload decodes to that.
+    assert payload.layout == BLOCK_LAYOUT
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(list(msgspec.structs.astuple(payload))[:-1]), type=KVBlocks)
+    assert old.layout == "rows" and old.data == payload.data
+    fresh = make_engine(kv_cache_dtype=fmt)
+    with pytest.raises(ValueError, match="same ferry"):
+        fresh.import_kv(old)
+    assert_no_blocks_referenced(fresh)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
