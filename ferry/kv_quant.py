@@ -160,12 +160,20 @@ def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, layout: str) -> torch.T
     return blocks_of_rows(quantize_rows(x, dtype), layout)
 
 
+def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
+    """The block layout finds a slot's bytes by arithmetic (slot // block_size), where a negative or
+    too large slot would name another block: refused, as index_copy_ / index_select refuse them."""
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+        raise IndexError(f"KV cache slots must be in [0, {num_slots}), got {slots.min()}..{slots.max()}")
+
+
 def rows_at(cache: torch.Tensor, slots: torch.Tensor, layout: str) -> torch.Tensor:
     """The rows [len(slots), KVH, W] of a cache's slots (slot = block * block_size + position), as
     quantize_rows packs them; for a float cache or ROWS, an index_select of them."""
     nb, bs, kvh, w = cache.shape
     if not is_quantized(cache.dtype) or layout == ROWS:
         return cache.view(-1, kvh, w).index_select(0, slots)
+    _check_slots(slots, nb * bs)
     values, scales = _laid_out(cache, layout)
     block, pos = slots // bs, slots % bs
     if layout == KEYS:
@@ -188,6 +196,7 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, layout
         cache.view(torch.uint8).view(-1, kvh, w).index_copy_(0, slots, packed)
         return
     d = w - SCALE_BYTES
+    _check_slots(slots, nb * bs)
     values, scales = _laid_out(cache, layout)
     block, pos = slots // bs, slots % bs
     if layout == KEYS:

@@ -278,6 +278,14 @@ def test_block_layout_puts_each_value_where_the_docstring_says(dtype):
         assert torch.equal(
             kv_quant.rows_of_blocks(stored, layout).view(torch.uint8), want.view(torch.uint8).view_as(rb)
         )
+        # A slot outside the cache names no block: refused, nothing written (not another block's bytes).
+        for bad in (-1, nb * bs):
+            before = stored.clone()
+            with pytest.raises(IndexError, match="slots must be in"):
+                kv_quant.store_rows(stored, torch.tensor([3, bad]), x[:2], layout)
+            with pytest.raises(IndexError, match="slots must be in"):
+                kv_quant.rows_at(stored, torch.tensor([bad]), layout)
+            assert torch.equal(stored.view(torch.uint8), before.view(torch.uint8))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is the CPU's")
