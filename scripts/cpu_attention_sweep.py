@@ -10,9 +10,13 @@ From the repo root:
     python3 scripts/cpu_attention_sweep.py --batch 64 --context 1024 --order random sequential reuse
     FERRY_CPU_ISA=avx2 python3 scripts/cpu_attention_sweep.py   # the AVX2 build of the same kernel
     python3 scripts/cpu_attention_sweep.py --against e142220 --rounds 3   # that commit's kernel beside this one
---against REV builds REV's paged_decode_attention_cpu.cpp as a second extension and times the two kernels
-alternately on the same caches (--rounds times each), so an old/new comparison shares the process and
-the minute: this VM's speed drifts by 10-40% between runs."""
+    python3 scripts/cpu_attention_sweep.py --against 5091070 HEAD   # two commits' kernels, each built alone
+--against REV... builds each REV's paged_decode_attention_cpu.cpp as an extension of its own and times the
+kernels alternately on the same caches (--rounds times each), so an old/new comparison shares the process
+and the minute: this VM's speed drifts by 10-40% between runs. This tree's kernel is part of ferry's whole
+extension, a different build from a commit's kernel alone (the bf16 kernel differed by -8..+3% between
+the two builds of one commit): two committed revisions compare like with like. Revisions from before the
+quantized block layout (kv_quant.py) get their int8 / fp8 caches as rows."""
 
 from __future__ import annotations
 
@@ -95,7 +99,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--order", nargs="+", default=["random"], choices=["random", "sequential", "reuse"])
-    parser.add_argument("--against", metavar="REV", help="also time this commit's kernel, alternately")
+    parser.add_argument("--against", nargs="+", default=[], metavar="REV",
+                        help="also time these commits' kernels, alternately")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="times each kernel is timed (alternately)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,9 +109,9 @@ def main() -> None:
         raise SystemExit("no C++ compiler: ferry's CPU kernels are not built")
     builds = {"this tree": kernels}
     laid_out = {"this tree": True}  # whether a build reads a quantized cache's blocks laid out by head
-    if args.against:
-        builds[args.against] = kernel_at(args.against, lambda f: f == KERNEL, binding_for, "attention")
-        laid_out[args.against] = revision_lays_out_blocks(args.against)
+    for rev in args.against:
+        builds[rev] = kernel_at(rev, lambda f: f == KERNEL, binding_for, "attention")
+        laid_out[rev] = revision_lays_out_blocks(rev)
     print(f"threads {args.threads}, {args.layers} layers' caches, blocks of {BLOCK} in random order")
     print("| blocks | cache | batch | context | kernel | ms per layer | x 30 layers | K/V GB/s |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
