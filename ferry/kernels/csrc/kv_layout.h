@@ -15,10 +15,7 @@ inline int64_t kv_head_offset(int64_t block, int64_t h, int64_t BS, int64_t KVH,
   return (block * KVH + h) * BS * W;
 }
 
-// Byte of value d of token t within a head's part (Keys or Values), and of token t's scale.
-inline int64_t kv_value_offset(KvLayout layout, int64_t t, int64_t d, int64_t BS, int64_t D) {
-  return layout == KvLayout::Keys ? ((d >> 1) * BS + t) * 2 + (d & 1) : ((t >> 1) * D + d) * 2 + (t & 1);
-}
+// The byte of token t's scale within a head's part.
 inline int64_t kv_scale_offset(int64_t t, int64_t BS, int64_t D) { return D * BS + 4 * t; }
 
 // Token t's row of a head's part (Keys or Values) as quantize_rows packs it: D values, then the scale.
