@@ -165,7 +165,7 @@ def outputs_of_both_cpu_builds(script: str, tmp_path) -> tuple[dict, dict]:
 
 
 def int8_values_rounding(rows, head_dim, group):
-    """How far the AVX-512 CPU decode kernel's int16 softmax weights may move an int8 cache's output,
+    """How far the CPU decode kernel's int16 softmax weights (AVX-512 or AVX2) may move an int8 cache's output,
     for one sequence's V rows [n, KVH, head_dim + 4] and `group` query heads per kv head: [KVH * group,
     head_dim]. Each partition's weights times V's row scales, w_t, are rounded in steps of max(w) / 32767;
     a weight moves by at most half a step, and w <= the largest V scale (softmax weights are <= 1, the

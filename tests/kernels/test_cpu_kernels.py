@@ -304,10 +304,46 @@ def test_decode_attention_avx512_and_avx2_builds_agree(tmp_path):
     for case, y in native.items():
         if case.endswith("rounding"):
             continue
-        # AVX-512 sums an int8 cache's values with the softmax weights rounded to int16 where
-        # head_dim is a multiple of 64; the AVX2 loops keep them in fp32.
+        # Both builds sum an int8 cache's values with the softmax weights rounded to int16 where head_dim
+        # is a multiple of 64 (AVX2's from 16): the same weights, exponentials lane for lane alike, so
+        # they should agree to the sums' rounding; the bound allows the weights' whole rounding, as it
+        # did when the AVX2 loops kept them in fp32 (this test runs on AVX-512 hosts only).
         rounding = native["int8 d=64 rounding"] if case == "int8 d=64" else 0.0
         assert ((y - avx2[case]).abs() <= 2e-5 + 2e-5 * avx2[case].abs() + rounding).all(), case
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_decode_kernel_softmax_keeps_its_spread_far_below_zero(kernels, cache_dtype):
+    """Every score of a sequence near -150 but several apart, in partitions shorter than a vector step:
+    the softmax subtracts each partition's own max, so the weights keep their spread. (The AVX-512
+    build once took the max with a short partition's unused lanes as 0, and its exponential's floor at
+    e^-87 then gave every key the same weight.)"""
+    from ferry.kv_quant import dequantize_rows, quantize_rows
+    from tests.conftest import dense_attention
+
+    g = torch.Generator().manual_seed(3)
+    nb, bs, kvh, heads, d = 8, 16, 1, 2, 64
+    direction = torch.randn(d, generator=g)
+    k = (direction + 0.5 * torch.randn(nb, bs, kvh, d, generator=g)) * 4
+    v = torch.randn(nb, bs, kvh, d, generator=g)
+    q = -5 * direction.expand(4, heads, d) + 0.1 * torch.randn(4, heads, d, generator=g)
+    lens = torch.tensor([5, 13, 21, 70])  # 70: a full 64-key partition and one of 6
+    scale = d**-0.5
+    if cache_dtype == torch.int8:
+        kc, vc = quantize_blocks(k, torch.int8, KEYS), quantize_blocks(v, torch.int8, VALUES)
+        k, v = dequantize_rows(quantize_rows(k, torch.int8)), dequantize_rows(quantize_rows(v, torch.int8))
+    else:
+        kc, vc = k.to(cache_dtype), v.to(cache_dtype)
+        k, v = kc.float(), vc.float()
+    table = torch.arange(nb).expand(len(lens), nb).contiguous()
+    got = kernels.paged_decode_attention(q, kc, vc, table, lens, scale)
+    keys, values = k.reshape(nb * bs, kvh, d), v.reshape(nb * bs, kvh, d)
+    for i, n in enumerate(lens.tolist()):
+        scores = torch.einsum("hd,nd->hn", q[i], keys[:n, 0]) * scale
+        assert scores.max() < -100 and (scores.max(-1).values - scores.min(-1).values).min() > 5  # far below 0, spread
+        ref = dense_attention(q[i : i + 1], keys[:n], values[:n], torch.tensor([n - 1]), scale)
+        # int8: q rounded to int16 (~5e-3 of a logit here) and the weights to int16 steps
+        torch.testing.assert_close(got[i : i + 1], ref, rtol=0, atol=2e-2 if cache_dtype == torch.int8 else 1e-4)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])

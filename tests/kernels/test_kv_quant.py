@@ -161,9 +161,11 @@ def test_cpu_decode_kernel_reads_quantized_blocks(dtype, heads, kv_heads, bs, d)
         # and q's rounding is small: its step (|q|max / 32767, ~1e-4) over 64 keys of up to |12| moves a
         # logit by ~1e-4, the output (values up to |12|) by up to ~1e-3; 100 random q gave 2e-4..9e-4.
         torch.testing.assert_close(got, torch.cat(unrounded), rtol=0, atol=2e-3)
-    # The AVX-512 build sums an int8 cache's values (head_dim a multiple of 64) in integers, with the
-    # softmax weights rounded to int16 (int8_values_rounding bounds what that moves).
-    int_values = dtype == torch.int8 and d % 64 == 0 and kernels.paged_decode_attention_isa() == "avx512"
+    # The AVX-512 build sums an int8 cache's values in integers where head_dim is a multiple of 64, the
+    # AVX2 one where it is a multiple of 16, with the softmax weights rounded to int16
+    # (int8_values_rounding bounds what that moves).
+    isa = kernels.paged_decode_attention_isa()
+    int_values = dtype == torch.int8 and (isa == "avx512" and d % 64 == 0 or isa == "avx2" and d % 16 == 0)
     for i, n in enumerate(lens):
         ref = dense_attention(q_as_used[i : i + 1], keys_of(k_cache, table[i], n), values_of(v_cache, table[i], n),
                               torch.tensor([n - 1]), d**-0.5)  # fmt: skip
@@ -290,8 +292,9 @@ def test_block_layout_puts_each_value_where_the_docstring_says(dtype):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C++ kernel is the CPU's")
 def test_cpu_decode_int8_blocks_read_in_place_match_gathered_rows_bit_for_bit():
-    """The AVX-512 build reads an int8 cache of 16-token blocks in its layout, 16 keys per vector, and
-    gathers rows for other block sizes; both sum exact int32 dots and round the weights alike, so the
+    """The AVX-512 and AVX2 builds read an int8 cache of 16-token blocks in its layout, 16 keys per
+    vector or two of 8, and gather rows for other block sizes; both sum exact int32 dots and round the
+    weights alike, so the
     same keys in 16- and 4-token blocks (one 64-key partition either way) give the same output bit for
     bit, with a draft tree and with a sliding window's skipped keys too."""
     kernels = cpu_kernels()

@@ -36,9 +36,11 @@
 // K's own int8 step) by vpmaddwd / vpdpwssd, and the row scales multiply the 8 sums of 8
 // keys at once; V rows are taken without their scale, which multiplies the softmax
 // weight instead (one product per key, not D); with AVX-512 the softmax's exponentials are inline
-// polynomials (exp_nonpositive). With AVX-512 (head_dim a multiple of 64)
-// those weights are rounded to int16 per partition and the values summed in int32, two
-// keys per vpdpwssd (heads_values_int8). fp8 rows (and every row without AVX2)
+// polynomials (exp_nonpositive). With AVX-512 (head_dim a multiple of 64), or AVX2 alone (a
+// multiple of 16), those weights are rounded to int16 per partition and the values summed in
+// int32, two keys per vpdpwssd / vpmaddwd (heads_values_int8); 16-token blocks are read in the
+// cache's own layout, 16 keys a vector (heads_scores_lanes / heads_values_lanes), other block
+// sizes as gathered rows, to the same bits. fp8 rows (and every row without AVX2)
 // are dequantized into an L1-resident fp32 scratch first (fp8 through a 256-entry table).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,6 +108,14 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
+
+// x as computed: an empty asm the value passes through, so that -ffast-math cannot reassociate the
+// products on either side of it. Two loops that must round alike (an int8 cache's scores from rows and
+// from its own layout) otherwise came out an ulp apart where the compiler regrouped one of them.
+inline __m256 as_computed(__m256 x) {
+  asm("" : "+x"(x));
+  return x;
+}
 
 // The eight sums of a[0..7] (each 8 lanes), in one vector: a transposing hadd tree.
 inline __m256 sum8x8(const __m256* a) {
@@ -264,12 +274,15 @@ inline void widen_rows_int16(const int8_t* src, int64_t n, int64_t D, int64_t st
 // out[t] = scale * qscale * kscale[t] * dot(q16, k16_t) over n int16 rows of D (a multiple of 16):
 // block_scores with integer products (vpmaddwd: 16 int16 x int16 -> 8 int32 pair sums), exact in
 // int32 (|q16| < 2^15, |k| <= 127: a lane sums D / 16 pairs of at most 2^23.1 each). The AVX-512
-// build takes heads_scores_int8 (vpdpwssd) instead wherever D is a multiple of 32.
+// build takes heads_scores_int8 (vpdpwssd) instead wherever D is a multiple of 32. The last n % 8
+// keys are a group of 8 too, whose rows and scales past n are read and their scores dropped (the
+// caller leaves 8 rows of room after kb and kscale): every score is the same two float products
+// of the exact sum, as heads_scores_lanes computes it (a scalar tail was reassociated under
+// -ffast-math, a rounding apart).
 inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float* kscale, int64_t n, int64_t D,
                                float scale, float* out) {
-  int64_t t = 0;
   const __m256 sv = _mm256_set1_ps(scale);
-  for (; t + 8 <= n; t += 8) {
+  for (int64_t t = 0; t < n; t += 8) {
     __m256i a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_si256();
     const int16_t* k0 = kb + t * D;
@@ -279,22 +292,41 @@ inline void block_scores_int16(const int16_t* q, const int16_t* kb, const float*
         a[i] = _mm256_add_epi32(
             a[i], _mm256_madd_epi16(qv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k0 + i * D + d))));
     }
-    _mm256_storeu_ps(out + t,
-                     _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8x8_epi32(a)), sv), _mm256_loadu_ps(kscale + t)));
-  }
-  for (; t < n; ++t) {
-    int32_t acc = 0;
-    for (int64_t d = 0; d < D; ++d) acc += static_cast<int32_t>(q[d]) * kb[t * D + d];
-    out[t] = static_cast<float>(acc) * scale * kscale[t];
+    const __m256 f = _mm256_mul_ps(as_computed(_mm256_mul_ps(_mm256_cvtepi32_ps(sum8x8_epi32(a)), sv)), _mm256_loadu_ps(kscale + t));
+    if (n - t >= 8) {
+      _mm256_storeu_ps(out + t, f);
+    } else {
+      float tail[8];
+      _mm256_storeu_ps(tail, f);
+      std::memcpy(out + t, tail, (n - t) * sizeof(float));
+    }
   }
 }
 
-#ifdef FERRY_ATTN_AVX512
 // The G query heads of a kv head read the same K/V rows. The loops below take GH (<= 3) of them per
 // pass over a block, so each row is loaded and widened once for GH heads, not once per head: the
 // widening (2 instructions per 16 bf16 or int8 values) cost as much as the FMAs it fed. 8 keys x 3
 // heads of accumulators, the q vectors and a key fill AVX-512's 32 registers; more heads would spill.
+// (AVX2's int8 lanes loops below take as many, in 16 registers: 16 keys or values x 3 heads.)
 constexpr int kMaxHeadsPerPass = 3;
+
+// Heads g0 .. g0 + gh of a kv head's G, in passes of at most kMaxHeadsPerPass (4 as 2 + 2, so no pass
+// is a lone head): calls f(first head, the pass's head count as a std::integral_constant).
+// Always inlined: the task loop grew past GCC's inlining budget with the int8 lanes path, and a call
+// per block left the bf16 kernel 7-10% slower with its blocks in cache.
+template <typename F>
+__attribute__((always_inline)) inline void for_head_passes(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G;) {
+    const int64_t left = G - g0;
+    const int64_t gh = left == 4 ? 2 : std::min<int64_t>(left, kMaxHeadsPerPass);
+    if (gh == 3) f(g0, std::integral_constant<int, 3>{});
+    else if (gh == 2) f(g0, std::integral_constant<int, 2>{});
+    else f(g0, std::integral_constant<int, 1>{});
+    g0 += gh;
+  }
+}
+
+#ifdef FERRY_ATTN_AVX512
 
 // out[g * os + t] = scale * dot(q_g, k_t) for GH heads (q_g at q + g * D) and n keys of D (a multiple
 // of 16) fp32 / bf16 values, rows `ks` elements apart: block_scores for GH heads in one pass.
@@ -443,7 +475,9 @@ inline __mmask16 tail_mask(int64_t left) {
 // exponentials, their sum and the weights' max, one to round: the exponentials stay in L1.
 inline float softmax_partition(float* s, int64_t n, const float* scale, int16_t* u, float& mx, float& sum) {
   __m512 vmax = _mm512_set1_ps(kNegBig);
-  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(tail_mask(n - t), s + t));
+  // A partition's tail lanes load as kNegBig, not 0: a max of 0 over scores all below -87 would flush
+  // every exponential to exp_nonpositive's floor and flatten the weights.
+  for (int64_t t = 0; t < n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, tail_mask(n - t), s + t));
   mx = _mm512_reduce_max_ps(vmax);
   const __m512 m = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
@@ -547,20 +581,167 @@ inline void values_from_int32_natural(const int32_t* acc, int64_t D, float step,
   for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c)), sc));
 }
 
-// Heads g0 .. g0 + gh of a kv head's G, in passes of at most kMaxHeadsPerPass (4 as 2 + 2, so no pass
-// is a lone head): calls f(first head, the pass's head count as a std::integral_constant).
-// Always inlined: the task loop grew past GCC's inlining budget with the int8 lanes path, and a call
-// per block left the bf16 kernel 7-10% slower with its blocks in cache.
-template <typename F>
-__attribute__((always_inline)) inline void for_head_passes(int64_t G, F&& f) {
-  for (int64_t g0 = 0; g0 < G;) {
-    const int64_t left = G - g0;
-    const int64_t gh = left == 4 ? 2 : std::min<int64_t>(left, kMaxHeadsPerPass);
-    if (gh == 3) f(g0, std::integral_constant<int, 3>{});
-    else if (gh == 2) f(g0, std::integral_constant<int, 2>{});
-    else f(g0, std::integral_constant<int, 1>{});
-    g0 += gh;
+#else
+// AVX2 without AVX-512: the int8 cache's integer paths of the AVX-512 build, 8 lanes wide, vpmaddwd and
+// an add where that has vpdpwssd. The scores, the rounded weights and the int32 sums are the AVX-512
+// build's to the bit (exact integers, the same exponentials, the same float products); only the sums
+// of exponentials add in another order.
+
+// The lanes of the 8 values at t of n, as a maskload's mask.
+inline __m256i tail_mask8(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// softmax_partition (see the AVX-512 build's) in 8 lanes: the scores' max, the exponentials over s and
+// their sum, and with `scale` the weights e_t scale_t rounded to int16 into u, in steps of their max /
+// 32767 (returned).
+inline float softmax_partition(float* s, int64_t n, const float* scale, int16_t* u, float& mx, float& sum) {
+  const __m256 neg = _mm256_set1_ps(kNegBig);
+  __m256 vmax = neg;
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256i k = tail_mask8(n - t);
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(neg, _mm256_maskload_ps(s + t, k), _mm256_castsi256_ps(k)));
   }
+  mx = reduce_max8(vmax);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps(), wmax = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256i k = tail_mask8(n - t);
+    const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(s + t, k), m)), _mm256_castsi256_ps(k));
+    vsum = _mm256_add_ps(vsum, e);
+    _mm256_maskstore_ps(s + t, k, e);
+    if (scale) wmax = _mm256_max_ps(wmax, _mm256_mul_ps(e, _mm256_maskload_ps(scale + t, k)));
+  }
+  sum = reduce_add8(vsum);
+  if (!scale) return 0.f;
+  const float w = reduce_max8(wmax);
+  const __m256 inv = _mm256_set1_ps(w > 0.f ? 32767.f / w : 0.f);
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256i k = tail_mask8(n - t);
+    const __m256 q = _mm256_mul_ps(_mm256_mul_ps(_mm256_maskload_ps(s + t, k), _mm256_maskload_ps(scale + t, k)), inv);
+    const __m256i r = _mm256_cvtps_epi32(q);  // round to nearest; |q| <= 32767
+    const __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    if (n - t >= 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u + t), r16);
+    } else {
+      int16_t tail[8];
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(tail), r16);
+      std::memcpy(u + t, tail, (n - t) * sizeof(int16_t));
+    }
+  }
+  return w / 32767.f;
+}
+
+// heads_scores_lanes (see the AVX-512 build's) with 8 keys a vector: for a block's K laid out by head
+// ([D/2][BS][2], then BS scales; BS a multiple of 16), out[g * os + t - s] = qscale[g] * kscale_t *
+// dot(q16_g, k_t) for the keys t in [s, s + n). Each pair of K's values for 16 keys is one 32-byte
+// read, widened in two halves and multiplied by every head's q pair; no reduction across lanes.
+template <int GH>
+inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, int64_t s, int64_t n, int64_t D,
+                               const float* qscale, float* out, int64_t os) {
+  const float* ksc = reinterpret_cast<const float*>(kh + D * BS);
+  const int32_t* q32 = reinterpret_cast<const int32_t*>(q);
+  const int64_t D2 = D / 2;
+  for (int64_t k0 = 0; k0 < BS; k0 += 16) {
+    const int64_t lo = std::max(s, k0), hi = std::min(s + n, k0 + 16);
+    if (lo >= hi) continue;
+    __m256i a[GH][2];
+    for (int g = 0; g < GH; ++g) a[g][0] = a[g][1] = _mm256_setzero_si256();
+    for (int64_t p = 0; p < D2; ++p) {
+      const int8_t* r = kh + (p * BS + k0) * 2;
+      const __m256i k0v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+      const __m256i k1v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16)));
+      for (int g = 0; g < GH; ++g) {
+        const __m256i w = _mm256_set1_epi32(q32[g * D2 + p]);
+        a[g][0] = _mm256_add_epi32(a[g][0], _mm256_madd_epi16(k0v, w));
+        a[g][1] = _mm256_add_epi32(a[g][1], _mm256_madd_epi16(k1v, w));
+      }
+    }
+    for (int g = 0; g < GH; ++g) {
+      float f[16];
+      for (int i = 0; i < 2; ++i)
+        _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(as_computed(_mm256_mul_ps(_mm256_cvtepi32_ps(a[g][i]), _mm256_set1_ps(qscale[g]))),
+                                                  _mm256_loadu_ps(ksc + k0 + 8 * i)));
+      std::memcpy(out + g * os + (lo - s), f + (lo - k0), (hi - lo) * sizeof(float));
+    }
+  }
+}
+
+// heads_values_lanes (see the AVX-512 build's) 16 values at a time: acc_g (int32, in order) += the sum
+// over key pairs j in [j0, j1) of u_g[2j], u_g[2j + 1] times the pair's values, read side by side from
+// V's layout ([BS/2][D][2]); D a multiple of 16.
+template <int GH>
+inline void heads_values_lanes(const int16_t* u, int64_t us, const int8_t* vh, int64_t j0, int64_t j1, int64_t D,
+                               int32_t* acc) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m256i a[GH][2];
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 2; ++i) a[g][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + g * D + c + 8 * i));
+    for (int64_t j = j0; j < j1; ++j) {
+      const int8_t* r = vh + (j * D + c) * 2;
+      const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+      const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16)));
+      for (int g = 0; g < GH; ++g) {
+        int32_t w2;
+        std::memcpy(&w2, u + g * us + 2 * j, sizeof(w2));
+        const __m256i w = _mm256_set1_epi32(w2);
+        a[g][0] = _mm256_add_epi32(a[g][0], _mm256_madd_epi16(v0, w));
+        a[g][1] = _mm256_add_epi32(a[g][1], _mm256_madd_epi16(v1, w));
+      }
+    }
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 2; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + g * D + c + 8 * i), a[g][i]);
+  }
+}
+
+// The rows' counterpart of heads_values_lanes, for gathered rows (other block sizes, a tree's virtual
+// blocks): two keys' rows interleaved byte by byte, so each widened pair meets u_t, u_t+1 as in the
+// layout; acc in order, D a multiple of 16, n keys' rows `vs` bytes apart.
+template <int GH>
+inline void heads_values_int8(const int16_t* u, int64_t us, const int8_t* vb, int64_t vs, int64_t n, int64_t D,
+                              int32_t* acc) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m256i a[GH][2];
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 2; ++i) a[g][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + g * D + c + 8 * i));
+    for (int64_t t = 0; t < n; t += 2) {
+      const bool pair = t + 1 < n;  // a lone last key is paired with zeros, not the next row
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + t * vs + c));
+      const __m128i r1 = pair ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + (t + 1) * vs + c)) : _mm_setzero_si128();
+      const __m256i v0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));
+      const __m256i v1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));
+      for (int g = 0; g < GH; ++g) {
+        int32_t w2;  // u_t in the low half, u_t+1 in the high half, as the interleaved rows
+        if (pair) std::memcpy(&w2, u + g * us + t, sizeof(w2));
+        else w2 = static_cast<uint16_t>(u[g * us + t]);
+        const __m256i w = _mm256_set1_epi32(w2);
+        a[g][0] = _mm256_add_epi32(a[g][0], _mm256_madd_epi16(v0, w));
+        a[g][1] = _mm256_add_epi32(a[g][1], _mm256_madd_epi16(v1, w));
+      }
+    }
+    for (int g = 0; g < GH; ++g)
+      for (int i = 0; i < 2; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + g * D + c + 8 * i), a[g][i]);
+  }
+}
+
+// out[0, D) = step * acc (acc in order).
+inline void values_from_int32_natural(const int32_t* acc, int64_t D, float step, float* out) {
+  const __m256 sc = _mm256_set1_ps(step);
+  for (int64_t c = 0; c < D; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + c))), sc));
 }
 #endif
 #endif
@@ -839,10 +1020,13 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   // the G heads, one softmax over them, then the values. Per 16-token block, an online softmax's
   // max, exp, sum and accumulator rescale cost about what the block's dot products did.
   const int64_t PT = P * BS;
-  // With AVX-512 an int8 cache's values are summed in int16 x int8 products (heads_values_int8),
-  // exact in int32 for partitions of up to 256 keys.
+  // An int8 cache's values are summed in int16 x int8 products (heads_values_int8 / _lanes), exact in
+  // int32 for partitions of up to 256 keys: with AVX-512 where head_dim is a multiple of 64, with
+  // AVX2 alone (8 lanes, vpmaddwd) where it is a multiple of 16.
 #ifdef FERRY_ATTN_AVX512
   const bool int_values = grouped && kInt8Dots && D % 64 == 0 && PT <= 256;
+#elif defined(FERRY_ATTN_AVX2)
+  const bool int_values = in_place && int8_dots && PT <= 256;
 #else
   constexpr bool int_values = false;
 #endif
@@ -875,8 +1059,8 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
     std::vector<float> scores(G * PT);  // head g's row t at g * PT + t
     std::vector<float> kscratch(in_place ? 0 : PT * D), vscratch(in_place ? 0 : PT * D);  // rows widened first
     // The int8 AVX2 path: K rows in int16, the rows' scales, the softmax weights times V's scales.
-    std::vector<int16_t> k16(int8_dots ? PT * D : 0);
-    std::vector<float> kscale(PT), vscale(PT), pv(int8_dots && !int_values ? G * PT : 0), qs(int8_dots ? G : 0);
+    std::vector<int16_t> k16(int8_dots ? (PT + 8) * D : 0);  // (+ 8 rows, 8 scales: block_scores_int16)
+    std::vector<float> kscale(PT + 8), vscale(PT), pv(int8_dots && !int_values ? G * PT : 0), qs(int8_dots ? G : 0);
     std::vector<float> acc(G * D);
     // The AVX-512 int8 values in integers (heads_values_int8): weights, sums, and each head's step.
     std::vector<int16_t> u16(int_values ? G * PT : 0);
@@ -957,7 +1141,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
             const int64_t l = j * BS + s + t, pos = tree_block && l >= tree[2 * b] ? tree_row(b, l) : l;
             sblk = btp[b * MAXB + pos / BS], st = pos % BS;
           };
-#ifdef FERRY_ATTN_AVX512
+#ifdef FERRY_ATTN_AVX2
           if constexpr (kInt8Dots) {
             if (lanes) {
               const uint8_t* kh = kbytes + kv_head_offset(blk, h, BS, KVH, W);
@@ -1052,7 +1236,11 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         ustep[g] = softmax_partition(scores.data() + g * PT, rows, int_values ? vscale.data() : nullptr,
                                      int_values ? u16.data() + g * PT : nullptr, m[g], l[g]);
 #else
-      for (int64_t g = 0; g < G; ++g) {
+#ifdef FERRY_ATTN_AVX2
+      for (int64_t g = 0; g < (int_values ? G : 0); ++g)  // (AVX2's float caches keep the loop below)
+        ustep[g] = softmax_partition(scores.data() + g * PT, rows, vscale.data(), u16.data() + g * PT, m[g], l[g]);
+#endif
+      for (int64_t g = 0; g < (int_values ? 0 : G); ++g) {
         float* sg = scores.data() + g * PT;
         float mx = kNegBig;
 #pragma omp simd reduction(max : mx)
@@ -1066,7 +1254,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
       }
 #endif
       std::fill(acc.begin(), acc.end(), 0.f);
-#ifdef FERRY_ATTN_AVX512
+#ifdef FERRY_ATTN_AVX2
       if constexpr (kInt8Dots) {
         if (int_values) {
           std::fill(acc32.begin(), acc32.end(), 0);
@@ -1090,8 +1278,13 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
             });
           }
           for (int64_t g = 0; g < G; ++g) {
-            if (lanes) values_from_int32_natural(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
-            else values_from_int32(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
+#ifdef FERRY_ATTN_AVX512
+            if (!lanes) {  // (heads_values_int8's own lane order; AVX2's sums the rows in order)
+              values_from_int32(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
+              continue;
+            }
+#endif
+            values_from_int32_natural(acc32.data() + g * D, D, ustep[g], acc.data() + g * D);
           }
         }
       }
@@ -1117,7 +1310,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
       }
       for (int64_t i = 0; i < (grouped ? 0 : j1 - j0); ++i) {
 #else
-      for (int64_t i = 0; i < j1 - j0; ++i) {
+      for (int64_t i = 0; i < (int_values ? 0 : j1 - j0); ++i) {
 #endif
         const int64_t n = n_of[i];
         for (int64_t g = 0; g < G; ++g) {
