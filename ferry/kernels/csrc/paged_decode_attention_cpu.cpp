@@ -670,12 +670,14 @@ inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, i
         a[g][1] = _mm256_add_epi32(a[g][1], _mm256_madd_epi16(k1v, w));
       }
     }
+    const bool whole = lo == k0 && hi == k0 + 16;  // stored in place, not through a copy (a call per head)
     for (int g = 0; g < GH; ++g) {
       float f[16];
+      float* o = whole ? out + g * os + (lo - s) : f;
       for (int i = 0; i < 2; ++i)
-        _mm256_storeu_ps(f + 8 * i, _mm256_mul_ps(as_computed(_mm256_mul_ps(_mm256_cvtepi32_ps(a[g][i]), _mm256_set1_ps(qscale[g]))),
+        _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(as_computed(_mm256_mul_ps(_mm256_cvtepi32_ps(a[g][i]), _mm256_set1_ps(qscale[g]))),
                                                   _mm256_loadu_ps(ksc + k0 + 8 * i)));
-      std::memcpy(out + g * os + (lo - s), f + (lo - k0), (hi - lo) * sizeof(float));
+      if (!whole) std::memcpy(out + g * os + (lo - s), f + (lo - k0), (hi - lo) * sizeof(float));
     }
   }
 }
@@ -1163,7 +1165,11 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
                 heads_scores_lanes<decltype(gh)::value>(q16 + g0 * D, reinterpret_cast<const int8_t*>(kh), BS, s, n, D,
                                                         qs.data() + g0, scores.data() + g0 * PT + rows, PT);
               });
-              std::memcpy(vscale.data() + rows, vh + kv_scale_offset(s, BS, D), n * sizeof(float));
+              // V's scales, 8 at a time (a memcpy of n floats was a library call per block)
+              const float* vsc = reinterpret_cast<const float*>(vh + kv_scale_offset(s, BS, D));
+              int64_t t = 0;
+              for (; t + 8 <= n; t += 8) _mm256_storeu_ps(vscale.data() + rows + t, _mm256_loadu_ps(vsc + t));
+              for (; t < n; ++t) vscale[rows + t] = vsc[t];
               rows += n;
               continue;
             }
@@ -1261,13 +1267,19 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
           for (int64_t i = 0, r = 0; i < j1 - j0; r += n_of[i++]) {
             if (lanes) {  // the block's weights by position in it, zero where it has no key
               const int64_t s0 = quant.s_of[i], n = n_of[i];
-              for (int64_t g = 0; g < G; ++g) {
-                int16_t* ub = quant.upad.data() + g * BS;
-                std::memset(ub, 0, BS * sizeof(int16_t));
-                std::memcpy(ub + s0, u16.data() + g * PT + r, n * sizeof(int16_t));
+              // A whole block's weights are read where the softmax left them; a partial one's are
+              // copied out with zeros around (two small library calls per head, ~8% of the AVX2 kernel
+              // when every block took them).
+              const bool whole = s0 == 0 && n == BS;
+              const int16_t* ub = whole ? u16.data() + r : quant.upad.data();
+              const int64_t us = whole ? PT : BS;
+              for (int64_t g = 0; g < (whole ? 0 : G); ++g) {
+                int16_t* pad = quant.upad.data() + g * BS;
+                std::memset(pad, 0, BS * sizeof(int16_t));
+                std::memcpy(pad + s0, u16.data() + g * PT + r, n * sizeof(int16_t));
               }
               for_head_passes(G, [&](int64_t g0, auto gh) {
-                heads_values_lanes<decltype(gh)::value>(quant.upad.data() + g0 * BS, BS, reinterpret_cast<const int8_t*>(vrows_of[i]),
+                heads_values_lanes<decltype(gh)::value>(ub + g0 * us, us, reinterpret_cast<const int8_t*>(vrows_of[i]),
                                                         s0 / 2, (s0 + n + 1) / 2, D, acc32.data() + g0 * D);
               });
               continue;
