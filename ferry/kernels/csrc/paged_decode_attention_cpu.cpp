@@ -618,7 +618,20 @@ inline float softmax_partition(float* s, int64_t n, const float* scale, int16_t*
   mx = reduce_max8(vmax);
   const __m256 m = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps(), wmax = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; t += 8) {
+  int64_t t = 0;
+  if (scale) {  // two vectors a step: two exponential chains in flight
+    __m256 vsum1 = _mm256_setzero_ps(), wmax1 = _mm256_setzero_ps();
+    for (; t + 16 <= n; t += 16) {
+      const __m256 e0 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+      const __m256 e1 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t + 8), m));
+      vsum = _mm256_add_ps(vsum, e0), vsum1 = _mm256_add_ps(vsum1, e1);
+      _mm256_storeu_ps(s + t, e0), _mm256_storeu_ps(s + t + 8, e1);
+      wmax = _mm256_max_ps(wmax, _mm256_mul_ps(e0, _mm256_loadu_ps(scale + t)));
+      wmax1 = _mm256_max_ps(wmax1, _mm256_mul_ps(e1, _mm256_loadu_ps(scale + t + 8)));
+    }
+    vsum = _mm256_add_ps(vsum, vsum1), wmax = _mm256_max_ps(wmax, wmax1);
+  }
+  for (; t < n; t += 8) {
     const __m256i k = tail_mask8(n - t);
     const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(s + t, k), m)), _mm256_castsi256_ps(k));
     vsum = _mm256_add_ps(vsum, e);
