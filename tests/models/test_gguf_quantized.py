@@ -118,18 +118,28 @@ def test_prompt_rows_compute_the_same_however_the_prompt_is_chunked(gguf_model):
     same to fp32 GEMM rounding. Q4_1/Q8_0 prompt rows take the int8 dots, which compute a row the
     same whatever rows are beside it; the attention over a chunk and its cached prefix rounds apart
     from a whole prompt's, and int8 activations amplify that (as in llama.cpp) to ~0.1 in a logprob
-    here: the same greedy text, the first logprob within 0.25."""
+    here: the same greedy text up to a near tie, if any (each run's token then among the other's five
+    likeliest and within 0.25 of its best: on an AVX2-only EPYC the first token was one, each run's
+    three likeliest within 0.14), the first token's logprob within 0.25."""
     model, tokenizer, device, dtype, path = gguf_model
     prompt = DEFAULT_TEXT[:400]
 
     def greedy(**kwargs):
         engine = LLMEngine(EngineArgs(model=path, device="cpu", num_kv_blocks=64, **kwargs), model=model,
                            tokenizer=tokenizer, device=device, dtype=dtype)  # fmt: skip
-        engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=1))
+        engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=12, logprobs=5))
         return run_to_completion(engine)["a"].outputs[0]
 
-    def first_logprob(out) -> float:
-        return next(iter(out.logprobs[0].values())).logprob
+    def first_logprob(out, token) -> float:
+        return out.logprobs[0][token].logprob
+
+    def same_up_to_a_near_tie(a, b) -> bool:
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                return (x in b.logprobs[i] and y in a.logprobs[i]
+                        and a.logprobs[i][x].logprob - a.logprobs[i][y].logprob < 0.25
+                        and b.logprobs[i][y].logprob - b.logprobs[i][x].logprob < 0.25)  # fmt: skip
+        return a.token_ids == b.token_ids
 
     def chunked_and_whole():
         return greedy(max_num_batched_tokens=7, enable_prefix_caching=False), greedy(enable_prefix_caching=False)
@@ -137,12 +147,14 @@ def test_prompt_rows_compute_the_same_however_the_prompt_is_chunked(gguf_model):
     with exact_prompt_rows():
         chunked, whole = chunked_and_whole()
     # Later tokens are not bounded this tightly: decode rows are int8 on both.
-    assert chunked.token_ids[0] == whole.token_ids[0]
-    assert abs(first_logprob(chunked) - first_logprob(whole)) < 2e-5
+    first = whole.token_ids[0]
+    assert chunked.token_ids[0] == first
+    assert abs(first_logprob(chunked, first) - first_logprob(whole, first)) < 2e-5
     int8_chunked, int8_whole = chunked_and_whole()
-    assert int8_chunked.token_ids == int8_whole.token_ids
-    assert abs(first_logprob(int8_chunked) - first_logprob(int8_whole)) < 0.25
-    assert abs(first_logprob(int8_whole) - first_logprob(whole)) < 0.25
+    assert same_up_to_a_near_tie(int8_chunked, int8_whole), (int8_chunked.token_ids, int8_whole.token_ids)
+    int8_first = int8_whole.token_ids[0]  # among int8_chunked's five likeliest, as checked just above
+    assert abs(first_logprob(int8_chunked, int8_first) - first_logprob(int8_whole, int8_first)) < 0.25
+    assert abs(first_logprob(int8_whole, first) - first_logprob(whole, first)) < 0.25
 
 
 def test_quantization_choices(tmp_path):
