@@ -583,9 +583,11 @@ inline void values_from_int32_natural(const int32_t* acc, int64_t D, float step,
 
 #else
 // AVX2 without AVX-512: the int8 cache's integer paths of the AVX-512 build, 8 lanes wide, vpmaddwd and
-// an add where that has vpdpwssd. The scores, the rounded weights and the int32 sums are the AVX-512
-// build's to the bit (exact integers, the same exponentials, the same float products); only the sums
-// of exponentials add in another order.
+// an add where that has vpdpwssd. The same arithmetic (exact integer sums, the same exponential
+// polynomial, the same float products), so the scores and rounded weights should match the AVX-512
+// build's, though -ffast-math does not promise it and no AVX-512 host has compared them; the sums of
+// exponentials add in another order. Within one build, a block's lanes and its gathered rows give the
+// same bits (tested).
 
 // The lanes of the 8 values at t of n, as a maskload's mask.
 inline __m256i tail_mask8(int64_t left) {
