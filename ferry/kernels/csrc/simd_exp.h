@@ -26,7 +26,7 @@ inline __m512 exp_nonpositive(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The same in 8 lanes, lane for lane the same result: 2^n (n in [-126, 0], as x >= -87) is built in
+// The same operations in 8 lanes: 2^n (n in [-126, 0], as x >= -87) is built in
 // the exponent bits, and e^r times a power of two is exact as scalef's.
 inline __m256 exp_nonpositive(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
