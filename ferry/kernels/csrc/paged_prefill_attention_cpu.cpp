@@ -112,7 +112,7 @@ struct Softmax {
 constexpr float kRescaleMargin = 20.f;
 
 // Scores, softmax and values of n query vectors against one 16-key tile at position kb, the plain
-// loops (the compiler vectorizes the 16-lane ones): the path without AVX-512 or with D % 16 != 0.
+// loops (the compiler vectorizes the 16-lane ones): the path without AVX2, or with D % 8 != 0.
 void tile_portable(const QueryVec* v, int n, const float* qt, const float* kt, const float* vf, int64_t kb,
                    int64_t D, Softmax& sm) {
   for (int j = 0; j < n; ++j) {
@@ -234,6 +234,129 @@ void tile_dispatch(const QueryVec* v, int n, const float* qt, const float* kt, c
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The same with AVX2 (D a multiple of 8), 16 keys as two 8-lane halves. 16 registers hold the
+// scores of at most six query vectors (two accumulators each, two key loads, a broadcast), so a
+// pass's n vectors take their scores six at a time over the same tile (its K is in L1 by then).
+// Without it, the plain loops above ran each query vector alone with libm's expf per key: on an
+// AVX2-only EPYC that was ~18% of a `ferry serve` run at concurrency 16 (BENCHMARKS.md, issue 15).
+constexpr int kScoreVectors8 = 6;
+
+template <int N>
+__attribute__((noinline)) void tile_scores8(const float* qt, int n, const float* kt, int64_t D, float (*s)[kLanes]) {
+  __m256 lo[N], hi[N];
+#pragma GCC unroll 6
+  for (int j = 0; j < N; ++j) lo[j] = _mm256_setzero_ps(), hi[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kLanes), k1 = _mm256_loadu_ps(kt + d * kLanes + 8);
+#pragma GCC unroll 6
+    for (int j = 0; j < N; ++j) {
+      const __m256 qd = _mm256_broadcast_ss(qt + d * n + j);
+      lo[j] = _mm256_fmadd_ps(qd, k0, lo[j]);
+      hi[j] = _mm256_fmadd_ps(qd, k1, hi[j]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int j = 0; j < N; ++j) _mm256_store_ps(s[j], lo[j]), _mm256_store_ps(s[j] + 8, hi[j]);
+}
+
+// o_j += the 16 weights p[j] times the 16 value rows, 8 output values at a time, for N <= 12 query
+// vectors (N accumulators, the value vector and a broadcast).
+template <int N>
+__attribute__((noinline)) void tile_values8(const QueryVec* v, const float (*p)[kLanes], const float* vf, int64_t D) {
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 o[N];
+#pragma GCC unroll 12
+    for (int j = 0; j < N; ++j) o[j] = _mm256_loadu_ps(v[j].o + c);
+    for (int t = 0; t < kLanes; ++t) {
+      const __m256 vt = _mm256_loadu_ps(vf + t * D + c);
+#pragma GCC unroll 12
+      for (int j = 0; j < N; ++j) o[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[j][t]), vt, o[j]);
+    }
+#pragma GCC unroll 12
+    for (int j = 0; j < N; ++j) _mm256_storeu_ps(v[j].o + c, o[j]);
+  }
+}
+
+template <template <int> class F, typename... Args>
+void with_count(int n, Args&&... args) {
+  switch (n) {
+    case 12: return F<12>::run(args...);
+    case 11: return F<11>::run(args...);
+    case 10: return F<10>::run(args...);
+    case 9: return F<9>::run(args...);
+    case 8: return F<8>::run(args...);
+    case 7: return F<7>::run(args...);
+    case 6: return F<6>::run(args...);
+    case 5: return F<5>::run(args...);
+    case 4: return F<4>::run(args...);
+    case 3: return F<3>::run(args...);
+    case 2: return F<2>::run(args...);
+    default: return F<1>::run(args...);
+  }
+}
+
+template <int N>
+struct Scores8 {
+  static void run(const float* qt, int n, const float* kt, int64_t D, float (*s)[kLanes]) {
+    if constexpr (N <= kScoreVectors8) tile_scores8<N>(qt, n, kt, D, s);
+  }
+};
+
+template <int N>
+struct Values8 {
+  static void run(const QueryVec* v, const float (*p)[kLanes], const float* vf, int64_t D) { tile_values8<N>(v, p, vf, D); }
+};
+
+inline float max_of16(__m256 a, __m256 b) {
+  __m256 m = _mm256_max_ps(a, b);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+// One tile for n query vectors: scores (six vectors at a time), the masked online softmax as in
+// tile_avx512, then the values.
+void tile_avx2(const QueryVec* v, int n, const float* qt, const float* kt, const float* vf, int64_t kb, int64_t D,
+               Softmax& sm) {
+  alignas(64) float p[kMaxVectors][kLanes];
+  for (int j0 = 0; j0 < n; j0 += kScoreVectors8)
+    with_count<Scores8>(std::min(kScoreVectors8, n - j0), qt + j0, n, kt, D, p + j0);
+  const __m256i keys0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(kb)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i keys1 = _mm256_add_epi32(keys0, _mm256_set1_epi32(8));
+  const __m256 neg = _mm256_set1_ps(kNegBig);
+  for (int j = 0; j < n; ++j) {
+    // valid: lo <= key <= pos, as all-ones lanes
+    const __m256i pos = _mm256_set1_epi32(static_cast<int32_t>(v[j].pos));
+    const __m256i lom1 = _mm256_set1_epi32(static_cast<int32_t>(v[j].lo) - 1);
+    const __m256 valid0 = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(keys0, pos), _mm256_cmpgt_epi32(keys0, lom1)));
+    const __m256 valid1 = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(keys1, pos), _mm256_cmpgt_epi32(keys1, lom1)));
+    const bool any = _mm256_movemask_ps(_mm256_or_ps(valid0, valid1)) != 0;
+    const __m256 s0 = _mm256_blendv_ps(neg, _mm256_load_ps(p[j]), valid0);
+    const __m256 s1 = _mm256_blendv_ps(neg, _mm256_load_ps(p[j] + 8), valid1);
+    float m = sm.m[j];
+    const float bm = max_of16(s0, s1);
+    if (any && bm > m + kRescaleMargin) {  // rare: the first tile a query sees, a jump in scores
+      const float a = std::exp(m - bm);
+      const __m256 alpha = _mm256_set1_ps(a);
+      _mm256_store_ps(sm.l[j], _mm256_mul_ps(alpha, _mm256_load_ps(sm.l[j])));
+      _mm256_store_ps(sm.l[j] + 8, _mm256_mul_ps(alpha, _mm256_load_ps(sm.l[j] + 8)));
+      for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(v[j].o + c, _mm256_mul_ps(alpha, _mm256_loadu_ps(v[j].o + c)));
+      sm.m[j] = m = bm;
+    }
+    const __m256 mv = _mm256_set1_ps(m);
+    const __m256 e0 = _mm256_and_ps(valid0, exp_nonpositive(_mm256_sub_ps(s0, mv)));
+    const __m256 e1 = _mm256_and_ps(valid1, exp_nonpositive(_mm256_sub_ps(s1, mv)));
+    _mm256_store_ps(sm.l[j], _mm256_add_ps(e0, _mm256_load_ps(sm.l[j])));
+    _mm256_store_ps(sm.l[j] + 8, _mm256_add_ps(e1, _mm256_load_ps(sm.l[j] + 8)));
+    _mm256_store_ps(p[j], e0);
+    _mm256_store_ps(p[j] + 8, e1);
+  }
+  with_count<Values8>(n, v, p, vf, D);
+}
+#endif
+
 // n (<= kMaxVectors) query vectors over the key tiles of one range slice that any of them sees.
 void attend_slice(const QueryVec* v, int n, const RangeSlice& slice, int64_t h, int64_t r0, int64_t D) {
   alignas(64) float qbuf[kMaxVectors * 256];
@@ -258,6 +381,12 @@ void attend_slice(const QueryVec* v, int n, const RangeSlice& slice, int64_t h, 
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
       tile_dispatch(v, n, q, kt + t * D * kLanes, vf + t * kLanes * D, kb, D, sm);
+      continue;
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0) {
+      tile_avx2(v, n, q, kt + t * D * kLanes, vf + t * kLanes * D, kb, D, sm);
       continue;
     }
 #endif
