@@ -26,8 +26,9 @@ inline __m512 exp_nonpositive(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The same operations in 8 lanes: 2^n (n in [-126, 0], as x >= -87) is built in
-// the exponent bits, and e^r times a power of two is exact as scalef's.
+// The same operations in 8 lanes: 2^n (n >= -126, as x >= -87) is built in the
+// exponent bits, and e^r times a power of two is exact as scalef's. Despite the name, x up to
+// ~88 is fine (n <= 127): the prefill kernel's tiles pass s - max up to its rescale margin, 20.
 inline __m256 exp_nonpositive(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
