@@ -7,8 +7,10 @@ of each length, random caches; ms per layer (best of --rounds) for the kernel an
 attention over the same rows (dequantized first for an int8 cache, as the reference does).
 End to end (default): the bundled SmolLM2 GGUF prefilling random prompts of each length through
 LLM.generate (max_tokens 1), the kernel switched off by a patched backend in alternate rounds;
-median ms per prompt. From the repo root:
+median ms per prompt. With --kernel --against REV, commit REV's kernel too (built alone beside this
+tree's, kernels_at_revision.py), timed in the same rounds. From the repo root:
     python3 scripts/prefill_attention_ab.py --kernel --lengths 300 2000
+    python3 scripts/prefill_attention_ab.py --kernel --lengths 512 2000 --against HEAD~1
     python3 scripts/prefill_attention_ab.py --lengths 128 300 512 2000 --rounds 8 --kv-cache-dtype int8"""
 
 from __future__ import annotations
@@ -35,11 +37,23 @@ def sdpa_reference(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, 
     return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
 
 
-def kernel_alone(lengths: list[int], rounds: int) -> None:
+BINDING = """#include <torch/extension.h>
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                             torch::Tensor spans, double scale, int64_t window, torch::Tensor out);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_prefill_attention", &paged_prefill_attention); }
+"""
+
+
+def kernel_alone(lengths: list[int], rounds: int, against: str | None) -> None:
     from ferry.kernels.cpu import cpu_kernels
     from ferry.kv_quant import KEYS, VALUES, blocks_of_rows, quantize_rows
 
     k = cpu_kernels()
+    old = None
+    if against:
+        from kernels_at_revision import kernel_at
+
+        old = kernel_at(against, lambda f: f == "paged_prefill_attention_cpu.cpp", lambda _: BINDING, "prefill")
     heads, kvh, d, bs = 9, 3, 64, 16
     for n in lengths:
         gen = torch.Generator().manual_seed(n)
@@ -58,18 +72,25 @@ def kernel_alone(lengths: list[int], rounds: int) -> None:
             out = torch.empty_like(q)
             ours = functools.partial(k.paged_prefill_attention, q, kc4, vc4, table, spans, d**-0.5, 0, out)
             sdpa = functools.partial(sdpa_reference, q, kc[slots], vc[slots], d**-0.5)
-            best = {ours: float("inf"), sdpa: float("inf")}
-            for fn in (ours, sdpa):
+            fns = [ours, sdpa]
+            if old is not None:
+                fns.append(functools.partial(old.paged_prefill_attention, q, kc4, vc4, table, spans, d**-0.5, 0, out))
+            best = dict.fromkeys(fns, float("inf"))
+            for fn in fns:
                 fn()
             for _ in range(rounds):
-                for fn in (ours, sdpa):
+                for fn in fns:
                     t = time.perf_counter()
                     fn()
                     best[fn] = min(best[fn], time.perf_counter() - t)
             flops = 4 * heads * n * n / 2 * d  # the causal half
-            print(f"{n:5d} tokens, {name:7s} cache: kernel {best[ours] * 1e3:7.3f} ms "
-                  f"({flops / best[ours] / 1e9:4.0f} GFLOP/s), SDPA {best[sdpa] * 1e3:7.3f} ms "
-                  f"({flops / best[sdpa] / 1e9:4.0f} GFLOP/s): {best[sdpa] / best[ours]:.2f}x")  # fmt: skip
+            line = (f"{n:5d} tokens, {name:7s} cache: kernel {best[ours] * 1e3:7.3f} ms "
+                    f"({flops / best[ours] / 1e9:4.0f} GFLOP/s), SDPA {best[sdpa] * 1e3:7.3f} ms "
+                    f"({flops / best[sdpa] / 1e9:4.0f} GFLOP/s): {best[sdpa] / best[ours]:.2f}x")  # fmt: skip
+            if old is not None:
+                t_old = best[fns[2]]
+                line += f"; {against}'s kernel {t_old * 1e3:7.3f} ms: {t_old / best[ours]:.2f}x"
+            print(line)
 
 
 def end_to_end(lengths: list[int], rounds: int, kv_cache_dtype: str) -> None:
@@ -116,10 +137,11 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 300, 512, 2000])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--kv-cache-dtype", default="int8")
+    parser.add_argument("--against", default=None, metavar="REV", help="with --kernel: that commit's kernel too")
     args = parser.parse_args()
     print(f"threads {torch.get_num_threads()}")
     if args.kernel:
-        kernel_alone(args.lengths, args.rounds)
+        kernel_alone(args.lengths, args.rounds, args.against)
     else:
         end_to_end(args.lengths, args.rounds, args.kv_cache_dtype)
 

@@ -593,8 +593,8 @@ void dot_group_q4(const uint8_t* group, int64_t nb, const int8_t* const* y, cons
     // The block's nibbles unpacked once for the R rows (8 registers), then each row's 8 products
     // summed in order (the empty asm: integer adds being associative, GCC regrouped them into a
     // tree whose partial sums, with the rows' interleaved, lived on the stack) and scaled before
-    // the next row's begin. With 4 rows a prompt's tiles went from ~100-150 to ~180-230 GFLOP/s
-    // on two Zen 3 cores, batch-16/64 decode matmuls -25%; one row unchanged (BENCHMARKS.md).
+    // the next row's begin. On two Zen 3 cores (scripts/gguf_cpu_sweep.py --against, same process):
+    // 16 to 512 rows 1.12-1.18x faster, one row unchanged (BENCHMARKS.md, issue 15, session 31).
     __m256i lo[4], hi[4];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
