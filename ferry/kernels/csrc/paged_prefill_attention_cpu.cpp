@@ -151,6 +151,15 @@ void tile_portable(const QueryVec* v, int n, const float* qt, const float* kt, c
   }
 }
 
+// F<n>::run(args...) for a run-time count n of query vectors in 1..Max (F<1> below 1): the vector
+// tiles are templates on their count, so that each keeps its accumulators in registers.
+template <template <int> class F, int Max = kMaxVectors, typename... Args>
+void with_count(int n, Args&&... args) {
+  if constexpr (Max > 1)
+    if (n < Max) return with_count<F, Max - 1>(n, args...);
+  F<Max>::run(args...);
+}
+
 #if defined(__AVX512F__)
 // The same for N query vectors with AVX-512 (D a multiple of 16): N score accumulators of 16 keys,
 // each FMA taking its query value (qt: [D][N]) as an embedded broadcast; then per 16 output values
@@ -215,22 +224,17 @@ void tile_avx512(const QueryVec* v, const float* qt, const float* kt, const floa
   tile_values<N>(v, p, vf, D);
 }
 
+template <int N>
+struct Tile512 {
+  static void run(const QueryVec* v, const float* qt, const float* kt, const float* vf, int64_t kb, int64_t D,
+                  Softmax& sm) {
+    tile_avx512<N>(v, qt, kt, vf, kb, D, sm);
+  }
+};
+
 void tile_dispatch(const QueryVec* v, int n, const float* qt, const float* kt, const float* vf, int64_t kb,
                    int64_t D, Softmax& sm) {
-  switch (n) {
-    case 12: return tile_avx512<12>(v, qt, kt, vf, kb, D, sm);
-    case 11: return tile_avx512<11>(v, qt, kt, vf, kb, D, sm);
-    case 10: return tile_avx512<10>(v, qt, kt, vf, kb, D, sm);
-    case 9: return tile_avx512<9>(v, qt, kt, vf, kb, D, sm);
-    case 8: return tile_avx512<8>(v, qt, kt, vf, kb, D, sm);
-    case 7: return tile_avx512<7>(v, qt, kt, vf, kb, D, sm);
-    case 6: return tile_avx512<6>(v, qt, kt, vf, kb, D, sm);
-    case 5: return tile_avx512<5>(v, qt, kt, vf, kb, D, sm);
-    case 4: return tile_avx512<4>(v, qt, kt, vf, kb, D, sm);
-    case 3: return tile_avx512<3>(v, qt, kt, vf, kb, D, sm);
-    case 2: return tile_avx512<2>(v, qt, kt, vf, kb, D, sm);
-    default: return tile_avx512<1>(v, qt, kt, vf, kb, D, sm);
-  }
+  with_count<Tile512>(n, v, qt, kt, vf, kb, D, sm);
 }
 #endif
 
@@ -278,29 +282,9 @@ __attribute__((noinline)) void tile_values8(const QueryVec* v, const float (*p)[
   }
 }
 
-template <template <int> class F, typename... Args>
-void with_count(int n, Args&&... args) {
-  switch (n) {
-    case 12: return F<12>::run(args...);
-    case 11: return F<11>::run(args...);
-    case 10: return F<10>::run(args...);
-    case 9: return F<9>::run(args...);
-    case 8: return F<8>::run(args...);
-    case 7: return F<7>::run(args...);
-    case 6: return F<6>::run(args...);
-    case 5: return F<5>::run(args...);
-    case 4: return F<4>::run(args...);
-    case 3: return F<3>::run(args...);
-    case 2: return F<2>::run(args...);
-    default: return F<1>::run(args...);
-  }
-}
-
 template <int N>
 struct Scores8 {
-  static void run(const float* qt, int n, const float* kt, int64_t D, float (*s)[kLanes]) {
-    if constexpr (N <= kScoreVectors8) tile_scores8<N>(qt, n, kt, D, s);
-  }
+  static void run(const float* qt, int n, const float* kt, int64_t D, float (*s)[kLanes]) { tile_scores8<N>(qt, n, kt, D, s); }
 };
 
 template <int N>
@@ -321,7 +305,7 @@ void tile_avx2(const QueryVec* v, int n, const float* qt, const float* kt, const
                Softmax& sm) {
   alignas(64) float p[kMaxVectors][kLanes];
   for (int j0 = 0; j0 < n; j0 += kScoreVectors8)
-    with_count<Scores8>(std::min(kScoreVectors8, n - j0), qt + j0, n, kt, D, p + j0);
+    with_count<Scores8, kScoreVectors8>(std::min(kScoreVectors8, n - j0), qt + j0, n, kt, D, p + j0);
   const __m256i keys0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(kb)),
                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256i keys1 = _mm256_add_epi32(keys0, _mm256_set1_epi32(8));
