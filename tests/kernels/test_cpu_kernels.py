@@ -170,6 +170,42 @@ def test_large_batch_merges_each_sequence_in_its_thread(kernels, cache_dtype):
             torch.testing.assert_close(got[i], dense(q[i], k, v, table[i], n), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_split_sequences_are_the_same_on_any_number_of_threads(kernels, cache_dtype):
+    """A few long sequences are split into partitions that the threads claim from runs of their own,
+    taking the others' from the back when theirs are done (three or five threads on a 2-core machine
+    run oversubscribed, so runs are stolen); whoever computes a partition, and whoever merges a
+    sequence, the result is bit-identical to one thread's."""
+    gen = torch.Generator().manual_seed(5)
+    bs, kvh, heads, d = 16, 3, 9, 64
+    lens = torch.tensor([2000, 700, 65])  # 32, 11 and 2 partitions of 64 tokens
+    per_seq = -(-int(lens.max()) // bs)
+    nb = len(lens) * per_seq
+    k, v = torch.randn(nb, bs, kvh, d, generator=gen), torch.randn(nb, bs, kvh, d, generator=gen)
+    if cache_dtype == torch.int8:
+        k_cache, v_cache = quantize_blocks(k, torch.int8, KEYS), quantize_blocks(v, torch.int8, VALUES)
+    else:
+        k_cache, v_cache = k.to(cache_dtype), v.to(cache_dtype)
+    table = torch.randperm(nb, generator=gen).view(len(lens), per_seq)
+    q = torch.randn(len(lens), heads, d, generator=gen) * 3
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            for rows in (slice(0, 1), slice(0, 3)):  # one sequence alone, and the three together
+                for _ in range(3):  # claims race differently each call
+                    got = kernels.paged_decode_attention(q[rows], k_cache, v_cache, table[rows], lens[rows], d**-0.5)
+                    ref = outs.setdefault(rows.stop, got)
+                    assert torch.equal(got, ref), f"{threads} threads, {rows.stop} sequences"
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[1][0], outs[3][0])
+    if cache_dtype == torch.float32:
+        for i, n in enumerate(lens.tolist()):
+            torch.testing.assert_close(outs[3][i], dense(q[i], k, v, table[i], n), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_paths_agree(kernels, cache_dtype):
     """The same decode batch through the kernel and through gather + SDPA."""

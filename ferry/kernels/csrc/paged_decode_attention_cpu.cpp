@@ -27,8 +27,9 @@
 // maxima (flash-decoding). With AVX-512 each row is loaded and widened once per pass of up
 // to three heads (heads_scores / heads_values), not once per head; threads take chunks of
 // partitions (or, in a large batch, whole sequences, merged while their partitions are still in
-// cache) from a shared counter, so one that waits on memory longer takes fewer. The next
-// partition's lines are prefetched a share per block (PrefetchQueue): the core's miss buffers
+// cache) as they go, so one that waits on memory longer takes fewer: partitions from a run of their
+// own, front first, then the others' from the back (ChunkRun); sequences from a shared counter. The
+// next partition's lines are prefetched a share per block (PrefetchQueue): the core's miss buffers
 // bound how many are in flight. A bf16 cache halves the bytes read, an int8 one about
 // quarters them; with AVX2 both are read in place and widened in registers (load8 /
 // load16: bf16 is the high half of an fp32). An int8 cache's K rows are widened to int16
@@ -51,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -66,6 +68,25 @@ constexpr float kNegBig = -1e30f;
 constexpr int64_t kPartitionTokens = 64;
 // Claims of work per thread (see the task loop): enough to even out, few enough to share a counter.
 constexpr int64_t kChunksPerThread = 16;
+
+// A worker's run of chunks [front, back), packed in one word: the owner takes from the front, others
+// from the back, each with one compare-and-swap (a cache line of its own: the owner's claims stay in
+// its L1 until someone steals).
+struct alignas(64) ChunkRun {
+  std::atomic<uint64_t> range{0};
+  void set(int64_t front, int64_t back) { range.store(uint64_t(front) | uint64_t(back) << 32, std::memory_order_relaxed); }
+  int64_t take_front() { return take(true); }
+  int64_t take_back() { return take(false); }
+  int64_t take(bool front) {  // the chunk taken, or -1 when the run is empty
+    uint64_t r = range.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = r & 0xffffffffu, b = r >> 32;
+      if (f >= b) return -1;
+      const uint64_t next = front ? (f + 1) | b << 32 : f | (b - 1) << 32;
+      if (range.compare_exchange_weak(r, next, std::memory_order_relaxed)) return int64_t(front ? f : b - 1);
+    }
+  }
+};
 
 // The fp32 scales that follow n quantized rows of D values, `stride` bytes apart (a float store per
 // row: a memcpy into the destination let the compiler assume it could alias anything, and reload).
@@ -1050,8 +1071,8 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   // The int8 cache's blocks read in their own layout, 16 keys per vector (heads_scores_lanes,
   // heads_values_lanes); with other block sizes, head sizes or ISAs its rows are gathered first.
   const bool lanes = int_values && BS % 16 == 0;
-  // Threads take work from a shared counter rather than fixed halves: a task's time depends on where
-  // its blocks are (cache or memory), and a static split left one thread waiting on the other at the
+  // Threads take work as they go rather than in fixed halves: a task's time depends on where its
+  // blocks are (cache or memory), and a static split left one thread waiting on the other at the
   // end. Where no one sequence is more than a 1 / kChunksPerThread share of a thread's work, a claim
   // is a whole sequence, whose partitions the thread merges as soon as it has them, while they are
   // in its L1/L2 (at batch 64 x 1k tokens the partial results are 2.4 MB a layer; written out and
@@ -1071,8 +1092,17 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   std::vector<std::atomic<int32_t>> parts_left(shared_parts ? B * KVH : 0);
   for (int64_t b = 0; b < (shared_parts ? B : 0); ++b)
     for (int64_t h = 0; h < KVH; ++h) parts_left[b * KVH + h].store(int32_t((first[b + 1] - first[b]) / KVH));
-  std::atomic<int64_t> next_claim{0};  // a sequence (by_sequence) or a task
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  std::atomic<int64_t> next_claim{0};  // by_sequence: the next sequence
+  // Otherwise each worker owns a contiguous run of the chunks and takes its own from the front, so
+  // the partition it prefetches (the one after its current one) is the one it computes next; one
+  // out of work takes the others' from their backs. (From one shared counter two threads took
+  // alternate partitions, each prefetching the one the other would take next into its own core's L2:
+  // at batch 1, a 576-token layer's K/V from memory took 47 us with an fp32 cache and 28 with int8;
+  // 37 and 24 this way.)
+  const int64_t chunks = (tasks + chunk - 1) / chunk;
+  std::unique_ptr<ChunkRun[]> runs(new ChunkRun[by_sequence ? 0 : workers]);
+  for (int64_t w = 0; w < (by_sequence ? 0 : workers); ++w) runs[w].set(chunks * w / workers, chunks * (w + 1) / workers);
+  at::parallel_for(0, workers, 1, [&](int64_t worker, int64_t) {
     std::vector<float> scores(G * PT);  // head g's row t at g * PT + t
     std::vector<float> kscratch(in_place ? 0 : PT * D), vscratch(in_place ? 0 : PT * D);  // rows widened first
     // The int8 AVX2 path: K rows in int16, the rows' scales, the softmax weights times V's scales.
@@ -1102,9 +1132,10 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         if (b >= B) return false;
         t0 = first[b], t1 = first[b + 1];
       } else {
-        t0 = next_claim.fetch_add(chunk);
-        if (t0 >= tasks) return false;
-        t1 = std::min(t0 + chunk, tasks);
+        int64_t c = runs[worker].take_front();
+        for (int64_t o = 1; c < 0 && o < workers; ++o) c = runs[(worker + o) % workers].take_back();
+        if (c < 0) return false;
+        t0 = c * chunk, t1 = std::min(t0 + chunk, tasks);
       }
       return true;
     };
