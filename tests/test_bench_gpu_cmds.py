@@ -61,13 +61,17 @@ def test_bench_latency(tiny_dir, tmp_path, capsys):
     # Without a peak on the CPU: its read bandwidth, measured (the step's bytes floor).
     argv = [a for a in argv if a not in ("--peak-bandwidth", "1e11")]
     assert main(argv) == 0
-    assert "x the bytes floor" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x the bytes floor" in printed and "x at the step's own" in printed
     result = json.loads(out.read_text())
     assert result["peak_bandwidth_source"].startswith("measured") and result["peak_bandwidth"] is None
     for b in result["batches"]:  # measured around each batch size's steps; the floor takes the faster read
         before, after = b["measured_bandwidth_before_after"]
         assert min(before, after) > 1e8 and b["peak_bandwidth"] == max(before, after)
         assert b["bandwidth_fraction"] == pytest.approx(b["bandwidth_bytes_per_s"] / b["peak_bandwidth"])
+        # and over a buffer of the step's own bytes (here a tiny model's: cache-resident), its floor too
+        own = b["measured_bandwidth_at_step_size"]
+        assert own > 1e8 and b["x_floor_at_step_size"] == pytest.approx(own / b["bandwidth_bytes_per_s"])
 
 
 def test_bench_latency_int4_dummy_weights_counts_the_blocks(tiny_dir, tmp_path):

@@ -14,7 +14,11 @@ CPU its measured read bandwidth (ferry/bench/hardware.py); 1/fraction is the ste
 from its bytes floor. A CPU's read rate moves with what else shares the host's memory (a 2-vCPU
 VM read 45-85 GB/s over one day), so it is measured right before and right after each batch
 size's timed steps and the floor takes the faster of the two: the comparison is paired in time
-and errs against the step. Prefill tok/s counts the steps that prefilled the B prompts.
+and errs against the step. A 256 MB buffer reads at memory's rate; a step whose own bytes fit in the
+last-level cache can beat that (a 2-vCPU Xeon guest read ~50 GB/s up to ~100 MB and ~27 from 128 MB on,
+while SmolLM2's batch-1 step reads ~104 MB), so on a CPU a buffer of the step's own size is read after
+the run too, and the step's distance from that floor printed beside the other. Prefill tok/s counts
+the steps that prefilled the B prompts.
 """
 
 from __future__ import annotations
@@ -265,6 +269,8 @@ def main(args: argparse.Namespace) -> int:
         kv_bytes = statistics.fmean(r.decode_context_tokens for r, _ in decode) * kv_tok
         achieved = (w_bytes + kv_bytes) / tpot
         fraction = achieved / peak if peak else None
+        # The same read over the step's own bytes: the floor where they fit in the cache.
+        own_size_rate = measure_cpu_read_bandwidth(max(int(w_bytes + kv_bytes), 1 << 20)) if probe else None
         prefill_tokens = sum(r.num_prefill_tokens for r, _ in steps)
         prefill_s = sum(dt for r, dt in steps if r.num_prefill_tokens)
         row = {
@@ -284,6 +290,8 @@ def main(args: argparse.Namespace) -> int:
         }
         if probe:
             row["measured_bandwidth_before_after"] = bandwidth_around
+            row["measured_bandwidth_at_step_size"] = own_size_rate
+            row["x_floor_at_step_size"] = own_size_rate / achieved
         result["batches"].append(row)
         print(
             f"B={batch:4d}: TPOT {row['tpot_ms']:8.3f} ms (p50 {row['tpot_p50_ms']:.3f}) over {len(decode)} steps, "
@@ -293,7 +301,8 @@ def main(args: argparse.Namespace) -> int:
                 f" = {fraction * 100:.1f}% of peak ({1 / fraction:.2f}x the bytes floor"
                 + (
                     f" at {peak / 1e9:.1f} GB/s; read {bandwidth_around[0] / 1e9:.1f} / {bandwidth_around[1] / 1e9:.1f}"
-                    " GB/s before / after)"
+                    f" GB/s before / after; {own_size_rate / achieved:.2f}x at the step's own"
+                    f" {_fmt_bytes(w_bytes + kv_bytes)}, read at {own_size_rate / 1e9:.1f} GB/s)"
                     if probe
                     else ")"
                 )
