@@ -46,7 +46,10 @@ def synchronize(device: torch.device) -> None:
 
 def measure_cpu_read_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s the CPU reads with all of torch's threads: the best of `repeats` sums over a
-    buffer far larger than the last-level cache (a decode step's weights stream the same way).
+    buffer (by default) larger than the last-level cache a small VM gets to use (a decode step's weights
+    stream the same way): a 2-vCPU Xeon guest that reported 480 MiB of L3 read ~50 GB/s up to ~100 MB
+    and ~27 GB/s, memory's rate, from 128 MB on (BENCHMARKS.md, session 32). `ferry bench latency` also
+    reads the step's own bytes this way, the floor where they fit in that cache.
     The best, not the mean: the floor a step is compared against should be reachable. On huge pages
     (lazy_zeros asks for them), as the CPU's GGUF weights are held (models/weight_arena.py): a sum
     over 4 KiB pages read 26-27 GB/s where huge pages gave 31-32 (the 2-vCPU KVM guest, 2026-11-27),
