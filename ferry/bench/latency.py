@@ -301,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
                 f" = {fraction * 100:.1f}% of peak ({1 / fraction:.2f}x the bytes floor"
                 + (
                     f" at {peak / 1e9:.1f} GB/s; read {bandwidth_around[0] / 1e9:.1f} / {bandwidth_around[1] / 1e9:.1f}"
-                    f" GB/s before / after; {own_size_rate / achieved:.2f}x at the step's own"
+                    f" GB/s before / after; {row['x_floor_at_step_size']:.2f}x at the step's own"
                     f" {_fmt_bytes(w_bytes + kv_bytes)}, read at {own_size_rate / 1e9:.1f} GB/s)"
                     if probe
                     else ")"

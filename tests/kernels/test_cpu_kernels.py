@@ -142,6 +142,11 @@ def test_decode_kernel_tree_rows_are_plain_rows_over_their_path(kernels, cache_d
     torch.testing.assert_close(ref, got, rtol=1e-5, atol=1e-5)
 
 
+def as_cache(x, cache_dtype, layout):
+    """fp32 K or V blocks as a cache of cache_dtype: int8 quantized in the kernel's block layout."""
+    return quantize_blocks(x, torch.int8, layout) if cache_dtype == torch.int8 else x.to(cache_dtype)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_large_batch_merges_each_sequence_in_its_thread(kernels, cache_dtype):
     """In a batch of many sequences a thread claims whole sequences and merges their partitions as
@@ -155,10 +160,7 @@ def test_large_batch_merges_each_sequence_in_its_thread(kernels, cache_dtype):
     per_seq = -(-int(lens.max()) // bs)
     nb = batch * per_seq
     k, v = torch.randn(nb, bs, kvh, d, generator=gen), torch.randn(nb, bs, kvh, d, generator=gen)
-    if cache_dtype == torch.int8:
-        k_cache, v_cache = quantize_blocks(k, torch.int8, KEYS), quantize_blocks(v, torch.int8, VALUES)
-    else:
-        k_cache, v_cache = k.to(cache_dtype), v.to(cache_dtype)
+    k_cache, v_cache = as_cache(k, cache_dtype, KEYS), as_cache(v, cache_dtype, VALUES)
     table = torch.randperm(nb, generator=gen).view(batch, per_seq)
     q = torch.randn(batch, heads, d, generator=gen) * 3  # peaked softmaxes: the partitions' maxima differ
     got = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, d**-0.5)
@@ -182,10 +184,7 @@ def test_split_sequences_are_the_same_on_any_number_of_threads(kernels, cache_dt
     per_seq = -(-int(lens.max()) // bs)
     nb = len(lens) * per_seq
     k, v = torch.randn(nb, bs, kvh, d, generator=gen), torch.randn(nb, bs, kvh, d, generator=gen)
-    if cache_dtype == torch.int8:
-        k_cache, v_cache = quantize_blocks(k, torch.int8, KEYS), quantize_blocks(v, torch.int8, VALUES)
-    else:
-        k_cache, v_cache = k.to(cache_dtype), v.to(cache_dtype)
+    k_cache, v_cache = as_cache(k, cache_dtype, KEYS), as_cache(v, cache_dtype, VALUES)
     table = torch.randperm(nb, generator=gen).view(len(lens), per_seq)
     q = torch.randn(len(lens), heads, d, generator=gen) * 3
     before = torch.get_num_threads()

@@ -66,7 +66,7 @@
 constexpr float kNegBig = -1e30f;
 // Tokens per partition of a long sequence (see paged_decode_attention_impl).
 constexpr int64_t kPartitionTokens = 64;
-// Claims of work per thread (see the task loop): enough to even out, few enough to share a counter.
+// Claims of work per thread (see the task loop): enough to even out, few enough to stay cheap.
 constexpr int64_t kChunksPerThread = 16;
 
 // A worker's run of chunks [front, back), packed in one word: the owner takes from the front, others
