@@ -88,6 +88,35 @@ struct alignas(64) ChunkRun {
   }
 };
 
+// Cache lines to prefetch, issued a few at a time between pieces of arithmetic. A burst of a
+// partition's few hundred lines at once stalled the loads behind it until the core's miss buffers
+// drained, so memory waits added to the arithmetic instead of overlapping it. The AVX-512 kernels of
+// the float caches take `per_tick` lines at each step of their inner loops (tick: every 8 keys'
+// scores, every key's values), the other paths a share per block (issue). Per block, a task's share
+// still went out as a burst of ~130 lines (an fp32 cache); in ticks of ~7 lines the kernels ran 3-6%
+// (fp32) and 6-16% (bf16) faster at batch 1-64 (`cpu_attention_sweep.py --against`, the 2-vCPU Xeon,
+// BENCHMARKS.md, session 33). Not the int8 lanes: a quarter of the bytes go out in smaller bursts
+// already, and there ticks measured 2-8% slower at batch 1 and within noise at batch 16-64. The hint is T2
+// (locality 1): on the Zen 5 VM it took a bf16 cache's batch-64 kernel 7-13% below T1's time (T0
+// and NTA were 1.5-1.8x slower, int8 and fp32 within noise of T1; `cpu_attention_sweep.py
+// --against`, BENCHMARKS.md's fifteenth part); Intel cores since Nehalem treat T1 and T2 alike.
+struct PrefetchQueue {
+  std::vector<std::pair<const char*, int64_t>> runs;  // first byte, length
+  size_t run = 0;
+  int64_t off = 0, lines = 0, share = 0, per_tick = 0;
+  void clear() { runs.clear(), run = 0, off = 0, lines = 0; }
+  void add(const char* p, int64_t bytes) { runs.emplace_back(p, bytes), lines += (bytes + 63) / 64; }
+  void issue(int64_t n) {
+    while (n > 0 && run < runs.size()) {
+      const char* base = runs[run].first;
+      const int64_t len = runs[run].second;
+      for (; off < len && n > 0; off += 64, --n) __builtin_prefetch(base + off, 0, 1);
+      if (off >= len) ++run, off = 0;
+    }
+  }
+  void tick() { issue(per_tick); }
+};
+
 // The fp32 scales that follow n quantized rows of D values, `stride` bytes apart (a float store per
 // row: a memcpy into the destination let the compiler assume it could alias anything, and reload).
 inline void read_row_scales(const int8_t* rows, int64_t stride, int64_t n, int64_t D, float* __restrict out) {
@@ -353,9 +382,10 @@ __attribute__((always_inline)) inline void for_head_passes(int64_t G, F&& f) {
 // of 16) fp32 / bf16 values, rows `ks` elements apart: block_scores for GH heads in one pass.
 template <int GH, typename T>
 inline void heads_scores(const float* q, const T* kb, int64_t ks, int64_t n, int64_t D, float scale, float* out,
-                         int64_t os) {
+                         int64_t os, PrefetchQueue* ahead = nullptr) {
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {
+    if (ahead) ahead->tick();
     __m512 a[GH][8];
     for (int g = 0; g < GH; ++g)
       for (int i = 0; i < 8; ++i) a[g][i] = _mm512_setzero_ps();
@@ -420,11 +450,12 @@ inline void heads_scores_int8(const int16_t* q, const int8_t* kb, int64_t ks, in
 // at acc + g * D): each key's values are loaded and widened once for the GH heads.
 template <int GH, int NV, typename T>
 inline void heads_values_chunk(const float* p, int64_t ps, const T* vb, int64_t vs, int64_t n, int64_t D,
-                               float* acc) {
+                               float* acc, PrefetchQueue* ahead) {
   __m512 a[GH][NV];
   for (int g = 0; g < GH; ++g)
     for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
   for (int64_t t = 0; t < n; ++t) {
+    if (ahead) ahead->tick();
     const T* v = vb + t * vs;
     __m512 vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
@@ -437,13 +468,14 @@ inline void heads_values_chunk(const float* p, int64_t ps, const T* vb, int64_t 
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
 }
 
-// block_values for GH heads in one pass, D a multiple of 16.
+// block_values for GH heads in one pass, D a multiple of 16 (ahead: ticks once per key per chunk).
 template <int GH, typename T>
-inline void heads_values(const float* p, int64_t ps, const T* vb, int64_t vs, int64_t n, int64_t D, float* acc) {
+inline void heads_values(const float* p, int64_t ps, const T* vb, int64_t vs, int64_t n, int64_t D, float* acc,
+                         PrefetchQueue* ahead = nullptr) {
   int64_t d = 0;
-  for (; d + 64 <= D; d += 64) heads_values_chunk<GH, 4>(p, ps, vb + d, vs, n, D, acc + d);
-  if (d + 32 <= D) heads_values_chunk<GH, 2>(p, ps, vb + d, vs, n, D, acc + d), d += 32;
-  if (d + 16 <= D) heads_values_chunk<GH, 1>(p, ps, vb + d, vs, n, D, acc + d);
+  for (; d + 64 <= D; d += 64) heads_values_chunk<GH, 4>(p, ps, vb + d, vs, n, D, acc + d, ahead);
+  if (d + 32 <= D) heads_values_chunk<GH, 2>(p, ps, vb + d, vs, n, D, acc + d, ahead), d += 32;
+  if (d + 16 <= D) heads_values_chunk<GH, 1>(p, ps, vb + d, vs, n, D, acc + d, ahead);
 }
 
 // The int8 cache's values for GH heads in integers: acc_g += sum over n keys of u[g * us + t] * v_t, with
@@ -907,28 +939,6 @@ inline void row_values(const float* p, const float* vb, int64_t vs, int64_t n, i
   }
 }
 
-// Cache lines to prefetch, issued a share at a time between blocks of arithmetic. A burst of a
-// partition's few hundred lines at once stalled the loads behind it until the core's miss buffers
-// drained, so memory waits added to the arithmetic instead of overlapping it. The hint is T2
-// (locality 1): on the Zen 5 VM it took a bf16 cache's batch-64 kernel 7-13% below T1's time (T0
-// and NTA were 1.5-1.8x slower, int8 and fp32 within noise of T1; `cpu_attention_sweep.py
-// --against`, BENCHMARKS.md's fifteenth part); Intel cores since Nehalem treat T1 and T2 alike.
-struct PrefetchQueue {
-  std::vector<std::pair<const char*, int64_t>> runs;  // first byte, length
-  size_t run = 0;
-  int64_t off = 0, lines = 0, share = 0;
-  void clear() { runs.clear(), run = 0, off = 0, lines = 0; }
-  void add(const char* p, int64_t bytes) { runs.emplace_back(p, bytes), lines += (bytes + 63) / 64; }
-  void issue(int64_t n) {
-    while (n > 0 && run < runs.size()) {
-      const char* base = runs[run].first;
-      const int64_t len = runs[run].second;
-      for (; off < len && n > 0; off += 64, --n) __builtin_prefetch(base + off, 0, 1);
-      if (off >= len) ++run, off = 0;
-    }
-  }
-};
-
 // A task's buffers for a quantized cache (kv_layout.h): each block's rows gathered (stride W), or with
 // the int8 lanes path a tree block's head part rebuilt in the cache's layout from the positions its
 // rows stand for; one packed row; with lanes, each block's first key and its weights by position.
@@ -1071,6 +1081,15 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   // The int8 cache's blocks read in their own layout, 16 keys per vector (heads_scores_lanes,
   // heads_values_lanes); with other block sizes, head sizes or ISAs its rows are gathered first.
   const bool lanes = int_values && BS % 16 == 0;
+  // Where the next partition's prefetches go out in the kernels' ticks (PrefetchQueue): the AVX-512
+  // float caches' grouped loops; tick_steps is a full block's ticks in one task (each pass of heads:
+  // the scores' 8-key steps, then one per key per chunk of values). Elsewhere 0: a share per block.
+  int64_t tick_steps = 0;
+#ifdef FERRY_ATTN_AVX512
+  if (grouped && !kInt8Dots) {
+    for_head_passes(G, [&](int64_t, auto) { tick_steps += BS / 8 + BS * (D / 64 + D % 64 / 32 + D % 32 / 16); });
+  }
+#endif
   // Threads take work as they go rather than in fixed halves: a task's time depends on where its
   // blocks are (cache or memory), and a static split left one thread waiting on the other at the
   // end. Where no one sequence is more than a 1 / kChunksPerThread share of a thread's work, a claim
@@ -1124,6 +1143,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
     std::vector<const float*> vb_of(P);  // or widened to fp32, with their stride
     std::vector<int64_t> vs_of(P), n_of(P);  // and each block's row count
     PrefetchQueue ahead;  // the next partition's lines
+    PrefetchQueue* const ticks = tick_steps ? &ahead : nullptr;  // given to the kernels that tick
     std::vector<float> seq_m, seq_l, seq_acc;  // by_sequence: the claimed sequence's partial results
     // The next claim's tasks [t0, t1), or false when none are left.
     auto claim = [&](int64_t& t0, int64_t& t1) {
@@ -1165,7 +1185,9 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
           ahead.add(reinterpret_cast<const char*>(kp + nblk * BS * KVH * W), BS * KVH * W * kElem);
           ahead.add(reinterpret_cast<const char*>(vp + nblk * BS * KVH * W), BS * KVH * W * kElem);
         }
-        ahead.share = (ahead.lines + KVH * (j1 - j0) - 1) / (KVH * (j1 - j0));
+        // Spread over the partition's KVH tasks: in ticks where the kernels take them, else per block.
+        const int64_t steps = KVH * (j1 - j0) * (tick_steps ? tick_steps : 1);
+        (tick_steps ? ahead.per_tick : ahead.share) = (ahead.lines + steps - 1) / steps;
       }
       // Scores of each block's rows for all G heads; V rows located (or widened) for the last phase.
       int64_t rows = 0;
@@ -1174,7 +1196,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         const int64_t s = skip != nullptr && j == 0 ? skip[b] : 0;  // window: the first block's keys before it
         const int64_t n = std::min(BS, L - j * BS) - s;
         n_of[i] = n;
-        ahead.issue(ahead.share);
+        if (!ticks) ahead.issue(ahead.share);
         const bool tree_block = tree != nullptr && logical[b] != seq_lp[b] && (j + 1) * BS > tree[2 * b];
         const CacheT* krows = kp + ((blk * BS + s) * KVH + h) * W;
         const CacheT* vrows = vp + ((blk * BS + s) * KVH + h) * W;
@@ -1254,7 +1276,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
               } else {
                 for_head_passes(G, [&](int64_t g0, auto gh) {
                   heads_scores<decltype(gh)::value>(qb + g0 * D, krows, row_stride, n, D, fscale,
-                                                    scores.data() + g0 * PT + rows, PT);
+                                                    scores.data() + g0 * PT + rows, PT, ticks);
                 });
               }
               rows += n;
@@ -1360,7 +1382,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
             p = pv.data();
           }
           for_head_passes(G, [&](int64_t g0, auto gh) {
-            heads_values<decltype(gh)::value>(p + g0 * PT, PT, vrows_of[i], row_stride, n, D, acc.data() + g0 * D);
+            heads_values<decltype(gh)::value>(p + g0 * PT, PT, vrows_of[i], row_stride, n, D, acc.data() + g0 * D, ticks);
           });
           rows += n;
           }
