@@ -287,7 +287,12 @@ const uint8_t* plain_row(const uint8_t* w, int64_t N, int64_t t, int64_t row_byt
 // while the group is computed, and every run starts cold. Spread over the blocks, kept ahead across
 // groups and across calls, the same matmuls read at ~19-24 GB/s (BENCHMARKS.md, issue 15,
 // 2026-11-27). 4 and 8 KB ahead measured alike; 1-2 KB were too short to cover the latency.
+// Into L2 (T2), not L1 (T0): on the 2-vCPU Xeon a decode step of SmolLM2 took 9-11% less time
+// (fp32 and int8 caches, the two hints alternated in one process), and 90 layers' weights streamed
+// from memory at 19 GB/s against 17 (BENCHMARKS.md, session 33); T1 measured as T2 (Intel treats them
+// alike), and on Zen 5 the attention's prefetches too ran best as T2 (PrefetchQueue).
 constexpr int64_t kStreamAhead = 6144;
+constexpr int kStreamLocality = 1;  // __builtin_prefetch's locality 1: PREFETCHT2
 struct WeightStream {
   const uint8_t* run = nullptr;   // the run being prefetched
   int64_t pos = 0, len = 0;       // the next byte of it to prefetch (kStreamAhead ahead of the reads), its size
@@ -311,7 +316,7 @@ struct WeightStream {
       run = then, pos = 0, len = std::min(then_bytes, kStreamAhead), then = nullptr;
     }
 #pragma GCC unroll 8
-    for (int64_t o = 0; o < BYTES; o += 64) __builtin_prefetch(run + std::min(pos + o, len - 1), 0, 3);
+    for (int64_t o = 0; o < BYTES; o += 64) __builtin_prefetch(run + std::min(pos + o, len - 1), 0, kStreamLocality);
     pos = std::min(pos + BYTES, len);
   }
 };
