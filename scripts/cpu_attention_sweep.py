@@ -5,6 +5,7 @@ engine leaves them. --layers distinct caches are attended in turn, so that with 
 last-level cache each layer's rows come from memory as in a decode step (--layers 1: hot in cache).
 --order sequential places each sequence's blocks one after another (a fresh pool); --order reuse has
 every sequence read the same 16 blocks, so rows come from L1/L2 and the time is the kernel's arithmetic.
+The caches sit on transparent huge pages, as the engine's do (--pages 4k: torch's own allocations).
 From the repo root:
     python3 scripts/cpu_attention_sweep.py [--batch 16 64] [--context 512 1024] [--layers 8]
     python3 scripts/cpu_attention_sweep.py --batch 64 --context 1024 --order random sequential reuse
@@ -30,6 +31,7 @@ from kernels_at_revision import kernel_at
 
 from ferry.kernels.cpu import cpu_kernels
 from ferry.kv_quant import KEYS, VALUES, blocks_of_rows, quantize_rows
+from ferry.utils import lazy_zeros
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -39,6 +41,20 @@ def cache(blocks: int, dtype: str, gen: torch.Generator) -> torch.Tensor:
     if dtype in ("int8", "fp8"):
         return quantize_rows(x, torch.int8 if dtype == "int8" else torch.float8_e4m3fn)
     return x.to(getattr(torch, dtype))
+
+
+def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` in one mapping of transparent huge pages, as the engine holds its KV cache
+    (lazy_zeros, models/llama.py): on 4 KiB pages the kernels' reads from memory also pay TLB misses
+    the engine does not (on the Xeon of BENCHMARKS.md's session 33, enough to hide a 10% change)."""
+    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
+    arena = lazy_zeros.zeros((max(sum(sizes), lazy_zeros.LAZY_MIN_BYTES),), torch.uint8, "cpu")
+    out, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        n = t.numel() * t.element_size()
+        out.append(arena[offset : offset + n].view(t.dtype).view(t.shape).copy_(t))
+        offset += size
+    return out
 
 
 def block_table(order: str, batch: int, per_seq: int, gen: torch.Generator) -> torch.Tensor:
@@ -102,6 +118,8 @@ def main() -> None:
     parser.add_argument("--against", nargs="+", default=[], metavar="REV",
                         help="also time these commits' kernels, alternately")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, help="times each kernel is timed (alternately)")
+    parser.add_argument("--pages", choices=["huge", "4k"], default="huge",
+                        help="caches on transparent huge pages, as the engine holds them, or torch's")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = cpu_kernels()
@@ -112,7 +130,7 @@ def main() -> None:
     for rev in args.against:
         builds[rev] = kernel_at(rev, lambda f: f == KERNEL, binding_for, "attention")
         laid_out[rev] = revision_lays_out_blocks(rev)
-    print(f"threads {args.threads}, {args.layers} layers' caches, blocks of {BLOCK} in random order")
+    print(f"threads {args.threads}, {args.layers} layers' caches on {args.pages} pages, blocks of {BLOCK}")
     print("| blocks | cache | batch | context | kernel | ms per layer | x 30 layers | K/V GB/s |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     gen = torch.Generator().manual_seed(0)
@@ -127,6 +145,10 @@ def main() -> None:
                 layers = [(cache(blocks, dtype, gen), cache(blocks, dtype, gen)) for _ in range(args.layers)]
                 # the same caches as laid-out blocks (kv_quant.py), for the builds that read them so
                 as_blocks = [(blocks_of_rows(k, KEYS), blocks_of_rows(v, VALUES)) for k, v in layers]
+                if args.pages == "huge":
+                    flat = on_huge_pages([t for kv in layers + as_blocks for t in kv])
+                    pairs = list(zip(flat[0::2], flat[1::2]))
+                    layers, as_blocks = pairs[: len(layers)], pairs[len(layers) :]
                 k, v = layers[0]
                 read = (k.numel() * k.element_size() + v.numel() * v.element_size()) * context / (per_seq * BLOCK)
                 for _, (name, build) in itertools.product(range(args.rounds), builds.items()):
