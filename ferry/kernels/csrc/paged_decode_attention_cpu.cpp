@@ -95,8 +95,8 @@ struct alignas(64) ChunkRun {
 // scores, every key's values), the other paths a share per block (issue). Per block, a task's share
 // still went out as a burst of ~130 lines (an fp32 cache); in ticks of ~7 lines the kernels ran 3-6%
 // (fp32) and 6-16% (bf16) faster at batch 1-64 (`cpu_attention_sweep.py --against`, the 2-vCPU Xeon,
-// BENCHMARKS.md, session 33). Not the int8 lanes: a quarter of the bytes go out in smaller bursts
-// already, and there ticks measured 2-8% slower at batch 1 and within noise at batch 16-64. The hint is T2
+// BENCHMARKS.md, session 33). The int8 lanes tick only where claims are whole sequences (large
+// batches; see tick_steps): with chunks of partitions ticks measured 5-10% slower there. The hint is T2
 // (locality 1): on the Zen 5 VM it took a bf16 cache's batch-64 kernel 7-13% below T1's time (T0
 // and NTA were 1.5-1.8x slower, int8 and fp32 within noise of T1; `cpu_attention_sweep.py
 // --against`, BENCHMARKS.md's fifteenth part); Intel cores since Nehalem treat T1 and T2 alike.
@@ -575,7 +575,7 @@ inline void values_from_int32(const int32_t* acc, int64_t D, float step, float* 
 // row. The int32 sums are exact, so this is heads_scores_int8 (rows) to the last bit.
 template <int GH>
 inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, int64_t s, int64_t n, int64_t D,
-                               const float* qscale, float* out, int64_t os) {
+                               const float* qscale, float* out, int64_t os, PrefetchQueue* ahead = nullptr) {
   const float* ksc = reinterpret_cast<const float*>(kh + D * BS);
   const int32_t* q32 = reinterpret_cast<const int32_t*>(q);
   const int64_t D2 = D / 2;
@@ -585,11 +585,13 @@ inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, i
     __m512i a[GH][4];
     for (int g = 0; g < GH; ++g)
       for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_si512();
-    for (int64_t p = 0; p < D2; p += 4)
+    for (int64_t p = 0; p < D2; p += 4) {
+      if (ahead) ahead->tick();
       for (int i = 0; i < 4; ++i) {
         const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kh + ((p + i) * BS + k0) * 2)));
         for (int g = 0; g < GH; ++g) a[g][i] = _mm512_dpwssd_epi32(a[g][i], kv, _mm512_set1_epi32(q32[g * D2 + p + i]));
       }
+    }
     const __m512 ks = _mm512_loadu_ps(ksc + k0);
     const __mmask16 m = static_cast<__mmask16>(((1u << (hi - k0)) - 1) & ~((1u << (lo - k0)) - 1));
     for (int g = 0; g < GH; ++g) {
@@ -607,12 +609,13 @@ inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, i
 // to. Each pair's values are already side by side: four 32-byte loads per 64 values, no interleaving.
 template <int GH>
 inline void heads_values_lanes(const int16_t* u, int64_t us, const int8_t* vh, int64_t j0, int64_t j1, int64_t D,
-                               int32_t* acc) {
+                               int32_t* acc, PrefetchQueue* ahead = nullptr) {
   for (int64_t c = 0; c < D; c += 64) {
     __m512i a[GH][4];
     for (int g = 0; g < GH; ++g)
       for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_si512(acc + g * D + c + 16 * i);
     for (int64_t j = j0; j < j1; ++j) {
+      if (ahead) ahead->tick();
       const int8_t* r = vh + (j * D + c) * 2;
       __m512i v[4];
       for (int i = 0; i < 4; ++i) v[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * i)));
@@ -719,7 +722,7 @@ inline float softmax_partition(float* s, int64_t n, const float* scale, int16_t*
 // read, widened in two halves and multiplied by every head's q pair; no reduction across lanes.
 template <int GH>
 inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, int64_t s, int64_t n, int64_t D,
-                               const float* qscale, float* out, int64_t os) {
+                               const float* qscale, float* out, int64_t os, PrefetchQueue* /*ticks: AVX-512's*/) {
   const float* ksc = reinterpret_cast<const float*>(kh + D * BS);
   const int32_t* q32 = reinterpret_cast<const int32_t*>(q);
   const int64_t D2 = D / 2;
@@ -755,7 +758,7 @@ inline void heads_scores_lanes(const int16_t* q, const int8_t* kh, int64_t BS, i
 // V's layout ([BS/2][D][2]); D a multiple of 16.
 template <int GH>
 inline void heads_values_lanes(const int16_t* u, int64_t us, const int8_t* vh, int64_t j0, int64_t j1, int64_t D,
-                               int32_t* acc) {
+                               int32_t* acc, PrefetchQueue* /*ticks: AVX-512's*/) {
   for (int64_t c = 0; c < D; c += 16) {
     __m256i a[GH][2];
     for (int g = 0; g < GH; ++g)
@@ -1081,15 +1084,6 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   // The int8 cache's blocks read in their own layout, 16 keys per vector (heads_scores_lanes,
   // heads_values_lanes); with other block sizes, head sizes or ISAs its rows are gathered first.
   const bool lanes = int_values && BS % 16 == 0;
-  // Where the next partition's prefetches go out in the kernels' ticks (PrefetchQueue): the AVX-512
-  // float caches' grouped loops; tick_steps is a full block's ticks in one task (each pass of heads:
-  // the scores' 8-key steps, then one per key per chunk of values). Elsewhere 0: a share per block.
-  int64_t tick_steps = 0;
-#ifdef FERRY_ATTN_AVX512
-  if (grouped && !kInt8Dots) {
-    for_head_passes(G, [&](int64_t, auto) { tick_steps += BS / 8 + BS * (D / 64 + D % 64 / 32 + D % 32 / 16); });
-  }
-#endif
   // Threads take work as they go rather than in fixed halves: a task's time depends on where its
   // blocks are (cache or memory), and a static split left one thread waiting on the other at the
   // end. Where no one sequence is more than a 1 / kChunksPerThread share of a thread's work, a claim
@@ -1103,6 +1097,20 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks / KVH));
   const bool by_sequence = split && most_tasks * workers * kChunksPerThread <= tasks;
   const int64_t chunk = std::max<int64_t>(1, tasks / KVH / (workers * kChunksPerThread)) * KVH;
+  // Where the next partition's prefetches go out in the kernels' ticks (PrefetchQueue): the AVX-512
+  // float caches' grouped loops, and the int8 lanes where claims are whole sequences (a task's next
+  // partition is then often the next sequence's first: ticked, batch 64 ran 1.05-1.06x; with chunks of
+  // partitions, batch 1-4, 0.90-0.95x). tick_steps is a full block's ticks in one task (each pass of
+  // heads: the scores' 8-key steps, or D/8 steps per 16 keys, then one per key, or key pair, per
+  // chunk of values). Elsewhere 0: a share per block.
+  int64_t tick_steps = 0;
+#ifdef FERRY_ATTN_AVX512
+  if (grouped && !kInt8Dots) {
+    for_head_passes(G, [&](int64_t, auto) { tick_steps += BS / 8 + BS * (D / 64 + D % 64 / 32 + D % 32 / 16); });
+  } else if (lanes && by_sequence) {
+    for_head_passes(G, [&](int64_t, auto) { tick_steps += BS / 16 * (D / 8) + BS / 2 * (D / 64); });
+  }
+#endif
   // Unnormalized partial results of the split sequences' tasks shared between threads: softmax max,
   // sum of exps, weighted values; and each (sequence, kv head)'s partitions still to finish.
   const bool shared_parts = split && !by_sequence;
@@ -1231,7 +1239,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
               quant.s_of[i] = s;
               for_head_passes(G, [&](int64_t g0, auto gh) {
                 heads_scores_lanes<decltype(gh)::value>(q16 + g0 * D, reinterpret_cast<const int8_t*>(kh), BS, s, n, D,
-                                                        qs.data() + g0, scores.data() + g0 * PT + rows, PT);
+                                                        qs.data() + g0, scores.data() + g0 * PT + rows, PT, ticks);
               });
               // V's scales, 8 at a time (a memcpy of n floats was a library call per block)
               const float* vsc = reinterpret_cast<const float*>(vh + kv_scale_offset(s, BS, D));
@@ -1348,7 +1356,7 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
               }
               for_head_passes(G, [&](int64_t g0, auto gh) {
                 heads_values_lanes<decltype(gh)::value>(ub + g0 * us, us, reinterpret_cast<const int8_t*>(vrows_of[i]),
-                                                        s0 / 2, (s0 + n + 1) / 2, D, acc32.data() + g0 * D);
+                                                        s0 / 2, (s0 + n + 1) / 2, D, acc32.data() + g0 * D, ticks);
               });
               continue;
             }
