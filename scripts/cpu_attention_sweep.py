@@ -46,15 +46,17 @@ def cache(blocks: int, dtype: str, gen: torch.Generator) -> torch.Tensor:
 def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` in one mapping of transparent huge pages, as the engine holds its KV cache
     (lazy_zeros, models/llama.py): on 4 KiB pages the kernels' reads from memory also pay TLB misses
-    the engine does not (on the Xeon of BENCHMARKS.md's session 33, enough to hide a 10% change)."""
-    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
+    the engine does not (on the Xeon of BENCHMARKS.md's session 33, enough to hide a 10% change).
+    A tensor given twice (a float cache is its own block layout) is copied once."""
+    unique = list({id(t): t for t in tensors}.values())
+    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in unique]
     arena = lazy_zeros.zeros((max(sum(sizes), lazy_zeros.LAZY_MIN_BYTES),), torch.uint8, "cpu")
-    out, offset = [], 0
-    for t, size in zip(tensors, sizes):
+    copies, offset = {}, 0
+    for t, size in zip(unique, sizes):
         n = t.numel() * t.element_size()
-        out.append(arena[offset : offset + n].view(t.dtype).view(t.shape).copy_(t))
+        copies[id(t)] = arena[offset : offset + n].view(t.dtype).view(t.shape).copy_(t)
         offset += size
-    return out
+    return [copies[id(t)] for t in tensors]
 
 
 def block_table(order: str, batch: int, per_seq: int, gen: torch.Generator) -> torch.Tensor:

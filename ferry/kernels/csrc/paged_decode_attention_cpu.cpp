@@ -90,13 +90,12 @@ struct alignas(64) ChunkRun {
 
 // Cache lines to prefetch, issued a few at a time between pieces of arithmetic. A burst of a
 // partition's few hundred lines at once stalled the loads behind it until the core's miss buffers
-// drained, so memory waits added to the arithmetic instead of overlapping it. The AVX-512 kernels of
-// the float caches take `per_tick` lines at each step of their inner loops (tick: every 8 keys'
-// scores, every key's values), the other paths a share per block (issue). Per block, a task's share
-// still went out as a burst of ~130 lines (an fp32 cache); in ticks of ~7 lines the kernels ran 3-6%
-// (fp32) and 6-16% (bf16) faster at batch 1-64 (`cpu_attention_sweep.py --against`, the 2-vCPU Xeon,
-// BENCHMARKS.md, session 33). The int8 lanes tick only where claims are whole sequences (large
-// batches; see tick_steps): with chunks of partitions ticks measured 5-10% slower there. The hint is T2
+// drained, so memory waits added to the arithmetic instead of overlapping it. Some AVX-512 kernels
+// take `per_tick` lines at each step of their inner loops (tick; which ones and how many steps:
+// tick_steps in paged_decode_attention_impl), the other paths a share per block (issue). Per block, a
+// task's share still went out as a burst of ~130 lines (an fp32 cache); in ticks of ~7 lines the
+// kernels ran 3-6% (fp32) and 6-16% (bf16) faster at batch 1-64 (`cpu_attention_sweep.py --against`,
+// the 2-vCPU Xeon, BENCHMARKS.md, session 33). The hint is T2
 // (locality 1): on the Zen 5 VM it took a bf16 cache's batch-64 kernel 7-13% below T1's time (T0
 // and NTA were 1.5-1.8x slower, int8 and fp32 within noise of T1; `cpu_attention_sweep.py
 // --against`, BENCHMARKS.md's fifteenth part); Intel cores since Nehalem treat T1 and T2 alike.
