@@ -105,7 +105,11 @@ struct PrefetchQueue {
   int64_t off = 0, lines = 0, share = 0, per_tick = 0;
   void clear() { runs.clear(), run = 0, off = 0, lines = 0; }
   void add(const char* p, int64_t bytes) { runs.emplace_back(p, bytes), lines += (bytes + 63) / 64; }
-  void issue(int64_t n) {
+  // Always inlined: issue is called inside the kernels' inner loops, where a call (through the PLT,
+  // the function having default visibility) made GCC spill and reload every accumulator around it
+  // and clear the upper halves of the vector registers (vzeroupper): 12 zmm stores and loads per
+  // key pair of the int8 values loop.
+  __attribute__((always_inline)) void issue(int64_t n) {
     while (n > 0 && run < runs.size()) {
       const char* base = runs[run].first;
       const int64_t len = runs[run].second;
@@ -113,7 +117,7 @@ struct PrefetchQueue {
       if (off >= len) ++run, off = 0;
     }
   }
-  void tick() { issue(per_tick); }
+  __attribute__((always_inline)) void tick() { issue(per_tick); }
 };
 
 // The fp32 scales that follow n quantized rows of D values, `stride` bytes apart (a float store per
