@@ -53,9 +53,9 @@ void gguf_matmul_rows(const int8_t* qx, const float* dy, const float* sy, int64_
 }  // namespace ferry_cpu
 
 // paged_decode_attention_cpu.cpp
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  c10::optional<at::Tensor> tree, c10::optional<at::Tensor> skip);
+void paged_decode_attention_out(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                at::Tensor seq_lens, double scale, c10::optional<at::Tensor> tree,
+                                c10::optional<at::Tensor> skip, at::Tensor out);
 
 namespace {
 
@@ -445,6 +445,7 @@ class DecodeStep {
     auto h = at::empty({B, hidden_}, opts);
     auto qkv = at::empty({B, (H_ + 2 * KVH_) * D_}, opts);
     auto q = at::empty({B, H_, D_}, opts);
+    auto attn = at::empty({B, H_, D_}, opts);  // every layer's attention output, in turn
     auto o = at::empty({B, hidden_}, opts);
     auto gate_up = at::empty({B, 2 * inter_}, opts);
     auto act = at::empty({B, inter_}, opts);
@@ -480,9 +481,9 @@ class DecodeStep {
         store_token_rows(vc, sp[b], t + q_size + row, KVH_, D_, KvLayout::Values);
       }
       const int64_t view = layer_view.empty() ? -1 : layer_view[l];
-      auto attn = view < 0 ? paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt)
-                           : paged_decode_attention(q, kc, vc, view_tables[view], view_lens[view], scale_,
-                                                    c10::nullopt, view_skips[view]);
+      if (view < 0) paged_decode_attention_out(q, kc, vc, block_tables, seq_lens, scale_, tree, c10::nullopt, attn);
+      else paged_decode_attention_out(q, kc, vc, view_tables[view], view_lens[view], scale_, c10::nullopt,
+                                      view_skips[view], attn);
       run_linear(layer.o, attn.data_ptr<float>(), B, op, qa, layer.moe ? nullptr : &layer.gate_up);
       ferry_cpu::add_rms_norm_rows(op, rp, layer.post_norm.data_ptr<float>(), hp, B, hidden_, eps_);
       if (layer.moe) {

@@ -990,10 +990,24 @@ inline void merge_partitions(const float* m, const float* l, const float* acc, i
   }
 }
 
+// The partial results a split sequence's partitions leave for its merge (softmax max, sum of exps,
+// weighted values) and each (sequence, kv head)'s partitions still to finish, grown as needed and
+// never shrunk.
+struct SharedParts {
+  std::vector<float> m, l, acc;
+  std::unique_ptr<std::atomic<int32_t>[]> left;
+  int64_t left_size = 0;
+  void size(int64_t ml, int64_t a, int64_t counters) {
+    if (int64_t(m.size()) < ml) m.resize(ml), l.resize(ml);
+    if (int64_t(acc.size()) < a) acc.resize(a);
+    if (left_size < counters) left.reset(new std::atomic<int32_t>[counters]), left_size = counters;
+  }
+};
+
 template <typename CacheT>
-at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                       at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                       const int64_t* tree, const int64_t* skip) {
+void paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                 at::Tensor seq_lens, double scale, const int64_t* tree, const int64_t* skip,
+                                 at::Tensor out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t W = k_cache.size(3);  // row width: D, or D + 4 with a quantized row's scale
@@ -1001,7 +1015,6 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
   const int64_t MAXB = block_tables.size(1);
   auto bt = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const CacheT* kp = reinterpret_cast<const CacheT*>(k_cache.data_ptr());
   const CacheT* vp = reinterpret_cast<const CacheT*>(v_cache.data_ptr());
@@ -1114,12 +1127,16 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
     for_head_passes(G, [&](int64_t, auto) { tick_steps += BS / 16 * (D / 8) + BS / 2 * (D / 64); });
   }
 #endif
-  // Unnormalized partial results of the split sequences' tasks shared between threads: softmax max,
-  // sum of exps, weighted values; and each (sequence, kv head)'s partitions still to finish.
+  // The split sequences' partial results, shared between the threads (SharedParts): the calling
+  // thread's, kept from call to call. Allocated and zeroed per call they took ~1.5 us of a ~55 us
+  // batch-1 layer; every slot is written by its task before a merge reads it.
   const bool shared_parts = split && !by_sequence;
-  std::vector<float> part_m(shared_parts ? tasks * G : 0), part_l(shared_parts ? tasks * G : 0);
-  std::vector<float> part_acc(shared_parts ? tasks * G * D : 0);
-  std::vector<std::atomic<int32_t>> parts_left(shared_parts ? B * KVH : 0);
+  thread_local SharedParts shared;
+  if (shared_parts) shared.size(tasks * G, tasks * G * D, B * KVH);
+  float* const part_m = shared.m.data();
+  float* const part_l = shared.l.data();
+  float* const part_acc = shared.acc.data();
+  std::atomic<int32_t>* const parts_left = shared.left.get();
   for (int64_t b = 0; b < (shared_parts ? B : 0); ++b)
     for (int64_t h = 0; h < KVH; ++h) parts_left[b * KVH + h].store(int32_t((first[b + 1] - first[b]) / KVH));
   std::atomic<int64_t> next_claim{0};  // by_sequence: the next sequence
@@ -1429,9 +1446,9 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
         if (by_sequence && task == first[b])
           seq_m.resize(nparts * KVH * G), seq_l.resize(nparts * KVH * G), seq_acc.resize(nparts * KVH * G * D);
         const int64_t base = by_sequence ? 0 : first[b], local = task - first[b];
-        float* pm = (by_sequence ? seq_m : part_m).data() + base * G;
-        float* pl = (by_sequence ? seq_l : part_l).data() + base * G;
-        float* pa = (by_sequence ? seq_acc : part_acc).data() + base * G * D;
+        float* pm = (by_sequence ? seq_m.data() : part_m) + base * G;
+        float* pl = (by_sequence ? seq_l.data() : part_l) + base * G;
+        float* pa = (by_sequence ? seq_acc.data() : part_acc) + base * G * D;
         std::copy(m.begin(), m.end(), pm + local * G);
         std::copy(l.begin(), l.end(), pl + local * G);
         std::copy(acc.begin(), acc.end(), pa + local * G * D);
@@ -1450,13 +1467,16 @@ at::Tensor paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Ten
       }
     }
   });
-  return out;
 }
 
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                  c10::optional<at::Tensor> tree, c10::optional<at::Tensor> skip) {
+// paged_decode_attention into `out` (float32, contiguous, q's shape): the C++ decode step passes one
+// buffer for all its layers (at::empty_like took ~2-3 us of a batch-1 layer's ~55).
+void paged_decode_attention_out(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                at::Tensor seq_lens, double scale, c10::optional<at::Tensor> tree,
+                                c10::optional<at::Tensor> skip, at::Tensor out) {
   TORCH_CHECK(q.dtype() == at::kFloat, "q must be float32");
+  TORCH_CHECK(out.dtype() == at::kFloat && out.is_contiguous() && out.sizes() == q.sizes(),
+              "out must be a contiguous float32 tensor shaped like q");
   at::Tensor skip_rows;
   const int64_t* sp = nullptr;
   if (skip.has_value() && skip->defined()) {
@@ -1496,13 +1516,21 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   TORCH_CHECK(k_cache.size(3) == q.size(2) + (quantized ? 4 : 0), "cache rows must be head_dim wide (+4: a scale)");
   TORCH_CHECK(!quantized || k_cache.size(1) % 2 == 0, "a quantized cache's block size must be even (kv_layout.h)");
   if (dt == at::ScalarType::Float)
-    return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
+    return paged_decode_attention_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp, out);
   if (dt == at::ScalarType::BFloat16)
-    return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
+    return paged_decode_attention_impl<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp, out);
   if (dt == at::ScalarType::Char)
-    return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
+    return paged_decode_attention_impl<int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp, out);
   TORCH_CHECK(dt == at::ScalarType::Float8_e4m3fn, "the cache must be float32, bfloat16, int8 or float8_e4m3fn");
-  return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp);
+  return paged_decode_attention_impl<Fp8E4M3>(q, k_cache, v_cache, block_tables, seq_lens, scale, tp, sp, out);
+}
+
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens, double scale,
+                                  c10::optional<at::Tensor> tree, c10::optional<at::Tensor> skip) {
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  paged_decode_attention_out(q, k_cache, v_cache, block_tables, seq_lens, scale, tree, skip, out);
+  return out;
 }
 
 // The vector path this build takes, for tests whose bounds depend on it: "avx512" (grouped heads; an
