@@ -172,6 +172,31 @@ def test_large_batch_merges_each_sequence_in_its_thread(kernels, cache_dtype):
             torch.testing.assert_close(got[i], dense(q[i], k, v, table[i], n), rtol=1e-5, atol=1e-5)
 
 
+def test_partials_beyond_the_kept_buffers(kernels):
+    """A split sequence's partitions leave their partials in the calling thread's buffers, kept from
+    call to call up to 1 MB and released after a call that needed more (a sequence of 30,000 tokens
+    with SmolLM2's heads needs ~1.1 MB): calls before, between and after such calls, on buffers
+    kept, released and grown again, give the same results, and the long one matches dense attention."""
+    gen = torch.Generator().manual_seed(8)
+    bs, kvh, heads, d = 16, 3, 9, 64
+    long, short = 30_000, 300
+    nb = -(-long // bs) + -(-short // bs)
+    k_cache, v_cache = torch.randn(nb, bs, kvh, d, generator=gen), torch.randn(nb, bs, kvh, d, generator=gen)
+    order = torch.randperm(nb, generator=gen)
+    table_long = order[: -(-long // bs)].view(1, -1)
+    table_short = order[-(-long // bs) :].view(1, -1)
+    q = torch.randn(1, heads, d, generator=gen) * 3
+
+    def attend(table, n):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor([n]), d**-0.5)
+
+    short_first, long_first = attend(table_short, short), attend(table_long, long)
+    assert torch.equal(attend(table_short, short), short_first)
+    assert torch.equal(attend(table_long, long), long_first)
+    torch.testing.assert_close(long_first[0], dense(q[0], k_cache, v_cache, table_long[0], long), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(short_first[0], dense(q[0], k_cache, v_cache, table_short[0], short), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_split_sequences_are_the_same_on_any_number_of_threads(kernels, cache_dtype):
     """A few long sequences are split into partitions that the threads claim from runs of their own,

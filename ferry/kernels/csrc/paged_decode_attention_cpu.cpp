@@ -991,9 +991,11 @@ inline void merge_partitions(const float* m, const float* l, const float* acc, i
 }
 
 // The partial results a split sequence's partitions leave for its merge (softmax max, sum of exps,
-// weighted values) and each (sequence, kv head)'s partitions still to finish, grown as needed and
-// never shrunk.
+// weighted values) and each (sequence, kv head)'s partitions still to finish, grown as needed. Kept
+// up to kKeptFloats of partials (a few long sequences need far more: 4 of 128k tokens with 8 kv heads
+// of 4 x 128 took ~130 MB), released after a call that needed more.
 struct SharedParts {
+  static constexpr int64_t kKeptFloats = 1 << 18;  // 1 MB: SmolLM2 at batch 1 up to ~29k tokens
   std::vector<float> m, l, acc;
   std::unique_ptr<std::atomic<int32_t>[]> left;
   int64_t left_size = 0;
@@ -1001,6 +1003,9 @@ struct SharedParts {
     if (int64_t(m.size()) < ml) m.resize(ml), l.resize(ml);
     if (int64_t(acc.size()) < a) acc.resize(a);
     if (left_size < counters) left.reset(new std::atomic<int32_t>[counters]), left_size = counters;
+  }
+  void trim() {
+    if (int64_t(acc.size()) > kKeptFloats) *this = SharedParts();
   }
 };
 
@@ -1467,6 +1472,7 @@ void paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_
       }
     }
   });
+  shared.trim();
 }
 
 // paged_decode_attention into `out` (float32, contiguous, q's shape): the C++ decode step passes one
