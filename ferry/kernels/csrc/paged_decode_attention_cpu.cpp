@@ -997,12 +997,11 @@ inline void merge_partitions(const float* m, const float* l, const float* acc, i
 struct SharedParts {
   static constexpr int64_t kKeptFloats = 1 << 18;  // 1 MB: SmolLM2 at batch 1 up to ~29k tokens
   std::vector<float> m, l, acc;
-  std::unique_ptr<std::atomic<int32_t>[]> left;
-  int64_t left_size = 0;
+  std::vector<std::atomic<int32_t>> left;  // (atomics do not move: a larger one is built anew)
   void size(int64_t ml, int64_t a, int64_t counters) {
     if (int64_t(m.size()) < ml) m.resize(ml), l.resize(ml);
     if (int64_t(acc.size()) < a) acc.resize(a);
-    if (left_size < counters) left.reset(new std::atomic<int32_t>[counters]), left_size = counters;
+    if (int64_t(left.size()) < counters) left = std::vector<std::atomic<int32_t>>(counters);
   }
   void trim() {
     if (int64_t(acc.size()) > kKeptFloats) *this = SharedParts();
@@ -1141,7 +1140,7 @@ void paged_decode_attention_impl(at::Tensor q, at::Tensor k_cache, at::Tensor v_
   float* const part_m = shared.m.data();
   float* const part_l = shared.l.data();
   float* const part_acc = shared.acc.data();
-  std::atomic<int32_t>* const parts_left = shared.left.get();
+  std::atomic<int32_t>* const parts_left = shared.left.data();
   for (int64_t b = 0; b < (shared_parts ? B : 0); ++b)
     for (int64_t h = 0; h < KVH; ++h) parts_left[b * KVH + h].store(int32_t((first[b + 1] - first[b]) / KVH));
   std::atomic<int64_t> next_claim{0};  // by_sequence: the next sequence
