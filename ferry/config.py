@@ -119,7 +119,9 @@ class EngineArgs:
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank} of nnodes {self.nnodes}")
+            raise ValueError(
+                f"node_rank must be in [0, nnodes), got node_rank {self.node_rank} of nnodes {self.nnodes}"
+            )
         if self.nnodes > 1:
             if self.world_size % self.nnodes:
                 raise ValueError(f"{self.world_size} ranks (tensor x pipeline parallel) do not split evenly over "

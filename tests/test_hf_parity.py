@@ -421,8 +421,9 @@ def test_local_global_window_mix_runs_past_the_window(tmp_path):
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 21)]
     expected = [hf_greedy(hf, ids, 12) for ids in prompts]
     for backend in ("torch", "triton"):
-        engine = _tiny_engine(loaded, attention_backend=backend, block_size=4, num_kv_blocks=128,
-                              max_num_batched_tokens=16)
+        engine = _tiny_engine(
+            loaded, attention_backend=backend, block_size=4, num_kv_blocks=128, max_num_batched_tokens=16
+        )
         assert engine.max_model_len == 512 and engine.kv.sliding_window is None
         assert ferry_greedy(engine, prompts, 12) == expected
 

@@ -47,7 +47,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default=None, choices=["gguf"],
-                   help="gguf: every projection and expert as random Q4_0 blocks (the CPU kernels), in both models")  # fmt: skip
+                   help="gguf: every projection and expert as random Q4_0 blocks (the CPU kernels), "
+                        "in both models")  # fmt: skip
     p.add_argument("--bench-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results to this file")
 

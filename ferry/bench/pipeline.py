@@ -76,7 +76,8 @@ def main(args: argparse.Namespace) -> int:
     device = device_name(resolve_device(base.device))
     print(f"{args.num_requests} requests x ({args.input_len} in, {args.output_len} out), {device}")
     results = {}
-    for name, eargs, micro in (("one process (layer by layer)", one, None), (f"{args.stages} stages, overlapped", split, None),
+    for name, eargs, micro in (("one process (layer by layer)", one, None),
+                               (f"{args.stages} stages, overlapped", split, None),
                                (f"{args.stages} stages, taking turns", split, 1)):  # fmt: skip
         r = _run(eargs, prompts, args.output_len, micro)
         results[name] = r

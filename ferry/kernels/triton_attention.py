@@ -183,7 +183,10 @@ def _scales(cache: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
 ) -> None:
     """k, v: [T, KVH, D]; caches [num_blocks, block_size, KVH, D] (D + 4 when quantized: each row's

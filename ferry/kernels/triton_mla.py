@@ -168,7 +168,8 @@ def paged_latent_decode(
     quant = _quant(cache)
     _latent_decode_kernel[(B, head_blocks(H), num_splits)](
         q, cache, _scales(cache), block_tables, seq_lens, out, part_out, part_lse, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), cache.stride(0), cache.stride(1),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        cache.stride(0), cache.stride(1),
         NUM_HEADS=H, BLOCK_H=HEADS_PER_PROGRAM, RANK=rank, RANK_PAD=rank_pad, ROPE=rope, ROPE_PAD=rope_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION=_precision(q.dtype if quant else cache.dtype), DOT_F32=_INTERPRETED, QUANT=quant,

@@ -210,8 +210,9 @@ class FusedMoE(nn.Module):
             if part == "down":  # input columns split under TP (whole blocks: checked by plan_gguf)
                 self.gguf2[e] = one if n == 1 else one.columns(rank * inter, (rank + 1) * inter)
             else:
-                self.gguf13[e][0 if part == "gate" else 1] = one if n == 1 else one.rows(slice(rank * inter,
-                                                                                               (rank + 1) * inter))
+                self.gguf13[e][0 if part == "gate" else 1] = (
+                    one if n == 1 else one.rows(slice(rank * inter, (rank + 1) * inter))
+                )
 
     def pack(self) -> None:
         """oneDNN-packed fp32 copies of every expert's matrices (CPU), as Linear.pack does for dense ones;

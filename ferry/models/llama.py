@@ -759,7 +759,7 @@ class LlamaForCausalLM(nn.Module):
         m = _LAYER_PREFIX.match(name)
         if m is None:
             return name
-        return f"layers.{int(m[1]) - self.first_layer}.{name[m.end():]}"
+        return f"layers.{int(m[1]) - self.first_layer}.{name[m.end() :]}"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; every parameter must be set.

@@ -392,8 +392,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
         num_attention_heads=int(heads),
         num_key_value_heads=int(heads if mla else meta("attention.head_count_kv", heads)),
         # MLA: the rotary key's width (the one per-head size of its cache)
-        head_dim=int(meta("rope.dimension_count") if mla else
-                     meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads),  # fmt: skip
+        head_dim=int(
+            meta("rope.dimension_count")
+            if mla
+            else meta("attention.key_length") or meta("rope.dimension_count") or hidden // heads
+        ),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
@@ -408,8 +411,11 @@ def _gguf_config(reader: Any) -> ModelConfig:
         dtype="float32",
         **_gguf_moe_fields(hf_arch, meta, int(need("block_count")), tensor_names),
         **mla,
-        **(_gguf_gemma_fields(arch, meta, int(hidden), int(heads), int(need("block_count"))) if arch in _GGUF_GEMMA
-           else {}),  # fmt: skip
+        **(
+            _gguf_gemma_fields(arch, meta, int(hidden), int(heads), int(need("block_count")))
+            if arch in _GGUF_GEMMA
+            else {}
+        ),
     )
 
 

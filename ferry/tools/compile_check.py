@@ -9,8 +9,8 @@ launches for a model, with the shapes and constants the engine would use, down t
 
 How: Triton asks its active driver for the target; a stand-in driver answers with the
 chosen architecture, and launches become warm-ups (compile, never run) for the duration.
-The wrappers in ferry.kernels (triton_attention, triton_fused, triton_moe, triton_gguf, triton_int8) are called as the engine
-calls them, on CPU tensors of the right dtypes and shapes, so the compiled
+The wrappers in ferry.kernels (triton_attention, triton_fused, triton_moe, triton_gguf, triton_int8)
+are called as the engine calls them, on CPU tensors of the right dtypes and shapes, so the compiled
 specialisations are the ones a GPU run would build.
 
     python -m ferry.tools.compile_check --model llama-3.1-8b --dtype bfloat16 [--arch 90]
@@ -252,7 +252,8 @@ def engine_kernels(
                torch.zeros(T, dtype=torch.int64))  # fmt: skip
         for splits in _graph_split_counts(triton_mla.head_blocks(heads), max_num_seqs, num_sms):
             launch(f"latent decode splits={splits}", triton_mla.paged_latent_decode,
-                   torch.empty(B, heads, width, dtype=dt), cache, tables, seq_lens, 0.1, cfg.kv_lora_rank, splits)  # fmt: skip
+                   torch.empty(B, heads, width, dtype=dt), cache, tables, seq_lens, 0.1, cfg.kv_lora_rank,
+                   splits)  # fmt: skip
         # prefill: the chunks' contexts expanded per head (V padded to K's width), through the varlen kernel
         qk = cfg.qk_nope_head_dim + cfg.head_dim
         expanded = torch.empty(4, block_size, heads, qk, dtype=dt)
@@ -265,7 +266,7 @@ def engine_kernels(
     # soft cap (Gemma 2). Window and cap are compile-time constants of the kernels.
     kinds = {(cfg.layer_window(i), cfg.attn_logit_softcapping) for i in range(cfg.num_hidden_layers)}
     kinds = set() if cfg.is_mla else kinds
-    for window, softcap in sorted(kinds, key=lambda wc: (wc[0] or 0)):
+    for window, softcap in sorted(kinds, key=lambda wc: wc[0] or 0):
         tag = (f" window={window}" if window else "") + (f" cap={softcap:g}" if softcap else "")
         for splits in _graph_split_counts(kvh, max_num_seqs, num_sms):
             launch(f"decode splits={splits}{tag}", attn.paged_decode, q[:B], k_cache, v_cache, tables, seq_lens, 0.1,

@@ -5,14 +5,15 @@ first layers are dense, Qwen's `mlp_only_layers` too), and stage 0 also runs the
 output head (rank 0 samples), which for a small model with a large vocabulary is worth several
 layers (SmolLM2's head has as many parameters as eight of its layers). So the partition is not by
 count: one layer of each kind and the head are built with random weights on the device, timed on a
-step of `PROBE_TOKENS` tokens (the head over as many rows, as in a decode step), and the layers split into contiguous runs that minimise the
-slowest stage (stage 0 charged the head). `FERRY_PP_LAYER_PARTITION="10,14"` (layers per stage, as
-vLLM's VLLM_PP_LAYER_PARTITION) overrides it.
+step of `PROBE_TOKENS` tokens (the head over as many rows, as in a decode step), and the layers split
+into contiguous runs that minimise the slowest stage (stage 0 charged the head).
+`FERRY_PP_LAYER_PARTITION="10,14"` (layers per stage, as vLLM's VLLM_PP_LAYER_PARTITION) overrides it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -143,7 +144,7 @@ def measure_layer_costs(cfg: ModelConfig, device: torch.device, dtype: torch.dty
         shape = (T, 1, layer.self_attn.num_kv_heads, row_width(cfg.kv_cache_width, dtype))
         cache = torch.zeros(shape, dtype=dtype, device=device)
         kv = (cache, cache if cfg.is_mla else torch.zeros_like(cache))
-        by_kind[kind] = _best_time(lambda: layer(x, None, positions, kv, meta), device)
+        by_kind[kind] = _best_time(functools.partial(layer, x, None, positions, kv, meta), device)
         del layer, kv, cache
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=device).to(dtype)
     if should_pack(device, dtype) and cpu_kernels_enabled():  # as LlamaForCausalLM.pack_linear_weights does

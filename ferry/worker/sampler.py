@@ -65,7 +65,6 @@ def _logit_bias_tensors(request: Request, device: torch.device) -> tuple[torch.T
     return cached
 
 
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value (the first of equals; a NaN counts as largest), int64.
     On the CPU through numpy: torch's CPU argmax took ~70 us for one 49k-wide float32 row (1% of a
@@ -73,6 +72,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
         return torch.from_numpy(np.argmax(x.detach().contiguous().numpy(), axis=-1).astype(np.int64, copy=False))
     return x.argmax(dim=-1)
+
 
 @dataclass
 class SamplerOutput:

@@ -194,7 +194,9 @@ def test_partials_beyond_the_kept_buffers(kernels):
     assert torch.equal(attend(table_short, short), short_first)
     assert torch.equal(attend(table_long, long), long_first)
     torch.testing.assert_close(long_first[0], dense(q[0], k_cache, v_cache, table_long[0], long), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(short_first[0], dense(q[0], k_cache, v_cache, table_short[0], short), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        short_first[0], dense(q[0], k_cache, v_cache, table_short[0], short), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])

@@ -71,7 +71,8 @@ def tiny_gguf_moe_model(**overrides) -> LlamaForCausalLM:
             experts.load_gguf("down", e, _gguf(w2[e], "Q8_0"))
         experts.pack()
         if mlp.shared_expert is not None:
-            for linear, kind in ((mlp.shared_expert.gate_up_proj, "gate_up_proj"), (mlp.shared_expert.down_proj, "down_proj")):
+            shared = mlp.shared_expert
+            for linear, kind in ((shared.gate_up_proj, "gate_up_proj"), (shared.down_proj, "down_proj")):
                 parts = [_gguf(linear.weight, TYPES[kind])]
                 linear.drop_weight()
                 linear.set_gguf(parts)
@@ -192,8 +193,13 @@ def test_cpu_decode_step_is_the_same_on_any_number_of_threads(threads):
     "overrides",
     [
         {"architecture": "Qwen3MoeForCausalLM", "qk_norm": True, "moe_layers": (0, 1)},
-        {"architecture": "Qwen2MoeForCausalLM", "attention_bias": True, "moe_layers": (1,), "norm_topk_prob": False,
-         "shared_expert_intermediate_size": 96},
+        {
+            "architecture": "Qwen2MoeForCausalLM",
+            "attention_bias": True,
+            "moe_layers": (1,),
+            "norm_topk_prob": False,
+            "shared_expert_intermediate_size": 96,
+        },
         {"architecture": "MixtralForCausalLM", "moe_layers": (0, 1), "routed_scaling_factor": 1.5},
     ],  # fmt: skip
     ids=["qwen3-moe", "qwen2-moe-shared-dense-mix", "mixtral-scaled"],

@@ -50,8 +50,9 @@ def test_every_value_type_and_an_alignment(tmp_path):
     w.add_array("empty", [])
     w.add_tensor("f32", np.arange(12, dtype=np.float32).reshape(3, 4))
     w.add_tensor("f16", np.ones((2, 5), dtype=np.float16))
-    w.add_tensor("q8", gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32),
-                                            gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    q8 = gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32),
+                              gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    w.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from test_hf_parity import ferry_greedy
 
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
@@ -19,8 +20,6 @@ from ferry.worker.pipeline_partition import (
     measure_layer_costs,
     partition_from_counts,
 )
-from test_hf_parity import ferry_greedy
-
 from tests.conftest import assert_no_blocks_referenced, run_to_completion
 from tests.worker.test_tensor_parallel import (  # noqa: F401  (fixtures)
     CONFIG,
@@ -77,13 +76,13 @@ def test_tp2_pp2_matches_pp1_greedy(checkpoint):
     assert seen["max_in_flight"] == 2 and sum(b - a for a, b in seen["ranges"]) == 4
 
 
-def test_moe_pp2_matches_pp1_greedy(moe_checkpoint):
+def test_moe_pp2_matches_pp1_greedy(moe_checkpoint):  # noqa: F811 (the imported fixture)
     ref, _ = generate(moe_checkpoint, prompts=PROMPTS)
     got, seen = generate(moe_checkpoint, pp=2, prompts=PROMPTS)
     assert got == ref and seen["ranges"] == [(0, 1), (1, 2)]
 
 
-def test_mla_pp2_matches_pp1_greedy(mla_checkpoint):
+def test_mla_pp2_matches_pp1_greedy(mla_checkpoint):  # noqa: F811 (the imported fixture)
     """DeepSeek-V2: latent attention; stage 0 holds the dense layer 0, stage 1 the MoE layer 1."""
     ref, _ = generate(mla_checkpoint, prompts=PROMPTS)
     got, _ = generate(mla_checkpoint, pp=2, prompts=PROMPTS)
