@@ -161,6 +161,13 @@ def test_a_tool_conversation_renders_and_bad_tool_messages_are_400(client, serve
     ok = {"model": "smol", "messages": ASK, "max_tokens": 2, "functions": None, "user": "u1", "store": False,
           "metadata": {"k": "v"}, "stream_options": None, "service_tier": "auto"}  # fmt: skip
     assert httpx.post(server.url + "/v1/chat/completions", json=ok, timeout=60).status_code == 200
+    # Arguments nested deeper than Python's JSON parser goes (a RecursionError, not a ValueError, once a
+    # 500) are text the template takes as it is, like any arguments that are not a JSON object.
+    deep = {**call, "function": {"name": "get_weather", "arguments": "[" * 100_000}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [deep]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
+    r = httpx.post(server.url + "/tokenize", json={"model": "smol", "messages": messages}, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
 
 
 def test_an_agent_library_runs_a_tool_loop(server):

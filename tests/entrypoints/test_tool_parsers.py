@@ -13,6 +13,7 @@ from ferry.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from ferry.entrypoints.openai.reasoning import ReasoningStream, reasoning_open_in_prompt, split_reasoning
 from ferry.entrypoints.openai.tool_choice import RequiredCallsParser, tool_plan
 from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedCall, ToolCallStream
+from ferry.entrypoints.openai.tool_parsers.base import json_or_none, parsed_call
 
 WEATHER = ParsedCall("get_weather", json.dumps({"city": "Paris"}))
 TIME = ParsedCall("get_time", json.dumps({"tz": "CET", "24h": True}))
@@ -70,6 +71,22 @@ def test_parsers_find_calls_whole_and_streamed(name, output, content, calls):
         got_content, got_calls = streamed(parser, pieces)
         assert got_calls == calls, pieces
         assert got_content == (content or ""), pieces
+
+
+def test_calls_nested_deeper_than_the_json_parser_goes_are_text():
+    """A model can be steered (a regex grammar, a logit bias) into writing ~1000 brackets where a call
+    goes: Python's parser raises RecursionError on them, which must read as "no call", not a 500."""
+    deep = "[" * 5000
+    outputs = {"hermes": f"<tool_call>{deep}</tool_call> <tool_call>{deep}", "llama3_json": deep,
+               "mistral": "[TOOL_CALLS]" + deep}  # fmt: skip
+    for name, output in outputs.items():
+        parser = TOOL_PARSERS[name]()
+        assert parser.extract(output) == (output, []), name
+        for pieces in ([output], [output[:2500], output[2500:]]):
+            assert streamed(parser, pieces) == (output, []), name
+    assert parsed_call({"name": "f", "arguments": deep}) is None
+    assert parsed_call({"name": "f", "arguments": json.loads("[" * 900 + "]" * 900)}) is None  # not an object
+    assert json_or_none(deep) is None and json_or_none('{"a": 1}') == {"a": 1}
 
 
 def test_streamed_content_goes_out_before_the_calls_and_holds_back_a_starting_tag():

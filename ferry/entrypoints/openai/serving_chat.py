@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,15 +42,13 @@ from ferry.entrypoints.openai.serving import (
     usage,
 )
 from ferry.entrypoints.openai.tool_choice import tool_plan
+from ferry.entrypoints.openai.tool_parsers.base import json_or_none
 from ferry.outputs import CompletionOutput
 
 
 def _arguments(text: str) -> Any:
     """A call's arguments as chat templates expect them: the object (its JSON text if it is none)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text
+    value = json_or_none(text)
     return value if isinstance(value, dict) else text
 
 

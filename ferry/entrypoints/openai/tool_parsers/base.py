@@ -19,19 +19,29 @@ class ParsedCall:
     arguments: str  # JSON text of an object
 
 
+def json_or_none(text: str) -> Any:
+    """`text` decoded, or None where it is not JSON: malformed, or nested deeper than Python's
+    parser goes (a RecursionError, not a ValueError: a model can be steered into writing ~1000
+    brackets, and a client can send them as a call's arguments)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
 def parsed_call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
     """A call from a decoded JSON object {"name": ..., "arguments" | "parameters": {...}}, or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):  # some models write the arguments as JSON text
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
+        args = json_or_none(args)
     if not isinstance(args, dict):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    except RecursionError:  # decoded a few frames up the stack, at the parser's limit
+        return None
 
 
 _decoder = json.JSONDecoder()
@@ -48,7 +58,7 @@ def json_values(text: str, pos: int, separators: str = ",;") -> tuple[list[Any],
             return values, pos
         try:
             value, end = _decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # too deep: not a value a call is made of
             return values, pos
         values.append(value)
         pos = end

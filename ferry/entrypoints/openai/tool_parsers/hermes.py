@@ -3,10 +3,9 @@ write each call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.""
 
 from __future__ import annotations
 
-import json
 import re
 
-from ferry.entrypoints.openai.tool_parsers.base import ParsedCall, ToolParser, parsed_call
+from ferry.entrypoints.openai.tool_parsers.base import ParsedCall, ToolParser, json_or_none, parsed_call
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -34,7 +33,4 @@ class HermesToolParser(ToolParser):
 
 
 def _call(body: str) -> ParsedCall | None:
-    try:
-        return parsed_call(json.loads(body))
-    except json.JSONDecodeError:
-        return None
+    return parsed_call(json_or_none(body))
