@@ -199,7 +199,7 @@ class Admission:
         cache = self.result_cache
         if cache is not None and request.headers.get(CACHE_HEADER, "").lower() != "skip" and is_deterministic(data):
             ctx.cache_key = cache_key(path, data, key_name)
-            hit = cache.get(ctx.cache_key)
+            hit = cache.get(ctx.cache_key) if ctx.cache_key is not None else None
             if hit is not None:
                 refused = self._charge_hit(key_name, limits, hit.usage)
                 if refused is not None:

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
@@ -258,6 +259,16 @@ class Gateway:
                 await self.stop()
 
         app = FastAPI(title="ferry gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+        @app.exception_handler(Exception)
+        async def _internal_error(request: Request, exc: Exception) -> Response:
+            """A bug answers an OpenAI-style 500, as ferry serve's does, not Starlette's plain text; the
+            exception stays in the log under the id the client is told (its text may name a worker or
+            another request's data)."""
+            error_id = uuid.uuid4().hex[:12]
+            logger.error("internal error %s", error_id, exc_info=exc)
+            return error_response(500, f"internal server error (id {error_id} in the gateway log)",
+                                  "internal_server_error")  # fmt: skip
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

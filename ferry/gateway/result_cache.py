@@ -13,10 +13,11 @@ bypasses it (no lookup, no store).
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import msgspec
 
 
 @dataclass
@@ -36,11 +37,16 @@ def is_deterministic(data: dict) -> bool:
     return isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
 
 
-def cache_key(path: str, data: dict, key_name: str) -> str:
+def cache_key(path: str, data: dict, key_name: str) -> str | None:
     """Per API key: one tenant's responses are never replayed to another (nor is their existence
-    revealed by a hit's speed)."""
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(f"{key_name}\n{path}\n{canonical}".encode()).hexdigest()
+    revealed by a hit's speed). None: the body cannot be written out again and is not cached. A body
+    the decoder took near its depth limit (~1000 levels, counted on the Python stack) can be too deep
+    to encode from the handler's deeper stack: json.dumps' RecursionError there was a 500."""
+    try:
+        canonical = msgspec.json.encode(data, order="sorted")
+    except (RecursionError, TypeError, ValueError):
+        return None
+    return hashlib.sha256(f"{key_name}\n{path}\n".encode() + canonical).hexdigest()
 
 
 class ResultCache:

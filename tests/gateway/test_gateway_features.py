@@ -2,6 +2,7 @@
 
 import json
 
+import msgspec
 import pytest
 
 from ferry.gateway.auth import ApiKeys, KeyLimits
@@ -83,6 +84,13 @@ def test_result_cache_only_deterministic_lru_bytes_and_ttl():
     assert cache_key("/v1/completions", {"a": 1, "b": 2}, "k") == cache_key("/v1/completions", {"b": 2, "a": 1}, "k")
     assert cache_key("/v1/completions", {"a": 1}, "k") != cache_key("/v1/chat/completions", {"a": 1}, "k")
     assert cache_key("/v1/completions", {"a": 1}, "k") != cache_key("/v1/completions", {"a": 1}, "other-key")
+    # A body too deep to write out again (the gateway's stack is deeper than the decoder's was) is not
+    # cached: no key, where a RecursionError was a 500.
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    assert cache_key("/v1/completions", {"metadata": deep, "temperature": 0}, "k") is None
+    assert cache_key("/v1/completions", {"metadata": msgspec.json.decode(b"[" * 50 + b"]" * 50)}, "k") is not None
     clock = Clock()
     cache = ResultCache(max_entries=2, max_bytes=10, ttl=5, clock=clock)
     assert cache.put("a", 200, {}, b"1234", "w0") and cache.put("b", 200, {}, b"5678", "w0")
