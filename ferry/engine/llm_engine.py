@@ -119,7 +119,10 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field, changing nothing."""
-        in_use = self.output_processor.requests.keys() | self.scheduler.requests.keys()
+        # A finished child of a request still running (x#0 of x) keeps its id until x ends: a new
+        # request with that id would take over its place in the output processor.
+        in_use = self.output_processor.requests.keys() | self.output_processor.seq_to_request.keys()
+        in_use |= self.scheduler.requests.keys()
         req = self.input_processor.process(
             request_id, prompt, params or SamplingParams(), priority=priority, arrival_time=arrival_time, in_use=in_use
         )

@@ -171,6 +171,27 @@ def test_request_id_collisions_are_rejected_without_side_effects(engine):
     assert_no_blocks_referenced(engine)
 
 
+def test_a_finished_childs_id_stays_taken_until_its_request_ends(engine):
+    """x#0 done while x#1 runs: a new request named "x#0" would have taken x#0's place in the output
+    processor (aborting x then aborted it, and its output never came)."""
+    stops = list(range(0, 49152, 3))  # a third of the vocabulary ends a sequence: the two end apart
+    for seed in range(40):
+        engine.add_request("x", PROMPT, SamplingParams(temperature=1.0, max_tokens=30, n=2, seed=seed,
+                                                       stop_token_ids=stops))  # fmt: skip
+        while engine.has_unfinished_requests() and {"x#0", "x#1"} <= engine.scheduler.requests.keys():
+            engine.step()
+        if engine.scheduler.requests.keys() == {"x#1"}:
+            break
+        run_to_completion(engine)
+    else:
+        pytest.fail("no seed in 40 finished x#0 before x#1")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("x#0", PROMPT, SamplingParams(max_tokens=2))
+    engine.abort_request("x")
+    assert not engine.has_unfinished_requests() and not engine.output_processor.seq_to_request
+    assert_no_blocks_referenced(engine)
+
+
 def test_bf16_kv_cache_decodes_like_fp32(make_engine, greedy_ref):
     """--kv-cache-dtype bfloat16: the cache is stored in bf16, read by the C++ decode kernel, and
     the 24 greedy tokens are the fp32 cache's (measured; a near-tie could one day flip one)."""
