@@ -191,7 +191,12 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, layout
     if not is_quantized(cache.dtype):
         cache.view(-1, kvh, w).index_copy_(0, slots, x.to(cache.dtype))
         return
-    packed = quantize_rows(x, cache.dtype).view(torch.uint8)  # [T, KVH, W]
+    _put_rows(cache, slots, quantize_rows(x, cache.dtype).view(torch.uint8), layout)
+
+
+def _put_rows(cache: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor, layout: str) -> None:
+    """Packed rows [T, KVH, W] (uint8: values, then the scale) into a quantized cache's `slots`."""
+    nb, bs, kvh, w = cache.shape
     if layout == ROWS:
         cache.view(torch.uint8).view(-1, kvh, w).index_copy_(0, slots, packed)
         return
@@ -204,6 +209,18 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, layout
     else:
         values[block, :, pos // 2, :, pos % 2] = packed[..., :d]
     scales[block, :, pos] = packed[..., d:].contiguous().view(torch.float32).view(len(slots), kvh)
+
+
+def copy_slots(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, layout: str) -> None:
+    """Slot src[i]'s K or V rows (every head) to slot dst[i], as stored: a quantized row moves with its
+    scale, nothing requantized (tree verification moving the drafts it kept). A quantized cache's
+    slots are not rows of its tensor (the block layout above): a copy of cache.view(-1, KVH, W)'s rows
+    moved pieces of several tokens' values and scales."""
+    if not is_quantized(cache.dtype) or layout == ROWS:
+        flat = as_bytes(cache).flatten(0, 1)  # [slots, KVH, W]
+        flat.index_copy_(0, dst, flat.index_select(0, src))
+        return
+    _put_rows(cache, dst, rows_at(cache, src, layout).view(torch.uint8), layout)
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

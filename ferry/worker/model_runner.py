@@ -21,6 +21,7 @@ from ferry.core.request import Request
 from ferry.core.scheduler import SchedulerOutput
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
 from ferry.distributed.pipeline_channel import PipelineChannel
+from ferry.kv_quant import KEYS, ROWS, VALUES, copy_slots
 from ferry.layers.attention import AttentionBackend, build_metadata
 from ferry.layers.moe import triton_moe_available
 from ferry.models.llama import LlamaForCausalLM
@@ -347,9 +348,11 @@ class ModelRunner:
         src_t = torch.tensor(src, device=self.device)
         dst_t = torch.tensor(dst, device=self.device)
         for k_cache, v_cache in self.kv_caches:
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[dst_t] = flat.index_select(0, src_t)
+            if k_cache is v_cache:  # MLA's latent cache, read as both
+                copy_slots(k_cache, src_t, dst_t, ROWS)
+            else:
+                copy_slots(k_cache, src_t, dst_t, KEYS)
+                copy_slots(v_cache, src_t, dst_t, VALUES)
 
     def execute(self, sched: SchedulerOutput, record: StepRecord) -> tuple[list[Request], VerifiedOutput | None]:
         """Run one step (rank 0): plan -> forward (every rank) -> sample (and verify drafts);

@@ -11,11 +11,13 @@ import json
 
 import pytest
 import torch
-from conftest import assert_no_blocks_referenced, engine_over
+from conftest import assert_no_blocks_referenced, engine_over, run_to_completion, tiny_llama
 from safetensors.torch import save_file
 from test_spec_decode_engine import seeded_outputs, spec_prompts
 from test_spec_draft_model import generate  # stops at 40 tokens, before a near tie
 
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.gguf_linear import GEMM_MIN_ROWS, exact_prompt_rows
 from ferry.sampling_params import SamplingParams
 from ferry.tools.train_draft import IGNORE, generate_with_hidden, head_accuracy, train, training_pairs
@@ -237,3 +239,39 @@ def test_train_draft_command_rejects_bad_arguments(tmp_path, capsys):
     assert "--num-prompts must be in [1, 400]" in capsys.readouterr().err
     assert main(["train-draft", "--output", str(tmp_path), "--eval-fraction", "1"]) == 2
     assert not any(tmp_path.iterdir())  # nothing loaded, nothing written
+
+
+@pytest.mark.parametrize("case", ["int8", "fp8", "window-4", "window-2"])
+def test_trees_on_quantized_caches_and_sliding_windows_are_token_exact(case, tmp_path, monkeypatch):
+    """A tiny random model and random heads (a tree's off-chain paths often kept): greedy tokens with a
+    tree are the tokens without speculation. int8 / fp8: a kept path's K/V moved within a quantized
+    cache's block layout (its slots are not rows of the tensor). window-N: every layer windowed, the
+    window counted from a node's position (its depth), not its slot, keys and ancestors alike."""
+    kv_dtype = case if not case.startswith("window") else "auto"
+    window = int(case.split("-")[1]) if case.startswith("window") else None
+    model = tiny_llama(sliding_window=window)
+    torch.manual_seed(3)
+    MedusaHeads(model.config.hidden_size, model.config.vocab_size, 3, 1).save(tmp_path)
+    config = json.loads(medusa(tmp_path))
+    config["speculative_token_tree"] = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 13, (6,), generator=g)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs, moved = {}, []
+    for spec in (None, json.dumps(config)):
+        args = EngineArgs(model="tiny", device="cpu", dtype="float32", block_size=4, num_kv_blocks=128,
+                          attention_backend="torch", kv_cache_dtype=kv_dtype, speculative_config=spec)  # fmt: skip
+        engine = LLMEngine(args, model=model, tokenizer=None, device=torch.device("cpu"), dtype=torch.float32)
+        if spec is not None:
+            runner = engine.core.runner
+            original = runner._move_kept_drafts
+            monkeypatch.setattr(runner, "_move_kept_drafts",
+                                lambda s, r, kept, f=original: (moved.append(kept), f(s, r, kept)))  # fmt: skip
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, greedy)
+        done = run_to_completion(engine)
+        outputs[spec is not None] = [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+        assert_no_blocks_referenced(engine)
+    off_chain = [nodes for step in moved for nodes in step if nodes != list(range(1, len(nodes) + 1))]
+    assert len(off_chain) >= 3, off_chain  # the case under test happened
+    assert outputs[True] == outputs[False]

@@ -251,6 +251,25 @@ def test_cpu_store_kv_rows_writes_store_rows_bytes(dtype, layout):
     assert not torch.equal(rows[5:].view(torch.uint8), rows_before[5:].view(torch.uint8))
 
 
+@pytest.mark.parametrize("layout", [KEYS, VALUES, ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *QDTYPES])
+def test_copy_slots_moves_each_tokens_rows_and_nothing_else(dtype, layout):
+    """What tree verification does with the drafts it kept: slot src[i]'s rows (values and scale, as
+    stored) land in slot dst[i], within a block and across blocks; every other slot keeps its bytes."""
+    g = torch.Generator().manual_seed(0)
+    nb, bs, kvh, d = 4, 8, 3, 16
+    cache = torch.zeros(nb, bs, kvh, kv_quant.row_width(d, dtype), dtype=dtype)
+    every = torch.arange(nb * bs)
+    kv_quant.store_rows(cache, every, torch.randn(nb * bs, kvh, d, generator=g), layout)
+    before = kv_quant.rows_at(cache, every, layout).view(torch.uint8).clone()
+    src, dst = torch.tensor([13, 14, 20, 3]), torch.tensor([10, 11, 12, 25])
+    kv_quant.copy_slots(cache, src, dst, layout)
+    after = kv_quant.rows_at(cache, every, layout).view(torch.uint8)
+    want = before.clone()
+    want[dst] = before[src]
+    assert torch.equal(after, want)
+
+
 @pytest.mark.parametrize("dtype", QDTYPES)
 def test_block_layout_puts_each_value_where_the_docstring_says(dtype):
     """Head h's part of block b is block_size rows' bytes from (b * KVH + h) * BS * W: K's value d of

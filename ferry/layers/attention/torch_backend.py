@@ -127,6 +127,21 @@ def prefill_chunks(meta: AttentionMetadata, window: int | None, device: torch.de
     return chunks
 
 
+def tree_positions(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray | None]:
+    """Where a sliding window counts from in a step with a draft tree: each decode row's position + 1
+    ([B]) and, per row, how many of the drafts it attends sit at or before each draft slot ([B, 64],
+    None without a tree). A tree stores node j at slot first + j but places it (rotary) at position
+    first + depth(j); its ancestors come before it in slot order, one per depth, so an attended
+    draft key's position is first + (the drafts attended up to its slot). Without a tree, or for a
+    row that is not a draft, a slot is its position."""
+    if meta.decode_tree_host is None:
+        return meta.decode_seq_lens_host, None
+    start = meta.decode_tree_host[:, 0]
+    bits = meta.decode_tree_host[:, 1].view(np.uint64)
+    counts = np.cumsum((bits[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1), axis=1).astype(np.int64)
+    return start + counts[:, -1], counts
+
+
 class TorchAttentionBackend:
     name = "torch"
     supports_tree = True  # decode rows with an ancestor mask (tree verification)
@@ -157,7 +172,7 @@ class TorchAttentionBackend:
         view = WindowView()
         bs = meta.block_size
         if meta.num_decodes and window is not None:  # gather from the block holding the window's first key on
-            lo = np.maximum(meta.decode_seq_lens_host - window, 0)
+            lo = np.maximum(tree_positions(meta)[0] - window, 0)
             first = lo // bs
             rows = [blocks[f:] for blocks, f in zip(meta.decode_blocks_host, first)]
             view.decode_tables = torch.from_numpy(padded_table(rows)).to(self.device)
@@ -178,10 +193,18 @@ class TorchAttentionBackend:
             pos = view.first_pos + pos
         lens = meta.decode_seq_lens_host[:, None]
         mask = pos < lens
-        if window is not None:
-            mask &= pos >= lens - window
-        if meta.decode_tree_host is not None:
-            start, bits = meta.decode_tree_host[:, :1], meta.decode_tree_host[:, 1:].view(np.uint64)
+        tree = meta.decode_tree_host
+        if window is not None:  # by position, not slot: a draft tree's nodes sit at their depth
+            row_end, counts = tree_positions(meta)
+            key_pos = pos
+            if counts is not None:
+                start = tree[:, :1]
+                offset = np.broadcast_to(np.clip(pos - start, 0, 63), (len(tree), pos.shape[1]))
+                drafts_before = np.take_along_axis(counts, offset, axis=1)
+                key_pos = np.where(pos < start, pos, start - 1 + drafts_before)
+            mask &= key_pos >= row_end[:, None] - window
+        if tree is not None:
+            start, bits = tree[:, :1], tree[:, 1:].view(np.uint64)
             offset = np.clip(pos - start, 0, 63).astype(np.uint64)
             mask &= (pos < start) | ((bits >> offset) & np.uint64(1)).astype(bool)
         view.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(self.device)
