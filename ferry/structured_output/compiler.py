@@ -61,9 +61,15 @@ class GrammarState:
         elif len(before) > 4 * len(after) + 64:  # keep the tail only: a long reasoning is no memory cost
             del before[: len(before) - len(after)]
 
-    def mark(self) -> tuple[bool, int, int]:
-        """Where the state is now, for `restore` after trying drafts."""
-        return self.open, len(self._before), self._matched
+    def mark(self) -> tuple[bool, list[int] | None, int]:
+        """Where the state is now, for `restore` after trying drafts: while closed, the output's last
+        len(after) - 1 tokens (all a marker still to come can use; drafts watched may trim the
+        tail down to theirs, so a length to cut back to would not do)."""
+        tail = None
+        if not self.open:
+            keep = len(self.after) - 1
+            tail = self._before[len(self._before) - keep :] if keep else []
+        return self.open, tail, self._matched
 
     def try_consume(self, tokens: list[int]) -> bool:
         """Advance over drafts while the grammar allows them; False at the first it forbids (which
@@ -76,13 +82,14 @@ class GrammarState:
             self._watch(token)
         return True
 
-    def restore(self, mark: tuple[bool, int, int]) -> None:
+    def restore(self, mark: tuple[bool, list[int] | None, int]) -> None:
         """Back to `mark` (taken by `mark()` before `try_consume`)."""
-        was_open, num_before, matched = mark
+        was_open, tail, matched = mark
         if self._matched > matched:
             self.matcher.rollback(self._matched - matched)
             self._matched = matched
-        del self._before[num_before:]
+        if tail is not None:
+            self._before = list(tail)
         self.open = was_open
 
     def is_stopped(self) -> bool:

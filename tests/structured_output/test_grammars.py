@@ -141,6 +141,24 @@ def test_a_gated_grammar_opens_at_its_marker_and_drafts_across_it_roll_back(comp
     assert state.accept(dog[0]) and state.is_stopped()
 
 
+def test_drafts_past_the_watched_tails_length_roll_back_too(compiler, smollm):
+    """A long reasoning keeps only the output's tail; drafts tried while closed may push it past that
+    length and trim it to theirs. Rolled back, the real tail is back: a marker the next kept token
+    completes opens the grammar (it stayed closed for good, the answer unconstrained)."""
+    tok = smollm[1]
+    marker = _tokens(tok, "</think>")
+    assert len(marker) > 1  # the marker straddles the verify step
+    filler = _tokens(tok, " hmm")[0]
+    state = compiler.submit(StructuredOutputsParams(choice=["cat", "dog"], after_token_ids=marker)).result(timeout=60)
+    for _ in range(4 * len(marker) + 64 - len(marker)):  # up to just under the length the tail is trimmed at
+        assert state.accept(filler)
+    for t in marker[:-1]:
+        assert state.accept(t)
+    fill_bitmask([(state, []), (state, [filler]), (state, [filler, filler])], 49152)
+    assert not state.open
+    assert state.accept(marker[-1]) and state.open
+
+
 def test_a_json_object_spec_builds_a_json_grammar():
     g = json.loads(check(StructuredOutputsParams(json_object=True)))
     assert "grammars" in g
