@@ -328,8 +328,13 @@ class EngineCore:
                 request.stop_reason = token
         grammar = request.grammar
         if status is None and grammar is not None:
-            if not grammar.accept(token):  # the mask forbids it: a bug if ever seen
-                logger.error("request %s: token %d breaks its grammar: %s", request.request_id, token, grammar.error())
+            if not grammar.accept(token):
+                # The mask forbade it (a bug), or the matcher hit its own limits on a grammar that
+                # validated: `start: "a" start` (no string ends it) runs out of parser items. The
+                # error can carry the parser's whole state: only its start goes to the log, which
+                # a client can write to at will this way.
+                logger.warning("request %s: token %d breaks its grammar: %.300s", request.request_id, token,
+                               grammar.error())  # fmt: skip
                 status = RequestStatus.FINISHED_ABORTED
             elif grammar.is_stopped():  # complete: nothing but EOS could follow
                 status = RequestStatus.FINISHED_STOPPED
