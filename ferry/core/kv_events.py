@@ -35,7 +35,7 @@ import zmq
 
 from ferry.config import KVEventsConfig
 from ferry.core.block_hash import BlockHash
-from ferry.utils.deployment_secret import AuthError, MessageAuth
+from ferry.utils.deployment_secret import AuthError, MessageAuth, warn_if_unsealed
 
 HASH_ALGORITHM = "sha256-chained-v1"  # names ferry/core/block_hash.py's scheme
 TOPIC = b"kv"
@@ -117,6 +117,7 @@ class KVEventPublisher:
         self.port = _bind(self.pub, config.host, config.port)
         self.replay_port = _bind(self.replay, config.host, config.replay_port)
         self.host = config.host
+        warn_if_unsealed(f"the KV-event publisher (ports {self.port}, {self.replay_port})", config.host, config.secret)
         self.seq = 0
         self.buffer: deque[KVEventBatch] = deque(maxlen=max(1, config.buffer_steps))
         self.encoder = msgspec.msgpack.Encoder()

@@ -29,7 +29,7 @@ import zmq
 from ferry.kv_transfer.blocks import KVBlocks
 from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Done, Have, Offer, Push, WireMessage
-from ferry.utils.deployment_secret import AuthError, MessageAuth
+from ferry.utils.deployment_secret import AuthError, MessageAuth, warn_if_unsealed
 
 logger = logging.getLogger("ferry.kv_transfer")
 
@@ -91,6 +91,7 @@ class Receiver:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
         self.addr = f"tcp://{bind_host}:{port}"
+        warn_if_unsealed(f"the KV receiver ({self.addr})", host, secret)
         self._wake_addr = f"inproc://ferry-kv-replies-{uuid.uuid4().hex}"
         self.wake = ctx.socket(zmq.PULL)
         self.wake.bind(self._wake_addr)

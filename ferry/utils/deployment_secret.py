@@ -19,12 +19,33 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import logging
 import os
 import struct
 import time
 
+logger = logging.getLogger(__name__)
+
 _STAMP = struct.Struct("<Q16s")  # time.time_ns(), nonce
 _DOMAIN = b"ferry-kv-auth-v1"
+
+
+def warn_if_unsealed(what: str, host: str, secret: bytes | None) -> bool:
+    """Warn (and say so) when a KV port listens beyond loopback with no secret: anyone who reaches it
+    can then push blocks under hashes they compute themselves (a receiver), or learn which prompts a
+    replica holds (the events). Loopback-only ports reach only this host's processes."""
+    if secret:
+        return False
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name, or ZMQ's "*": reachable from elsewhere
+        loopback = False
+    if not loopback:
+        logger.warning("%s listens on %s without a deployment secret: anyone who can reach it is trusted "
+                       "(set --kv-transfer-secret-file or FERRY_KV_TRANSFER_SECRET on every worker and the gateway)",
+                       what, host)  # fmt: skip
+    return not loopback
 
 
 class AuthError(ValueError):

@@ -17,7 +17,7 @@ from ferry.kv_transfer.connector import KVConnector
 from ferry.kv_transfer.core_channel import CoreChannel
 from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Have, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import ImportJob, Receiver
-from ferry.utils.deployment_secret import AuthError, MessageAuth, load_secret
+from ferry.utils.deployment_secret import AuthError, MessageAuth, load_secret, warn_if_unsealed
 
 SECRET = b"deployment-secret-0123456789"
 HELD = {b"h0"}  # the receiver's cache holds this block
@@ -212,3 +212,13 @@ def test_secrets_load_from_a_file_or_the_environment(tmp_path, monkeypatch):
     with pytest.raises(AuthError):
         MessageAuth(SECRET).open([b"just one frame"])
     assert "secret" not in repr(KVTransferConfig(secret=SECRET))  # never logged
+
+
+def test_a_kv_port_beyond_loopback_without_a_secret_is_warned_about(caplog):
+    for host in ("127.0.0.1", "127.3.0.1", "::1", "[::1]", "localhost"):
+        assert not warn_if_unsealed("the KV receiver", host, None), host
+    for host in ("0.0.0.0", "10.0.0.5", "::", "*", "decode-0.ferry.svc"):
+        assert not warn_if_unsealed("the KV receiver", host, SECRET), host
+        caplog.clear()
+        assert warn_if_unsealed("the KV receiver", host, None), host
+        assert "without a deployment secret" in caplog.text and host in caplog.text
