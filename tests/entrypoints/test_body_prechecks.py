@@ -72,3 +72,35 @@ def test_what_cannot_be_counted_exactly_is_left_to_the_decoded_checks():
                  limits_of)  # fmt: skip
     precheck_raw(b'{"model": "m", "prompt": [1, 2' + b", 3" * 600_000, limits_of)
     precheck_raw(body([1] * 3000), limits_of)  # over the limit, but small: the decoded check answers
+
+
+def test_chat_text_the_template_renders_counts_besides_the_content():
+    """Tool definitions, a call's arguments, names and reasoning reach the prompt too: a body that
+    hides its megabytes there is refused before the template renders and the tokenizer runs."""
+    big = "x" * (LIMITS.max_chars + 1)
+    ask = [{"role": "user", "content": "hi"}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": big}}
+    tool = {"type": "function", "function": {"name": "f", "description": big, "parameters": {"type": "object"}}}
+    for data in (
+        {"messages": ask, "tools": [tool]},
+        {"messages": [*ask, {"role": "assistant", "content": None, "tool_calls": [call]}]},
+        {"messages": [*ask, {"role": "assistant", "content": "a", "reasoning_content": big}]},
+        {"messages": [{"role": "user", "content": "hi", "name": big}]},
+        {"messages": ask, "chat_template_kwargs": {"note": big}},
+        {"messages": ask, "tools": [{**tool, "function": {**tool["function"], "description": "d",
+                                                           "parameters": {big: {"type": "string"}}}}]},
+    ):  # fmt: skip
+        with pytest.raises(OpenAIError) as e:
+            precheck_body(data, LIMITS)
+        assert e.value.status == 400 and e.value.param == "messages", data.keys()
+    half = "x" * (LIMITS.max_chars // 2 - 100)  # content and tools together, each under the limit
+    with pytest.raises(OpenAIError):
+        precheck_body({"messages": [{"role": "user", "content": half}], "tools": [{**tool, "function": {
+            **tool["function"], "description": half + "x" * 300}}]}, LIMITS)  # fmt: skip
+    deep: list = []
+    for _ in range(5000):  # counted without recursion
+        deep = [deep]
+    precheck_body({"messages": ask, "chat_template_kwargs": {"k": deep}}, LIMITS)
+    precheck_body({"messages": [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {**call, "function": {"name": "f", "arguments": "{}"}}]}], "tools": [tool | {"function": {
+        "name": "f", "description": "d"}}]}, LIMITS)  # fmt: skip

@@ -102,6 +102,33 @@ def _text_len(x: Any) -> int:
     return len(x) if isinstance(x, str) else 0
 
 
+def _json_text_len(value: Any) -> int:
+    """Characters a template can render from a JSON value (its strings, keys included; one for
+    every other value), counted without recursion: a body may nest ~1000 levels deep."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += len(v)
+            for k, item in v.items():
+                total += _text_len(k)
+                stack.append(item)
+        elif isinstance(v, list):
+            total += 1
+            stack.extend(v)
+        else:
+            total += 1
+    return total
+
+
+# Chat fields besides the messages' content that chat templates render into the prompt: tool
+# definitions (as JSON), and per message its name, reasoning and tool calls.
+_RENDERED_BODY_FIELDS = ("tools", "functions", "chat_template_kwargs")
+_RENDERED_MESSAGE_FIELDS = ("name", "reasoning_content", "tool_calls", "tool_call_id")
+
+
 class _BodyHead(msgspec.Struct):
     """What `precheck_raw` reads of a body: the model, and the prompt left as its JSON bytes."""
 
@@ -150,7 +177,8 @@ def precheck_raw(raw: bytes, limits_of: Callable[[Any], PromptLimits | None]) ->
 
 def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
     """Bound the prompt's size on the decoded JSON, before the schema walks it: the number of
-    prompts and messages, token-id lists against the context and text against `max_chars`."""
+    prompts and messages, token-id lists against the context and text against `max_chars` (for
+    chat, everything the template renders: content, tool definitions, calls, names, reasoning)."""
     ctx = limits.max_tokens + 1
     prompt = data.get("prompt", data.get("input"))  # /v1/embeddings calls it input
     if isinstance(prompt, str):
@@ -180,6 +208,9 @@ def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
             elif isinstance(content, list):
                 # A part counts at least one character: a million empty parts is no free ride.
                 chars += sum(max(_text_len(p.get("text") if isinstance(p, dict) else None), 1) for p in content)
+            if isinstance(m, dict):
+                chars += sum(_json_text_len(m[f]) for f in _RENDERED_MESSAGE_FIELDS if m.get(f) is not None)
+        chars += sum(_json_text_len(data[f]) for f in _RENDERED_BODY_FIELDS if data.get(f) is not None)
         if chars > limits.max_chars:
             raise _too_long("messages", chars, "characters", limits.max_chars, ctx)
 
