@@ -3,6 +3,7 @@ into Python objects: exact for token ids, silent for anything it cannot count ex
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -104,3 +105,24 @@ def test_chat_text_the_template_renders_counts_besides_the_content():
     precheck_body({"messages": [*ask, {"role": "assistant", "content": None, "tool_calls": [
         {**call, "function": {"name": "f", "arguments": "{}"}}]}], "tools": [tool | {"function": {
         "name": "f", "description": "d"}}]}, LIMITS)  # fmt: skip
+
+
+def test_a_body_that_trickles_in_is_refused_at_its_deadline():
+    """The headers came, then some of the body, then nothing: a 408 at the deadline, not a connection
+    held for as long as the client likes. A body that comes whole is read."""
+    from starlette.requests import Request
+
+    from ferry.entrypoints.openai.protocol import read_body
+
+    def request(pieces: list[bytes], then_wait: bool) -> Request:
+        async def receive():
+            if pieces:
+                return {"type": "http.request", "body": pieces.pop(0), "more_body": bool(pieces) or then_wait}
+            await asyncio.Event().wait()  # a client that never sends the rest
+
+        return Request({"type": "http", "method": "POST", "headers": [(b"content-length", b"100")]}, receive)
+
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(read_body(request([b'{"model": "m", ', b'"prom'], then_wait=True), timeout=0.2))
+    assert e.value.status == 408 and "0.2 s" in e.value.message
+    assert asyncio.run(read_body(request([b'{"a": ', b"1}"], then_wait=False), timeout=0.2)) == b'{"a": 1}'

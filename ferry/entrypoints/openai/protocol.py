@@ -13,6 +13,7 @@ lengths against the model's context before any per-token work.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 from collections.abc import Callable
@@ -223,16 +224,27 @@ OFFLOAD_BYTES = 1 << 20
 PRECHECK_RAW_BYTES = 64 << 10
 
 
-async def read_body(request: Request) -> bytes:
-    """A request's body, refused with a 413 as soon as it passes MAX_BODY_BYTES (declared or streamed)."""
+# The whole body must arrive within this (32 MB at ~0.5 MB/s): a client trickling a byte now and
+# then would otherwise hold its connection, and what it sent, for as long as it likes, and enough of
+# them would use up the process's sockets (uvicorn bounds neither).
+BODY_READ_SECONDS = 60.0
+
+
+async def read_body(request: Request, timeout: float = BODY_READ_SECONDS) -> bytes:
+    """A request's body, refused with a 413 as soon as it passes MAX_BODY_BYTES (declared or streamed)
+    and with a 408 if it has not all arrived `timeout` seconds after the headers."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
     raw = bytearray()
-    async for piece in request.stream():
-        raw += piece
-        if len(raw) > MAX_BODY_BYTES:
-            raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
+    try:
+        async with asyncio.timeout(timeout):
+            async for piece in request.stream():
+                raw += piece
+                if len(raw) > MAX_BODY_BYTES:
+                    raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code=413)
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {timeout:g} s", code=408) from None
     return bytes(raw)
 
 
