@@ -39,6 +39,7 @@ from ferry.entrypoints.openai.protocol import (
     OFFLOAD_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     OpenAIError,
     PromptLimits,
     decode_json_object,
@@ -62,7 +63,7 @@ def _limited(limits) -> bool:
 
 @dataclass
 class RequestContext:
-    kind: str  # "completions" | "chat"
+    kind: str  # "completions" | "chat" | "embeddings"
     path: str
     raw: bytes
     data: dict
@@ -92,9 +93,15 @@ def unauthorized() -> JSONResponse:
                           param=None, code="invalid_api_key")  # fmt: skip
 
 
+def prompts_of(data: dict) -> object:
+    """A body's prompt or prompts: /v1/completions' `prompt`, /v1/embeddings' `input` (None for chat)."""
+    return data.get("prompt", data.get("input"))
+
+
 def _num_prompts(data: dict) -> int:
-    """Prompts in a /v1/completions body (a list of strings or of token-id lists); 1 otherwise."""
-    prompt = data.get("prompt")
+    """Prompts in a /v1/completions or /v1/embeddings body (a list of strings or of token-id lists);
+    1 otherwise."""
+    prompt = prompts_of(data)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return len(prompt)
     return 1
@@ -106,14 +113,18 @@ def _max_model_len(pool: list[Worker]) -> int | None:
 
 def _completion_estimate(body, pool: list[Worker]) -> int:
     """The validated request's max tokens (chat: max_completion_tokens first, as the worker reads
-    it) x n x prompts; without one, the room a replica's context leaves (or 1,024)."""
+    it) x n x prompts; without one, the room a replica's context leaves (or 1,024). An embedding
+    generates nothing."""
+    if isinstance(body, EmbeddingRequest):
+        return 0
     seqs = body.n * (_num_prompts({"prompt": body.prompt}) if isinstance(body, CompletionRequest) else 1)
     limit = getattr(body, "max_completion_tokens", None)
     limit = limit if limit is not None else body.max_tokens
     return (limit if limit is not None else _max_model_len(pool) or 1024) * seqs
 
 
-_SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+_SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "embeddings": EmbeddingRequest}
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
 
 
 def _parse(raw: bytes, kind: str, limits_of: Callable[[object], PromptLimits | None]) -> tuple[dict, object]:
@@ -139,7 +150,7 @@ def forwarded_body(data: dict, body, key: ApiKey | None, share_prefix_cache: boo
         # The client's own salt, if any, partitions within the key's partition, never across keys.
         out["cache_salt"] = key.cache_salt + (f":{body.cache_salt}" if body.cache_salt else "")
     strip_usage = False
-    if body.stream and not body.include_usage:
+    if getattr(body, "stream", False) and not body.include_usage:
         out["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
         strip_usage = True
     return out, strip_usage
@@ -190,14 +201,15 @@ class Admission:
         cold = self.holding and not any(w.models for w in self.workers)
         if not known and not cold:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
-        path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        path = PATHS[kind]
         out, strip_usage = forwarded_body(data, body, key, self.share_prefix_cache)
-        ctx = RequestContext(kind, path, msgspec.json.encode(out), out, model, key_name, body.stream,
+        ctx = RequestContext(kind, path, msgspec.json.encode(out), out, model, key_name, getattr(body, "stream", False),
                              prefill_pool=key_pool, cache_salt=out.get("cache_salt"),
                              strip_usage=strip_usage)  # fmt: skip
 
         cache = self.result_cache
-        if cache is not None and request.headers.get(CACHE_HEADER, "").lower() != "skip" and is_deterministic(data):
+        deterministic = kind == "embeddings" or is_deterministic(data)  # an embedding is, alone or batched
+        if cache is not None and request.headers.get(CACHE_HEADER, "").lower() != "skip" and deterministic:
             ctx.cache_key = cache_key(path, data, key_name)
             hit = cache.get(ctx.cache_key) if ctx.cache_key is not None else None
             if hit is not None:
@@ -243,7 +255,7 @@ class Admission:
     async def _prompt_estimate(self, ctx: RequestContext, pool: list[Worker]) -> int:
         n = None
         if pool and _num_prompts(ctx.data) > 1:  # every prompt counts
-            n = await asyncio.to_thread(self.prompts.num_prompt_tokens, ctx.data["prompt"], pool[0])
+            n = await asyncio.to_thread(self.prompts.num_prompt_tokens, prompts_of(ctx.data), pool[0])
         elif pool:  # the ids routing hashes too: tokenized once (RequestContext.token_ids)
             ids = await ctx.token_ids(self.prompts, pool[0])
             n = None if ids is None else len(ids)

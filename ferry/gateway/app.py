@@ -278,6 +278,10 @@ class Gateway:
         async def chat_completions(request: Request) -> Response:
             return await self.handle(request, "chat")
 
+        @app.post("/v1/embeddings")
+        async def embeddings(request: Request) -> Response:
+            return await self.handle(request, "embeddings")
+
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             if self.api_keys is not None and self.api_keys.authenticate(request.headers.get("authorization")) is None:

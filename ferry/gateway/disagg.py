@@ -56,6 +56,8 @@ def choose_decode(workers: list[Worker], turn: int, kv_usage_weight: float = 0.5
 
 def why_not_disaggregated(data: dict, kind: str) -> str | None:
     """Why a body must be prefilled where it decodes (None: it can be split)."""
+    if kind == "embeddings":
+        return "an embedding"  # a prompt's pass and nothing after it: the decode worker runs it whole
     n = data.get("n", 1)
     if n not in (None, 1):
         return "n > 1"

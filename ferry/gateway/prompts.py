@@ -54,10 +54,10 @@ class PromptTokenizer:
         """The token ids the replica will see for this body (its first prompt), or None when
         they cannot be known here (the replica then reports whatever is wrong)."""
         try:
-            if kind == "completions":
-                prompt = data.get("prompt")
+            if kind in ("completions", "embeddings"):
+                prompt = data.get("prompt" if kind == "completions" else "input")
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                    prompt = prompt[0]  # several prompts go to one worker; route by the first
+                    prompt = prompt[0]  # several prompts (inputs) go to one worker; route by the first
                 if isinstance(prompt, list):
                     ok = all(type(t) is int and 0 <= t < 2**32 for t in prompt)
                     return prompt if ok else None  # out-of-range ids: the replica's 400 says why

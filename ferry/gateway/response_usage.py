@@ -16,6 +16,9 @@ def _usage_of(obj) -> tuple[int | None, int | None]:
     if not isinstance(usage, dict):
         return None, None
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    total = usage.get("total_tokens")
+    if c is None and isinstance(p, int) and isinstance(total, int):  # embeddings report no completion
+        c = total - p
     return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
 
 

@@ -235,6 +235,12 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(cluster):
         assert headers["x-ferry-prefill-worker"] == p.url
         assert gw.metric("ferry_gateway_pd_decisions_total", decision="local") == 1
         assert gw.metric("ferry_gateway_pd_decisions_total", decision="disaggregated") == 1
+        # An embedding is one pass over its prompt: a decode worker runs it whole, however long.
+        r = httpx.post(gw.url + "/v1/embeddings", json={"model": MODEL, "input": long_prompt("conditional", 1)},
+                       timeout=120)  # fmt: skip
+        assert r.status_code == 200 and "x-ferry-prefill-worker" not in r.headers, r.text
+        assert r.headers["x-ferry-worker"] in (d1.url, d2.url) and len(r.json()["data"][0]["embedding"]) > 0
+        assert gw.metric("ferry_gateway_pd_decisions_total", decision="local") == 2
     finally:
         gw.stop()
 

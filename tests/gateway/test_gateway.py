@@ -311,6 +311,47 @@ def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
         gw.stop()
 
 
+def test_embeddings_go_through_keys_limits_and_the_result_cache(replicas, tmp_path):
+    """/v1/embeddings at the gateway: the worker's vectors, keyed, cached per key (an embedding is the
+    same alone or batched), charged its prompt tokens; errors as for the other endpoints."""
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "sk-e", "name": "e"}, {"key": "sk-small", "name": "small", '
+                    '"total_tokens_per_minute": 30}, {"key": "sk-ops", "name": "ops", "admin": true}]')  # fmt: skip
+    gw = gateway([replicas[0].url], "--api-keys", str(keys), "--result-cache")
+    gw.admin = {"Authorization": "Bearer sk-ops"}
+    try:
+        inputs = ["The tides of a small harbour town.", "A list of rivers:"]
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-e", max_retries=0, timeout=60)
+        first = client.embeddings.with_raw_response.create(model=MODEL, input=inputs)
+        assert first.headers["x-ferry-cache"] == "miss" and first.headers["x-ferry-worker"] == replicas[0].url
+        got = first.parse()
+        direct = openai.OpenAI(base_url=replicas[0].url + "/v1", api_key="-", max_retries=0, timeout=60)
+        want = direct.embeddings.create(model=MODEL, input=inputs)
+        assert [d.embedding for d in got.data] == [d.embedding for d in want.data]
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens > 0
+        again = client.embeddings.with_raw_response.create(model=MODEL, input=inputs)
+        assert again.headers["x-ferry-cache"] == "hit" and again.parse().data[1].embedding == got.data[1].embedding
+        assert gw.metric("gen_ai_client_token_usage_sum", key="e", gen_ai_token_type="input") == got.usage.prompt_tokens
+        # One request settled (the hit is charged, not observed): its usage had no completion_tokens
+        assert gw.metric("gen_ai_client_token_usage_count", key="e", gen_ai_token_type="output") == 1
+        assert gw.metric("gen_ai_client_token_usage_sum", key="e", gen_ai_token_type="output") == 0
+
+        def post(key: str | None, body: dict) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(gw.url + "/v1/embeddings", json=body, headers=headers, timeout=60)
+
+        assert post(None, {"model": MODEL, "input": "x"}).status_code == 401
+        assert post("sk-e", {"model": "nope", "input": "x"}).status_code == 404
+        r = post("sk-e", {"model": MODEL, "input": "x", "encoding_format": "hex"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format", r.text
+        # A small key's tokens run out: 429 with Retry-After, as for generation.
+        statuses = [post("sk-small", {"model": MODEL, "input": f"Item {i}: a short line."}).status_code
+                    for i in range(6)]  # fmt: skip
+        assert statuses[0] == 200 and 429 in statuses, statuses
+    finally:
+        gw.stop()
+
+
 def test_tenants_are_isolated_and_bodies_are_the_operators(replicas, tmp_path):
     """One worker behind the gateway, so every request meets the same prefix cache."""
     keys = tmp_path / "keys.json"

@@ -107,6 +107,8 @@ def test_result_cache_only_deterministic_lru_bytes_and_ttl():
 def test_response_usage_from_json_and_sse():
     body = json.dumps({"choices": [{"text": "hi"}], "usage": {"prompt_tokens": 7, "completion_tokens": 2}})
     assert response_usage(body.encode(), streamed=False) == (7, 2, True)
+    embedded = json.dumps({"data": [], "usage": {"prompt_tokens": 7, "total_tokens": 7}})  # no completion_tokens
+    assert response_usage(embedded.encode(), streamed=False) == (7, 0, True)
     chunks = [
         b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n',
         b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n',
