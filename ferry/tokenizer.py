@@ -139,3 +139,64 @@ def _save_to_cache(tok: PreTrainedTokenizerBase, cache_dir: str) -> None:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- a token's own bytes --------------------------------------------------------------------------
+
+_BYTE_MODES: dict[int, tuple[object, str]] = {}  # id(tokenizer) -> (tokenizer, "byte_level" | "byte_fallback" | "")
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(kept)
+    n = 0
+    for b in range(256):
+        if b not in kept:
+            kept.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(kept, chars)}
+
+
+_BYTE_OF_CHAR = _bytes_to_unicode()
+
+
+def _byte_mode(tokenizer: PreTrainedTokenizerBase) -> str:
+    """How the tokenizer's pieces spell bytes: GPT-2's byte-level alphabet, SentencePiece's `<0xNN>`
+    byte fallback, or neither (read from its decoder, once per tokenizer)."""
+    known = _BYTE_MODES.get(id(tokenizer))
+    if known is not None and known[0] is tokenizer:
+        return known[1]
+    mode = ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)}
+        mode = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else ""
+    _BYTE_MODES[id(tokenizer)] = (tokenizer, mode)
+    return mode
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes | None:
+    """The bytes token `token_id` stands for, as OpenAI's logprobs report them: a token that holds
+    part of a UTF-8 character gives that part (its decoded text is U+FFFD), so that a client can
+    join the pieces back. None where the tokenizer's pieces do not spell bytes (the caller then
+    encodes the decoded text)."""
+    added = tokenizer.added_tokens_decoder.get(token_id)
+    if added is not None:
+        return added.content.encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return None
+    mode = _byte_mode(tokenizer)
+    if mode == "byte_level":
+        try:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        except KeyError:  # not in the byte-level alphabet: spelt some other way
+            return None
+    if mode == "byte_fallback":
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+    return None

@@ -126,3 +126,24 @@ def test_saved_tokenizers_load_without_torch(tmp_path, reference) -> None:
         check = source + "; import sys; print(t('Hi').input_ids); print('torch' in sys.modules)"
         out = subprocess.run([sys.executable, "-c", check], env=env, check=True, capture_output=True, text=True)
         assert out.stdout.split() == [str(expected).replace(" ", ""), "False"], out.stdout
+
+
+def test_token_bytes_join_back_to_the_text(reference) -> None:
+    """OpenAI's logprob `bytes`: a token holding part of a UTF-8 character gives that part. SmolLM2's
+    byte-level BPE (GPT-2's alphabet), its added tokens, and a SentencePiece vocabulary's <0xNN>
+    byte fallback."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import WordLevel
+
+    for text in ("\U0001f642 and 日本語, é", " hello world"):
+        ids = reference.encode(text, add_special_tokens=False)
+        pieces = [ferry_tokenizer.token_bytes(reference, i) for i in ids]
+        assert b"".join(pieces) == text.encode(), pieces
+    assert any(reference.decode([i]) == "\ufffd" for i in reference.encode("\U0001f642"))  # a split character
+    assert ferry_tokenizer.token_bytes(reference, reference.convert_tokens_to_ids("<|im_end|>")) == b"<|im_end|>"
+
+    vocab = {"<unk>": 0, "<0xF0>": 1, "<0x9F>": 2, "\u2581hi": 3}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    spm = transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert [ferry_tokenizer.token_bytes(spm, i) for i in (1, 2, 3)] == [b"\xf0", b"\x9f", b" hi"]

@@ -192,6 +192,52 @@ def test_logprobs(client):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and "".join(c.token for c in content) == chat.choices[0].message.content
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    assert chat.choices[0].message.refusal is None and chat.choices[0].logprobs.refusal is None
+    # A character split over tokens (the two byte-level tokens of U+1F642, forced): each token's own
+    # bytes, which join back to the character, where its decoded text is U+FFFD.
+    forced = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0, logprobs=True,
+        top_logprobs=1, logit_bias={"10813": 100, "38887": 100},
+    )  # fmt: skip
+    assert forced.choices[0].message.content == "\U0001f642"
+    pieces = forced.choices[0].logprobs.content
+    assert [p.bytes for p in pieces] == [[0xF0, 0x9F], [0x99, 0x82]]
+    assert bytes(pieces[0].bytes + pieces[1].bytes).decode() == forced.choices[0].message.content
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client):
+    """OpenAI's and vLLM's way to score a prompt: its tokens' logprobs, nothing generated."""
+    prompt = "The capital of France is Paris."
+    for stream in (False, True):
+        options = {"include_usage": True} if stream else None
+        r = client.completions.create(model="smol", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                      stream=stream, stream_options=options)  # fmt: skip
+        chunks = list(r) if stream else [r]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+        assert text == prompt and "".join(tokens) == prompt and finish == ["length"], (stream, chunks)
+        assert usage.completion_tokens == 0 and usage.prompt_tokens == len(tokens)
+        if stream:  # with include_usage every chunk has the field, null but in the last
+            assert all(c.usage is None for c in chunks[:-1]) and "usage" in chunks[0].model_fields_set
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="smol", prompt=prompt, max_tokens=0)
+
+
+def test_nulls_ask_for_the_default(server):
+    """OpenAI's schema makes these nullable and SDKs send them so: null is the default, and
+    best_of 1 (its default) asks for nothing; max_tokens null keeps vLLM's meaning (up to the context)."""
+    ask = [{"role": "user", "content": "Hi"}]
+    for path, body in (
+        ("/v1/chat/completions", {"messages": ask, "n": None, "stream": None, "logprobs": None,
+                                  "presence_penalty": None, "frequency_penalty": None, "parallel_tool_calls": None}),
+        ("/v1/completions", {"prompt": "Hi", "n": None, "stream": None, "echo": None, "presence_penalty": None,
+                             "best_of": 1}),
+    ):  # fmt: skip
+        r = httpx.post(server.url + path, json={"model": "smol", "max_tokens": 2, "temperature": 0, **body}, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        assert len(r.json()["choices"]) == 1
 
 
 def test_prompt_forms_and_extras(client, server):

@@ -41,7 +41,7 @@ def message(text: str, plan: ToolPlan, reasoning_open: bool | None) -> tuple[dic
     elif plan.parses_calls:
         content, calls = plan.parser.extract(content or "")
         calls = calls if plan.parallel else calls[:1]
-    out: dict[str, Any] = {"role": "assistant", "content": content}
+    out: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}  # OpenAI's: nullable, always there
     if reasoning_open is not None:
         out["reasoning_content"] = reasoning
     if calls:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
@@ -310,22 +311,52 @@ def _field_names(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(model.model_fields.keys() | {f.alias for f in model.model_fields.values() if f.alias})
 
 
+@functools.cache
+def _not_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The fields (names and aliases) whose type has no None: a null there asks for the default."""
+    names = set()
+    for name, f in model.model_fields.items():
+        if f.annotation is not Any and type(None) not in typing.get_args(f.annotation):
+            names |= {name, f.alias} - {None}
+    return frozenset(names)
+
+
 class Strict(BaseModel):
     """A body part that names what it does not implement: unknown fields with a value are refused
-    (`extra_forbidden`, reported by `validation_error`), null ones dropped."""
+    (`extra_forbidden`, reported by `validation_error`). Null fields are dropped, and so are nulls
+    for known fields that take none: OpenAI's schema makes most fields nullable (`"n": null`,
+    `"stream": null` ask for the default, and SDKs send them so). Where a field takes None it keeps
+    its meaning (`max_tokens: null`: up to the context, as vLLM reads it)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     _no_ops: ClassVar[frozenset[str]] = frozenset()
+    # Unknown fields at the value that asks for nothing (OpenAI's default), dropped as no-ops.
+    _no_op_values: ClassVar[dict[str, Any]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls_and_no_ops(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            fields = _field_names(cls)
-            unknown = [k for k in data if k not in fields and (data[k] is None or k in cls._no_ops)]
-            if unknown:
-                data = {k: v for k, v in data.items() if k not in unknown}
+            fields, defaulted = _field_names(cls), _not_nullable(cls)
+
+            def asks_nothing(k: str, v: Any) -> bool:
+                if v is None:
+                    return k in defaulted or k not in fields
+                no_op_value = cls._no_op_values.get(k, _NOTHING)
+                return k not in fields and (k in cls._no_ops or _same(v, no_op_value))
+
+            dropped = [k for k, v in data.items() if asks_nothing(k, v)]
+            if dropped:
+                data = {k: v for k, v in data.items() if k not in dropped}
         return data
+
+
+_NOTHING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, and of one type (JSON's `true` is not 1)."""
+    return type(a) is type(b) and a == b
 
 
 class StreamOptions(Strict):
@@ -478,8 +509,10 @@ class _GenerationRequest(Strict):
 
 
 class CompletionRequest(_GenerationRequest):
+    _no_op_values = {"best_of": 1}  # OpenAI's default: one candidate per choice (more are not implemented)
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT)  # 0: only with echo (the prompt scored)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

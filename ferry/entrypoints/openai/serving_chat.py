@@ -44,6 +44,7 @@ from ferry.entrypoints.openai.serving import (
 from ferry.entrypoints.openai.tool_choice import tool_plan
 from ferry.entrypoints.openai.tool_parsers.base import json_or_none
 from ferry.outputs import CompletionOutput
+from ferry.tokenizer import token_bytes
 
 
 def _arguments(text: str) -> Any:
@@ -107,28 +108,18 @@ def render_chat_prompt(tokenizer, body: ChatPrompt) -> dict[str, Any]:
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
-def _logprobs(c: CompletionOutput, top: int) -> dict[str, Any]:
+def _logprobs(c: CompletionOutput, top: int, tokenizer) -> dict[str, Any]:
+    def entry_json(token_id: int, lp) -> dict[str, Any]:
+        text = lp.decoded_token or ""
+        # The token's own bytes: a piece of a UTF-8 character decodes to U+FFFD, whose bytes are not its
+        raw = token_bytes(tokenizer, token_id) if tokenizer is not None else None
+        return {"token": text, "logprob": finite(lp.logprob), "bytes": list(raw if raw is not None else text.encode())}
+
     content = []
     for tok, entry in zip(c.token_ids, c.logprobs or []):
-        sampled = entry[tok]
-        text = sampled.decoded_token or ""
-        alternatives = sorted((e for e in entry.values() if e.rank <= top), key=lambda e: e.rank)
-        content.append(
-            {
-                "token": text,
-                "logprob": finite(sampled.logprob),
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "token": e.decoded_token or "",
-                        "logprob": finite(e.logprob),
-                        "bytes": list((e.decoded_token or "").encode()),
-                    }
-                    for e in alternatives
-                ],
-            }
-        )
-    return {"content": content}
+        alternatives = sorted(((t, e) for t, e in entry.items() if e.rank <= top), key=lambda te: te[1].rank)
+        content.append({**entry_json(tok, entry[tok]), "top_logprobs": [entry_json(t, e) for t, e in alternatives]})
+    return {"content": content, "refusal": None}
 
 
 def _reasoning_open(state: ServerState, engine, prompt: dict[str, Any], params) -> bool | None:
@@ -185,7 +176,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
         choices.append({
             "index": c.index,
             "message": msg,
-            "logprobs": _logprobs(c, top) if body.logprobs else None,
+            "logprobs": _logprobs(c, top, engine.tokenizer) if body.logprobs else None,
             "finish_reason": finish_reason(c.finish_reason, called),
             "stop_reason": c.stop_reason,
         })  # fmt: skip
@@ -208,6 +199,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
 async def _stream(request, engine, streams, body, model, base_id, created, top, due,
                   builders: list[DeltaBuilder]) -> AsyncIterator[bytes]:  # fmt: skip
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
+            extra.setdefault("usage", None)
         return sse(
             {
                 "id": base_id,
@@ -241,7 +234,7 @@ async def _stream(request, engine, streams, body, model, base_id, created, top, 
                     {
                         "index": c.index,
                         "delta": delta,
-                        "logprobs": _logprobs(c, top) if body.logprobs else None,
+                        "logprobs": _logprobs(c, top, engine.tokenizer) if body.logprobs else None,
                         "finish_reason": finish_reason(c.finish_reason, builder.called),
                         "stop_reason": c.stop_reason,
                     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -105,7 +106,13 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     if body.suffix:
         raise OpenAIError(400, "suffix is not supported", param="suffix", code=400)
     prompts = prompt_list(body.prompt)
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    # echo with max_tokens 0 (OpenAI's and vLLM's way to score a prompt): one token is computed, as
+    # the engine always samples, and left out of the answer.
+    score_only = body.max_tokens == 0
+    if score_only and not body.echo:
+        raise OpenAIError(400, "max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
+                               "prompt scored, nothing generated)", param="max_tokens", code=400)  # fmt: skip
+    params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs)
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
     plan = kv_transfer_plan(engine, body, len(prompts), params)
@@ -128,13 +135,15 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         return tokenizer.decode(p) if tokenizer is not None else ""
 
     if body.stream:
+        outputs = _nothing_generated(merged_outputs(engine, streams)) if score_only else merged_outputs(engine, streams)
         return StreamingResponse(
-            _stream(request, engine, streams, body, model, base_id, created, n, echo_text, with_ids, due),
+            _stream(request, engine, outputs, body, model, base_id, created, n, echo_text, with_ids, due),
             media_type="text/event-stream",
         )
 
     finals: dict[int, Any] = {}
-    async for i, out in until_disconnect(request, merged_outputs(engine, streams), due):
+    outputs = merged_outputs(engine, streams)
+    async for i, out in until_disconnect(request, _nothing_generated(outputs) if score_only else outputs, due):
         finals[i] = out
     if len(finals) < len(streams):
         engine.forget_kv_sent(base_id)
@@ -179,8 +188,21 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     return JSONResponse(response)
 
 
+async def _nothing_generated(outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """The outputs with their generated token taken out (echo with max_tokens 0). Closing this
+    closes `outputs` (which aborts their requests)."""
+    try:
+        async for i, out in outputs:
+            empty = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                         cumulative_logprob=None, finish_reason="length" if c.finish_reason else None,
+                                         stop_reason=None) for c in out.outputs]  # fmt: skip
+            yield i, dataclasses.replace(out, outputs=empty)
+    finally:
+        await outputs.aclose()
+
+
 async def _stream(
-    request, engine, streams, body, model, base_id, created, n, echo_text, with_ids, due
+    request, engine, outputs, body, model, base_id, created, n, echo_text, with_ids, due
 ) -> AsyncIterator[bytes]:
     lp_builders: dict[int, LogprobsBuilder] = {}
     echoed: set[int] = set()
@@ -189,7 +211,7 @@ async def _stream(
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
     try:
-        async for i, out in until_disconnect(request, merged_outputs(engine, streams), due):
+        async for i, out in until_disconnect(request, outputs, due):
             prompt_tokens[i] = len(out.prompt_token_ids)
             cached[i] = out.num_cached_tokens
             choices = []
@@ -222,9 +244,16 @@ async def _stream(
                     choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
             if choices:
-                yield sse(
-                    {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
-                )
+                data = {
+                    "id": base_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                }
+                if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
+                    data["usage"] = None
+                yield sse(data)
         if body.include_usage:
             yield sse(
                 {
