@@ -290,6 +290,14 @@ class Gateway:
             data = [{"id": n, "object": "model", "created": 0, "owned_by": "ferry"} for n in names]
             return JSONResponse({"object": "list", "data": data})
 
+        @app.get("/v1/models/{model:path}")
+        async def one_model(request: Request, model: str) -> Response:
+            if self.api_keys is not None and self.api_keys.authenticate(request.headers.get("authorization")) is None:
+                return unauthorized()
+            if not any(w.healthy and model in w.models for w in self.workers):
+                return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+            return JSONResponse({"id": model, "object": "model", "created": 0, "owned_by": "ferry"})
+
         @app.get("/health")
         async def health() -> Response:
             return JSONResponse({"status": "ok"})

@@ -43,6 +43,9 @@ def test_probes_and_models(server, client):
     assert httpx.get(server.url + "/ready").status_code == 200
     ids = [m.id for m in client.models.list().data]
     assert ids == ["smol", "extra-name"]
+    assert client.models.retrieve("extra-name").id == "extra-name"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other-model")
 
 
 def test_completion_stream_equals_non_stream(client):

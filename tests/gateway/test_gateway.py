@@ -67,6 +67,9 @@ def test_kv_aware_routes_each_prefix_to_the_worker_that_holds_it(replicas):
     gw = gateway([s.url for s in replicas], "--policy", "kv-aware")
     try:
         assert [m.id for m in gw.client.models.list().data] == [MODEL]
+        assert gw.client.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            gw.client.models.retrieve("other")
         home = {}
         for round_ in range(3):
             for t, system in enumerate(TENANTS):
@@ -260,6 +263,7 @@ def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
             r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(gw.url + "/v1/models", timeout=10).status_code == 401
+        assert httpx.get(gw.url + f"/v1/models/{MODEL}", timeout=10).status_code == 401
         # The gateway's own state is for admin keys only.
         for path in ("/metrics", "/gateway/workers"):
             for headers in ({}, {"Authorization": "Bearer sk-open"}):

@@ -266,16 +266,26 @@ class Server:
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        @app.get("/v1/models")
-        async def models() -> Response:
+        def model_cards() -> list[dict]:
             engine = state.engine
             max_len = engine.info.max_model_len if engine is not None and engine.info is not None else None
-            data = [
+            return [
                 {"id": name, "object": "model", "created": 0, "owned_by": "ferry", "root": self.model_path,
                  "max_model_len": max_len}
                 for name in state.served_model_names
             ]  # fmt: skip
-            return JSONResponse({"object": "list", "data": data})
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            return JSONResponse({"object": "list", "data": model_cards()})
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str) -> Response:
+            """One model (OpenAI's `models.retrieve`); names may hold slashes (org/name)."""
+            card = next((c for c in model_cards() if c["id"] == model), None)
+            if card is None:
+                raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", param="model", code=404)
+            return JSONResponse(card)
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache() -> Response:
