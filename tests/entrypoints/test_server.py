@@ -166,6 +166,13 @@ def test_n_and_seed(client):
         for choice in ch.choices:
             by_index[choice.index] += choice.text
     assert [by_index[0], by_index[1]] == [x.text for x in a.choices]
+    # One choice a chunk, as OpenAI streams n > 1 (a client may read only choices[0] and its index).
+    assert all(len(ch.choices) == 1 for ch in chunks)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=6, temperature=1.0, n=2,
+                                               seed=7, stream=True))  # fmt: skip
+    assert all(len(ch.choices) == 1 for ch in chat) and {ch.choices[0].index for ch in chat} == {0, 1}
+    assert [ch.choices[0].delta.role for ch in chat[:2]] == ["assistant", "assistant"]
 
 
 def test_stop_string(client):

@@ -214,13 +214,12 @@ async def _stream(request, engine, streams, body, model, base_id, created, top, 
 
     completion_tokens, prompt_tokens, cached = 0, 0, 0
     try:
-        # The role comes first, in its own chunk per choice, as OpenAI sends it.
-        yield chunk(
-            [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for i in range(body.n)
-            ]
-        )
+        # The role comes first, in its own chunk per choice, as OpenAI sends it. Every chunk holds one
+        # choice, as OpenAI's and vLLM's do (a client may read only choices[0] and its index).
+        for i in range(body.n):
+            yield chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
         async for _, out in until_disconnect(request, merged_outputs(engine, streams), due):
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             choices = []
@@ -239,8 +238,8 @@ async def _stream(request, engine, streams, body, model, base_id, created, top, 
                         "stop_reason": c.stop_reason,
                     }
                 )
-            if choices:
-                yield chunk(choices)
+            for choice in choices:
+                yield chunk([choice])
         if body.include_usage:
             yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
     except Exception as e:  # headers are sent: report in-band, as vLLM does

@@ -243,13 +243,13 @@ async def _stream(
                         choice["prompt_token_ids"] = list(out.prompt_token_ids)
                     choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
-            if choices:
+            for choice in choices:  # one choice a chunk, as OpenAI and vLLM send them
                 data = {
                     "id": base_id,
                     "object": "text_completion",
                     "created": created,
                     "model": model,
-                    "choices": choices,
+                    "choices": [choice],
                 }
                 if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
                     data["usage"] = None
