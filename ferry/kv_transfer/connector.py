@@ -70,6 +70,24 @@ class _SendJob:
     queued_at: float = field(default_factory=time.monotonic)
 
 
+# Sends go out in lanes, one per receiver, each with its own thread: a receiver that does not answer
+# holds up only the transfers bound for it (each for up to --kv-transfer-timeout), where one queue
+# for all made every other decode worker's transfers wait behind it and fail. Receivers past this
+# many at once share one lane; a lane's thread ends after LANE_IDLE_S without work.
+MAX_SEND_LANES = 32
+LANE_IDLE_S = 30.0
+_SHARED_LANE = ""
+
+
+@dataclass
+class _SendLane:
+    jobs: queue.Queue = field(default_factory=queue.Queue)
+    # The lane thread's own (ZMQ sockets belong to one thread): a socket per receiver, and the
+    # auth that seals its offers and pushes and opens the replies.
+    sockets: dict[str, zmq.Socket] = field(default_factory=dict)
+    auth: MessageAuth | None = None
+
+
 class KVConnector:
     def __init__(
         self,
@@ -95,10 +113,9 @@ class KVConnector:
         if config.redis_url:
             self.redis = RedisBlockStore(config.redis_url, namespace, config.redis_ttl, config.timeout,
                                          config.redis_max_memory, config.secret)  # fmt: skip
-        self._sends: queue.Queue = queue.Queue()
+        self._lanes: dict[str, _SendLane] = {}  # receiver address (or _SHARED_LANE) -> its lane
+        self._lanes_lock = threading.Lock()
         self._pulls: queue.Queue = queue.Queue()
-        if config.transport is not None:
-            self._start(self._send_loop, "ferry-kv-sender")
         if self.redis is not None:
             self._start(self._pull_loop, "ferry-kv-puller")
         if config.receives:
@@ -110,7 +127,7 @@ class KVConnector:
     def _start(self, target, name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
-        self._threads.append(t)
+        self._threads = [*(u for u in self._threads if u.is_alive()), t]  # lanes' threads come and go
 
     @property
     def wake(self) -> zmq.Socket:
@@ -131,25 +148,51 @@ class KVConnector:
             failed = KVTransferDone(request_id, "sent", False, error="no decode worker address to send to")
             self.channel.put(TransferResult(failed))
         else:
-            self._sends.put(_SendJob(request_id, payload, target))
+            self._enqueue(_SendJob(request_id, payload, target))
 
-    def _send_loop(self) -> None:
-        sockets: dict[str, zmq.Socket] = {}
-        self._auth = MessageAuth(self.config.secret)  # this thread's: seals offers and pushes, opens replies
+    def _enqueue(self, job: _SendJob) -> None:
+        """Into its receiver's lane, starting the lane (and its thread) if it has none."""
+        with self._lanes_lock:
+            key = job.target or _SHARED_LANE
+            if key not in self._lanes and len(self._lanes) >= MAX_SEND_LANES:
+                key = _SHARED_LANE
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = _SendLane()
+                self._start(lambda: self._send_loop(key, lane), f"ferry-kv-sender-{len(self._lanes)}")
+            lane.jobs.put(job)
+
+    def _send_loop(self, key: str, lane: _SendLane) -> None:
+        lane.auth = MessageAuth(self.config.secret)
         waker = self.channel.waker()
+        try:
+            self._send_jobs(key, lane, waker)
+        finally:  # whatever happened: an open socket would keep the context from terminating
+            for s in lane.sockets.values():
+                s.close(linger=0)
+            waker.close(linger=0)
+
+    def _send_jobs(self, key: str, lane: _SendLane, waker: zmq.Socket) -> None:
+        idle_since = time.monotonic()
         while not self._stop.is_set():
             try:
-                job: _SendJob = self._sends.get(timeout=0.5)
+                job: _SendJob = lane.jobs.get(timeout=0.5)
             except queue.Empty:
+                if time.monotonic() - idle_since < LANE_IDLE_S:
+                    continue
+                with self._lanes_lock:  # nothing can be queued here while this holds the lock
+                    if lane.jobs.empty():
+                        del self._lanes[key]
+                        return
                 continue
             t0 = time.monotonic()
             try:
                 if t0 - job.queued_at > 2 * self.config.timeout:  # its API request has given up waiting
-                    raise TimeoutError(f"waited {t0 - job.queued_at:.1f}s behind other transfers")
+                    raise TimeoutError(f"waited {t0 - job.queued_at:.1f}s behind other transfers to its receiver")
                 if self.config.transport == "redis":
                     n, nbytes = self.redis.put(job.payload)
                 else:
-                    n, nbytes = self._push(sockets, job)
+                    n, nbytes = self._push(lane, job)
                 result = TransferResult(KVTransferDone(job.request_id, "sent", True, n, nbytes, time.monotonic() - t0))
             except Exception as e:  # reported to the API process, which answers without the transfer
                 logger.warning("KV transfer of %s failed: %s", job.request_id, e)
@@ -158,13 +201,14 @@ class KVConnector:
                         job.request_id, "sent", False, seconds=time.monotonic() - t0, error=f"{type(e).__name__}: {e}"
                     )
                 )
+            if self._stop.is_set():  # closing: the channel may be gone
+                return
             self.channel.post(result, waker)
-        for s in sockets.values():
-            s.close(linger=0)
-        waker.close(linger=0)
+            idle_since = time.monotonic()
 
-    def _push(self, sockets: dict[str, zmq.Socket], job: _SendJob) -> tuple[int, int]:
+    def _push(self, lane: _SendLane, job: _SendJob) -> tuple[int, int]:
         """Offer, then push what the receiver lacks; (blocks imported there, bytes sent)."""
+        sockets, auth = lane.sockets, lane.auth
         sock = sockets.get(job.target)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
@@ -179,8 +223,8 @@ class KVConnector:
         tid = uuid.uuid4().hex
         deadline = time.monotonic() + self.config.timeout
         try:
-            sock.send_multipart(self._auth.seal([msgspec.msgpack.encode(Offer(tid, job.payload.block_hashes))]))
-            have = self._reply(sock, tid, Have, deadline)
+            sock.send_multipart(auth.seal([msgspec.msgpack.encode(Offer(tid, job.payload.block_hashes))]))
+            have = self._reply(sock, tid, Have, deadline, auth)
             payload = job.payload.tail(have.num_held)
             if payload.num_blocks == 0:
                 return 0, 0
@@ -195,23 +239,23 @@ class KVConnector:
                     shm.buf[: len(payload.data)] = payload.data
                     shm.buf[len(payload.data) : size] = payload.scales
                     push = Push(tid, meta, len(payload.data), shm.name)
-                    sock.send_multipart(self._auth.seal([msgspec.msgpack.encode(push)]))
-                    done = self._reply(sock, tid, Done, deadline)
+                    sock.send_multipart(auth.seal([msgspec.msgpack.encode(push)]))
+                    done = self._reply(sock, tid, Done, deadline, auth)
                 finally:  # the receiver copied it out (or gave up): the segment goes either way
                     shm.close()
                     shm.unlink()
             else:  # the push, then each chunk as a message of its own (protocol.py says why)
                 push = Push(tid, meta, len(payload.data), total_bytes=payload.num_bytes)
-                sock.send_multipart(self._auth.seal([msgspec.msgpack.encode(push)]))
+                sock.send_multipart(auth.seal([msgspec.msgpack.encode(push)]))
                 offset = 0
                 for part in blob_parts:
                     view = memoryview(part)
                     for i in range(0, len(view), CHUNK_BYTES):
                         chunk = view[i : i + CHUNK_BYTES]
                         header = msgspec.msgpack.encode(Chunk(tid, offset))
-                        sock.send_multipart(self._auth.seal([header, chunk]), copy=False)
+                        sock.send_multipart(auth.seal([header, chunk]), copy=False)
                         offset += len(chunk)
-                done = self._reply(sock, tid, Done, deadline)
+                done = self._reply(sock, tid, Done, deadline, auth)
         except (TimeoutError, zmq.ZMQError):
             # Replies that come late would answer the next offer: start that one on a fresh socket.
             sockets.pop(job.target, None)
@@ -221,14 +265,14 @@ class KVConnector:
             raise RuntimeError(f"the decode worker refused the blocks: {done.error}")
         return done.num_imported, payload.num_bytes
 
-    def _reply(self, sock: zmq.Socket, tid: str, kind: type, deadline: float):
+    def _reply(self, sock: zmq.Socket, tid: str, kind: type, deadline: float, auth: MessageAuth):
         decoder = msgspec.msgpack.Decoder(WireMessage)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
                 raise TimeoutError(f"no answer from the decode worker within {self.config.timeout:.1f}s")
             try:
-                msg = decoder.decode(self._auth.open(sock.recv_multipart())[0])
+                msg = decoder.decode(auth.open(sock.recv_multipart())[0])
             except (AuthError, msgspec.DecodeError, IndexError) as e:
                 logger.warning("KV transfer reply refused: %s", e)
                 continue
@@ -279,8 +323,8 @@ class KVConnector:
         self._stop.set()
         if self.receiver is not None:
             self.receiver.stop()
-        for t in self._threads:
-            t.join(timeout=2.0)
+        for t in self._threads:  # a sender may be inside a transfer: up to its timeout
+            t.join(timeout=self.config.timeout + 2.0)
         self.channel.close()
         if self.redis is not None:
             self.redis.close()

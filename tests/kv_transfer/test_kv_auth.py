@@ -4,6 +4,7 @@ decoding), refuses oversized pushes and opens only the shared-memory segments it
 
 from __future__ import annotations
 
+import socket
 import threading
 from multiprocessing import shared_memory
 
@@ -222,3 +223,32 @@ def test_a_kv_port_beyond_loopback_without_a_secret_is_warned_about(caplog):
         caplog.clear()
         assert warn_if_unsealed("the KV receiver", host, None), host
         assert "without a deployment secret" in caplog.text and host in caplog.text
+
+
+def test_a_receiver_that_does_not_answer_holds_up_only_its_own_transfers():
+    """Each receiver has its own lane: transfers queued for a dead decode worker (each waits out the
+    timeout) do not hold up one to a live worker queued after them, which went out behind them,
+    waited past twice the timeout and failed."""
+    ctx = zmq.Context()
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    dead = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()  # nothing listens there
+    decode = KVConnector(KVTransferConfig(role="decode", port=0, secret=SECRET, timeout=5.0), ctx, "ns", 16 << 20,
+                         HELD.__contains__)  # fmt: skip
+    prefill = KVConnector(KVTransferConfig(role="prefill", transport="tcp", secret=SECRET, timeout=2.0), ctx, "ns",
+                          16 << 20, lambda h: False)  # fmt: skip
+    try:
+        for i in range(3):
+            prefill.send(f"dead-{i}", blocks(2), dead)
+        prefill.send("live", blocks(3), decode.receiver_addr)
+        assert decode.wake.poll(30_000)
+        (job,) = decode.drain()
+        decode.receiver.reply(job.identity, _done(job))
+        assert prefill.wake.poll(30_000)
+        first = prefill.drain()
+        assert [r.outcome.request_id for r in first] == ["live"] and first[0].outcome.ok, first
+    finally:
+        prefill.close()
+        decode.close()
+        ctx.term()
