@@ -74,9 +74,14 @@ def first_text_chunk(chunk: bytes) -> bool:
     return any(_has_text(e) for e in sse_events(chunk))
 
 
+# What a worker appends to every other chunk of a stream that asked for usage (OpenAI's null field).
+_NULL_USAGE = b',"usage":null}\n\n'
+
+
 class UsageChunkFilter:
-    """Drops the usage-only SSE event (`"choices": []` with `usage`) from a stream on its way to a
-    client that did not ask for it: the gateway asks every worker for usage, to settle charges."""
+    """Drops the usage-only SSE event (`"choices": []` with `usage`), and the other events' `"usage":
+    null`, from a stream on its way to a client that did not ask for usage: the gateway asks every
+    worker for it, to settle charges, and the client gets the bytes it would have got without."""
 
     def __init__(self) -> None:
         self._buf = b""
@@ -87,7 +92,7 @@ class UsageChunkFilter:
         while (end := self._buf.find(b"\n\n")) >= 0:
             event, self._buf = self._buf[: end + 2], self._buf[end + 2 :]
             if not _usage_only(event):
-                out.append(event)
+                out.append(event[: -len(_NULL_USAGE)] + b"}\n\n" if event.endswith(_NULL_USAGE) else event)
         return b"".join(out)
 
     def flush(self) -> bytes:

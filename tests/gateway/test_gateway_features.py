@@ -7,7 +7,7 @@ import pytest
 
 from ferry.gateway.auth import ApiKeys, KeyLimits
 from ferry.gateway.rate_limit import TokenRateLimiter
-from ferry.gateway.response_usage import first_text_chunk, has_error_event, response_usage
+from ferry.gateway.response_usage import UsageChunkFilter, first_text_chunk, has_error_event, response_usage
 from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
 
 
@@ -128,3 +128,19 @@ def test_response_usage_from_json_and_sse():
     assert response_usage(two, streamed=True) == (None, 2, False)
     assert has_error_event(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n')
     assert not has_error_event(without)
+
+
+def test_a_stream_asked_for_usage_by_the_gateway_reaches_the_client_as_without():
+    """The gateway adds include_usage to every stream (to settle charges): for a client that did not
+    ask, the usage event goes and the other events' null usage too, in any cut of the bytes."""
+    worker = (b'data: {"id":"c","choices":[{"index":0,"text":"Hi"}],"usage":null}\n\n'
+              b'data: {"id":"c","choices":[{"index":0,"text":"!"}],"usage":null}\n\n'
+              b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+              b"data: [DONE]\n\n")  # fmt: skip
+    want = (b'data: {"id":"c","choices":[{"index":0,"text":"Hi"}]}\n\n'
+            b'data: {"id":"c","choices":[{"index":0,"text":"!"}]}\n\n'
+            b"data: [DONE]\n\n")  # fmt: skip
+    for cut in (1, 7, 40, len(worker)):
+        strip = UsageChunkFilter()
+        got = b"".join(strip.feed(worker[i : i + cut]) for i in range(0, len(worker), cut)) + strip.flush()
+        assert got == want, cut
