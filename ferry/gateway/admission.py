@@ -77,6 +77,7 @@ class RequestContext:
     cache_key: str | None = None
     charge: Charge | None = None
     handed_off: bool = False  # a worker's response is being passed through (it settles the charge)
+    delivered: bool = False  # a worker (the prefill hop's included) has been sent the request
     _ids: list[int] | None = None
     _ids_done: bool = False
 

@@ -213,10 +213,12 @@ class Gateway:
         route = self.proxy.route_pd(ctx, request) if self.disaggregated else self.proxy.route(ctx, request)
         routing = asyncio.ensure_future(route)
         gone = asyncio.ensure_future(wait_for_disconnect(request))
+        left = False
         try:
             await asyncio.wait({routing, gone}, return_when=asyncio.FIRST_COMPLETED)
             if routing.done():  # answered (even if the client left meanwhile: the response's close settles it)
                 return routing.result()
+            left = True
             self.metrics.client_gone.labels("before_response").inc()
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
         finally:
@@ -224,8 +226,11 @@ class Gateway:
             if not routing.done():
                 routing.cancel()
                 await asyncio.gather(routing, return_exceptions=True)
-            if not ctx.handed_off:
-                self.settlement.release(ctx)  # nothing ran: nothing charged
+            if not ctx.handed_off:  # no passed-through response settles the charge: it is settled here
+                if left:
+                    self.settlement.abandoned(ctx)  # the prompt stays charged if a worker was sent it
+                else:
+                    self.settlement.release(ctx)  # nothing ran: nothing charged
 
     def is_admin(self, authorization: str | None) -> bool:
         """Whether a request may read the gateway's own state (/metrics, /gateway/workers, /gateway/state): anyone

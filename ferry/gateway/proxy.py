@@ -223,6 +223,7 @@ class Proxy:
         async def attempt(worker: Worker) -> Done | Retry | GiveUp:
             t0 = time.monotonic()
             worker.in_flight += 1
+            ctx.delivered = True
             try:
                 r = await self.client.post(worker.url + ctx.path, content=body,
                                            headers={"content-type": "application/json"})  # fmt: skip
@@ -270,6 +271,7 @@ class Proxy:
         accept = request.headers.get("accept")
 
         async def attempt(worker: Worker) -> Done | Retry:
+            ctx.delivered = True
             upstream, error = await send(self.client, worker, ctx.path, body, accept, self.breaker)
             if upstream is None:
                 return Retry(error) if error is None or error.retry else GiveUp(error)

@@ -56,6 +56,16 @@ class Settlement:
             self.rate_limiter.reconcile(ctx.charge, 0, 0)  # nothing ran: nothing charged
             ctx.charge = None
 
+    def abandoned(self, ctx: RequestContext) -> None:
+        """The client left before any response reached it. Sent to a worker already (a prefill hop,
+        or a request being computed), it keeps the prompt part of its charge: leaving must not be a
+        way to have prompts computed for free. Sent nowhere yet, it is given back whole."""
+        if ctx.charge is not None and ctx.delivered:
+            self.rate_limiter.reconcile(ctx.charge, None, 0)  # the prompt's estimate stands, nothing generated
+            ctx.charge = None
+        else:
+            self.release(ctx)
+
     def settle(self, ctx: RequestContext, worker: Worker, status: int, headers: dict[str, str],
                body: bytes | None, complete: bool, first_token_at: float | None,
                client_left: bool = False) -> None:  # fmt: skip

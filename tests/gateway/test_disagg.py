@@ -262,6 +262,42 @@ def test_prefill_pools_per_tenant_feed_one_decode_pool(cluster, tmp_path):
         gw.stop()
 
 
+def test_a_client_that_leaves_during_the_prefill_hop_is_charged_its_prompt(cluster, tmp_path):
+    """A streamed request whose client leaves while a prefill worker computes its prompt keeps the
+    prompt's charge (it was given back whole: leaving made prompts free to prefill), as a colocated
+    worker's stream keeps it once its headers are out."""
+    d1, _ = cluster["decode"]
+    p = cluster["prefill"]["tcp"]
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "sk-p", "name": "p", "prompt_tokens_per_minute": 1200}, '
+                    '{"key": "sk-ops", "name": "ops", "admin": true}]')  # fmt: skip
+    gw = pd_gateway([p.url], [d1.url], "--pd-min-prefill-tokens", "0", "--api-keys", str(keys))
+    gw.admin = {"Authorization": "Bearer sk-ops"}
+    auth = {"Authorization": "Bearer sk-p"}
+    prompt = " ".join(long_prompt("charged", i) for i in range(6))  # ~700 tokens: two do not fit in 1,200
+    core = p.core_pid()
+
+    def prefill_in_flight() -> bool:
+        workers = httpx.get(gw.url + "/gateway/workers", headers=gw.admin, timeout=10).json()
+        return any(w["url"] == p.url and w["in_flight"] == 1 for w in workers)
+
+    try:
+        os.kill(core, signal.SIGSTOP)  # the prompt waits on the prefill worker until the client has left
+        try:
+            sock = open_request(gw.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                            "stream": True}, headers=auth)  # fmt: skip
+            wait_for(prefill_in_flight, "the prefill hop under way")
+            sock.close()
+            wait_for(lambda: gw.metric("ferry_gateway_client_disconnects_total") >= 1, "the gateway saw it leave")
+        finally:
+            os.kill(core, signal.SIGCONT)
+        r = httpx.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
+                       headers=auth, timeout=120)  # fmt: skip
+        assert r.status_code == 429 and "prompt tokens" in r.json()["error"]["message"], r.text
+    finally:
+        gw.stop()
+
+
 def test_clients_that_leave_early_abort_the_prefill_hop_and_the_decode(cluster):
     """20 raw-socket clients go away early on each disaggregated path: right after sending (the
     gateway is mostly still in the prefill hop then), not streamed while their requests decode
