@@ -68,7 +68,7 @@ class GrammarState:
         tail = None
         if not self.open:
             keep = len(self.after) - 1
-            tail = self._before[len(self._before) - keep :] if keep else []
+            tail = self._before[max(0, len(self._before) - keep) :] if keep else []
         return self.open, tail, self._matched
 
     def try_consume(self, tokens: list[int]) -> bool:

@@ -157,6 +157,15 @@ def test_drafts_past_the_watched_tails_length_roll_back_too(compiler, smollm):
     fill_bitmask([(state, []), (state, [filler]), (state, [filler, filler])], 49152)
     assert not state.open
     assert state.accept(marker[-1]) and state.open
+    # And an output shorter than a longer marker: a model that writes it at once, drafts tried between.
+    long_marker = _tokens(tok, "</reasoning_ends_here>")
+    assert len(long_marker) >= 4
+    params = StructuredOutputsParams(choice=["cat", "dog"], after_token_ids=long_marker)
+    state = compiler.submit(params).result(timeout=60)
+    for t in long_marker[:-1]:
+        assert state.accept(t)
+        fill_bitmask([(state, [filler])], 49152)
+    assert not state.open and state.accept(long_marker[-1]) and state.open
 
 
 def test_a_json_object_spec_builds_a_json_grammar():
