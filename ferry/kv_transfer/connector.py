@@ -115,6 +115,7 @@ class KVConnector:
                                          config.redis_max_memory, config.secret)  # fmt: skip
         self._lanes: dict[str, _SendLane] = {}  # receiver address (or _SHARED_LANE) -> its lane
         self._lanes_lock = threading.Lock()
+        self._lanes_started = 0  # names the lanes' threads
         self._pulls: queue.Queue = queue.Queue()
         if self.redis is not None:
             self._start(self._pull_loop, "ferry-kv-puller")
@@ -159,17 +160,52 @@ class KVConnector:
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _SendLane()
-                self._start(lambda: self._send_loop(key, lane), f"ferry-kv-sender-{len(self._lanes)}")
+                self._lanes_started += 1
+                self._start(lambda: self._send_loop(key, lane), f"ferry-kv-sender-{self._lanes_started}")
             lane.jobs.put(job)
 
     def _send_loop(self, key: str, lane: _SendLane) -> None:
-        lane.auth = MessageAuth(self.config.secret)
-        waker = self.channel.waker()
+        waker = None
         try:
+            lane.auth = MessageAuth(self.config.secret)
+            waker = self.channel.waker()
             self._send_jobs(key, lane, waker)
+        except Exception:  # a bug, or the process out of sockets: reported below, not silent
+            logger.exception("the KV sender for %s stopped", key or "the shared lane")
         finally:  # whatever happened: an open socket would keep the context from terminating
             for s in lane.sockets.values():
                 s.close(linger=0)
+            if waker is not None:
+                waker.close(linger=0)
+            self._retire(key, lane)
+
+    def _retire(self, key: str, lane: _SendLane) -> None:
+        """A lane whose thread has stopped takes no more jobs, and the ones it holds fail at once
+        (the API process answers them without a transfer) rather than wait for a thread that is gone."""
+        with self._lanes_lock:
+            if self._lanes.get(key) is lane:
+                del self._lanes[key]
+        if self._stop.is_set():
+            return
+        failed = []
+        while True:
+            try:
+                job: _SendJob = lane.jobs.get_nowait()
+            except queue.Empty:
+                break
+            failed.append(TransferResult(KVTransferDone(job.request_id, "sent", False, error="the KV sender stopped")))
+        if not failed:
+            return
+        try:
+            waker = self.channel.waker()
+        except zmq.ZMQError:  # out of sockets: the core sees them at its next drain
+            for result in failed:
+                self.channel.put(result)
+            return
+        try:
+            for result in failed:
+                self.channel.post(result, waker)
+        finally:
             waker.close(linger=0)
 
     def _send_jobs(self, key: str, lane: _SendLane, waker: zmq.Socket) -> None:
@@ -188,7 +224,7 @@ class KVConnector:
             t0 = time.monotonic()
             try:
                 if t0 - job.queued_at > 2 * self.config.timeout:  # its API request has given up waiting
-                    raise TimeoutError(f"waited {t0 - job.queued_at:.1f}s behind other transfers to its receiver")
+                    raise TimeoutError(f"waited {t0 - job.queued_at:.1f}s behind other transfers in its lane")
                 if self.config.transport == "redis":
                     n, nbytes = self.redis.put(job.payload)
                 else:
@@ -251,6 +287,8 @@ class KVConnector:
                 for part in blob_parts:
                     view = memoryview(part)
                     for i in range(0, len(view), CHUNK_BYTES):
+                        if self._stop.is_set() or time.monotonic() > deadline:  # closing, or out of time
+                            raise TimeoutError(f"the push did not finish within {self.config.timeout:.1f}s")
                         chunk = view[i : i + CHUNK_BYTES]
                         header = msgspec.msgpack.encode(Chunk(tid, offset))
                         sock.send_multipart(auth.seal([header, chunk]), copy=False)
@@ -323,8 +361,9 @@ class KVConnector:
         self._stop.set()
         if self.receiver is not None:
             self.receiver.stop()
-        for t in self._threads:  # a sender may be inside a transfer: up to its timeout
-            t.join(timeout=self.config.timeout + 2.0)
+        end = time.monotonic() + self.config.timeout + 2.0  # a sender may be inside a transfer: its timeout
+        for t in self._threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
         self.channel.close()
         if self.redis is not None:
             self.redis.close()
