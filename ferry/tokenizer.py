@@ -9,6 +9,8 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -143,7 +145,16 @@ def _save_to_cache(tok: PreTrainedTokenizerBase, cache_dir: str) -> None:
 
 # -- a token's own bytes --------------------------------------------------------------------------
 
-_BYTE_MODES: dict[int, tuple[object, str]] = {}  # id(tokenizer) -> (tokenizer, "byte_level" | "byte_fallback" | "")
+
+@dataclass(frozen=True)
+class _Spelling:
+    """How a tokenizer's pieces spell bytes, read once per tokenizer."""
+
+    mode: str  # "byte_level" (GPT-2's alphabet), "byte_fallback" (SentencePiece's <0xNN>) or ""
+    added: dict[int, bytes]  # added (special) tokens: their text
+
+
+_SPELLINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _Spelling
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -162,20 +173,21 @@ def _bytes_to_unicode() -> dict[str, int]:
 _BYTE_OF_CHAR = _bytes_to_unicode()
 
 
-def _byte_mode(tokenizer: PreTrainedTokenizerBase) -> str:
-    """How the tokenizer's pieces spell bytes: GPT-2's byte-level alphabet, SentencePiece's `<0xNN>`
-    byte fallback, or neither (read from its decoder, once per tokenizer)."""
-    known = _BYTE_MODES.get(id(tokenizer))
-    if known is not None and known[0] is tokenizer:
-        return known[1]
+def _spelling(tokenizer: PreTrainedTokenizerBase) -> _Spelling:
+    """Read from the tokenizer's decoder alone (not its whole JSON: tens of MB for a large vocabulary)
+    and its added tokens (transformers builds that dict anew on every access), once."""
+    known = _SPELLINGS.get(tokenizer)
+    if known is not None:
+        return known
     mode = ""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        decoder = json.loads(backend.to_str()).get("decoder") or {}
-        kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)}
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is not None:
+        spec = json.loads(decoder.__getstate__())
+        kinds = {d.get("type") for d in spec.get("decoders", [spec]) if isinstance(d, dict)}
         mode = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else ""
-    _BYTE_MODES[id(tokenizer)] = (tokenizer, mode)
-    return mode
+    added = {i: t.content.encode() for i, t in tokenizer.added_tokens_decoder.items()}
+    known = _SPELLINGS[tokenizer] = _Spelling(mode, added)
+    return known
 
 
 def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes | None:
@@ -183,13 +195,14 @@ def token_bytes(tokenizer: PreTrainedTokenizerBase, token_id: int) -> bytes | No
     part of a UTF-8 character gives that part (its decoded text is U+FFFD), so that a client can
     join the pieces back. None where the tokenizer's pieces do not spell bytes (the caller then
     encodes the decoded text)."""
-    added = tokenizer.added_tokens_decoder.get(token_id)
+    spelling = _spelling(tokenizer)
+    added = spelling.added.get(token_id)
     if added is not None:
-        return added.content.encode()
+        return added
     piece = tokenizer.convert_ids_to_tokens(token_id)
     if not isinstance(piece, str):
         return None
-    mode = _byte_mode(tokenizer)
+    mode = spelling.mode
     if mode == "byte_level":
         try:
             return bytes(_BYTE_OF_CHAR[c] for c in piece)

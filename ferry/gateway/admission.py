@@ -204,7 +204,11 @@ class Admission:
             return error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         path = PATHS[kind]
         out, strip_usage = forwarded_body(data, body, key, self.share_prefix_cache)
-        ctx = RequestContext(kind, path, msgspec.json.encode(out), out, model, key_name, getattr(body, "stream", False),
+        try:  # the decoder took it near its depth limit from a shallower stack: it may not go out again
+            raw_out = msgspec.json.encode(out)
+        except RecursionError:
+            return error_response(400, "the request body is nested too deeply")
+        ctx = RequestContext(kind, path, raw_out, out, model, key_name, getattr(body, "stream", False),
                              prefill_pool=key_pool, cache_salt=out.get("cache_salt"),
                              strip_usage=strip_usage)  # fmt: skip
 

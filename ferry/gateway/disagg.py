@@ -28,7 +28,7 @@ Choices:
 
 from __future__ import annotations
 
-import json
+import msgspec
 
 from ferry.gateway.replicas import Worker
 
@@ -84,7 +84,7 @@ def prefill_body(data: dict, receiver: str | None) -> bytes:
     if receiver:
         params["decode_receiver"] = receiver
     body["kv_transfer_params"] = params
-    return json.dumps(body).encode()
+    return msgspec.json.encode(body)
 
 
 def decode_body(data: dict, prefill_answer: dict | None) -> bytes:
@@ -97,7 +97,7 @@ def decode_body(data: dict, prefill_answer: dict | None) -> bytes:
             "first_token_ids": prefill_answer["first_token_ids"],
             "prompt_digest": prefill_answer["prompt_digest"],
         }
-    return json.dumps(body).encode()
+    return msgspec.json.encode(body)
 
 
 def receiver_of(worker: Worker) -> str | None:

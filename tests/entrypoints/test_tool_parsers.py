@@ -85,7 +85,7 @@ def test_calls_nested_deeper_than_the_json_parser_goes_are_text():
         for pieces in ([output], [output[:2500], output[2500:]]):
             assert streamed(parser, pieces) == (output, []), name
     assert parsed_call({"name": "f", "arguments": deep}) is None
-    assert parsed_call({"name": "f", "arguments": json.loads("[" * 900 + "]" * 900)}) is None  # not an object
+    assert parsed_call({"name": "f", "arguments": json.loads("[" * 500 + "]" * 500)}) is None  # not an object
     assert json_or_none(deep) is None and json_or_none('{"a": 1}') == {"a": 1}
 
 

@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI API (with vLLM's extra sampling fields) and the error body.
 
 Nothing is silently dropped: a field ferry does not implement is a 400 naming it, unless its
-value is null (asks for nothing) or it is one of the accepted no-ops in NO_OP_FIELDS (fields that
-only label or store a request at OpenAI). Validation is strict: a
+value is null (asks for nothing), it is one of the accepted no-ops in NO_OP_FIELDS (fields that
+only label or store a request at OpenAI), or it has the value that asks for nothing (`best_of`
+1). A null for a known field that takes none asks for its default (`"n": null`, as OpenAI's
+schema allows). Validation is strict: a
 number sent as a string (`"n": "64"`) or an integer sent as a float
 (`"max_tokens": 10.0`) is refused rather than coerced, so what a gateway counts
 is what the worker runs. Floats reject NaN and infinity. Everything a client

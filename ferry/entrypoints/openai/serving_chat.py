@@ -111,8 +111,9 @@ def render_chat_prompt(tokenizer, body: ChatPrompt) -> dict[str, Any]:
 def _logprobs(c: CompletionOutput, top: int, tokenizer) -> dict[str, Any]:
     def entry_json(token_id: int, lp) -> dict[str, Any]:
         text = lp.decoded_token or ""
-        # The token's own bytes: a piece of a UTF-8 character decodes to U+FFFD, whose bytes are not its
-        raw = token_bytes(tokenizer, token_id) if tokenizer is not None else None
+        # The token's own bytes: a piece of a UTF-8 character decodes to U+FFFD, whose bytes are not
+        # the piece's. A token the output skips (a special one) has no text and no bytes.
+        raw = token_bytes(tokenizer, token_id) if tokenizer is not None and text else None
         return {"token": text, "logprob": finite(lp.logprob), "bytes": list(raw if raw is not None else text.encode())}
 
     content = []

@@ -188,13 +188,18 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     return JSONResponse(response)
 
 
+def _scored(reason: str | None) -> str | None:
+    """A score-only choice's finish: length where its one token stopped or ran out; an abort stays one."""
+    return "length" if reason in ("stop", "length") else reason
+
+
 async def _nothing_generated(outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
     """The outputs with their generated token taken out (echo with max_tokens 0). Closing this
     closes `outputs` (which aborts their requests)."""
     try:
         async for i, out in outputs:
             empty = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                                         cumulative_logprob=None, finish_reason="length" if c.finish_reason else None,
+                                         cumulative_logprob=None, finish_reason=_scored(c.finish_reason),
                                          stop_reason=None) for c in out.outputs]  # fmt: skip
             yield i, dataclasses.replace(out, outputs=empty)
     finally:
