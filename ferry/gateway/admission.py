@@ -50,7 +50,7 @@ from ferry.entrypoints.openai.protocol import (
 )
 from ferry.gateway.auth import ApiKey, ApiKeys
 from ferry.gateway.metrics import GatewayMetrics
-from ferry.gateway.prompts import PromptTokenizer
+from ferry.gateway.prompts import PromptTokenizer, prompts_of
 from ferry.gateway.rate_limit import Charge, TokenRateLimiter
 from ferry.gateway.replicas import Worker, pool
 from ferry.gateway.responses import CACHE_HEADER, WORKER_HEADER, error_response
@@ -92,11 +92,6 @@ class RequestContext:
 def unauthorized() -> JSONResponse:
     return error_response(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                           param=None, code="invalid_api_key")  # fmt: skip
-
-
-def prompts_of(data: dict) -> object:
-    """A body's prompt or prompts: /v1/completions' `prompt`, /v1/embeddings' `input` (None for chat)."""
-    return data.get("prompt", data.get("input"))
 
 
 def _num_prompts(data: dict) -> int:

@@ -16,6 +16,11 @@ from ferry.entrypoints.openai.protocol import MAX_BODY_BYTES, PromptLimits
 from ferry.gateway.replicas import Worker
 
 
+def prompts_of(data: dict) -> object:
+    """A body's prompt or prompts: /v1/completions' `prompt`, /v1/embeddings' `input` (None for chat)."""
+    return data.get("prompt", data.get("input"))
+
+
 class PromptTokenizer:
     def __init__(self, tokenizer: str | None = None) -> None:
         self.tokenizer = tokenizer  # default: what each worker's /ferry/info names
@@ -55,7 +60,7 @@ class PromptTokenizer:
         they cannot be known here (the replica then reports whatever is wrong)."""
         try:
             if kind in ("completions", "embeddings"):
-                prompt = data.get("prompt" if kind == "completions" else "input")
+                prompt = prompts_of(data)
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
                     prompt = prompt[0]  # several prompts (inputs) go to one worker; route by the first
                 if isinstance(prompt, list):

@@ -134,16 +134,17 @@ async def create_completion(request: Request, state: ServerState, body: Completi
             return p["prompt"]
         return tokenizer.decode(p) if tokenizer is not None else ""
 
+    outputs = merged_outputs(engine, streams)
+    if score_only:
+        outputs = _nothing_generated(outputs)
     if body.stream:
-        outputs = _nothing_generated(merged_outputs(engine, streams)) if score_only else merged_outputs(engine, streams)
         return StreamingResponse(
             _stream(request, engine, outputs, body, model, base_id, created, n, echo_text, with_ids, due),
             media_type="text/event-stream",
         )
 
     finals: dict[int, Any] = {}
-    outputs = merged_outputs(engine, streams)
-    async for i, out in until_disconnect(request, _nothing_generated(outputs) if score_only else outputs, due):
+    async for i, out in until_disconnect(request, outputs, due):
         finals[i] = out
     if len(finals) < len(streams):
         engine.forget_kv_sent(base_id)
@@ -215,6 +216,13 @@ async def _stream(
     completion_tokens = 0
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
+
+    def chunk(choices: list[dict[str, Any]], usage_now: dict[str, Any] | None = None) -> bytes:
+        data = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
+            data["usage"] = usage_now
+        return sse(data)
+
     try:
         async for i, out in until_disconnect(request, outputs, due):
             prompt_tokens[i] = len(out.prompt_token_ids)
@@ -249,27 +257,9 @@ async def _stream(
                     choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
             for choice in choices:  # one choice a chunk, as OpenAI and vLLM send them
-                data = {
-                    "id": base_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                }
-                if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
-                    data["usage"] = None
-                yield sse(data)
+                yield chunk([choice])
         if body.include_usage:
-            yield sse(
-                {
-                    "id": base_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage(sum(prompt_tokens.values()), completion_tokens, sum(cached.values())),
-                }
-            )
+            yield chunk([], usage(sum(prompt_tokens.values()), completion_tokens, sum(cached.values())))
     except Exception as e:  # headers are sent: report in-band, as vLLM does
         yield sse(as_openai_error(e).body())
     yield SSE_DONE
