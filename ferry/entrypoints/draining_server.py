@@ -18,8 +18,6 @@ from collections.abc import Callable
 
 import uvicorn
 
-from ferry.utils.network import allow_rebind
-
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, start_drain: Callable[[], None], draining: Callable[[], bool]) -> None:
@@ -29,9 +27,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-        for sock in sockets or ():  # bound before the server started (utils/network.py), listening now
-            allow_rebind(sock)
+        await super().startup(sockets)  # sockets from utils/network.py set SO_REUSEADDR as they listen
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit or self.draining():

@@ -46,14 +46,27 @@ def reserve_port(host: str = "127.0.0.1") -> tuple[socket.socket, int]:
     return sock, sock.getsockname()[1]
 
 
-def server_socket(host: str, port: int, fd: int | None = None) -> socket.socket:
+class ServerSocket(socket.socket):
+    """A server's TCP socket: SO_REUSEADDR comes on in `listen`, just before the kernel listens.
+    Not before: a bound socket with it could share its port with another that has it too (ZMQ's
+    random binds); nothing can share a listening port, and the listen fails with EADDRINUSE if
+    one did in between. Not after: a connection whose handshake completed in between would not
+    inherit it, and its TIME_WAIT would keep a restarted server off the port for a minute."""
+
+    def listen(self, *backlog: int) -> None:
+        self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        super().listen(*backlog)
+
+
+def server_socket(host: str, port: int, fd: int | None = None) -> ServerSocket:
     """The TCP socket a server will serve on, bound and not yet listening (uvicorn listens when its
     HTTP side is up, so clients are refused until then, as with uvicorn's own bind): the inherited
     socket `fd` (bound by a launcher; `port` is then only what it was told) or `host:port` bound
     here. Bound without SO_REUSEADDR, so no other socket can share the port meanwhile (one that is
     bound with it could, ZMQ's random binds included); only when that fails does it bind with it,
-    as uvicorn does, for a port whose last server left connections in TIME_WAIT. Call
-    `allow_rebind` once it listens. ValueError (a flag to change) for a taken port or a bad fd."""
+    as uvicorn does, for a port whose last server left connections in TIME_WAIT. It sets the
+    option itself as it listens (ServerSocket). ValueError (a flag to change) for a taken port
+    or a bad fd."""
     if fd is not None:
         return _inherited_socket(fd)
     try:
@@ -62,11 +75,11 @@ def server_socket(host: str, port: int, fd: int | None = None) -> socket.socket:
         raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
 
 
-def _bound_socket(host: str, port: int) -> socket.socket:
+def _bound_socket(host: str, port: int) -> ServerSocket:
     for reuse in (False, True):
         # AF_INET6 for "::" as uvicorn binds it: Linux's default (bindv6only 0) lets IPv4 in too,
         # where socket.create_server would make it IPv6-only.
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = ServerSocket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
             if reuse:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -79,9 +92,9 @@ def _bound_socket(host: str, port: int) -> socket.socket:
     raise AssertionError("unreachable")
 
 
-def _inherited_socket(fd: int) -> socket.socket:
+def _inherited_socket(fd: int) -> ServerSocket:
     try:
-        sock = socket.socket(fileno=fd)
+        sock = ServerSocket(fileno=fd)
     except OSError as e:
         raise ValueError(f"--fd {fd}: not an open socket ({e})") from None
     if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -104,10 +117,3 @@ def handed_over(cmd: list[str], sock: socket.socket | None) -> Iterator[tuple[li
     finally:
         if sock is not None:
             sock.close()
-
-
-def allow_rebind(sock: socket.socket) -> None:
-    """SO_REUSEADDR on a server's socket once it listens (nothing can share a listening port), before
-    its first connection: accepted connections inherit it, and without it their TIME_WAIT would keep
-    a server restarted on this port from binding it for a minute."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

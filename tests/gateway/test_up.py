@@ -14,7 +14,7 @@ from server_utils import open_request, read_until, wait_for
 
 from ferry.bench.launch import LaunchedServer
 from ferry.gateway.up import cpu_slices
-from ferry.utils.network import allow_rebind, free_port, reserve_ports, server_socket
+from ferry.utils.network import free_port, reserve_ports, server_socket
 
 
 def test_cpu_slices_split_evenly_and_wrap_when_short():
@@ -50,13 +50,20 @@ def test_reserved_ports_are_distinct_and_nobody_else_binds_them_until_handed_ove
         with pytest.raises(ConnectionRefusedError):  # not before: a client is refused, as by a port not yet bound
             socket.create_connection(("127.0.0.1", ports[0]), timeout=5)
         served.listen()
-        allow_rebind(served)
+        # A client the moment it listens (a readiness probe): its handshake completes in the kernel
+        # before the server does anything more, and must still not keep the port from a restart.
         with socket.create_connection(("127.0.0.1", ports[0]), timeout=5) as client:
             conn, _ = served.accept()
             conn.close()  # the server closes first: its side of the connection waits in TIME_WAIT
             assert client.recv(1) == b""
         served.detach()
         socks[0].close()  # the replica died; one started again binds the port by number
+        again = server_socket("127.0.0.1", ports[0])
+        again.listen()  # and again a client at once, the server first to close, and again a restart
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=5) as client:
+            again.accept()[0].close()
+            assert client.recv(1) == b""
+        again.close()
         server_socket("127.0.0.1", ports[0]).close()
     finally:
         for s in socks:
