@@ -28,6 +28,7 @@ releases its buffer or segment. The outcome reaches the API process as a
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -51,6 +52,12 @@ from ferry.kv_transfer.redis_store import RedisBlockStore
 from ferry.utils.deployment_secret import AuthError, MessageAuth
 
 logger = logging.getLogger("ferry.kv_transfer")
+
+
+def cache_fingerprint(namespace: str) -> str:
+    """A short public name for a worker's model and cache geometry (the coordinator's namespace):
+    equal for peers whose blocks fit each other, without sending the model's path to a peer."""
+    return hashlib.sha256(b"ferry-kv-cache\0" + namespace.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -103,6 +110,7 @@ class KVConnector:
         self.config = config
         self.ctx = ctx
         self.namespace = namespace  # Redis keys: model and cache geometry
+        self.fingerprint = cache_fingerprint(namespace)  # the same, in tcp and shm offers
         self.has_block = has_block
         self.channel = CoreChannel(ctx)
         self.receiver: Receiver | None = None
@@ -121,7 +129,7 @@ class KVConnector:
             self._start(self._pull_loop, "ferry-kv-puller")
         if config.receives:
             self.receiver = Receiver(self.channel, config.host, config.port, max_payload_bytes, has_block,
-                                     config.secret, config.timeout)  # fmt: skip
+                                     self.fingerprint, config.secret, config.timeout)  # fmt: skip
             self.receiver_addr = self.receiver.addr
             self._start(self.receiver.run, "ferry-kv-receiver")
 
@@ -259,7 +267,9 @@ class KVConnector:
         tid = uuid.uuid4().hex
         deadline = time.monotonic() + self.config.timeout
         try:
-            sock.send_multipart(auth.seal([msgspec.msgpack.encode(Offer(tid, job.payload.block_hashes))]))
+            sock.send_multipart(
+                auth.seal([msgspec.msgpack.encode(Offer(tid, job.payload.block_hashes, self.fingerprint))])
+            )
             have = self._reply(sock, tid, Have, deadline, auth)
             payload = job.payload.tail(have.num_held)
             if payload.num_blocks == 0:

@@ -3,9 +3,10 @@ receiver (ZMQ DEALER/ROUTER, msgspec). The outcome the EngineCore reports to its
 outcome.py's.
 
 tcp and shm: the sender offers a hash chain (`Offer`), the receiver answers how many leading
-blocks it already holds (`Have`), the sender pushes the rest (`Push`: the payload's metadata and
-size, or the name of a shared-memory segment), tcp then sends the bytes as `Chunk` messages of
-at most CHUNK_BYTES, and the receiver's core imports them and answers `Done`.
+blocks it already holds (`Have`; `Done` with an error when the offer is of another model or
+cache), the sender pushes the rest (`Push`: the payload's metadata and size, or the name of a
+shared-memory segment), tcp then sends the bytes as `Chunk` messages of at most CHUNK_BYTES, and
+the receiver's core imports them and answers `Done`.
 
 Every chunk is a message of its own, not a frame of the push: ZMQ holds a multipart message
 whole before delivering it and bounds only each frame's size (MAXMSGSIZE), so a push of many
@@ -25,6 +26,10 @@ CHUNK_BYTES = 4 << 20
 class Offer(msgspec.Struct, tag="offer", array_like=True):
     transfer_id: str
     block_hashes: list[bytes]
+    # The sender's model and cache (connector.cache_fingerprint): a receiver of another refuses the
+    # offer, as blocks hashed from the same tokens by another model (a fine-tune of the same shape)
+    # would import cleanly and decode from the wrong KV. "" from a ferry before the field: refused.
+    fingerprint: str = ""
 
 
 class Have(msgspec.Struct, tag="have", array_like=True):

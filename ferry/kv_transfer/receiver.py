@@ -66,10 +66,13 @@ class Receiver:
         port: int,
         max_payload_bytes: int,
         has_block: Callable[[bytes], bool],
+        fingerprint: str,
         secret: bytes | None = None,
         timeout: float = 10.0,
     ) -> None:
+        """`fingerprint`: this worker's model and cache (connector.cache_fingerprint); offers of another are refused."""
         self.channel = channel
+        self.fingerprint = fingerprint
         self.has_block = has_block
         self.auth = MessageAuth(secret)
         self.timeout = timeout
@@ -150,11 +153,8 @@ class Receiver:
                     logger.warning("KV transfer message refused: %s", e)
                     continue
                 if isinstance(msg, Offer):
-                    held = 0
-                    while held < len(msg.block_hashes) and self.has_block(msg.block_hashes[held]):
-                        held += 1
-                    have = Have(msg.transfer_id, held, self._name_segment(msg.transfer_id))
-                    self.sock.send_multipart([identity, *self.auth.seal([encoder.encode(have)])])
+                    answer = self._answer(msg)
+                    self.sock.send_multipart([identity, *self.auth.seal([encoder.encode(answer)])])
                 elif isinstance(msg, (Push, Chunk)):
                     if isinstance(msg, Chunk):
                         job = self._add_chunk(msg, body[1:], identity)
@@ -168,6 +168,21 @@ class Receiver:
             self.sock.close(linger=0)
             self.wake.close(linger=0)
             waker.close(linger=0)
+
+    def _answer(self, offer: Offer) -> Have | Done:
+        """How many leading blocks of the offer this cache holds, or a refusal of another model's blocks."""
+        if offer.fingerprint != self.fingerprint:
+            error = (
+                f"KV blocks of another model or cache layout (fingerprint {offer.fingerprint or 'none'!r}, "
+                f"this worker's {self.fingerprint!r}): prefill and decode workers need the same model, "
+                "--block-size and --kv-cache-dtype, and the same ferry"
+            )
+            logger.warning("KV offer %s refused: %s", offer.transfer_id, error)
+            return Done(offer.transfer_id, False, error=error)
+        held = 0
+        while held < len(offer.block_hashes) and self.has_block(offer.block_hashes[held]):
+            held += 1
+        return Have(offer.transfer_id, held, self._name_segment(offer.transfer_id))
 
     def _name_segment(self, transfer_id: str) -> str:
         """The shared-memory name the sender of this transfer must use (forgotten after 2 timeouts)."""

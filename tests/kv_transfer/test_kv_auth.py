@@ -15,13 +15,14 @@ import zmq
 
 from ferry.config import KVTransferConfig
 from ferry.kv_transfer.blocks import KVBlocks
-from ferry.kv_transfer.connector import KVConnector
+from ferry.kv_transfer.connector import KVConnector, cache_fingerprint
 from ferry.kv_transfer.core_channel import CoreChannel
-from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Have, Offer, Push, WireMessage
+from ferry.kv_transfer.protocol import CHUNK_BYTES, Chunk, Done, Have, Offer, Push, WireMessage
 from ferry.kv_transfer.receiver import ImportJob, Receiver
 from ferry.utils.deployment_secret import AuthError, MessageAuth, load_secret, warn_if_unsealed
 
 SECRET = b"deployment-secret-0123456789"
+FINGERPRINT = cache_fingerprint("ns")  # the receiver's model and cache
 HELD = {b"h0"}  # the receiver's cache holds this block
 
 
@@ -33,7 +34,8 @@ def blocks(n: int, nbytes: int = 64) -> KVBlocks:
 def receiver():
     ctx = zmq.Context()
     channel = CoreChannel(ctx)
-    r = Receiver(channel, "127.0.0.1", 0, max_payload_bytes=4096, has_block=HELD.__contains__, secret=SECRET,
+    r = Receiver(channel, "127.0.0.1", 0, max_payload_bytes=4096, has_block=HELD.__contains__,
+                 fingerprint=FINGERPRINT, secret=SECRET,
                  timeout=5.0)  # fmt: skip
     thread = threading.Thread(target=r.run, daemon=True)
     thread.start()
@@ -53,8 +55,8 @@ def reply(peer: zmq.Socket, auth: MessageAuth):
     return msgspec.msgpack.decode(auth.open(peer.recv_multipart())[0], type=WireMessage)
 
 
-def offer(tid: str, hashes=(b"h0", b"h1")) -> bytes:
-    return msgspec.msgpack.encode(Offer(tid, list(hashes)))
+def offer(tid: str, hashes=(b"h0", b"h1"), fingerprint: str = FINGERPRINT) -> bytes:
+    return msgspec.msgpack.encode(Offer(tid, list(hashes), fingerprint))
 
 
 def test_only_sealed_fresh_messages_are_answered(receiver):
@@ -75,6 +77,22 @@ def test_only_sealed_fresh_messages_are_answered(receiver):
     assert (first.transfer_id, second.transfer_id) == ("once", "last")
     assert isinstance(first, Have) and first.num_held == 1 and first.shm_name.startswith("ferry-kv-")
     assert not peer.poll(200)
+
+
+def test_offers_of_another_model_or_cache_are_refused(receiver):
+    """Blocks hash by tokens alone: a prefill worker of another model of the same shape (a
+    fine-tune), or with another --kv-cache-dtype, would have its blocks imported and decoded from.
+    The receiver refuses the offer, and an offer without a fingerprint (an older ferry) too."""
+    _, channel, peer = receiver
+    good = MessageAuth(SECRET)
+    for tid, fingerprint in (("other", cache_fingerprint("another-model")), ("old", "")):
+        peer.send_multipart(good.seal([offer(tid, fingerprint=fingerprint)]))
+        answer = reply(peer, good)
+        assert isinstance(answer, Done) and answer.transfer_id == tid and not answer.ok
+        assert "another model or cache layout" in answer.error and FINGERPRINT in answer.error
+    peer.send_multipart(good.seal([offer("same")]))
+    assert isinstance(reply(peer, good), Have)
+    assert not channel.drain()
 
 
 def test_oversized_pushes_streams_and_foreign_segments_are_refused(receiver):
@@ -169,11 +187,12 @@ def test_a_connector_with_the_secret_gets_through_and_one_without_does_not(tmp_p
         # 9 MiB of distinct bytes: three chunks over tcp, reassembled in order.
         large = KVBlocks(1, 1, 1, 512, "float32", [f"L{i}".encode() for i in range(2304)], None,
                          bytes(range(256)) * (9 << 12))  # fmt: skip
-        cases = (("tcp", SECRET, True, blocks(3)), ("tcp", SECRET, True, large), ("shm", SECRET, True, blocks(3)),
-                 ("tcp", None, False, blocks(3)))  # fmt: skip
-        for transport, secret, ok, payload in cases:
+        cases = (("tcp", SECRET, True, blocks(3), "ns"), ("tcp", SECRET, True, large, "ns"),
+                 ("shm", SECRET, True, blocks(3), "ns"), ("tcp", None, False, blocks(3), "ns"),
+                 ("shm", SECRET, False, blocks(3), "another-model"))  # fmt: skip
+        for transport, secret, ok, payload, namespace in cases:
             prefill = KVConnector(KVTransferConfig(role="prefill", transport=transport, secret=secret, timeout=2.0),
-                                  ctx, "ns", 16 << 20, lambda h: False)  # fmt: skip
+                                  ctx, namespace, 16 << 20, lambda h: False)  # fmt: skip
             try:
                 prefill.send("r", payload, decode.receiver_addr)
                 if ok:  # the decode side's core imports and answers
@@ -186,7 +205,8 @@ def test_a_connector_with_the_secret_gets_through_and_one_without_does_not(tmp_p
                 (result,) = prefill.drain()
                 assert result.outcome.ok is ok, result.outcome
                 if not ok:
-                    assert "no answer" in result.outcome.error and not decode.drain()
+                    want = "another model" if namespace != "ns" else "no answer"
+                    assert want in result.outcome.error and not decode.drain()
             finally:
                 prefill.close()
         decode.close()
@@ -195,8 +215,6 @@ def test_a_connector_with_the_secret_gets_through_and_one_without_does_not(tmp_p
 
 
 def _done(job: ImportJob):
-    from ferry.kv_transfer.protocol import Done
-
     return Done(job.transfer_id, True, job.payload.num_blocks)
 
 
