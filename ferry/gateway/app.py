@@ -247,9 +247,9 @@ class Gateway:
         now = time.monotonic()
         return {"url": w.url, "role": w.role, "prefill_pool": w.prefill_pool, "healthy": w.healthy,
                 "reachable": w.reachable, "circuit_open_s": max(0.0, w.open_until - now),
-                "models": sorted(w.models), "in_flight": w.in_flight, "waiting": w.waiting, "running": w.running,
-                "kv_usage": w.kv_usage, "prefix_queries": w.prefix_queries, "prefix_hits": w.prefix_hits,
-                "last_error": w.last_error, "kv_blocks_known": self.kv.blocks_known(w),
+                "models": sorted(w.models), "in_flight": w.in_flight, "reserved": w.reserved, "waiting": w.waiting,
+                "running": w.running, "kv_usage": w.kv_usage, "prefix_queries": w.prefix_queries,
+                "prefix_hits": w.prefix_hits, "last_error": w.last_error, "kv_blocks_known": self.kv.blocks_known(w),
                 "kv_mirrored": self.kv.mirrored(w)}  # fmt: skip
 
     # -- app --------------------------------------------------------------

@@ -124,6 +124,7 @@ class KVEventSubscriber(BackgroundTask):
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.replay_decoder = msgspec.msgpack.Decoder(ReplayResponse)
         self.replays = 0  # how often a gap (or the start) needed the replay socket
+        self.info: dict | None = None  # the worker's /ferry/info that named these ports
 
     async def _run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
@@ -259,10 +260,13 @@ class KVMirrors(BackgroundTask):
 
     async def _sync(self, w: Worker, warned: set[str]) -> None:
         sub = self.subscribers.get(w.url)
-        if sub is not None and (not w.reachable or not sub.running):
-            await sub.stop()  # gone, or failed: a new one starts from a fresh snapshot
+        restarted = sub is not None and sub.info is not w.info  # read again: a restart (replicas.py)
+        if sub is not None and (not w.reachable or not sub.running or restarted):
+            await sub.stop()  # gone, failed or restarted: a new one starts from a fresh snapshot
             del self.subscribers[w.url]
             sub = None
+            if restarted:
+                self.forget(w.url)
         if not w.reachable:
             self.forget(w.url)
             w.info = None  # refetched on recovery: a restarted worker has new ports
@@ -289,5 +293,6 @@ class KVMirrors(BackgroundTask):
             if ":" in host and not host.startswith("["):
                 host = f"[{host}]"  # IPv6 in a tcp:// endpoint
             sub = KVEventSubscriber(self._zmq, host, int(ev["port"]), int(ev["replay_port"]), w.url, self.secret)
+            sub.info = w.info  # the ports it was made from
             sub.start()
             self.subscribers[w.url] = sub

@@ -181,18 +181,24 @@ class Proxy:
             return await self.route(ctx, request)  # colocated workers of this model, if any
         d = self.routing.choose_decode(decode_pool)
         answer, prefill_worker, decision, prefill_seconds = None, None, LOCAL, None
-        if why_not_disaggregated(ctx.data, ctx.kind) is None:
-            ids = await ctx.token_ids(self.prompts, d)
-            block_size = (d.info or {}).get("block_size")
-            if ids and block_size:
-                hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt)
-                uncached = len(ids) - self.kv.overlap(d, hashes) * block_size
-                if uncached >= self.pd_min_prefill_tokens:
-                    t0 = time.monotonic()
-                    answer, prefill_worker = await self.prefill(ctx, d, hashes)
-                    prefill_seconds = time.monotonic() - t0
-                    decision = DISAGGREGATED if answer is not None and answer.get("ok") else FALLBACK
-                self.kv.add_pending(d, hashes)
+        # Its in-flight count rises only when the decode request is sent, after the prefill hop: until
+        # then the choice counts in its load, or every request of a burst would see the same loads.
+        d.reserved += 1
+        try:
+            if why_not_disaggregated(ctx.data, ctx.kind) is None:
+                ids = await ctx.token_ids(self.prompts, d)
+                block_size = (d.info or {}).get("block_size")
+                if ids and block_size:
+                    hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt)
+                    uncached = len(ids) - self.kv.overlap(d, hashes) * block_size
+                    if uncached >= self.pd_min_prefill_tokens:
+                        t0 = time.monotonic()
+                        answer, prefill_worker = await self.prefill(ctx, d, hashes)
+                        prefill_seconds = time.monotonic() - t0
+                        decision = DISAGGREGATED if answer is not None and answer.get("ok") else FALLBACK
+                    self.kv.add_pending(d, hashes)
+        finally:
+            d.reserved -= 1
         self.metrics.pd_decisions.labels(ctx.model, decision).inc()
         self.metrics.activity.pd_decided(ctx.model, decision, d.url, prefill_worker.url if prefill_worker else None,
                                          prefill_seconds)  # fmt: skip

@@ -44,7 +44,9 @@ class Worker:
     models: set[str] = field(default_factory=set)
     info: dict | None = None  # /ferry/info, when the worker is a ferry serve
     # Load: requests the gateway has in flight here, and what /metrics last said.
+    started_at: float = 0.0  # its process's start (/metrics process_start_time_seconds): a change is a restart
     in_flight: int = 0
+    reserved: int = 0  # decode requests chosen for it whose prefill hop runs (sent once it is done)
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
@@ -64,8 +66,9 @@ class Worker:
     @property
     def load(self) -> float:
         """Requests this worker has to get through: the gateway's own in-flight count, or the
-        worker's running + waiting if other clients use it too (whichever is larger)."""
-        return max(float(self.in_flight), self.running + self.waiting)
+        worker's running + waiting if other clients use it too (whichever is larger), and the
+        decode requests on their way to it (prefill hops: seconds before they count as in flight)."""
+        return max(float(self.in_flight), self.running + self.waiting) + self.reserved
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
@@ -85,6 +88,7 @@ _METRICS = {
     "ferry:kv_cache_usage_perc": "kv_usage",
     "ferry:prefix_cache_queries_total": "prefix_queries",
     "ferry:prefix_cache_hits_total": "prefix_hits",
+    "process_start_time_seconds": "started_at",
 }
 
 
@@ -143,8 +147,8 @@ class WorkerMonitor(BackgroundTask):
             models.raise_for_status()
             w.models = {m["id"] for m in models.json().get("data", [])}
             if w.info is None:
-                info = await self.client.get(w.url + "/ferry/info", timeout=self.config.timeout)
-                w.info = info.json() if info.status_code == 200 else {}
+                w.started_at = 0.0  # the info read now is the running process's: no restart to tell apart
+                await self.read_info()
             await self.scrape()
         except Exception as e:  # any failure to answer is the worker's problem, not the gateway's
             if w.reachable or w.consecutive_failures == 0:
@@ -166,5 +170,26 @@ class WorkerMonitor(BackgroundTask):
         except Exception as e:
             w.last_error = f"/metrics: {e}"
             return
-        for attr, value in parse_load_metrics(r.text).items():
+        values = parse_load_metrics(r.text)
+        started = values.pop("started_at", 0.0)
+        for attr, value in values.items():
             setattr(w, attr, value)
+        if started != w.started_at:
+            if w.started_at != 0.0 and w.info is not None:
+                # Back between two health checks: its KV-event and KV-receiver ports are new ones.
+                logger.info("worker %s restarted: reading its /ferry/info again", w.url)
+                w.info = None
+            w.started_at = started
+        if w.info is None and w.reachable:  # restarted (and perhaps still loading: then None still)
+            try:
+                await self.read_info()
+            except Exception as e:
+                w.last_error = f"/ferry/info: {e}"
+
+    async def read_info(self) -> None:
+        """/ferry/info: the ports and cache geometry of a ferry serve ({} for another server); left
+        None while it loads (503), to be read again."""
+        w = self.worker
+        info = await self.client.get(w.url + "/ferry/info", timeout=self.config.timeout)
+        if info.status_code != 503:
+            w.info = info.json() if info.status_code == 200 else {}

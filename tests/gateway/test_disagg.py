@@ -299,14 +299,14 @@ def test_a_client_that_leaves_during_the_prefill_hop_is_charged_its_prompt(clust
 
 
 def test_clients_that_leave_early_abort_the_prefill_hop_and_the_decode(cluster):
-    """20 raw-socket clients go away early on each disaggregated path: right after sending (the
+    """10 raw-socket clients go away early on each disaggregated path: right after sending (the
     gateway is mostly still in the prefill hop then), not streamed while their requests decode
     (before any byte), streamed after a first token. Nothing runs to its 300 tokens, and every
     worker, prefill ones included, ends idle with no KV block held."""
     d1, d2 = cluster["decode"]
     p = cluster["prefill"]["tcp"]
     gw = pd_gateway([p.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "0")
-    n = 20
+    n = 10
     body = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
     length_before = sum(finished(s, "length") for s in (d1, d2))
 
@@ -338,6 +338,35 @@ def test_clients_that_leave_early_abort_the_prefill_hop_and_the_decode(cluster):
         assert headers["x-ferry-prefill-worker"] == p.url and text
     finally:
         gw.stop()
+
+
+def test_a_burst_is_spread_over_the_decode_workers_while_its_prefill_hops_run(cluster):
+    """The decode worker is chosen before the prefill hop and counts the request as in flight only
+    once it is sent: a burst chosen meanwhile saw the same loads, and with one worker busier when
+    last scraped every request of it went to the other."""
+    d1, d2 = cluster["decode"]
+    p = cluster["prefill"]["tcp"]
+    other = open_request(d1.url, "/v1/completions", {"model": MODEL, "prompt": "Another client's request",
+                         "max_tokens": 900, "ignore_eos": True, "stream": True})  # fmt: skip
+    read_until(other, b"data: {")  # d1 runs one request when the gateway looks, and is never scraped again
+    gw = pd_gateway([p.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "0", "--scrape-interval", "3600",
+                    "--health-interval", "3600", "--admin-key", "admin-key-for-state")  # fmt: skip
+    socks = []
+    try:
+        state = httpx.get(gw.url + "/gateway/state", headers={"authorization": "Bearer admin-key-for-state"}).json()
+        assert {w["url"]: w["running"] for w in state["workers"] if w["role"] == "decode"} == {d1.url: 1, d2.url: 0}
+        body = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
+        socks = [open_request(gw.url, "/v1/completions", {**body, "prompt": long_prompt("burst", i)})
+                 for i in range(8)]  # fmt: skip
+        heads = [read_until(s, b"data: {").split(b"\r\n\r\n")[0].decode().lower() for s in socks]
+        chosen = [next(h.split(": ", 1)[1] for h in head.split("\r\n") if h.startswith("x-ferry-worker:"))
+                  for head in heads]  # fmt: skip
+        assert min(chosen.count(d1.url), chosen.count(d2.url)) >= 2, chosen
+    finally:
+        for s in [other, *socks]:
+            s.close()
+        gw.stop()
+    wait_for(lambda: all(s.metric("ferry:num_requests_running") == 0 for s in (d1, d2)), "the burst aborted")
 
 
 def test_failed_prefill_and_decode_workers_are_replaced(cluster):

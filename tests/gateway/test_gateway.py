@@ -250,6 +250,35 @@ def test_killed_worker_is_routed_around(replicas):
         victim.stop()
 
 
+def test_a_worker_restarted_between_health_checks_is_mirrored_again():
+    """A replica back on its port before the gateway's next health check (here: none after the
+    first) publishes KV events on new ports. The gateway tells the restart from /metrics
+    (process_start_time_seconds), reads /ferry/info again and mirrors the new process's cache; it
+    kept listening on the dead process's ports before."""
+    flags = ("--enable-kv-events", "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", MODEL)
+    victim = ServerProcess(*flags, env=DEPLOYMENT)
+    gw = gateway([victim.url], "--policy", "kv-aware", "--health-interval", "3600")
+    try:
+
+        def state() -> dict:
+            return httpx.get(gw.url + "/gateway/workers", timeout=10).json()[0]
+
+        wait_for(lambda: state()["kv_mirrored"], "the first process's cache mirrored")
+        assert state()["kv_blocks_known"] == 0
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        victim = ServerProcess(*flags, env=DEPLOYMENT, port=victim.port)
+        r = httpx.post(victim.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": TENANTS[1], "max_tokens": 1})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] >= 32  # two full blocks at least
+        wait_for(lambda: state()["kv_mirrored"] and state()["kv_blocks_known"] >= 2,
+                 "the restarted process's cache mirrored", timeout=60)  # fmt: skip
+        assert state()["healthy"]
+    finally:
+        gw.stop()
+        victim.stop()
+
+
 def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(

@@ -8,7 +8,15 @@ API process, where tokens reach the client.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from ferry.engine.async_llm import MetricsSink
 from ferry.engine.messages import EngineInfo, EngineStats
@@ -29,6 +37,8 @@ REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class ServerMetrics(MetricsSink):
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        # process_* (CPU, memory, open fds, start time): a gateway tells a restart by the start time.
+        ProcessCollector(registry=self.registry)
         labels = ["model_name"]
         r = self.registry
 
