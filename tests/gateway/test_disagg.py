@@ -241,6 +241,11 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(cluster):
         assert r.status_code == 200 and "x-ferry-prefill-worker" not in r.headers, r.text
         assert r.headers["x-ferry-worker"] in (d1.url, d2.url) and len(r.json()["data"][0]["embedding"]) > 0
         assert gw.metric("ferry_gateway_pd_decisions_total", decision="local") == 2
+        # Prompt logprobs read every prompt position's logits, cached or not: no prefill hop for them.
+        before = p.metric("ferry:prompt_tokens_total")
+        headers, _ = complete(gw.url, long_prompt("conditional", 2), prompt_logprobs=1)
+        assert "x-ferry-prefill-worker" not in headers and p.metric("ferry:prompt_tokens_total") == before
+        assert gw.metric("ferry_gateway_pd_decisions_total", decision="local") == 3
     finally:
         gw.stop()
 
