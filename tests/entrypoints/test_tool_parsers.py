@@ -60,6 +60,20 @@ CASES = [
     ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time{"tz": "CET", "24h": true}',
      "Sure. ", [WEATHER, TIME]),
     ("mistral", "[TOOL_CALLS] not a call", "[TOOL_CALLS] not a call", []),
+    # Calls, then text that is none: the calls stand (a stream sent them already), the rest is content.
+    ("llama3_json", json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}}) + " I called it.",
+     "I called it.", [WEATHER]),
+    ("llama3_json", json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}}) + '; {"name": "get_ti',
+     '{"name": "get_ti', [WEATHER]),  # the second cut off by max_tokens
+    ("llama3_json", json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}}) + ' {"answer": 42}',
+     '{"answer": 42}', [WEATHER]),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_time{"tz": "CET", "24h": true}'
+     "[TOOL_CALLS] not a call", "[TOOL_CALLS] not a call", [WEATHER, TIME]),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"} Done.', " Done.", [WEATHER]),
+    ("mistral", "[TOOL_CALLS]" + json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}}]) + " ok",
+     " ok", [WEATHER]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci', '[TOOL_CALLS][{"name": "get_weather", '
+     '"arguments": {"ci', []),  # cut off in its list
 ]  # fmt: skip
 
 
@@ -97,15 +111,23 @@ def test_streamed_content_goes_out_before_the_calls_and_holds_back_a_starting_ta
     assert stream.feed("", final=True) == ("", [])
 
 
-def test_required_calls_parser_reads_the_grammar_list_and_refuses_a_cut_off_one():
+def test_required_calls_parser_reads_the_grammar_list_and_the_calls_complete_in_a_cut_off_one():
+    """max_tokens can cut the list: the calls complete before the cut stand, whole and streamed (a
+    stream sent them already), and the cut-off one is neither a call nor content; cut in its
+    first call, the text is content, as the stream sends it."""
     parser = RequiredCallsParser()
     text = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}},
                        {"name": "get_time", "parameters": {"tz": "CET", "24h": True}}], indent=1)  # fmt: skip
-    assert parser.extract(text) == (None, [WEATHER, TIME])
-    for pieces in chunkings(text):
-        assert streamed(parser, pieces) == ("", [WEATHER, TIME])
-    cut = text[: text.index("get_time") + 12]
-    assert parser.extract(cut) == (cut, [])
+    cut_second = text[: text.index("get_time") + 12]
+    cut_first = text[: text.index("Paris")]
+    for output, want in (
+        (text, (None, [WEATHER, TIME])),
+        (cut_second, (None, [WEATHER])),
+        (cut_first, (cut_first, [])),
+    ):
+        assert parser.extract(output) == want
+        for pieces in chunkings(output):
+            assert streamed(parser, pieces) == (want[0] or "", want[1])
 
 
 @pytest.mark.parametrize(
@@ -165,15 +187,41 @@ def test_tool_plans_and_the_choices_a_server_refuses():
                                 ChatCompletionRequest), None, False)  # fmt: skip
 
 
+def test_forced_calls_take_object_arguments_and_a_plain_text_format():
+    """A tool's `parameters` of `{}` (no type) let a required or named call's grammar write `null`
+    or a string as its arguments; a non-object schema is refused, as OpenAI does, and
+    response_format "text" (the default, sent explicitly) does not clash with a forced call."""
+
+    def body(parameters, **kw) -> ChatCompletionRequest:
+        tool = {"type": "function", "function": {"name": "ping", "parameters": parameters}}
+        return validate_body({"messages": [{"role": "user", "content": "hi"}], "tools": [tool], **kw},
+                             ChatCompletionRequest)  # fmt: skip
+
+    named = {"type": "function", "function": {"name": "ping"}}
+    assert tool_plan(body({}, tool_choice=named), None, False).grammar.json == {"type": "object"}
+    required = tool_plan(body({"properties": {"n": {"type": "integer"}}}, tool_choice="required"), None, False)
+    assert required.grammar.json["items"]["anyOf"][0]["properties"]["parameters"] == {
+        "properties": {"n": {"type": "integer"}}, "type": "object"}  # fmt: skip
+    for choice in (named, "required"):
+        with pytest.raises(OpenAIError, match='type "object", got type "string"'):
+            tool_plan(body({"type": "string"}, tool_choice=choice), None, False)
+        plan = tool_plan(body({}, tool_choice=choice, response_format={"type": "text"}), None, False)
+        assert plan.grammar is not None
+
+
 def test_named_call_message_and_streamed_arguments():
+    """A forced call ends with finish_reason "stop", not "tool_calls" (OpenAI's and vLLM's)."""
     plan = tool_plan(_body(tool_choice={"type": "function", "function": {"name": "get_weather"}}), None, False)
     msg, called = message('{"city": "Paris"}', plan, None)
-    assert called and msg["content"] is None
+    assert not called and msg["content"] is None
     assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     builder = DeltaBuilder(plan, None)
     first = builder.delta('{"city": ', final=False)["tool_calls"][0]
     assert first["index"] == 0 and first["id"].startswith("call_") and first["function"]["name"] == "get_weather"
     assert builder.delta('"Paris"}', final=True)["tool_calls"] == [{"index": 0, "function": {"arguments": '"Paris"}'}}]
+    assert not builder.called
+    auto = tool_plan(_body(), "hermes", True)
+    assert message(CASES[0][1], auto, None)[1]  # a call the model chose: "tool_calls"
 
 
 def test_auto_calls_without_parallel_keep_the_first():

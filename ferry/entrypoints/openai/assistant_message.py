@@ -27,13 +27,14 @@ def _call(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's `tool_calls` when the model stopped after calling tools."""
+    """OpenAI's `tool_calls` when the model stopped after calling tools it chose to call."""
     return "tool_calls" if called and reason == "stop" else reason
 
 
 def message(text: str, plan: ToolPlan, reasoning_open: bool | None) -> tuple[dict[str, Any], bool]:
-    """(the message, whether it calls tools). `reasoning_open`: None without a reasoning parser,
-    else whether the prompt left a `<think>` open."""
+    """(the message, whether it calls tools of its own choice: a named tool_choice's forced call
+    ends with "stop", as OpenAI's and vLLM's do). `reasoning_open`: None without a reasoning
+    parser, else whether the prompt left a `<think>` open."""
     reasoning, content = (None, text) if reasoning_open is None else split_reasoning(text, reasoning_open)
     calls: list[ParsedCall] = []
     if plan.mode == "named":
@@ -46,7 +47,7 @@ def message(text: str, plan: ToolPlan, reasoning_open: bool | None) -> tuple[dic
         out["reasoning_content"] = reasoning
     if calls:
         out["tool_calls"] = [_call(c) for c in calls]
-    return out, bool(calls)
+    return out, bool(calls) and plan.mode != "named"
 
 
 class DeltaBuilder:
@@ -61,7 +62,8 @@ class DeltaBuilder:
 
     @property
     def called(self) -> bool:
-        return self.num_calls > 0
+        """Whether tools of the model's own choice were called (as `message` says)."""
+        return self.num_calls > 0 and self.plan.mode != "named"
 
     def delta(self, text: str, final: bool) -> dict[str, Any]:
         """The delta for `text` (empty dict: nothing to send yet); `final` for the choice's last."""

@@ -18,14 +18,24 @@ from typing import Any
 
 from ferry.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice, OpenAIError
 from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
-from ferry.entrypoints.openai.tool_parsers.base import json_values, parsed_call
+from ferry.entrypoints.openai.tool_parsers.base import leading_calls
 from ferry.sampling_params import StructuredOutputsParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # a tool without a parameters schema
 
 
 def _parameters(tool) -> dict[str, Any]:
-    return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
+    """A tool's parameters schema as the grammar of its arguments: always an object (OpenAI's
+    `arguments` are one; `{}` alone would let the model write `null` or a string)."""
+    params = tool.function.parameters
+    if params is None:
+        return ANY_OBJECT
+    if "type" not in params:
+        return {**params, "type": "object"}
+    if params["type"] != "object":
+        raise OpenAIError(400, f"function {tool.function.name!r}: parameters must be a JSON Schema of type "
+                          f'"object", got type {json.dumps(params["type"])}', param="tools", code=400)  # fmt: skip
+    return params
 
 
 class RequiredCallsParser(ToolParser):
@@ -41,12 +51,11 @@ class RequiredCallsParser(ToolParser):
         start = region.find("[")
         if start < 0:
             return [], region
-        values, end = json_values(region, start + 1)
-        calls = [parsed_call(v, ("parameters", "arguments")) for v in values]
-        if any(c is None for c in calls):
-            return [], region
-        if final and not region[end:].strip().startswith("]"):
-            return [], region  # cut off (max_tokens): not a list of calls
+        calls, _ = leading_calls(region, start + 1, separators=",", args_keys=("parameters", "arguments"))
+        if not calls:
+            return [], region  # cut off (max_tokens) inside its first call: the text as it is
+        # The grammar writes calls only: after the last complete one comes the list's end, or a
+        # call max_tokens cut off (finish_reason "length" says so), which is no content.
         return calls, ""
 
 
@@ -75,7 +84,9 @@ def tool_plan(body: ChatCompletionRequest, tool_parser: str | None, auto_tool_ch
     if len(set(names)) != len(names):
         raise OpenAIError(400, "tools must have distinct function names", param="tools", code=400)
     if choice == "required" or isinstance(choice, NamedToolChoice):
-        if body.response_format is not None or body.structured_outputs is not None:
+        if (body.response_format is not None and body.response_format.type != "text") or (
+            body.structured_outputs is not None
+        ):  # "text" is the default, asking for nothing
             raise OpenAIError(400, f"tool_choice {_label(choice)} constrains the output itself: send it without "
                               "response_format or structured_outputs", param="tool_choice", code=400)  # fmt: skip
     if choice == "none":

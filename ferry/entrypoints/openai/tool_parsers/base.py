@@ -64,6 +64,41 @@ def json_values(text: str, pos: int, separators: str = ",;") -> tuple[list[Any],
         pos = end
 
 
+def first_json_value(text: str, pos: int) -> tuple[Any, int]:
+    """The JSON value at `text[pos]` (after whitespace) and where it ends; (None, 0) when there is
+    no complete one there."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    try:
+        return _decoder.raw_decode(text, pos)
+    except (json.JSONDecodeError, RecursionError):
+        return None, 0
+
+
+def leading_calls(
+    text: str, pos: int, separators: str = ",;", args_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> tuple[list[ParsedCall], int]:
+    """The calls among the JSON values that follow each other from `text[pos]` (as json_values
+    reads them), up to the first value that is not a call or not (yet) complete; and where the
+    text after the last of them starts (`pos` when there is none)."""
+    calls, end = [], pos
+    while True:
+        p = end
+        while p < len(text) and (text[p].isspace() or text[p] in separators):
+            p += 1
+        if p >= len(text):
+            return calls, end
+        try:
+            value, after = _decoder.raw_decode(text, p)
+        except (json.JSONDecodeError, RecursionError):
+            return calls, end
+        call = parsed_call(value, args_keys)
+        if call is None:
+            return calls, end
+        calls.append(call)
+        end = after
+
+
 def marker_prefix_len(text: str, marker: str) -> int:
     """How many of `text`'s last characters are a proper prefix of `marker` (held back while streaming)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -90,7 +125,9 @@ class ToolParser:
 
     def parse_calls(self, region: str, final: bool) -> tuple[list[ParsedCall], str]:
         """The complete calls in `region` (the output from `find_start` on), and the text in it
-        that is not a call (content; only meaningful when `final`)."""
+        that is not a call (content; only meaningful when `final`). A call found once is found
+        again in any longer region, and never counts as content: a stream sends each call as it
+        completes (ToolCallStream), and must end with the calls and content `extract` finds."""
         raise NotImplementedError
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ferry.entrypoints.openai.tool_parsers.base import ParsedCall, ToolParser, json_values, parsed_call
+from ferry.entrypoints.openai.tool_parsers.base import ParsedCall, ToolParser, leading_calls
 
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -25,8 +25,7 @@ class Llama3JsonToolParser(ToolParser):
 
     def parse_calls(self, region: str, final: bool) -> tuple[list[ParsedCall], str]:
         pos = len(_PYTHON_TAG) if region.startswith(_PYTHON_TAG) else 0
-        values, end = json_values(region, pos, separators=";")
-        calls = [c for c in (parsed_call(v) for v in values) if c is not None]
-        if len(calls) != len(values) or (final and region[end:].strip()):
-            return [], region  # not tool calls after all: the whole answer is content
-        return calls, ""
+        calls, end = leading_calls(region, pos, separators=";")
+        if not calls:
+            return [], region  # not tool calls (yet, or after all): the whole answer is content
+        return calls, region[end:].lstrip(" \t\n;")  # text after the calls: content
