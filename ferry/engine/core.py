@@ -336,8 +336,15 @@ class EngineCore:
                 logger.warning("request %s: token %d breaks its grammar: %.300s", request.request_id, token,
                                grammar.error())  # fmt: skip
                 status = RequestStatus.FINISHED_ABORTED
+                self.grammars.forget(grammar)
             elif grammar.is_stopped():  # complete: nothing but EOS could follow
                 status = RequestStatus.FINISHED_STOPPED
+        elif status is not None and grammar is not None and grammar.failed():
+            # An EOS or stop token where the matcher had failed (another copy of its grammar hit
+            # llguidance's limits): the output does not follow the grammar, so it is no "stop".
+            logger.warning("request %s: its grammar failed: %.300s", request.request_id, grammar.error())
+            status = RequestStatus.FINISHED_ABORTED
+            self.grammars.forget(grammar)
         if status is None and (
             request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.scheduler.max_model_len
         ):

@@ -34,10 +34,11 @@ class GrammarState:
     has produced them: tokens before are free and only watched for the marker, and the matcher
     starts at the token after it."""
 
-    __slots__ = ("matcher", "after", "open", "_before", "_matched")
+    __slots__ = ("matcher", "after", "source", "open", "_before", "_matched")
 
-    def __init__(self, matcher: llguidance.LLMatcher, after: list[int] | None = None) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, after: list[int] | None = None, source: str = "") -> None:
         self.matcher = matcher
+        self.source = source  # the grammar's text (GrammarCompiler's cache key)
         self.after = list(after) if after else None
         self.open = self.after is None
         self._before: list[int] = []  # the output's tokens while closed (only their tail is needed)
@@ -96,6 +97,11 @@ class GrammarState:
         """Nothing may follow but EOS: the output is complete."""
         return self.open and self.matcher.is_stopped()
 
+    def failed(self) -> bool:
+        """The matcher is in error: the output need not follow the grammar any more (a forbidden
+        token, or llguidance's limits reached, by this copy or another of its grammar)."""
+        return self.open and self.matcher.is_error()
+
     def error(self) -> str:
         return self.matcher.get_error()
 
@@ -124,7 +130,7 @@ class GrammarCompiler:
                 self._compiled.move_to_end(grammar)
         if template is not None:
             done: Future[GrammarState] = Future()
-            done.set_result(GrammarState(template.deep_copy(), params.after_token_ids))
+            done.set_result(GrammarState(template.deep_copy(), params.after_token_ids, grammar))
             return done
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
@@ -144,7 +150,14 @@ class GrammarCompiler:
                     self._compiled.popitem(last=False)
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - start
-        return GrammarState(template.deep_copy(), after)
+        return GrammarState(template.deep_copy(), after, grammar)
+
+    def forget(self, state: GrammarState) -> None:
+        """After `state` failed: copies of a compiled grammar share what llguidance builds as it
+        goes (its lexer), and one that exhausts its limits leaves every later copy failing at
+        its first mask, allowing only EOS. The next request compiles the grammar afresh."""
+        with self._lock:
+            self._compiled.pop(state.source, None)
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer (~0.5 s to build for a 49k vocabulary: once, in the

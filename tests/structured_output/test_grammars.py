@@ -89,6 +89,32 @@ def test_compiled_once_then_copied_from_the_cache(compiler, smollm):
     assert second.error()
 
 
+def test_a_grammar_whose_copies_broke_is_compiled_afresh(compiler, smollm):
+    """A regex past llguidance's lexer budget fails in the matcher at run time, and the lexer is
+    shared by every copy of the compiled grammar: cached copies then allowed only EOS, so later
+    requests ended at once with "stop" and empty output. Such a state says it failed (its EOS ends
+    the request "abort", not "stop"), and once the engine reports one, the next request gets the
+    grammar compiled afresh."""
+    tok = smollm[1]
+    spec = StructuredOutputsParams(regex="((a{1000}){1000}){1000}")
+    first = compiler.submit(spec).result(timeout=60)
+    other = compiler.submit(spec).result(timeout=60)  # a copy of the cached one
+    assert not first.failed() and not other.failed()
+    before = compiler.num_compiled
+    fill_bitmask([(first, [])], 49152)  # the step's mask, as the engine computes it before sampling
+    assert not first.accept(_tokens(tok, "aaaa")[0])  # "too many expressions constructed"
+    assert first.failed()
+    fill_bitmask([(other, [])], 49152)  # the copy made before broke too: its EOS is no "stop"
+    assert other.failed()
+    broken = compiler.submit(spec).result(timeout=60)  # the cached one, as the engine had it
+    fill_bitmask([(broken, [])], 49152)
+    assert broken.failed() and compiler.num_compiled == before
+    compiler.forget(first)  # what the engine does when a request's grammar fails
+    fresh = compiler.submit(spec).result(timeout=60)
+    fill_bitmask([(fresh, [])], 49152)
+    assert compiler.num_compiled == before + 1 and not fresh.failed()
+
+
 def test_gbnf_grammars_compile_too(compiler, smollm):
     state = compiler.submit(StructuredOutputsParams(grammar='root ::= "yes" | "no"')).result(timeout=60)
     for t in _tokens(smollm[1], "no"):
