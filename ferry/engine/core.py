@@ -184,9 +184,18 @@ class EngineCore:
                 request.output_token_ids[:],
                 finish_reason=finish,
                 stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
+                stop_token=self._ended_by_stop_token(request, finish, request.output_token_ids),
                 queue_time=0.0,
             )  # fmt: skip
         )
+
+    def _ended_by_stop_token(self, request: Request, finish: str | None, tokens: list[int]) -> bool:
+        """Whether `tokens`' last is the EOS or stop token id that ended the request (not a
+        grammar that completed: its last token is text)."""
+        if finish != RequestStatus.FINISHED_STOPPED.value or not tokens:
+            return False
+        params = request.sampling_params
+        return (tokens[-1] in self.eos_token_ids and not params.ignore_eos) or tokens[-1] in params.all_stop_token_ids
 
     def _release_embeddings(self) -> None:
         """Schedule the held embedding requests once enough wait or the first has waited long
@@ -294,6 +303,7 @@ class EngineCore:
                 lps,
                 finish_reason=finish,
                 stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
+                stop_token=self._ended_by_stop_token(request, finish, tokens),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
                 prompt_logprobs=prompt_lps,

@@ -5,7 +5,8 @@ step O(1); a delta ending in U+FFFD (half of a multi-byte character) is held
 back until the next token completes it. Stop strings are searched in the
 accumulated text, so they match across token boundaries; while streaming,
 the last `max(len(stop)) - 1` characters are held back so a half-seen stop
-string is never sent.
+string is never sent. As in vLLM, a stop string counts only once `min_tokens`
+tokens are out, and must end in the text after theirs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
@@ -30,11 +32,15 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0  # characters of `text` already reported as deltas
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
+        self.stop_floor = 0  # stop strings must end past this much text (the first min_tokens tokens')
 
     def add_token(self, token_id: int) -> str | None:
         """Append a token; returns the stop string if one now ends the text."""
         if self.tokenizer is None:
             return None
+        self.num_tokens += 1
         self.ids.append(token_id)
         prefix = self.tokenizer.decode(
             self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special
@@ -46,7 +52,10 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             start = len(self.text)
             self.text += new
-            return self._check_stop(start)
+            if self.num_tokens <= self.min_tokens:
+                self.stop_floor = len(self.text)
+                return None
+            return self._check_stop(max(start, self.stop_floor))
         return None
 
     def _check_stop(self, new_start: int) -> str | None:

@@ -39,6 +39,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
+    # The last new token is the EOS or stop token id that ended the request: in the token ids, not
+    # in the text (unless include_stop_str_in_output), as in vLLM.
+    stop_token: bool = False
     num_cached_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's vector (it has no tokens)
     # With the first token, for sampling_params.prompt_logprobs: per prompt token from the second,

@@ -67,6 +67,7 @@ class OutputProcessor:
                 params.stop,
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
+                params.min_tokens,
             )
             seqs[sid] = SequenceState(
                 i,
@@ -110,6 +111,8 @@ class OutputProcessor:
                 if seq.logprobs is not None and co.new_logprobs:
                     seq.logprobs.append(self._entry(tok, co.new_logprobs[j]))
                     seq.cumulative_logprob += co.new_logprobs[j][0]
+                if co.stop_token and j == len(co.new_token_ids) - 1 and not state.params.include_stop_str_in_output:
+                    break  # the EOS or stop token id that ended it: an id, not text (vLLM's)
                 stop = seq.detok.add_token(tok)
                 if stop is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop

@@ -128,11 +128,31 @@ def test_stop_string_across_token_boundary(engine, greedy_ref):
     assert_no_blocks_referenced(engine)
 
 
+def test_stop_strings_count_only_after_min_tokens(engine, greedy_ref):
+    """As in vLLM: with min_tokens, a stop string must end in the text after the first min_tokens
+    tokens' (it stopped the request at its second token before)."""
+    ids, text = greedy_ref
+    tok = engine.tokenizer
+    stop = text[len(tok.decode(ids[:1])) : len(tok.decode(ids[:2]))]  # the second token's text
+    floor = len(tok.decode(ids[:3]))
+    at = text.find(stop, floor - len(stop) + 1)
+    for rid, min_tokens, want in (("early", 0, text[: text.index(stop)]), ("late", 3, text if at < 0 else text[:at])):
+        engine.add_request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                       min_tokens=min_tokens))  # fmt: skip
+        assert run_to_completion(engine)[rid].outputs[0].text == want, rid
+    assert_no_blocks_referenced(engine)
+
+
 def test_stop_token_ids_max_tokens_and_logprobs(engine, greedy_ref):
     ids, _ = greedy_ref
     engine.add_request("t", PROMPT, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[2]]))
     out = run_to_completion(engine)["t"].outputs[0]
     assert out.token_ids == ids[:3] and out.finish_reason == "stop" and out.stop_reason == ids[2]
+    tok = engine.tokenizer  # the stop token is an id, not text (vLLM's), unless asked for
+    assert out.text == tok.decode(ids[:2])
+    engine.add_request("t2", PROMPT, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[2]],
+                                                    include_stop_str_in_output=True))  # fmt: skip
+    assert run_to_completion(engine)["t2"].outputs[0].text == tok.decode(ids[:3])
     engine.add_request("m", PROMPT, SamplingParams(temperature=0, max_tokens=5, logprobs=3))
     out = run_to_completion(engine)["m"].outputs[0]
     assert out.token_ids == ids[:5] and out.finish_reason == "length"
