@@ -95,21 +95,30 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate."""
+        """Apply the model's chat template to each conversation and generate. Messages take
+        OpenAI's shapes, as the server's (content parts, `developer`, tool calls and results);
+        each output's `prompt` is the rendered text. ValueError for messages or a template that
+        cannot be rendered."""
+        from pydantic import ValidationError
+
+        from ferry.entrypoints.openai.chat_prompt import render_chat_prompt
+        from ferry.entrypoints.openai.protocol import ChatPrompt, OpenAIError
+
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages: give a conversation, or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            ids = tok.apply_chat_template(
-                conv,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-            prompts.append({"prompt_token_ids": list(ids)})
+            try:
+                body = ChatPrompt.model_validate({"messages": conv, "add_generation_prompt": add_generation_prompt})
+                prompts.append(render_chat_prompt(tok, body, chat_template))
+            except ValidationError as e:
+                raise ValueError(f"messages: {e}") from None
+            except OpenAIError as e:
+                raise ValueError(str(e)) from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -68,8 +68,8 @@ class PromptTokenizer:
                     return prompt if ok else None  # out-of-range ids: the replica's 400 says why
                 tok = self._tokenizer(worker)
                 return tok.encode(prompt) if isinstance(prompt, str) and tok is not None else None
+            from ferry.entrypoints.openai.chat_prompt import render_chat_prompt
             from ferry.entrypoints.openai.protocol import ChatCompletionRequest
-            from ferry.entrypoints.openai.serving_chat import render_chat_prompt
 
             tok = self._tokenizer(worker)
             if tok is None:

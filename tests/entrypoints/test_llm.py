@@ -45,3 +45,12 @@ def test_chat_applies_template(llm):
     assert "<|im_start|>user\nWhat is 2+2?" in prompt_text and prompt_text.endswith("<|im_start|>assistant\n")
     assert "4" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # SmolLM2 ends its turn with <|im_end|>
+    assert out.prompt == prompt_text  # the rendered template, as vLLM's
+    # OpenAI's message shapes, as the server takes them: content parts are the same prompt.
+    parts = [{"type": "text", "text": "What is 2+2? "}, {"type": "text", "text": "Answer with a number."}]
+    same = llm.chat([{"role": "user", "content": parts}], SamplingParams(temperature=0, max_tokens=16))[0]
+    assert same.prompt_token_ids == out.prompt_token_ids and same.outputs[0].text == out.outputs[0].text
+    for bad in ([], [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": [{"type": "x"}]}]):
+        with pytest.raises(ValueError, match="messages"):
+            llm.chat(bad, SamplingParams(max_tokens=1))
+    assert_no_blocks_referenced(llm.llm_engine)

@@ -583,7 +583,7 @@ class NamedToolChoice(Strict):
 
 
 class ChatPrompt(Strict):
-    """What the chat template renders (serving_chat.render_chat_prompt): chat completions and
+    """What the chat template renders (chat_prompt.render_chat_prompt): chat completions and
     /tokenize take the same fields."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)

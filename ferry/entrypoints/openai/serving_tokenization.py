@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ferry.entrypoints.openai.chat_prompt import render_chat_prompt
 from ferry.entrypoints.openai.protocol import (
     DetokenizeRequest,
     OpenAIError,
@@ -14,7 +15,6 @@ from ferry.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from ferry.entrypoints.openai.serving import ServerState, check_model, ready_engine
-from ferry.entrypoints.openai.serving_chat import render_chat_prompt
 
 
 def _tokenizer(engine):
