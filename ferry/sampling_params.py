@@ -142,8 +142,14 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
             self.stop = list(self.stop)
+        else:
+            raise InvalidParameterError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise InvalidParameterError(
+                "stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0

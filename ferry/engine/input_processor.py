@@ -8,6 +8,7 @@ Every check happens here, before anything is queued, so a bad request raises
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Container
 from dataclasses import dataclass
@@ -37,6 +38,17 @@ def context_length_message(max_model_len: int, num_prompt: int, max_tokens: int)
         f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the completion). "
         "Please reduce the length of the prompt or completion."
     )
+
+
+def _token_id(t):
+    """`t` as a Python int when it is an integer of another kind (numpy's, a 0-d torch tensor's);
+    else as it is, for the check that names it."""
+    if isinstance(t, int) or isinstance(t, (float, str, bytes)):
+        return t
+    try:
+        return operator.index(t)
+    except TypeError:
+        return t
 
 
 class InputProcessor:
@@ -97,11 +109,11 @@ class InputProcessor:
                 "no room left to generate; shorten the prompt",
             )
         vocab = info.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameterError(
-                "prompt", f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab})"
-            )
+        ids = [_token_id(t) for t in ids]  # numpy or torch integers as ints
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
+        if bad is not None:
+            why = f"outside the vocabulary [0, {vocab})" if type(bad) is int else "not a token id (an integer)"
+            raise InvalidParameterError("prompt", f"prompt_token_ids contains {bad!r}, {why}")
         room = info.max_model_len - len(ids)
         if strict_context and params.max_tokens is not None and params.max_tokens > room:
             raise InvalidParameterError(

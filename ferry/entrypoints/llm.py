@@ -53,6 +53,9 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if any(not isinstance(p, SamplingParams) for p in params):
+            bad = next(p for p in params if not isinstance(p, SamplingParams))
+            raise ValueError(f"sampling_params must be SamplingParams (or one per prompt), got {type(bad).__name__}")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine

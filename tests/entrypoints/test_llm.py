@@ -1,6 +1,8 @@
 """The vLLM-style offline API over the shared SmolLM2 engine."""
 
+import numpy as np
 import pytest
+import torch
 from conftest import assert_no_blocks_referenced
 
 from ferry import LLM, SamplingParams
@@ -21,6 +23,14 @@ def test_generate_strings_and_token_ids_in_order(llm):
         c = o.outputs[0]
         assert o.finished and len(c.token_ids) == 8 and c.finish_reason == "length"
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    # Token ids as numpy or torch integers, as they come out of other tools, are the same prompt.
+    ids = tok.encode("1, 2, 3,")
+    for array in (np.array(ids), torch.tensor(ids)):
+        again = llm.generate({"prompt_token_ids": array}, params, use_tqdm=False)[0]
+        assert again.prompt_token_ids == ids and again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    for bad, why in (([1, 2.0], "not a token id"), ([True], "not a token id"), ([1, 10**7], "outside the vocabulary")):
+        with pytest.raises(ValueError, match=why):
+            llm.generate({"prompt_token_ids": bad}, params, use_tqdm=False)
     # One SamplingParams per prompt.
     outs2 = llm.generate(["a", "b"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=3)], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) <= n for o, n in zip(outs2, (2, 3))] == [True, True]
@@ -33,6 +43,11 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
     assert_no_blocks_referenced(llm.llm_engine)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()])
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
+        llm.generate("a", {"max_tokens": 2})
+    for field, value in (("stop", 5), ("stop", [1]), ("stop_token_ids", 5)):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
 
 
 def test_chat_applies_template(llm):
