@@ -205,6 +205,8 @@ def test_completions_take_response_format_too(client):
         ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a dog"}}},
+         "response_format.json_schema.name"),  # OpenAI's pattern: letters, digits, _ and -
     ],
 )  # fmt: skip
 def test_a_bad_spec_is_a_400_naming_its_field(client, extra, param):

@@ -381,7 +381,7 @@ class JSONSchemaFormat(Strict):
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=TOOL_NAME)  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, at most 64
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
     strict: bool | None = None  # ferry constrains either way, as vLLM does
