@@ -155,6 +155,7 @@ class _LazyParser(argparse.ArgumentParser):
 
     def __init__(self, *args, module: str | None = None, takes_engine_args: bool = False,
                  add_args: str = "add_args", main: str = "main", **kwargs) -> None:  # fmt: skip
+        kwargs.setdefault("allow_abbrev", False)  # `--max-model 1024` is a typo, not --max-model-len
         super().__init__(*args, **kwargs)
         self._module, self._takes_engine_args, self._loaded = module, takes_engine_args, module is None
         self._add_args, self._main = add_args, main
@@ -180,7 +181,7 @@ class _LazyParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferry", description="ferry: LLM inference engine")
+    parser = argparse.ArgumentParser(prog="ferry", description="ferry: LLM inference engine", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_LazyParser)
 
     gen = sub.add_parser("generate", help="stream a completion of PROMPT to the terminal")

@@ -36,6 +36,9 @@ KV_ENCODINGS = ("raw", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
@@ -55,7 +58,9 @@ class EngineArgs:
     kv_cache_prefault: bool = False
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # Tokens one step may compute. Without chunked prefill a prompt goes in one step, so unless set
+    # it is then at least max_model_len (vLLM's default); set lower, that is an error.
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     load_format: str = "auto"  # auto | dummy (random weights, for benchmarks)
@@ -92,6 +97,9 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS):  # fmt: skip
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:

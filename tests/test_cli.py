@@ -46,6 +46,9 @@ def test_serve_rejects_bad_flags_before_loading():
         (["/nonexistent/model.gguf"], "does not exist"),
         (["--quantization", "int4"], "quantization must be one of auto, none, gguf, int8"),
         (["--kv-cache-dtype", "fp4"], "kv_cache_dtype must be"),
+        (["--port", "99999"], "not a port number"),  # argparse's error: the --port 1 before is overridden
+        (["--uvicorn-log-level", "foo"], "invalid choice"),
+        (["--max-model", "64"], "unrecognized arguments: --max-model"),  # no abbreviations
     ):
         proc = _ferry("serve", "--port", "1", *args, timeout=60)
         assert proc.returncode == 2, proc.stderr

@@ -18,4 +18,14 @@ fi
 case "$1" in
   -*) set -- serve "$@" ;;
 esac
+# ferry listens on loopback unless told otherwise, and a container's loopback is reachable from
+# nowhere else: `docker run IMAGE serve /models` (arguments replace the image's CMD, and its --host)
+# would serve nobody. Every interface then, unless --host is given, as vLLM's images do.
+case "$1" in
+  serve|gateway|up)
+    case " $* " in
+      *" --host "*|*" --host="*) ;;
+      *) set -- "$@" --host 0.0.0.0 ;;
+    esac ;;
+esac
 exec ferry "$@"

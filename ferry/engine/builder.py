@@ -8,12 +8,13 @@ them constructs another's front half to get a core.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import time
 
 import torch
 
-from ferry.config import EngineArgs
+from ferry.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.scheduler import Scheduler
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, TensorParallel
@@ -86,6 +87,11 @@ def _build(
         block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
     num_blocks = args.num_kv_blocks or _num_kv_blocks(args, runner, tp_workers, block_bytes)
     max_len = _max_model_len(args, cfg, num_blocks, runner.sliding_window)
+    if (not args.enable_chunked_prefill and args.max_num_batched_tokens < max_len
+            and args.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS):  # fmt: skip
+        # Unset, without chunked prefill: a whole prompt in one step (the model's context was not known
+        # when the arguments were read).
+        args = dataclasses.replace(args, max_num_batched_tokens=max_len)
     eos_token_ids = set(cfg.eos_token_ids)
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         eos_token_ids.add(loaded.tokenizer.eos_token_id)

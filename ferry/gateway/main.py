@@ -13,7 +13,7 @@ from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
 from ferry.gateway.replicas import MonitorConfig
 from ferry.utils.deployment_secret import load_secret
-from ferry.utils.network import server_socket
+from ferry.utils.network import UVICORN_LOG_LEVELS, port_number, server_socket
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
                         "are prefilled there")  # fmt: skip
     p.add_argument("--policy", choices=POLICIES, default="kv-aware")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=port_number, default=8080)
     p.add_argument("--fd", type=int, default=None,
                    help="serve on this inherited, bound TCP socket instead of binding --host/--port (a launcher "
                         "that holds the port until the gateway has it)")  # fmt: skip
@@ -95,7 +95,7 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
                         "waits)")  # fmt: skip
     g.add_argument("--max-held-requests", type=int, default=256,
                    help="requests that may wait at once; more get a 503 at once")  # fmt: skip
-    p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
 
 
 def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,

@@ -14,6 +14,21 @@ import contextlib
 import socket
 from collections.abc import Iterator
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def port_number(text: str) -> int:
+    """A --port value: 0 (any free port) to 65535, else an argparse error naming it."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
+    return port
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (another process may still take it before you)."""

@@ -140,6 +140,29 @@ def test_entrypoint_passes_subcommands_through():
     assert out.returncode == 0 and "--worker" in out.stdout
 
 
+def test_entrypoint_serves_beyond_the_containers_loopback_unless_told(tmp_path):
+    """`docker run IMAGE serve /models` replaces the image's CMD and its --host 0.0.0.0: ferry's
+    loopback default would then serve nobody outside the container. The entrypoint adds --host
+    0.0.0.0 to serve, gateway and up unless a --host is given. (A `ferry` that prints its
+    arguments stands in: what is checked is the script's rewriting of them.)"""
+    (tmp_path / "ferry").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (tmp_path / "ferry").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FERRY_CACHE_DIR": str(tmp_path / "cache")}
+
+    def argv(*args: str) -> list[str]:
+        out = subprocess.run(["sh", str(DEPLOY / "docker" / "entrypoint.sh"), *args], env=env, capture_output=True,
+                             text=True, timeout=60, check=True)  # fmt: skip
+        return out.stdout.splitlines()
+
+    assert argv() == ["serve", "--host", "0.0.0.0"]
+    assert argv("serve", "/models", "--max-model-len", "4096") == ["serve", "/models", "--max-model-len", "4096",
+                                                                   "--host", "0.0.0.0"]  # fmt: skip
+    assert argv("--max-model-len", "4096") == ["serve", "--max-model-len", "4096", "--host", "0.0.0.0"]
+    assert argv("serve", "--host", "127.0.0.1") == ["serve", "--host", "127.0.0.1"]
+    assert argv("gateway", "--host=::") == ["gateway", "--host=::"]
+    assert argv("bench", "latency") == ["bench", "latency"]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_manifests_validate(overlay):
     """Every rendered resource against Kubernetes' schema (strict: unknown fields refused), custom

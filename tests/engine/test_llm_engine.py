@@ -223,3 +223,16 @@ def test_bf16_kv_cache_decodes_like_fp32(make_engine, greedy_ref):
     out = run_to_completion(engine)["bf16"].outputs[0]
     assert out.token_ids == greedy_ref[0]
     assert_no_blocks_referenced(engine)
+
+
+def test_without_chunked_prefill_the_step_budget_takes_a_whole_prompt(make_engine):
+    """vLLM's default: with chunked prefill off and max_num_batched_tokens unset, a step may take
+    max_model_len tokens (a prompt goes whole); set lower, it is an error."""
+    from ferry.config import EngineArgs
+
+    assert EngineArgs(enable_chunked_prefill=False, max_model_len=4096).max_num_batched_tokens == 4096
+    assert EngineArgs(max_model_len=4096).max_num_batched_tokens == 2048
+    engine = make_engine(enable_chunked_prefill=False, num_kv_blocks=300)  # the model's context, capped: 4,800
+    assert engine.core.scheduler.max_num_batched_tokens >= engine.info.max_model_len > 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=1000)

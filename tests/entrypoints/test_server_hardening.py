@@ -63,6 +63,15 @@ def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
     assert "has not stepped" not in server.logs()
 
 
+def test_the_key_comes_from_the_flag_else_ferrys_variable_else_vllms():
+    from ferry.entrypoints.openai.serve_command import api_keys_from
+
+    assert api_keys_from(None, {}) is None
+    assert api_keys_from(None, {"VLLM_API_KEY": "v"}) == ["v"]  # a deployment moved from `vllm serve`
+    assert api_keys_from(None, {"VLLM_API_KEY": "v", "FERRY_API_KEY": "f"}) == ["f"]
+    assert api_keys_from(["a", "b"], {"VLLM_API_KEY": "v", "FERRY_API_KEY": "f"}) == ["a", "b"]
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [
@@ -215,7 +224,7 @@ def test_queue_limit_holds_under_2000_concurrent_requests():
     """With the core stopped nothing leaves the queue: of 2,000 concurrent requests, exactly
     --max-queue-len get in (each tokenized off the event loop, the window a late check closes)."""
     s = ServerProcess("--max-model-len", "256", "--max-queue-len", "8", "--engine-stall-timeout", "0",
-                      env={"FERRY_API_KEY": KEY})  # fmt: skip
+                      env={"VLLM_API_KEY": KEY})  # vLLM's variable, as a moved deployment sets it  # fmt: skip
     core = s.core_pid()
     try:
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401

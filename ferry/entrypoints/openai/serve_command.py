@@ -26,7 +26,7 @@ from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.paths import resolve_model_path
 from ferry.utils.deployment_secret import load_secret
-from ferry.utils.network import server_socket
+from ferry.utils.network import UVICORN_LOG_LEVELS, port_number, server_socket
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "--load-format dummy, also a config-only directory or a shipped config name")  # fmt: skip
     p.add_argument("--model", default=None, help="same as the positional MODEL")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--fd", type=int, default=None,
                    help="serve on this inherited, bound TCP socket instead of binding --host/--port (a launcher "
                         "that holds the port until the server has it: `ferry up`)")  # fmt: skip
@@ -44,7 +44,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="answer 429 past this many sequences (prompts x n) waiting for their first token")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
     p.add_argument("--api-key", nargs="+", default=None,
-                   help="require `Authorization: Bearer <key>` (one of these) on /v1/* (default: $FERRY_API_KEY); "
+                   help="require `Authorization: Bearer <key>` (one of these) on /v1/* (default: $FERRY_API_KEY, else "
+                        "$VLLM_API_KEY); "
                         "probes and /metrics stay open")  # fmt: skip
     p.add_argument("--allow-client-priority", action="store_true",
                    help="let requests set `priority` (else only 0 is taken: a client could jump every queue); "
@@ -54,7 +55,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-stall-timeout", type=float, default=30.0,
                    help="seconds the engine core may go without finishing a step or sending a heartbeat before "
                         "/ready turns 503 and its requests fail with 503 (0: never)")  # fmt: skip
-    p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
     p.add_argument("--no-playground", action="store_true",
                    help="serve no chat playground at / (it holds no secrets: it calls /v1/* with the key typed "
                         "in)")  # fmt: skip
@@ -112,6 +113,13 @@ def default_served_name(model: str | None, path: str) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
+def api_keys_from(flag: list[str] | None, env) -> list[str] | None:
+    """The keys /v1/* requires: --api-key, else $FERRY_API_KEY, else vLLM's $VLLM_API_KEY (a
+    deployment moved from `vllm serve` must not lose its key silently); None: no key."""
+    env_key = env.get("FERRY_API_KEY") or env.get("VLLM_API_KEY")
+    return flag or ([env_key] if env_key else None)
+
+
 def serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -127,7 +135,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"engine_stall_timeout must be >= 0, got {args.engine_stall_timeout}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    api_keys = args.api_key or ([os.environ["FERRY_API_KEY"]] if os.environ.get("FERRY_API_KEY") else None)
+    api_keys = api_keys_from(args.api_key, os.environ)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
     secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
