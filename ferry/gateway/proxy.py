@@ -63,6 +63,8 @@ from ferry.gateway.routing import Routing
 from ferry.gateway.settlement import Settlement
 from ferry.gateway.waiting_room import TIMED_OUT, WaitingRoom
 
+UNKNOWN_MODEL = "unknown"
+
 logger = logging.getLogger(__name__)
 ALL_ROLES = ("both", "prefill", "decode")
 
@@ -148,7 +150,7 @@ class Proxy:
 
         why = await self.waiting_room.wait(ready)
         if why is not None and why != "disabled":
-            self.metrics.failed.labels(ctx.model).inc()
+            self.metrics.failed.labels(self._model_label(ctx.model)).inc()
             if why == TIMED_OUT:
                 message = f"no worker for model `{ctx.model}` became ready within {self.waiting_room.timeout:g} s"
             else:
@@ -157,6 +159,12 @@ class Proxy:
         if not pool(self.workers, ctx.model, ALL_ROLES)[1]:  # admitted while no worker had answered yet
             return error_response(404, f"The model `{ctx.model}` does not exist.", "NotFoundError", "model")
         return None
+
+    def _model_label(self, model: str) -> str:
+        """A metric's model label: the model, if a worker serves it; else "unknown". A request's
+        model is the client's text, and one series per name it makes up would grow without bound
+        (while no worker has answered yet, as when scaled to zero, any name gets this far)."""
+        return model if pool(self.workers, model, ALL_ROLES)[1] else UNKNOWN_MODEL
 
     async def route(self, ctx: RequestContext, request: Request) -> Response:
         """Pick a worker and forward; retry elsewhere while workers fail before their first byte."""
@@ -287,7 +295,7 @@ class Proxy:
         return attempt
 
     def _no_worker(self, ctx: RequestContext, tries: Tries) -> Response:
-        self.metrics.failed.labels(ctx.model).inc()
+        self.metrics.failed.labels(self._model_label(ctx.model)).inc()
         self.settlement.release(ctx)  # nothing ran: nothing charged
         if tries.last_error is not None:  # every attempt got a 5xx: the last one says why
             e = tries.last_error

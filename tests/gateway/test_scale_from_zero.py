@@ -124,5 +124,11 @@ def test_gateway_hold_times_out_with_a_503():
         assert "became ready within 0.5 s" in r.json()["error"]["message"]
         assert gw.metric("ferry_gateway_held_requests_total", outcome="timeout") == 1
         assert gw.metric("ferry_gateway_requests_held") == 0
+        # Before any worker answers, a model is the client's text: failures are counted under one
+        # label, not one series per name made up (metrics without bound).
+        for name in ("made-up-1", "made-up-2"):
+            assert httpx.post(gw.url + "/v1/chat/completions", json=chat(name), timeout=60).status_code == 503
+        text = httpx.get(gw.url + "/metrics", timeout=10).text
+        assert "made-up" not in text and gw.metric("ferry_gateway_failed_requests_total", model="unknown") == 3
     finally:
         gw.stop()
