@@ -45,11 +45,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SeqTiming:
-    """Per-sequence timestamps (time.monotonic) for the latency histograms."""
+    """One sequence's timestamps (time.monotonic) and counts, for the per-request metrics."""
 
     arrival: float
+    num_prompt_tokens: int = 0  # counted once a request's first sequence has its first token (prefilled)
+    n: int = 1  # the request's sequences
+    max_tokens: int | None = None
+    queue_time: float | None = None  # arrival to first scheduling (the core's)
     first_token: float | None = None
     last_token: float | None = None
+    num_tokens: int = 0  # generated
 
 
 @dataclass
@@ -71,7 +76,7 @@ class MetricsSink:
     def on_first_token(self, ttft: float, queue_time: float | None) -> None: ...
     def on_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None: ...
     def on_prompt(self, num_tokens: int) -> None: ...
-    def on_finished(self, reason: str, e2e: float) -> None: ...
+    def on_finished(self, reason: str, e2e: float, seq: SeqTiming | None = None) -> None: ...
     def on_kv_transfer(self, done: KVTransferDone) -> None: ...
     def on_remote_prefill(self, continued: bool) -> None: ...
 
@@ -219,8 +224,10 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
         stream = RequestStream(request_id, len(req.prompt_token_ids))
         self.streams[request_id] = stream
-        for sid in req.seq_ids:
-            self.timings[sid] = SeqTiming(arrival)
+        for i, sid in enumerate(req.seq_ids):
+            # The prompt counts once, when it has been prefilled: a request aborted in the queue was not.
+            self.timings[sid] = SeqTiming(arrival, len(req.prompt_token_ids) if i == 0 else 0, len(req.seq_ids),
+                                          req.params.max_tokens)  # fmt: skip
             self.unstarted.add(sid)
         if kv_export_to is not None:
             self._kv_sent[request_id] = asyncio.get_running_loop().create_future()
@@ -230,7 +237,6 @@ class AsyncLLM:
             self._forget(request_id)
             self._kv_sent.pop(request_id, None)
             raise
-        self.metrics.on_prompt(len(req.prompt_token_ids))
         if remote_prefill is not None:
             self.metrics.on_remote_prefill(continued)
         return stream
@@ -306,7 +312,7 @@ class AsyncLLM:
             timing = self.timings.pop(sid, None)
             self.unstarted.discard(sid)
             if timing is not None and count_abort:
-                self.metrics.on_finished("abort", now - timing.arrival)
+                self.metrics.on_finished("abort", now - timing.arrival, timing)
         return seq_ids
 
     @property
@@ -381,13 +387,16 @@ class AsyncLLM:
             if timing is None or not co.new_token_ids:
                 continue
             if timing.first_token is None:
-                timing.first_token = now
+                timing.first_token, timing.queue_time = now, co.queue_time
                 self.unstarted.discard(co.request_id)
+                if timing.num_prompt_tokens:
+                    self.metrics.on_prompt(timing.num_prompt_tokens)
                 self.metrics.on_first_token(now - timing.arrival, co.queue_time)
                 self.metrics.on_tokens(len(co.new_token_ids), None)
             else:
                 self.metrics.on_tokens(len(co.new_token_ids), now - timing.last_token)
             timing.last_token = now
+            timing.num_tokens += len(co.new_token_ids)
         request_outputs, to_abort = self.output_processor.process(outputs)
         if to_abort:  # stop strings matched: the core must stop these sequences
             self.client.send(AbortRequests(to_abort))
@@ -397,7 +406,7 @@ class AsyncLLM:
             timing = self.timings.pop(sid, None)
             self.unstarted.discard(sid)
             if timing is not None:
-                self.metrics.on_finished(reason, now - timing.arrival)
+                self.metrics.on_finished(reason, now - timing.arrival, timing)
         for out in request_outputs:
             stream = self.streams.get(out.request_id)
             if stream is None:

@@ -13,10 +13,12 @@ recent decisions and a short latency history for the dashboard (activity.py).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from ferry.gateway.activity import Activity
 from ferry.gateway.replicas import Worker
+
+disable_created_metrics()  # `*_created` series only double the scrape size (as the server's)
 
 
 class GatewayMetrics:

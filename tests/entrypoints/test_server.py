@@ -370,6 +370,38 @@ def test_metrics_names(server, client):
     assert server.metric("ferry:time_to_first_token_seconds_count") >= 1
 
 
+def test_per_request_metrics_as_vllms(server, client):
+    """vLLM's per-request histograms, observed once a sequence finishes: prompt tokens and the
+    request's n and max_tokens once per request, generated tokens, phases and time per output
+    token per sequence; every finished_reason series from the start."""
+    names = ["ferry:request_prompt_tokens", "ferry:request_generation_tokens", "ferry:request_params_n",
+             "ferry:request_params_max_tokens", "ferry:request_time_per_output_token_seconds",
+             "ferry:request_prefill_time_seconds", "ferry:request_decode_time_seconds",
+             "ferry:request_inference_time_seconds"]  # fmt: skip
+    text = httpx.get(server.url + "/metrics").text
+    for reason in ("stop", "length", "abort"):
+        assert f'ferry:request_success_total{{finished_reason="{reason}",model_name="smol"}}' in text, reason
+    before = {f"{n}_{k}": server.metric(f"{n}_{k}") for n in names for k in ("count", "sum")}
+    prompt_before = server.metric("ferry:prompt_tokens_total")
+    r = client.completions.create(model="smol", prompt="Count with me: one, two,", max_tokens=5, n=2, temperature=0.7,
+                                  seed=1, extra_body={"ignore_eos": True})  # fmt: skip
+    prompt = r.usage.prompt_tokens
+    after = {key: server.metric(key) for key in before}
+
+    def grew(name: str, count: int, total: float | None = None) -> None:
+        assert after[f"{name}_count"] - before[f"{name}_count"] == count, name
+        if total is not None:
+            assert after[f"{name}_sum"] - before[f"{name}_sum"] == pytest.approx(total), name
+
+    grew("ferry:request_prompt_tokens", 1, prompt)
+    grew("ferry:request_params_n", 1, 2)
+    grew("ferry:request_params_max_tokens", 1, 5)
+    grew("ferry:request_generation_tokens", 2, 10)
+    for phase in names[4:]:
+        grew(phase, 2)
+    assert server.metric("ferry:prompt_tokens_total") - prompt_before == prompt  # once, not per sequence
+
+
 def _mutations(rng: random.Random):
     junk = [None, True, -1, 0, 1.5, 10**30, -(10**30), "", "x" * 50, [], {}, [1, "a"], {"a": 1}, [[1, 2], 3],
             float("inf"), [[]], [-5], [1.0, 2.0], "NaN"]  # fmt: skip

@@ -272,6 +272,8 @@ def test_request_timeout_aborts_with_504_streamed_or_not():
         wait_until(lambda: idle(s) and s.metric("ferry:num_requests_waiting") == 0, "the aborted requests to go")
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200
+        # Prompts count once prefilled (vLLM's): the two that timed out in the queue never were.
+        assert s.metric("ferry:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
     finally:
         os.kill(core, signal.SIGCONT)
         assert s.stop() == 0, s.logs()

@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ferry.engine.async_llm import MetricsSink
+from ferry.engine.async_llm import MetricsSink, SeqTiming
 from ferry.engine.messages import EngineInfo, EngineStats
 from ferry.kv_transfer.outcome import KVTransferDone
 
@@ -30,6 +30,20 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0]  # fmt: skip
 TRANSFER_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def buckets_1_2_5(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets: token-count histograms)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
 REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 
@@ -70,10 +84,23 @@ class ServerMetrics(MetricsSink):
         self._success = Counter(
             "ferry:request_success", "Finished sequences by reason.", ["model_name", "finished_reason"], registry=r
         )
+        for reason in ("stop", "length", "abort"):  # zeros from the start (vLLM's): rates see the first one
+            self._success.labels(model_name, reason)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduling.", REQUEST_BUCKETS)
+        # Per finished sequence, as vLLM's (phases from the first scheduling: queue, prefill to the
+        # first token, decode to the last).
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduling to first token.",
+                                      REQUEST_BUCKETS)  # fmt: skip
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduling to last token.",
+                                        REQUEST_BUCKETS)  # fmt: skip
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "A request's decode time over its tokens after the first.", ITL_BUCKETS)  # fmt: skip
+        self._histogram = histogram
+        self.request_tokens: dict[str, Histogram] = {}  # by max_model_len (set_engine_info): token-count buckets
         self._cache_info = Gauge(
             "ferry:cache_config_info", "KV-cache configuration.", ["block_size", "num_gpu_blocks"], registry=r
         )
@@ -99,6 +126,15 @@ class ServerMetrics(MetricsSink):
 
     def set_engine_info(self, info: EngineInfo) -> None:
         self._cache_info.labels(str(info.block_size), str(info.num_kv_blocks)).set(1)
+        if not self.request_tokens:
+            tokens = buckets_1_2_5(info.max_model_len)
+            for name, doc, buckets in (
+                ("request_prompt_tokens", "A finished request's prompt tokens.", tokens),
+                ("request_generation_tokens", "A finished sequence's generated tokens.", tokens),
+                ("request_params_max_tokens", "The max_tokens a request asked for.", tokens),
+                ("request_params_n", "The n a request asked for.", N_BUCKETS),
+            ):
+                self.request_tokens[name] = self._histogram(name, doc, buckets)
 
     def on_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
@@ -137,9 +173,26 @@ class ServerMetrics(MetricsSink):
         if inter_token_latency is not None:
             self.itl.observe(inter_token_latency)
 
-    def on_finished(self, reason: str, e2e: float) -> None:
+    def on_finished(self, reason: str, e2e: float, seq: SeqTiming | None = None) -> None:
         self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(e2e)
+        if seq is None or seq.first_token is None or seq.last_token is None:
+            return  # nothing generated (aborted in the queue): no phases to time
+        scheduled = seq.arrival + (seq.queue_time or 0.0)
+        decode = seq.last_token - seq.first_token
+        self.prefill_time.observe(max(seq.first_token - scheduled, 0.0))
+        self.decode_time.observe(decode)
+        self.inference_time.observe(max(seq.last_token - scheduled, 0.0))
+        if seq.num_tokens > 1:
+            self.tpot.observe(decode / (seq.num_tokens - 1))
+        hist = self.request_tokens
+        if hist:
+            hist["request_generation_tokens"].observe(seq.num_tokens)
+            if seq.num_prompt_tokens:  # a request's first sequence: its prompt and parameters, once
+                hist["request_prompt_tokens"].observe(seq.num_prompt_tokens)
+                hist["request_params_n"].observe(seq.n)
+                if seq.max_tokens is not None:
+                    hist["request_params_max_tokens"].observe(seq.max_tokens)
 
     def on_kv_transfer(self, done: KVTransferDone) -> None:
         labels = (self.model_name, done.direction)
