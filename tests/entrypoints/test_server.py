@@ -44,6 +44,8 @@ def test_probes_and_models(server, client):
     ids = [m.id for m in client.models.list().data]
     assert ids == ["smol", "extra-name"]
     assert client.models.retrieve("extra-name").id == "extra-name"
+    # Any of the names serves; answers name the first, as vLLM's do.
+    assert client.completions.create(model="extra-name", prompt="Hi", max_tokens=1).model == "smol"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("org/other-model")
 
@@ -250,6 +252,12 @@ def test_nulls_ask_for_the_default(server):
         r = httpx.post(server.url + path, json={"model": "smol", "max_tokens": 2, "temperature": 0, **body}, timeout=60)
         assert r.status_code == 200, (path, r.text)
         assert len(r.json()["choices"]) == 1
+    # vLLM's continuous_usage_stats: false asks for nothing; true is not implemented and says so.
+    for value, status in ((False, 200), (True, 400)):
+        options = {"include_usage": True, "continuous_usage_stats": value}
+        body = {"model": "smol", "prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": options}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == status, r.text
 
 
 def test_prompt_forms_and_extras(client, server):

@@ -364,6 +364,8 @@ def _same(a: Any, b: Any) -> bool:
 class StreamOptions(Strict):
     include_usage: bool = False
     _no_ops = frozenset({"include_obfuscation"})  # OpenAI's padding against length side channels
+    # vLLM's usage on every chunk: false asks for nothing (true is not implemented: a 400 naming it).
+    _no_op_values = {"continuous_usage_stats": False}
 
 
 def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:

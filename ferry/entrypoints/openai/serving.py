@@ -68,12 +68,11 @@ def now_s() -> int:
 
 
 def check_model(state: ServerState, model: str | None) -> str:
-    """The served name to report; 404 for a model this server does not serve."""
-    if model is None or model == "":
-        return state.model_name
-    if model not in state.served_model_names:
+    """The served name to report: the first, whichever of them was asked for (vLLM's); 404 for a
+    model this server does not serve."""
+    if model and model not in state.served_model_names:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
-    return model
+    return state.model_name
 
 
 def ready_engine(state: ServerState) -> AsyncLLM:
