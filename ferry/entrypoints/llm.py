@@ -30,6 +30,17 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: the model's generation_config.json
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's LLM does."""
+        from ferry.models.generation_config import sampling_defaults
+        from ferry.models.paths import resolve_model_path
+
+        args = self.llm_engine.args
+        if getattr(self, "_sampling_defaults", None) is None:
+            self._sampling_defaults = sampling_defaults(resolve_model_path(args.model, args.load_format))
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -47,7 +58,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )

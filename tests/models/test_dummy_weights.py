@@ -191,6 +191,24 @@ def test_cli_generate_prints_token_ids(tiny_dir):
     assert [int(t) for t in proc.stdout.split()] == expected
 
 
+def test_sampling_defaults_come_from_the_generation_config(tmp_path):
+    from ferry.models.generation_config import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "do_sample": True,
+         "min_p": "x", "eos_token_id": [1, 2]}))  # fmt: skip
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
+    assert sampling_defaults(str(tmp_path)) == want
+    assert sampling_defaults(str(tmp_path), "vllm") == {}
+    assert sampling_defaults("/nowhere/model.gguf", str(tmp_path)) == want  # a directory of one's own
+    assert sampling_defaults(str(tmp_path / "none")) == {}
+    with pytest.raises(ValueError, match="auto, vllm or a directory"):
+        sampling_defaults(str(tmp_path), "greedy")
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a JSON generation config"):
+        sampling_defaults(str(tmp_path))
+
+
 def test_cli_errors_without_tokenizer_or_weights(tiny_dir, capsys):
     from ferry.cli import main
 
@@ -203,11 +221,19 @@ def test_cli_errors_without_tokenizer_or_weights(tiny_dir, capsys):
         assert word in err and "Traceback" not in err, err
 
 
-def test_serve_token_ids_without_tokenizer(tiny_dir):
+def test_serve_token_ids_without_tokenizer(tiny_dir, tmp_path):
+    import shutil
+
     import httpx
     from server_utils import ServerProcess
 
-    s = ServerProcess(tiny_dir, "--load-format", "dummy", "--device", "cpu", "--num-kv-blocks", "32",
+    # The checkpoint's generation_config.json sets the sampling defaults (vLLM's --generation-config auto):
+    # greedy here, so a request that names no temperature decodes greedily.
+    model_dir = shutil.copytree(tiny_dir, tmp_path / "tiny")
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "top_p": 0.9, "do_sample": False})
+    )
+    s = ServerProcess(str(model_dir), "--load-format", "dummy", "--device", "cpu", "--num-kv-blocks", "32",
                       "--served-model-name", "tiny", "--seed", "3")  # fmt: skip
     try:
         expected = greedy(tiny_llm(tiny_dir, seed=3))
@@ -219,6 +245,11 @@ def test_serve_token_ids_without_tokenizer(tiny_dir):
         assert [c["token_ids"] for c in choices] == [o.outputs[0].token_ids for o in expected]
         assert [c["prompt_token_ids"] for c in choices] == [p["prompt_token_ids"] for p in PROMPTS]
         assert all(c["text"] == "" for c in choices)
+        unset = {k: v for k, v in body.items() if k != "temperature"}  # the model's default: greedy
+        r = httpx.post(s.url + "/v1/completions", json=unset, timeout=60)
+        assert [c["token_ids"] for c in r.json()["choices"]] == [o.outputs[0].token_ids for o in expected]
+        defaults = tiny_llm(str(model_dir), seed=3).get_default_sampling_params()  # LLM.generate's, as vLLM's
+        assert (defaults.temperature, defaults.top_p) == (0.0, 0.9)
         # Streamed: the prompt's ids once, then the new ids chunk by chunk.
         streamed, prompt_ids = [], None
         with httpx.stream("POST", s.url + "/v1/completions", json={**body, "prompt": PROMPTS[0]["prompt_token_ids"],

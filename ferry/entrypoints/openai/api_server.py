@@ -115,7 +115,8 @@ class Server:
                  allow_client_priority: bool = False, request_timeout: float | None = None,
                  engine_stall_timeout: float | None = None, tool_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
-                 playground: bool = True, spawned: SpawnedCore | None = None) -> None:  # fmt: skip
+                 playground: bool = True, spawned: SpawnedCore | None = None,
+                 sampling_defaults: dict | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
         self.spawned = spawned  # the core, when `ferry serve` started it before importing this module
         self.playground = WebPages("ferry.entrypoints", "web") if playground else None
@@ -125,7 +126,8 @@ class Server:
         self.engine_stall_timeout = engine_stall_timeout
         self.state = ServerState(served_model_names, max_queue_len, allow_client_priority, request_timeout,
                                  tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                                 reasoning_parser=reasoning_parser)  # fmt: skip
+                                 reasoning_parser=reasoning_parser,
+                                 sampling_defaults=sampling_defaults or {})  # fmt: skip
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -417,7 +419,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
                     engine_stall_timeout=args.engine_stall_timeout or None, tool_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                     reasoning_parser=args.reasoning_parser, playground=not args.no_playground,
-                    spawned=spawned)  # fmt: skip
+                    spawned=spawned, sampling_defaults=getattr(args, "sampling_defaults", None))  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

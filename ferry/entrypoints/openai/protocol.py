@@ -468,8 +468,15 @@ class _GenerationRequest(Strict):
             return StructuredOutputsParams(json_object=True), "response_format"
         return StructuredOutputsParams(json=schema), "response_format.json_schema.schema"
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises InvalidParameterError naming the field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:  # fmt: skip
+        """`defaults`: the model's for the fields a request leaves unset (models/generation_config.py).
+        Raises InvalidParameterError naming the field."""
+        d = defaults or {}
+
+        def pick(value, name: str, library_default):
+            return value if value is not None else d.get(name, library_default)
+
         bias = None
         if self.logit_bias:
             bias = {}
@@ -485,11 +492,11 @@ class _GenerationRequest(Strict):
                 bias[token] = value
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,

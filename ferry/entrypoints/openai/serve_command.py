@@ -24,6 +24,7 @@ from ferry.engine.core_client import spawn_engine_core
 from ferry.entrypoints.openai.reasoning import REASONING_PARSERS
 from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
+from ferry.models.generation_config import sampling_defaults
 from ferry.models.paths import resolve_model_path
 from ferry.utils.deployment_secret import load_secret
 from ferry.utils.network import UVICORN_LOG_LEVELS, port_number, server_socket
@@ -55,6 +56,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-stall-timeout", type=float, default=30.0,
                    help="seconds the engine core may go without finishing a step or sending a heartbeat before "
                         "/ready turns 503 and its requests fail with 503 (0: never)")  # fmt: skip
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them unset: auto (the model's "
+                        "generation_config.json, as vLLM), vllm (none: temperature 1, ...), or a directory "
+                        "with a generation_config.json")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
     p.add_argument("--no-playground", action="store_true",
                    help="serve no chat playground at / (it holds no secrets: it calls /v1/* with the key typed "
@@ -137,6 +142,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_keys = api_keys_from(args.api_key, os.environ)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
+    args.sampling_defaults = sampling_defaults(path, args.generation_config)  # ValueError: exit 2
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
     secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
     kv_events = None

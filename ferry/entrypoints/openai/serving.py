@@ -8,7 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -43,6 +43,8 @@ class ServerState:
     tool_parser: str | None = None  # --tool-call-parser: reads calls out of text for tool_choice auto
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None  # --reasoning-parser: splits off reasoning_content
+    # The model's sampling defaults for fields a request leaves unset (--generation-config).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None

@@ -83,7 +83,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     top = body.top_logprobs or 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     tools = tool_plan(body, state.tool_parser, state.enable_auto_tool_choice)
-    params = body.sampling_params(max_tokens, top if body.logprobs else None)
+    params = body.sampling_params(max_tokens, top if body.logprobs else None, state.sampling_defaults)
     grammar_field = body.structured_output_params()[1]
     if tools.grammar is not None:  # tool_choice required or named: the calls follow the tools' schemas
         params.structured_outputs, grammar_field = tools.grammar, "tools"

@@ -112,7 +112,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     if score_only and not body.echo:
         raise OpenAIError(400, "max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
                                "prompt scored, nothing generated)", param="max_tokens", code=400)  # fmt: skip
-    params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs)
+    params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, state.sampling_defaults)
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
     plan = kv_transfer_plan(engine, body, len(prompts), params)

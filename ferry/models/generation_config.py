@@ -1,0 +1,54 @@
+"""A checkpoint's sampling defaults: the fields of its `generation_config.json` that vLLM applies.
+
+vLLM's `--generation-config auto` (its default) makes the model's own temperature, top_p, top_k,
+min_p and repetition_penalty the defaults of requests that leave them unset, so a Qwen or Llama
+checkpoint samples as its authors tuned it; `vllm` keeps the library's defaults (temperature 1,
+...), and a directory reads the file there instead. GGUF files carry no such file. (vLLM also caps
+an unset max_tokens at max_new_tokens; here an unset max_tokens runs to the context, as before.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json's name -> SamplingParams' (vLLM's list: get_diff_sampling_param).
+_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def sampling_defaults(model_path: str, generation_config: str = "auto") -> dict[str, float | int]:
+    """The sampling defaults `generation_config` names: "auto" (the model directory's file), "vllm"
+    (none), or a directory holding a generation_config.json. ValueError for a value that is none of
+    these or a file that is not JSON."""
+    if generation_config == "vllm":
+        return {}
+    directory = model_path if generation_config == "auto" else generation_config
+    if generation_config != "auto" and not os.path.isdir(directory):
+        raise ValueError(f"--generation-config must be auto, vllm or a directory, got {generation_config!r}")
+    path = os.path.join(directory, "generation_config.json") if os.path.isdir(directory) else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a JSON generation config ({e})") from None
+    out: dict[str, float | int] = {}
+    for name, field in _FIELDS.items():
+        value = gen.get(name) if isinstance(gen, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[field] = int(value) if field == "top_k" else float(value)
+    if out:
+        logger.info("sampling defaults from %s (requests that leave them unset; --generation-config vllm: "
+                    "none): %s", path, out)  # fmt: skip
+    return out
