@@ -378,6 +378,24 @@ def test_metrics_names(server, client):
     assert server.metric("ferry:time_to_first_token_seconds_count") >= 1
 
 
+def test_x_request_id_names_the_answer(server):
+    """vLLM's tracing: an X-Request-Id header names the answer (`cmpl-<id>`, `chatcmpl-<id>`,
+    streamed chunks too); the engine's own ids stay unique, so two requests may send one id; a
+    header that is not visible ASCII (a forged log line) is not used."""
+    body = {"model": "smol", "prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(timeout=60) as http:
+        ids = [http.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-1"}).json()["id"]
+               for _ in range(2)]  # fmt: skip
+        assert ids == ["cmpl-trace-1", "cmpl-trace-1"]
+        chat = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+        with http.stream("POST", server.url + "/v1/chat/completions", json=chat,
+                         headers={"X-Request-Id": "trace-2"}) as r:  # fmt: skip
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks and {c["id"] for c in chunks} == {"chatcmpl-trace-2"}
+        spaced = http.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "a b"}).json()["id"]
+        assert spaced.startswith("cmpl-") and " " not in spaced and len(spaced) == len("cmpl-") + 32  # a random id
+
+
 def test_per_request_metrics_as_vllms(server, client):
     """vLLM's per-request histograms, observed once a sequence finishes: prompt tokens and the
     request's n and max_tokens once per request, generated tokens, phases and time per output

@@ -65,6 +65,20 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII: nothing that could forge a log line
+
+
+def request_ids(request: Request, prefix: str) -> tuple[str, str]:
+    """(the engine's id, the answer's id) of a request. With an `X-Request-Id` header (vLLM's
+    tracing) the answer's is `<prefix>-<that id>` and the engine's carries it too, with a random
+    tail: ids the engine holds must be unique, whatever clients send."""
+    client_id = request.headers.get("x-request-id")
+    if client_id is None or not _CLIENT_REQUEST_ID.fullmatch(client_id):
+        engine_id = random_id(prefix)
+        return engine_id, engine_id
+    return f"{prefix}-{client_id}-{uuid.uuid4().hex[:8]}", f"{prefix}-{client_id}"
+
+
 def now_s() -> int:
     return int(time.time())
 

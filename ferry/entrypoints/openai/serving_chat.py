@@ -34,8 +34,8 @@ from ferry.entrypoints.openai.serving import (
     merged_outputs,
     now_s,
     prompt_logprobs_json,
-    random_id,
     ready_engine,
+    request_ids,
     sse,
     until_disconnect,
     usage,
@@ -95,12 +95,12 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     # Rendering (Jinja) and tokenizing take milliseconds on long conversations: off the event loop.
     prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body)
     reasoning_open = _reasoning_open(state, engine, prompt, params)
-    base_id = random_id("chatcmpl")
+    base_id, reply_id = request_ids(request, "chatcmpl")
     streams = add_requests(state, engine, base_id, [prompt], params, body, plan)
     created = now_s()
     if body.stream:
         builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]
-        return StreamingResponse(_stream(request, engine, streams, body, model, base_id, created, top, due, builders),
+        return StreamingResponse(_stream(request, engine, streams, body, model, reply_id, created, top, due, builders),
                                  media_type="text/event-stream")  # fmt: skip
     final = None
     async for _, out in until_disconnect(request, merged_outputs(engine, streams), due):
@@ -120,7 +120,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
         })  # fmt: skip
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     response = {
-        "id": base_id,
+        "id": reply_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
@@ -134,14 +134,14 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     return JSONResponse(response)
 
 
-async def _stream(request, engine, streams, body, model, base_id, created, top, due,
+async def _stream(request, engine, streams, body, model, reply_id, created, top, due,
                   builders: list[DeltaBuilder]) -> AsyncIterator[bytes]:  # fmt: skip
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
             extra.setdefault("usage", None)
         return sse(
             {
-                "id": base_id,
+                "id": reply_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,

@@ -27,8 +27,8 @@ from ferry.entrypoints.openai.serving import (
     merged_outputs,
     now_s,
     prompt_logprobs_json,
-    random_id,
     ready_engine,
+    request_ids,
     sse,
     until_disconnect,
     usage,
@@ -121,7 +121,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     admit(state, engine, len(prompts) * params.n)  # before tokenizing; add_requests checks again
     due = deadline(state)
     prompts = await tokenize_prompts(engine.tokenizer, prompts)
-    base_id = random_id("cmpl")
+    base_id, reply_id = request_ids(request, "cmpl")
     streams = add_requests(state, engine, base_id, prompts, params, body, plan)
     n = params.n
     created = now_s()
@@ -139,7 +139,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         outputs = _nothing_generated(outputs)
     if body.stream:
         return StreamingResponse(
-            _stream(request, engine, outputs, body, model, base_id, created, n, echo_text, with_ids, due),
+            _stream(request, engine, outputs, body, model, reply_id, created, n, echo_text, with_ids, due),
             media_type="text/event-stream",
         )
 
@@ -177,7 +177,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
             choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     response = {
-        "id": base_id,
+        "id": reply_id,
         "object": "text_completion",
         "created": created,
         "model": model,
@@ -208,7 +208,7 @@ async def _nothing_generated(outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIt
 
 
 async def _stream(
-    request, engine, outputs, body, model, base_id, created, n, echo_text, with_ids, due
+    request, engine, outputs, body, model, reply_id, created, n, echo_text, with_ids, due
 ) -> AsyncIterator[bytes]:
     lp_builders: dict[int, LogprobsBuilder] = {}
     echoed: set[int] = set()
@@ -218,7 +218,7 @@ async def _stream(
     cached: dict[int, int] = {}
 
     def chunk(choices: list[dict[str, Any]], usage_now: dict[str, Any] | None = None) -> bytes:
-        data = {"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        data = {"id": reply_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
         if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
             data["usage"] = usage_now
         return sse(data)
