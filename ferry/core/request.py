@@ -54,6 +54,7 @@ class Request:
         self.max_tokens = max_tokens  # resolved against max_model_len by the engine
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.stopped_by_token = False  # its last token is the EOS or stop token id that ended it (not text)
         # Tokens whose K/V are in the cache (or being written this step).
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache at first scheduling (for usage stats).

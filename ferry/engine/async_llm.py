@@ -48,7 +48,8 @@ class SeqTiming:
     """One sequence's timestamps (time.monotonic) and counts, for the per-request metrics."""
 
     arrival: float
-    num_prompt_tokens: int = 0  # counted once a request's first sequence has its first token (prefilled)
+    num_prompt_tokens: int = 0  # counted once a request's first sequence is prefilled (a token or an embedding)
+    prompt_counted: bool = False
     n: int = 1  # the request's sequences
     max_tokens: int | None = None
     queue_time: float | None = None  # arrival to first scheduling (the core's)
@@ -226,8 +227,8 @@ class AsyncLLM:
         self.streams[request_id] = stream
         for i, sid in enumerate(req.seq_ids):
             # The prompt counts once, when it has been prefilled: a request aborted in the queue was not.
-            self.timings[sid] = SeqTiming(arrival, len(req.prompt_token_ids) if i == 0 else 0, len(req.seq_ids),
-                                          req.params.max_tokens)  # fmt: skip
+            self.timings[sid] = SeqTiming(arrival, num_prompt_tokens=len(req.prompt_token_ids) if i == 0 else 0,
+                                          n=len(req.seq_ids), max_tokens=req.params.max_tokens)  # fmt: skip
             self.unstarted.add(sid)
         if kv_export_to is not None:
             self._kv_sent[request_id] = asyncio.get_running_loop().create_future()
@@ -384,13 +385,17 @@ class AsyncLLM:
         now = time.monotonic()
         for co in outputs:
             timing = self.timings.get(co.request_id)
-            if timing is None or not co.new_token_ids:
+            if timing is None:
+                continue
+            if (co.new_token_ids or co.embedding is not None) and not timing.prompt_counted:
+                timing.prompt_counted = True  # prefilled: its first token, or an embedding's vector
+                if timing.num_prompt_tokens:
+                    self.metrics.on_prompt(timing.num_prompt_tokens)
+            if not co.new_token_ids:
                 continue
             if timing.first_token is None:
                 timing.first_token, timing.queue_time = now, co.queue_time
                 self.unstarted.discard(co.request_id)
-                if timing.num_prompt_tokens:
-                    self.metrics.on_prompt(timing.num_prompt_tokens)
                 self.metrics.on_first_token(now - timing.arrival, co.queue_time)
                 self.metrics.on_tokens(len(co.new_token_ids), None)
             else:

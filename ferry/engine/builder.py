@@ -72,6 +72,12 @@ def _build(
     draft: LoadedModel | None,
 ):
     cfg: ModelConfig = loaded.model.config
+    context = args.max_model_len or cfg.max_position_embeddings
+    if (not args.enable_chunked_prefill and args.max_num_batched_tokens < context
+            and args.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS):  # fmt: skip
+        # Unset, without chunked prefill: a whole prompt a step (the model's context was not known when
+        # the arguments were read). Before anything is sized: the KV budget keeps room for such a step.
+        args = dataclasses.replace(args, max_num_batched_tokens=context)
     torch.manual_seed(args.seed)
     draft = _load_draft(args, loaded, tp, draft)  # before sizing the KV cache: its weights take memory
     runner = ModelRunner.create(args, loaded, tp, check_peers=tp_workers.check_alive if tp_workers else None,
@@ -87,11 +93,6 @@ def _build(
         block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
     num_blocks = args.num_kv_blocks or _num_kv_blocks(args, runner, tp_workers, block_bytes)
     max_len = _max_model_len(args, cfg, num_blocks, runner.sliding_window)
-    if (not args.enable_chunked_prefill and args.max_num_batched_tokens < max_len
-            and args.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS):  # fmt: skip
-        # Unset, without chunked prefill: a whole prompt in one step (the model's context was not known
-        # when the arguments were read).
-        args = dataclasses.replace(args, max_num_batched_tokens=max_len)
     eos_token_ids = set(cfg.eos_token_ids)
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         eos_token_ids.add(loaded.tokenizer.eos_token_id)

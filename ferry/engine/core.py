@@ -184,18 +184,10 @@ class EngineCore:
                 request.output_token_ids[:],
                 finish_reason=finish,
                 stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
-                stop_token=self._ended_by_stop_token(request, finish, request.output_token_ids),
+                stop_token=request.stopped_by_token,
                 queue_time=0.0,
             )  # fmt: skip
         )
-
-    def _ended_by_stop_token(self, request: Request, finish: str | None, tokens: list[int]) -> bool:
-        """Whether `tokens`' last is the EOS or stop token id that ended the request (not a
-        grammar that completed: its last token is text)."""
-        if finish != RequestStatus.FINISHED_STOPPED.value or not tokens:
-            return False
-        params = request.sampling_params
-        return (tokens[-1] in self.eos_token_ids and not params.ignore_eos) or tokens[-1] in params.all_stop_token_ids
 
     def _release_embeddings(self) -> None:
         """Schedule the held embedding requests once enough wait or the first has waited long
@@ -303,7 +295,7 @@ class EngineCore:
                 lps,
                 finish_reason=finish,
                 stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
-                stop_token=self._ended_by_stop_token(request, finish, tokens),
+                stop_token=request.stopped_by_token,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
                 prompt_logprobs=prompt_lps,
@@ -333,9 +325,10 @@ class EngineCore:
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
+                request.stopped_by_token = True
             elif token in params.all_stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
+                request.stop_reason, request.stopped_by_token = token, True
         grammar = request.grammar
         if status is None and grammar is not None:
             if not grammar.accept(token):

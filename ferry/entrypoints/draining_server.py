@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import uvicorn
 
+from ferry.utils.network import allow_rebind
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, start_drain: Callable[[], None], draining: Callable[[], bool]) -> None:
@@ -28,6 +30,10 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)  # sockets from utils/network.py set SO_REUSEADDR as they listen
+        for sock in sockets or ():
+            # An event loop that listens on the descriptor itself (uvloop, when installed) never calls
+            # ServerSocket.listen: then set here, once listening (a connection made in between lacks it).
+            allow_rebind(sock)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit or self.draining():

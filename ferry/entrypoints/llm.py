@@ -59,14 +59,15 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise ValueError("sampling_params must be SamplingParams, or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__}")  # fmt: skip
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        if any(not isinstance(p, SamplingParams) for p in params):
-            bad = next(p for p in params if not isinstance(p, SamplingParams))
-            raise ValueError(f"sampling_params must be SamplingParams (or one per prompt), got {type(bad).__name__}")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine

@@ -84,6 +84,7 @@ def _child_setup(cpus: list[int]) -> None:
 
 
 BACKOFF_FIRST, BACKOFF_MAX, STABLE_AFTER = 1.0, 60.0, 60.0  # seconds
+WORKER_KEY_VARIABLES = ("FERRY_API_KEY", "VLLM_API_KEY")  # `ferry serve`'s defaults for --api-key
 
 
 class Replicas:
@@ -96,7 +97,10 @@ class Replicas:
                  sockets: list[socket.socket] | None = None) -> None:  # fmt: skip
         self.cmds, self.urls = cmds, urls
         self.handoff: list[socket.socket | None] = list(sockets) if sockets else [None] * len(cmds)
-        self.env = {**os.environ, **(env or {})}
+        # Not the API-key variables: the replicas listen on loopback behind the gateway, which holds the
+        # keys (--api-keys) and calls them without one; a key in the shell (VLLM_API_KEY from a `vllm
+        # serve` setup) would turn every health check and request into a 401.
+        self.env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in WORKER_KEY_VARIABLES}
         self.log_files = log_files  # one open file per replica for its output (default: ours)
         self.procs: list[subprocess.Popen] = []
         self.cpus: list[list[int] | None] = [None] * len(cmds)

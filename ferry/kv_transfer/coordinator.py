@@ -11,6 +11,7 @@ Every outcome goes to the API process as a `KVTransferDone` through `report`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -48,15 +49,37 @@ class FinishedOutput(Protocol):
     finish_reason: str | None
 
 
-def model_bytes(path: str) -> int:
-    """The model's size on disk: with its name, what tells two models apart in a shared KV store
-    (two fine-tunes under one file name differ in size almost surely; paths differ across hosts)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLE = 1 << 20  # bytes read at each end of a weight file
+
+
+def model_identity(path: str) -> str:
+    """What tells models apart in KV-transfer offers and a shared KV store, wherever each worker
+    has its copy: a hash of the config and, for each weight file, its name, size and first and
+    last MiB (the header and two tensors' values: two fine-tunes of one shape differ there almost
+    surely). Not the path (mount points differ across hosts; a trailing slash once changed it),
+    nor files beside the weights (a README)."""
+    h = hashlib.sha256()
     try:
         if os.path.isdir(path):
-            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+            config = os.path.join(path, "config.json")
+            if os.path.isfile(config):
+                with open(config, "rb") as f:
+                    h.update(f.read())
+            files = sorted(e.path for e in os.scandir(path) if e.is_file() and e.name.endswith(WEIGHT_SUFFIXES))
+        else:
+            files = [path]
+        for name in files:
+            size = os.path.getsize(name)
+            h.update(f"{os.path.basename(name) if os.path.isdir(path) else ''}:{size}:".encode())
+            with open(name, "rb") as f:
+                h.update(f.read(_SAMPLE))
+                f.seek(max(size - _SAMPLE, 0))
+                h.update(f.read(_SAMPLE))
+    except OSError as e:  # unreadable: no identity to share, so no peer's blocks are taken
+        logger.warning("KV transfer: cannot read %s to name the model (%s)", path, e)
+        return f"unreadable:{os.getpid()}"
+    return h.hexdigest()[:24]
 
 
 class KVTransferCoordinator:
@@ -75,7 +98,7 @@ class KVTransferCoordinator:
         k0 = kv_caches[0][0]
         _, bs, kvh, d = k0.shape
         layers = len(kv_caches)
-        namespace = f"{os.path.basename(model_path)}:{model_bytes(model_path)}:{layers}x{kvh}x{d}x{bs}"
+        namespace = f"{model_identity(model_path)}:{layers}x{kvh}x{d}x{bs}"
         if is_quantized(k0.dtype):  # int8 and fp8 blocks are stored as they are: never mixed in one namespace,
             # nor with an older ferry's (rows, not BLOCK_LAYOUT)
             namespace += f":{str(k0.dtype).removeprefix('torch.')}:{BLOCK_LAYOUT}"

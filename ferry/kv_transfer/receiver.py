@@ -174,8 +174,8 @@ class Receiver:
         if offer.fingerprint != self.fingerprint:
             error = (
                 f"KV blocks of another model or cache layout (fingerprint {offer.fingerprint or 'none'!r}, "
-                f"this worker's {self.fingerprint!r}): prefill and decode workers need the same model, "
-                "--block-size and --kv-cache-dtype, and the same ferry"
+                f"this worker's {self.fingerprint!r}): prefill and decode workers need the same model files, "
+                "--block-size and quantized --kv-cache-dtype (int8, fp8), and the same ferry"
             )
             logger.warning("KV offer %s refused: %s", offer.transfer_id, error)
             return Done(offer.transfer_id, False, error=error)

@@ -132,3 +132,9 @@ def handed_over(cmd: list[str], sock: socket.socket | None) -> Iterator[tuple[li
     finally:
         if sock is not None:
             sock.close()
+
+
+def allow_rebind(sock: socket.socket) -> None:
+    """SO_REUSEADDR on a listening server socket (ServerSocket sets it as it listens; this is for an
+    event loop that listens without calling `listen` on the Python object)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -257,8 +257,10 @@ def test_tokenize_detokenize_and_version(server, client):
 
 def test_embeddings_alone_equal_batched_and_base64(server, client):
     texts = [f"Note {i}: {'the cat sleeps' if i % 2 else 'stocks fell'} at {i} o'clock." for i in range(32)]
+    prompt_tokens = server.metric("ferry:prompt_tokens_total")
     batch = client.embeddings.create(model="smol", input=texts)
     assert [d.index for d in batch.data] == list(range(32)) and batch.usage.prompt_tokens > 32
+    assert server.metric("ferry:prompt_tokens_total") - prompt_tokens == batch.usage.prompt_tokens  # prefilled
 
     async def alone():
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)

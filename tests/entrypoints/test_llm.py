@@ -43,8 +43,9 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
     assert_no_blocks_referenced(llm.llm_engine)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()])
-    with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
-        llm.generate("a", {"max_tokens": 2})
+    for bad in ({"max_tokens": 2, "temperature": 0}, [SamplingParams(), {"max_tokens": 2}]):
+        with pytest.raises(ValueError, match="sampling_params must be SamplingParams"):
+            llm.generate(["a", "b"][: len(bad)], bad)
     for field, value in (("stop", 5), ("stop", [1]), ("stop_token_ids", 5)):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})

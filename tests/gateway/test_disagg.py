@@ -352,7 +352,7 @@ def test_a_burst_is_spread_over_the_decode_workers_while_its_prefill_hops_run(cl
     d1, d2 = cluster["decode"]
     p = cluster["prefill"]["tcp"]
     other = open_request(d1.url, "/v1/completions", {"model": MODEL, "prompt": "Another client's request",
-                         "max_tokens": 900, "ignore_eos": True, "stream": True})  # fmt: skip
+                         "max_tokens": 1000, "ignore_eos": True, "stream": True})  # fmt: skip
     read_until(other, b"data: {")  # d1 runs one request when the gateway looks, and is never scraped again
     gw = pd_gateway([p.url], [d1.url, d2.url], "--pd-min-prefill-tokens", "0", "--scrape-interval", "3600",
                     "--health-interval", "3600", "--admin-key", "admin-key-for-state")  # fmt: skip

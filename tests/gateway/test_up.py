@@ -121,11 +121,13 @@ def _children(pid: int) -> list[int]:
 def test_up_supervises_its_replicas_and_drains_on_sigterm():
     """Each replica runs on its own slice of the CPUs with that many OpenMP threads; one that dies
     is started again on its port while the gateway routes around it; SIGTERM lets a stream in
-    flight finish, then every process is gone."""
+    flight finish, then every process is gone. API-key variables stay out of the replicas."""
     port = free_port()
     cmd = [sys.executable, "-m", "ferry.cli", "up", "--replicas", "2", "--port", str(port), "--health-interval",
            "0.5", "--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", "smol"]  # fmt: skip
-    up = LaunchedServer(cmd, port, "/ready", 240)
+    # A key left in the shell from a `vllm serve` setup: the replicas behind the gateway must not take it
+    # (the gateway calls them without one: every health check would be a 401).
+    up = LaunchedServer(cmd, port, "/ready", 240, env={"VLLM_API_KEY": "from-a-vllm-shell"})
     url = up.__enter__()
     try:
         workers = httpx.get(url + "/gateway/workers", timeout=10).json()

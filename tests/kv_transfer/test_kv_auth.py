@@ -318,3 +318,27 @@ def wait_until(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_model_is_named_by_its_files_not_its_path(tmp_path):
+    """The fingerprint a KV offer carries names the model wherever each worker mounts it: the same
+    files under another path (or with a trailing slash, or a README beside them) are the same model;
+    a fine-tune of the same shape (other weight values) is not."""
+    from ferry.kv_transfer.coordinator import model_identity
+
+    def checkpoint(where, first: bytes, extra: dict[str, bytes] | None = None) -> str:
+        where.mkdir()
+        (where / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+        (where / "model.safetensors").write_bytes(first + bytes(3 << 20))  # 3 MiB and a bit: both ends read
+        for name, data in (extra or {}).items():
+            (where / name).write_bytes(data)
+        return str(where)
+
+    a = checkpoint(tmp_path / "a", b"weights-A")
+    same = checkpoint(tmp_path / "elsewhere", b"weights-A", {"README.md": b"# a model card"})
+    tuned = checkpoint(tmp_path / "tuned", b"weights-B")
+    assert model_identity(a) == model_identity(same) == model_identity(a + "/")
+    assert model_identity(tuned) != model_identity(a)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    assert model_identity(str(gguf)) == model_identity(str(tmp_path / "." / "m.gguf")) != model_identity(a)

@@ -209,6 +209,17 @@ def test_sampling_defaults_come_from_the_generation_config(tmp_path):
         sampling_defaults(str(tmp_path))
 
 
+def test_a_generation_config_out_of_range_stops_serve_at_once(tiny_dir, tmp_path):
+    import shutil
+
+    model_dir = shutil.copytree(tiny_dir, tmp_path / "tiny")
+    (model_dir / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    proc = subprocess.run([sys.executable, "-m", "ferry.cli", "serve", str(model_dir), "--load-format", "dummy",
+                           "--port", "1"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "generation_config.json" in proc.stderr and "top_p" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_cli_errors_without_tokenizer_or_weights(tiny_dir, capsys):
     from ferry.cli import main
 

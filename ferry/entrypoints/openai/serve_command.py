@@ -26,6 +26,7 @@ from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.generation_config import sampling_defaults
 from ferry.models.paths import resolve_model_path
+from ferry.sampling_params import SamplingParams
 from ferry.utils.deployment_secret import load_secret
 from ferry.utils.network import UVICORN_LOG_LEVELS, port_number, server_socket
 
@@ -143,6 +144,10 @@ def serve(args: argparse.Namespace) -> int:
     api_keys = api_keys_from(args.api_key, os.environ)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
     args.sampling_defaults = sampling_defaults(path, args.generation_config)  # ValueError: exit 2
+    try:  # a default out of range would fail every request that leaves the field unset: fail here instead
+        SamplingParams(**args.sampling_defaults)
+    except ValueError as e:
+        raise ValueError(f"the model's generation_config.json (--generation-config vllm ignores it): {e}") from None
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
     secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
     kv_events = None

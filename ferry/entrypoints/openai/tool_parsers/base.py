@@ -47,23 +47,6 @@ def parsed_call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters
 _decoder = json.JSONDecoder()
 
 
-def json_values(text: str, pos: int, separators: str = ",;") -> tuple[list[Any], int]:
-    """The JSON values that follow each other from `text[pos]`, apart by whitespace and any of
-    `separators`; and where the first value that is not (yet) complete JSON starts."""
-    values = []
-    while True:
-        while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
-            pos += 1
-        if pos >= len(text):
-            return values, pos
-        try:
-            value, end = _decoder.raw_decode(text, pos)
-        except (json.JSONDecodeError, RecursionError):  # too deep: not a value a call is made of
-            return values, pos
-        values.append(value)
-        pos = end
-
-
 def first_json_value(text: str, pos: int) -> tuple[Any, int]:
     """The JSON value at `text[pos]` (after whitespace) and where it ends; (None, 0) when there is
     no complete one there."""
@@ -78,21 +61,16 @@ def first_json_value(text: str, pos: int) -> tuple[Any, int]:
 def leading_calls(
     text: str, pos: int, separators: str = ",;", args_keys: tuple[str, ...] = ("arguments", "parameters")
 ) -> tuple[list[ParsedCall], int]:
-    """The calls among the JSON values that follow each other from `text[pos]` (as json_values
-    reads them), up to the first value that is not a call or not (yet) complete; and where the
-    text after the last of them starts (`pos` when there is none)."""
+    """The calls among the JSON values that follow each other from `text[pos]`, apart by whitespace
+    and any of `separators`, up to the first value that is not a call or not (yet) complete; and
+    where the text after the last of them starts (`pos` when there is none)."""
     calls, end = [], pos
     while True:
         p = end
         while p < len(text) and (text[p].isspace() or text[p] in separators):
             p += 1
-        if p >= len(text):
-            return calls, end
-        try:
-            value, after = _decoder.raw_decode(text, p)
-        except (json.JSONDecodeError, RecursionError):
-            return calls, end
-        call = parsed_call(value, args_keys)
+        value, after = first_json_value(text, p)
+        call = parsed_call(value, args_keys) if after else None
         if call is None:
             return calls, end
         calls.append(call)
