@@ -481,7 +481,9 @@ def test_queue_limit_then_sigterm_drain():
     s = ServerProcess("--max-model-len", "2048", "--max-num-seqs", "1", "--max-queue-len", "1",
                       "--drain-timeout", "900")  # fmt: skip
     try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # The queued request's first byte comes only after the running one's 2,000 tokens: on a busy
+        # machine minutes, so the client waits as long as the drain may (a timeout is no speed check).
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=900)
         results: dict[str, object] = {}
 
         def long_stream(name: str, max_tokens: int) -> None:
