@@ -39,6 +39,7 @@ from ferry.engine.messages import (
 )
 from ferry.kv_transfer.coordinator import KVTransferCoordinator
 from ferry.kv_transfer.outcome import KVTransferDone
+from ferry.models.paths import resolve_model_path
 from ferry.sampling_params import SamplingParams
 from ferry.utils.deployment_secret import block_hash_salt
 from ferry.utils.process import die_with_parent
@@ -110,7 +111,9 @@ class EngineCoreProc:
             raise ValueError("KV transfer (--kv-transfer / --redis-url) does not support tensor or pipeline "
                              "parallelism yet")  # fmt: skip
         info = self.core.info
-        transfers = KVTransferCoordinator(config, self.ctx, self.core.kv, self.core.runner.kv_caches, info.model_path,
+        # The files, not the argument (None for the bundled model): what names the model to peers.
+        model_path = resolve_model_path(self.args.model, self.args.load_format)
+        transfers = KVTransferCoordinator(config, self.ctx, self.core.kv, self.core.runner.kv_caches, model_path,
                                           self.send)  # fmt: skip
         info.kv_role = config.role
         info.kv_transfer = config.transport

@@ -59,6 +59,8 @@ def model_identity(path: str) -> str:
     last MiB (the header and two tensors' values: two fine-tunes of one shape differ there almost
     surely). Not the path (mount points differ across hosts; a trailing slash once changed it),
     nor files beside the weights (a README)."""
+    if not path:
+        raise ValueError("model_identity needs the model's path (resolve_model_path)")
     h = hashlib.sha256()
     try:
         if os.path.isdir(path):
