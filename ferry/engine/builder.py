@@ -72,7 +72,8 @@ def _build(
     draft: LoadedModel | None,
 ):
     cfg: ModelConfig = loaded.model.config
-    context = args.max_model_len or cfg.max_position_embeddings
+    cfg.check_max_model_len(args.max_model_len)  # (again: `loaded` may have been loaded for another engine)
+    context = args.max_model_len or cfg.context_length
     if (not args.enable_chunked_prefill and args.max_num_batched_tokens < context
             and args.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS):  # fmt: skip
         # Unset, without chunked prefill: a whole prompt a step (the model's context was not known when
@@ -163,11 +164,12 @@ def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
             seed=args.seed,
-            max_model_len=args.max_model_len,
+            # the target's context: the draft's rotary tables reach every position it drafts at
+            max_model_len=args.max_model_len or loaded.model.config.context_length,
             load_format=args.load_format,
             enforce_eager=args.enforce_eager,
         )
-        draft = load_model(draft_args)
+        draft = load_model(draft_args, draft=True)
     check_same_vocabulary(loaded, draft)
     return draft
 
@@ -207,7 +209,7 @@ def _max_model_len(args: EngineArgs, cfg: ModelConfig, num_blocks: int, window: 
     every layer, whose blocks are freed as they fall out of it (its requests hold about a window
     of blocks, whatever their length)."""
     capacity = num_blocks * args.block_size
-    max_len = args.max_model_len or cfg.max_position_embeddings
+    max_len = args.max_model_len or cfg.context_length
     if window is not None:
         # A request holds at most the window before a step's first token plus the step's tokens (and a
         # partial block at each end) at once, whatever its length.

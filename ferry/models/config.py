@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -140,6 +145,39 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the checkpoint is meant for (vLLM's derived max_model_len, the default
+        one): max_position_embeddings, stretched by the RoPE scaling factor where the scaling names
+        the trained length (linear, dynamic; yarn from its original length). llama3 and longrope
+        configs, and Gemma 3's, state the stretched length already."""
+        rope = self.rope_scaling
+        if (
+            rope is None
+            or rope["rope_type"] in ("llama3", "longrope", "su")
+            or self.architecture == "Gemma3ForCausalLM"
+        ):
+            return self.max_position_embeddings
+        trained = self.max_position_embeddings
+        if rope["rope_type"] == "yarn":
+            trained = rope.get("original_max_position_embeddings") or trained
+        return int(trained * float(rope.get("factor", 1.0)))
+
+    def check_max_model_len(self, max_model_len: int | None, env: Mapping[str, str] = os.environ) -> None:
+        """ValueError for a --max-model-len past `context_length` (positions the model never saw: wrong
+        outputs, not an error), unless FERRY_ALLOW_LONG_MAX_MODEL_LEN or vLLM's
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN is 1 or true, as vLLM checks."""
+        if max_model_len is None or max_model_len <= self.context_length:
+            return
+        why = (f"max_model_len {max_model_len} is longer than the model's context, {self.context_length} tokens "
+               f"(max_position_embeddings {self.max_position_embeddings} and its RoPE scaling): the positions "
+               "past it were never trained, and outputs there are wrong")  # fmt: skip
+        allow = env.get("FERRY_ALLOW_LONG_MAX_MODEL_LEN") or env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") or "0"
+        if allow.strip().lower() in ("1", "true"):
+            logger.warning("%s (allowed by FERRY_ALLOW_LONG_MAX_MODEL_LEN)", why)
+            return
+        raise ValueError(f"{why}; lower max_model_len, or set FERRY_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it")
 
     @property
     def is_mla(self) -> bool:

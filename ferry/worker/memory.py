@@ -84,7 +84,7 @@ def gpu_kv_budget(runner: ModelRunner, args: EngineArgs) -> int:
     device = runner.device
     num_tokens = args.max_num_batched_tokens
     # Positions of the profiled chunks stay inside the model's context (and its rotary tables).
-    chunk = min(num_tokens, args.max_model_len or runner.model.config.max_position_embeddings)
+    chunk = min(num_tokens, args.max_model_len or runner.model.config.context_length)
     peak = profile_peak_memory(runner, num_tokens, chunk, args.max_num_seqs)
     # After the profile: NCCL, cuBLAS and Triton set up their (non-torch) memory during it.
     torch.cuda.synchronize(device)

@@ -179,16 +179,20 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     return model
 
 
-def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, pp: PipelineStage = SINGLE_STAGE) -> LoadedModel:
+def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, pp: PipelineStage = SINGLE_STAGE, *,
+               draft: bool = False) -> LoadedModel:  # fmt: skip
     """Build our model (this rank's shard of its pipeline stage) from the checkpoint and load its
-    tokenizer (separate from the engine so tests can share one loaded model)."""
+    tokenizer (separate from the engine so tests can share one loaded model). `draft`: a
+    speculative draft, which may draft past its own context (the target checks every token)."""
     with cyclic_gc_paused():  # a GGUF's ~100k metadata arrays: ~1.5 s of full collections otherwise
-        return _load_model(args, tp, pp)
+        return _load_model(args, tp, pp, draft)
 
 
-def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> LoadedModel:
+def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage, draft: bool) -> LoadedModel:
     t0 = time.perf_counter()
     ckpt = load_checkpoint(args.model, args.load_format, args.seed)
+    if not draft:
+        ckpt.config.check_max_model_len(args.max_model_len)  # before any weight is read
     device = resolve_device(args.device, pp.stage * tp.size + tp.rank, tp.size * pp.size)
     dtype = resolve_dtype(args.dtype, device, ckpt.config)
     quantization = resolve_quantization(args.quantization, ckpt, device, dtype, tp)
@@ -233,7 +237,7 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage) -> Load
 def _build_model(args: EngineArgs, ckpt, tp: TensorParallel, pp: PipelineStage, device: torch.device,
                  dtype: torch.dtype, quantization: str | None) -> LlamaForCausalLM:  # fmt: skip
     """The model on its device with the checkpoint's weights (not yet packed or quantized to int8)."""
-    max_len = args.max_model_len or ckpt.config.max_position_embeddings
+    max_len = args.max_model_len or ckpt.config.context_length
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, max(max_len, ckpt.config.max_position_embeddings), tp,
                                  expert_parallel=args.enable_expert_parallel, pp=pp)  # fmt: skip

@@ -160,6 +160,16 @@ def test_generate_on_token_ids_is_deterministic_per_seed(tiny_dir):
     assert first.get_tokenizer() is None
 
 
+def test_max_model_len_past_the_context_needs_the_override(tiny_dir, monkeypatch):
+    monkeypatch.delenv("FERRY_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ValueError, match="max_model_len 512 is longer than the model's context, 256 tokens"):
+        tiny_llm(tiny_dir, max_model_len=512)
+    assert tiny_llm(tiny_dir).llm_engine.info.max_model_len == 256  # the default: the model's context
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert tiny_llm(tiny_dir, max_model_len=512).llm_engine.info.max_model_len == 512
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_are_finite(tiny_dir, dtype):
     llm = tiny_llm(tiny_dir, dtype=dtype)

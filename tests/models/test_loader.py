@@ -350,6 +350,29 @@ def test_from_hf_dict_transformers5_rope_parameters_and_legacy_type_key() -> Non
     assert ModelConfig.from_hf_dict(legacy).rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
+def test_context_length_is_the_trained_length_stretched_by_rope_scaling() -> None:
+    # vLLM's derived max_model_len: yarn from its original length, linear/dynamic from
+    # max_position_embeddings; llama3's and Gemma 3's max_position_embeddings are stretched already.
+    d = LlamaConfig(**TINY, max_position_embeddings=4096).to_dict() | {"architectures": ["LlamaForCausalLM"]}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 512}  # fmt: skip
+    for rope, want in ((None, 4096), (yarn, 4096), ({**yarn, "original_max_position_embeddings": 4096}, 16384),
+                       ({"rope_type": "linear", "factor": 2.0}, 8192), ({"type": "dynamic", "factor": 2.0}, 8192),
+                       (llama3, 4096)):  # fmt: skip
+        cfg = ModelConfig.from_hf_dict(d | {"rope_parameters": None, "rope_scaling": rope, "rope_theta": 1e4})
+        assert cfg.context_length == want, rope
+    cfg = ModelConfig.from_hf_dict(d | {"rope_parameters": None, "rope_scaling": None, "rope_theta": 1e4})
+    cfg.check_max_model_len(None)
+    cfg.check_max_model_len(4096)
+    with pytest.raises(ValueError, match="max_model_len 4097 is longer than the model's context, 4096 tokens"):
+        cfg.check_max_model_len(4097, env={})
+    for env in ({"FERRY_ALLOW_LONG_MAX_MODEL_LEN": "1"}, {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "true"}):
+        cfg.check_max_model_len(8192, env=env)  # the override, as vLLM's
+    with pytest.raises(ValueError, match="FERRY_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        cfg.check_max_model_len(8192, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"})
+
+
 def test_from_hf_dict_sliding_window() -> None:
     # As in Qwen2.5's config.json: a window value next to use_sliding_window=false.
     qwen2 = Qwen2Config(**TINY).to_dict() | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
