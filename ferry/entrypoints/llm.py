@@ -18,6 +18,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._counter = itertools.count()
+        self._sampling_defaults: dict[str, Any] | None = None  # read on first use
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
@@ -25,6 +26,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.llm_engine = engine
         llm._counter = itertools.count()
+        llm._sampling_defaults = None
         return llm
 
     def get_tokenizer(self):
@@ -37,7 +39,7 @@ class LLM:
         from ferry.models.paths import resolve_model_path
 
         args = self.llm_engine.args
-        if getattr(self, "_sampling_defaults", None) is None:
+        if self._sampling_defaults is None:
             self._sampling_defaults = sampling_defaults(resolve_model_path(args.model, args.load_format))
         return SamplingParams(**self._sampling_defaults)
 

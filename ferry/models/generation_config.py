@@ -3,8 +3,9 @@
 vLLM's `--generation-config auto` (its default) makes the model's own temperature, top_p, top_k,
 min_p and repetition_penalty the defaults of requests that leave them unset, so a Qwen or Llama
 checkpoint samples as its authors tuned it; `vllm` keeps the library's defaults (temperature 1,
-...), and a directory reads the file there instead. GGUF files carry no such file. (vLLM also caps
-an unset max_tokens at max_new_tokens; here an unset max_tokens runs to the context, as before.)
+...), and a directory reads the file there instead. GGUF files carry no such file. The file's
+max_new_tokens becomes `max_tokens`, which caps every request's, as vLLM's get_max_tokens does (the
+smallest of the request's, the room left in the context and this one).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ _FIELDS = {
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
 }
+_INTEGERS = ("top_k", "max_tokens")
 
 
 def sampling_defaults(model_path: str, generation_config: str = "auto") -> dict[str, float | int]:
@@ -47,7 +50,7 @@ def sampling_defaults(model_path: str, generation_config: str = "auto") -> dict[
     for name, field in _FIELDS.items():
         value = gen.get(name) if isinstance(gen, dict) else None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[field] = int(value) if field == "top_k" else float(value)
+            out[field] = int(value) if field in _INTEGERS else float(value)
     if out:
         logger.info("sampling defaults from %s (requests that leave them unset; --generation-config vllm: "
                     "none): %s", path, out)  # fmt: skip

@@ -206,8 +206,8 @@ def test_sampling_defaults_come_from_the_generation_config(tmp_path):
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "do_sample": True,
-         "min_p": "x", "eos_token_id": [1, 2]}))  # fmt: skip
-    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
+         "min_p": "x", "eos_token_id": [1, 2], "max_new_tokens": 100.0}))  # fmt: skip
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 100}
     assert sampling_defaults(str(tmp_path)) == want
     assert sampling_defaults(str(tmp_path), "vllm") == {}
     assert sampling_defaults("/nowhere/model.gguf", str(tmp_path)) == want  # a directory of one's own
@@ -252,7 +252,7 @@ def test_serve_token_ids_without_tokenizer(tiny_dir, tmp_path):
     # greedy here, so a request that names no temperature decodes greedily.
     model_dir = shutil.copytree(tiny_dir, tmp_path / "tiny")
     (model_dir / "generation_config.json").write_text(
-        json.dumps({"temperature": 0.0, "top_p": 0.9, "do_sample": False})
+        json.dumps({"temperature": 0.0, "top_p": 0.9, "do_sample": False, "max_new_tokens": 8})
     )
     s = ServerProcess(str(model_dir), "--load-format", "dummy", "--device", "cpu", "--num-kv-blocks", "32",
                       "--served-model-name", "tiny", "--seed", "3")  # fmt: skip
@@ -269,8 +269,19 @@ def test_serve_token_ids_without_tokenizer(tiny_dir, tmp_path):
         unset = {k: v for k, v in body.items() if k != "temperature"}  # the model's default: greedy
         r = httpx.post(s.url + "/v1/completions", json=unset, timeout=60)
         assert [c["token_ids"] for c in r.json()["choices"]] == [o.outputs[0].token_ids for o in expected]
+        # max_new_tokens (8) caps a request that names none, or more (vLLM's get_max_tokens: the smallest)
+        named_none = {k: v for k, v in unset.items() if k != "max_tokens"}
+        for limit in ({}, {"max_tokens": None}, {"max_tokens": 20}):  # {}: OpenAI's default, 16
+            r = httpx.post(s.url + "/v1/completions", json=named_none | limit, timeout=60)
+            assert [c["token_ids"] for c in r.json()["choices"]] == [o.outputs[0].token_ids for o in expected], limit
+        # ... and is shortened to the room left in the context (256 tokens): a 400 only for the client's own
+        long = {**unset, "prompt": [1] * 253, "max_tokens": None}
+        r = httpx.post(s.url + "/v1/completions", json=long, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3, r.text
+        r = httpx.post(s.url + "/v1/completions", json={**long, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400 and "maximum context length" in r.text, r.text
         defaults = tiny_llm(str(model_dir), seed=3).get_default_sampling_params()  # LLM.generate's, as vLLM's
-        assert (defaults.temperature, defaults.top_p) == (0.0, 0.9)
+        assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.0, 0.9, 8)
         # Streamed: the prompt's ids once, then the new ids chunk by chunk.
         streamed, prompt_ids = [], None
         with httpx.stream("POST", s.url + "/v1/completions", json={**body, "prompt": PROMPTS[0]["prompt_token_ids"],

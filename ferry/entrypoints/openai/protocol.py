@@ -500,7 +500,8 @@ class _GenerationRequest(Strict):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
-            max_tokens=max_tokens,
+            # the model's max_new_tokens caps an explicit one too (vLLM's get_max_tokens: the smallest)
+            max_tokens=min((v for v in (max_tokens, d.get("max_tokens")) if v is not None), default=None),
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
