@@ -147,7 +147,9 @@ def forwarded_body(data: dict, body, key: ApiKey | None, share_prefix_cache: boo
         out["cache_salt"] = key.cache_salt + (f":{body.cache_salt}" if body.cache_salt else "")
     strip_usage = False
     if getattr(body, "stream", False) and not body.include_usage:
-        out["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        # (continuous_usage_stats off: without include_usage the client asked for no usage at all)
+        out["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True,
+                                 "continuous_usage_stats": False}  # fmt: skip
         strip_usage = True
     return out, strip_usage
 

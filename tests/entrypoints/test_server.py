@@ -252,12 +252,31 @@ def test_nulls_ask_for_the_default(server):
         r = httpx.post(server.url + path, json={"model": "smol", "max_tokens": 2, "temperature": 0, **body}, timeout=60)
         assert r.status_code == 200, (path, r.text)
         assert len(r.json()["choices"]) == 1
-    # vLLM's continuous_usage_stats: false asks for nothing; true is not implemented and says so.
-    for value, status in ((False, 200), (True, 400)):
-        options = {"include_usage": True, "continuous_usage_stats": value}
-        body = {"model": "smol", "prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": options}
-        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == status, r.text
+
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries its
+    choice's prompt and generated tokens so far; the last, choice-less one the request's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for chat in (False, True):
+        args = dict(model="smol", max_tokens=5, n=2, temperature=0.8, seed=1, stream=True, stream_options=options,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+        if chat:
+            chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **args))
+        else:
+            chunks = list(client.completions.create(prompt="Hello there", **args))
+        final = chunks[-1]
+        assert final.choices == [] and final.usage.completion_tokens == 10, final
+        seen = {0: [], 1: []}
+        for c in chunks[:-1]:
+            assert c.usage is not None and c.usage.prompt_tokens == final.usage.prompt_tokens, c
+            assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+            seen[c.choices[0].index].append(c.usage.completion_tokens)
+        for counts in seen.values():  # growing to the choice's 5 tokens (chat: from 0, the role chunk)
+            assert counts == sorted(counts) and counts[-1] == 5 and counts[0] == (0 if chat else 1), seen
+    without = list(client.completions.create(model="smol", prompt="Hi", max_tokens=2, stream=True,
+                                             stream_options={"continuous_usage_stats": True}))  # fmt: skip
+    assert all(c.usage is None for c in without)  # continuous_usage_stats needs include_usage, as vLLM's
 
 
 def test_prompt_forms_and_extras(client, server):

@@ -122,12 +122,32 @@ def test_response_usage_from_json_and_sse():
         b"data: [DONE]\n\n"
     )
     assert response_usage(with_usage, streamed=True) == (9, 2, True)
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far; the charge is the last one
+    continuous = (b'data: {"choices": [{"text": "a"}], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}\n\n'
+                  b'data: {"choices": [{"text": "b"}], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n'
+                  b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n')  # fmt: skip
+    assert response_usage(continuous, streamed=True) == (9, 2, True)
+    assert response_usage(continuous.rsplit(b"data:", 1)[0], streamed=True) == (9, 2, True)
     assert response_usage(b"not json", streamed=False) == (None, None, False)
     # n = 2: one chunk with text in both choices counts twice.
     two = b'data: {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}\n\n'
     assert response_usage(two, streamed=True) == (None, 2, False)
     assert has_error_event(b'data: {"error": {"message": "boom"}}\n\ndata: [DONE]\n\n')
     assert not has_error_event(without)
+
+
+def test_a_forwarded_stream_asks_for_usage_and_for_no_more():
+    """The gateway's added include_usage does not switch on the continuous usage a client asked
+    for without include_usage (vLLM gives none then); a client's own include_usage goes as sent."""
+    from ferry.entrypoints.openai.protocol import CompletionRequest
+    from ferry.gateway.admission import forwarded_body
+
+    data = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    out, strip = forwarded_body(data, CompletionRequest.model_validate(data), None, True)
+    assert strip and out["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+    asked = {**data, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    out, strip = forwarded_body(asked, CompletionRequest.model_validate(asked), None, True)
+    assert not strip and out["stream_options"] == asked["stream_options"]
 
 
 def test_a_stream_asked_for_usage_by_the_gateway_reaches_the_client_as_without():

@@ -363,9 +363,9 @@ def _same(a: Any, b: Any) -> bool:
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far, not null
+    continuous_usage_stats: bool = False
     _no_ops = frozenset({"include_obfuscation"})  # OpenAI's padding against length side channels
-    # vLLM's usage on every chunk: false asks for nothing (true is not implemented: a 400 naming it).
-    _no_op_values = {"continuous_usage_stats": False}
 
 
 def _check_stop(stop: str | list[str] | None) -> str | list[str] | None:
@@ -518,6 +518,11 @@ class _GenerationRequest(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's continuous_usage_stats, which needs include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_GenerationRequest):

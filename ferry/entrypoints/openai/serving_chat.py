@@ -137,6 +137,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
 async def _stream(request, engine, streams, body, model, reply_id, created, top, due,
                   builders: list[DeltaBuilder]) -> AsyncIterator[bytes]:  # fmt: skip
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        if body.continuous_usage and "usage" not in extra:  # the choice's so far (vLLM's)
+            extra["usage"] = usage(streams[0].num_prompt_tokens, tokens_of[choices[0]["index"]], cached)
         if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
             extra.setdefault("usage", None)
         return sse(
@@ -151,6 +153,7 @@ async def _stream(request, engine, streams, body, model, reply_id, created, top,
         )
 
     completion_tokens, prompt_tokens, cached = 0, 0, 0
+    tokens_of = [0] * body.n  # each choice's tokens so far
     try:
         # The role comes first, in its own chunk per choice, as OpenAI sends it. Every chunk holds one
         # choice, as OpenAI's and vLLM's do (a client may read only choices[0] and its index).
@@ -163,6 +166,7 @@ async def _stream(request, engine, streams, body, model, reply_id, created, top,
             choices = []
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
+                tokens_of[c.index] += len(c.token_ids)
                 builder = builders[c.index]
                 delta = builder.delta(c.text, final=c.finish_reason is not None)
                 if not delta and c.finish_reason is None and not body.logprobs:

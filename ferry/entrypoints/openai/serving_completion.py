@@ -217,8 +217,13 @@ async def _stream(
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
 
+    tokens_of: dict[int, int] = {}  # each choice's tokens so far
+
     def chunk(choices: list[dict[str, Any]], usage_now: dict[str, Any] | None = None) -> bytes:
         data = {"id": reply_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if usage_now is None and body.continuous_usage:  # the choice's so far (vLLM's)
+            index = choices[0]["index"]
+            usage_now = usage(prompt_tokens[index // n], tokens_of[index], cached[index // n])
         if body.include_usage:  # OpenAI: every chunk has the field, null but in the last one
             data["usage"] = usage_now
         return sse(data)
@@ -235,6 +240,7 @@ async def _stream(
                     echoed.add(index)
                     text = echo_text(i) + text
                 completion_tokens += len(c.token_ids)
+                tokens_of[index] = tokens_of.get(index, 0) + len(c.token_ids)
                 lp, first = None, index not in lp_builders
                 if body.logprobs is not None or body.prompt_logprobs is not None:
                     builder = lp_builders.setdefault(index, LogprobsBuilder(len(echo_text(i)) if body.echo else 0))
