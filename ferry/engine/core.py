@@ -65,6 +65,7 @@ class EngineCore:
         self.tp_workers = tp_workers
         self.proposer = proposer
         self.spec_num_drafts = 0
+        self.step_tokens = 0  # the tokens of the step the last step() applied (0: none)
         self.spec_num_draft_tokens = 0
         self.spec_accepted_per_pos = [0] * (proposer.config.num_speculative_tokens if proposer else 0)
         # When a list, every step appends its StepRecord (the `--profile` breakdown).
@@ -226,6 +227,7 @@ class EngineCore:
         if self._embed_held:
             self._release_embeddings()
         outputs, self._pending = self._pending, []
+        self.step_tokens = 0
         if self.pipelined:
             return outputs + self._pipelined_step()
         t0 = time.perf_counter()
@@ -259,6 +261,7 @@ class EngineCore:
         """A step's results: pooled embeddings finish, sampled tokens are appended and checked
         against the stop conditions, drafts verified or rolled back; the outputs to send."""
         t2 = time.perf_counter()
+        self.step_tokens = sched.num_batched_tokens
         outputs: list[EngineCoreOutput] = []
         for request in self.runner.pooled:  # embeddings whose prompt is done: no token, a vector
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
@@ -357,7 +360,9 @@ class EngineCore:
         self.scheduler.finish_request(request, status)
         return status.value
 
-    def stats(self) -> EngineStats:
+    def stats(self, step_tokens: int = 0) -> EngineStats:
+        """The running totals; `step_tokens`: the tokens of the step these stats follow (the
+        iteration-size histogram's sample), 0 for a heartbeat or a call."""
         pool = self.kv.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -372,6 +377,7 @@ class EngineCore:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=sum(self.spec_accepted_per_pos),
             spec_accepted_per_pos=list(self.spec_accepted_per_pos),
+            step_tokens=step_tokens,
         )
 
 

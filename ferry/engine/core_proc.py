@@ -220,7 +220,7 @@ class EngineCoreProc:
                 if self.transfers is not None:
                     self.transfers.export_finished(outputs)
                 self.publish_kv_events()
-                self.send(CoreOutputs(outputs, self.core.stats()))
+                self.send(CoreOutputs(outputs, self.core.stats(self.core.step_tokens)))
                 last_heartbeat = time.monotonic()
             elif time.monotonic() - last_heartbeat >= HEARTBEAT_S:
                 self.check_parent()

@@ -66,6 +66,7 @@ class EngineStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    step_tokens: int = 0  # the tokens of the step these stats follow (0: sent without one)
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:

@@ -422,7 +422,7 @@ def test_per_request_metrics_as_vllms(server, client):
     names = ["ferry:request_prompt_tokens", "ferry:request_generation_tokens", "ferry:request_params_n",
              "ferry:request_params_max_tokens", "ferry:request_time_per_output_token_seconds",
              "ferry:request_prefill_time_seconds", "ferry:request_decode_time_seconds",
-             "ferry:request_inference_time_seconds"]  # fmt: skip
+             "ferry:request_inference_time_seconds", "ferry:iteration_tokens_total"]  # fmt: skip
     text = httpx.get(server.url + "/metrics").text
     for reason in ("stop", "length", "abort"):
         assert f'ferry:request_success_total{{finished_reason="{reason}",model_name="smol"}}' in text, reason
@@ -442,8 +442,12 @@ def test_per_request_metrics_as_vllms(server, client):
     grew("ferry:request_params_n", 1, 2)
     grew("ferry:request_params_max_tokens", 1, 5)
     grew("ferry:request_generation_tokens", 2, 10)
-    for phase in names[4:]:
+    for phase in names[4:8]:
         grew(phase, 2)
+    # vLLM's tokens per engine step: the prompt's (each sequence's, less prefix hits) and 4 decode steps of 2
+    steps = after["ferry:iteration_tokens_total_count"] - before["ferry:iteration_tokens_total_count"]
+    computed = after["ferry:iteration_tokens_total_sum"] - before["ferry:iteration_tokens_total_sum"]
+    assert steps >= 5 and prompt + 8 <= computed <= 2 * prompt + 8, (steps, computed, prompt)
     assert server.metric("ferry:prompt_tokens_total") - prompt_before == prompt  # once, not per sequence
 
 

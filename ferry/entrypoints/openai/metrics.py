@@ -31,6 +31,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0]  # fmt: skip
 TRANSFER_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 N_BUCKETS = [1, 2, 5, 10, 20]
+ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]  # vLLM's
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -99,6 +100,8 @@ class ServerMetrics(MetricsSink):
                                         REQUEST_BUCKETS)  # fmt: skip
         self.tpot = histogram("request_time_per_output_token_seconds",
                               "A request's decode time over its tokens after the first.", ITL_BUCKETS)  # fmt: skip
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step (prompt and decode).",
+                                          ITERATION_BUCKETS)  # fmt: skip
         self._histogram = histogram
         self.request_tokens: dict[str, Histogram] = {}  # by max_model_len (set_engine_info): token-count buckets
         self._cache_info = Gauge(
@@ -140,6 +143,8 @@ class ServerMetrics(MetricsSink):
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        if stats.step_tokens:
+            self.iteration_tokens.observe(stats.step_tokens)
         last = self._last
         # The core sends running totals; counters take the increments.
         for counter, now, before in (
