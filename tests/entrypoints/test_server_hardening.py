@@ -17,13 +17,15 @@ from server_utils import ServerProcess
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+APP = "https://app.example"  # the one origin whose pages may call the server (--allowed-origins)
 STORY = "Here is a story about a lighthouse keeper who counted the ships passing by at night. " * 3
 
 
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "smol",
-                      "--api-key", KEY, "--engine-stall-timeout", "5")  # fmt: skip
+                      "--api-key", KEY, "--engine-stall-timeout", "5", "--allowed-origins", json.dumps([APP]),
+                      "--enable-request-id-headers")  # fmt: skip
     yield s
     assert s.stop() == 0, s.logs()
 
@@ -61,6 +63,47 @@ def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
         assert httpx.get(server.url + path).status_code == 200, path
     # Loading took longer than the 5-second stall timeout: no stall for it once ready.
     assert "has not stepped" not in server.logs()
+
+
+def test_browsers_reach_it_only_from_the_allowed_origins(server):
+    """vLLM's CORS flags: the preflight (no key) is answered, and every answer, a 401 too, names the
+    allowed origin; another origin's page is told nothing, so its browser keeps the answer from it."""
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    r = httpx.options(server.url + "/v1/completions", headers={"Origin": APP, **preflight})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP, r.headers
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    assert httpx.options(server.url + "/v1/completions", headers={"Origin": "https://evil.example", **preflight}
+                         ).status_code == 400  # fmt: skip
+    r = post(server, {"prompt": "Hi", "max_tokens": 1}, headers={"Origin": APP})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": APP})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == APP
+    r = post(server, {"prompt": "Hi", "max_tokens": 1}, headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_request_id_headers_name_the_answer(server):
+    """--enable-request-id-headers: the client's X-Request-Id comes back, else a new one, which the
+    answer's id carries too."""
+    r = post(server, {"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "trace-7"})
+    assert r.headers["x-request-id"] == "trace-7" and r.json()["id"] == "cmpl-trace-7"
+    r = post(server, {"prompt": "Hi", "max_tokens": 1})
+    rid = r.headers["x-request-id"]
+    assert len(rid) == 32 and r.json()["id"] == f"cmpl-{rid}"
+    assert httpx.get(server.url + "/health").headers["x-request-id"] != rid
+
+
+def test_the_cors_flags_take_json_lists():
+    from ferry.cli import build_parser
+
+    for bad in ("*", '"*"', "[1]"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--allowed-origins", bad])
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]'])
+    assert args.allowed_origins == ["*"] and args.allowed_methods == ["*"] and not args.allow_credentials
 
 
 def test_the_key_comes_from_the_flag_else_ferrys_variable_else_vllms():

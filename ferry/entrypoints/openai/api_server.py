@@ -41,6 +41,7 @@ from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError, SpawnedCore
 from ferry.entrypoints.draining_server import DrainingServer, wait_drained
 from ferry.entrypoints.openai import serving_tokenization
+from ferry.entrypoints.openai.http_middleware import add_http_middleware, cors_options
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import (
     OFFLOAD_BYTES,
@@ -116,8 +117,11 @@ class Server:
                  engine_stall_timeout: float | None = None, tool_parser: str | None = None,
                  enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
                  playground: bool = True, spawned: SpawnedCore | None = None,
-                 sampling_defaults: dict | None = None) -> None:  # fmt: skip
+                 sampling_defaults: dict | None = None, cors: dict | None = None,
+                 request_id_headers: bool = False) -> None:  # fmt: skip
         self.engine_args = engine_args
+        self.cors = cors  # CORSMiddleware's options (http_middleware.py); None: no browser access
+        self.request_id_headers = request_id_headers
         self.spawned = spawned  # the core, when `ferry serve` started it before importing this module
         self.playground = WebPages("ferry.entrypoints", "web") if playground else None
         self.kv_events = kv_events
@@ -385,6 +389,7 @@ class Server:
         app.openapi = partial(_openapi_with_bodies, app, {"/v1/completions": CompletionRequest,
                                                           "/v1/chat/completions": ChatCompletionRequest,
                                                           "/v1/embeddings": EmbeddingRequest})  # fmt: skip
+        add_http_middleware(app, self.cors, self.request_id_headers)
         return app
 
 
@@ -409,17 +414,19 @@ def _openapi_with_bodies(app: FastAPI, bodies: dict[str, type]) -> dict[str, Any
 
 def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[str], path: str,
                kv_events: KVEventsConfig | None, kv_transfer: KVTransferConfig | None, api_keys: list[str] | None,
-               sock: socket.socket, spawned: SpawnedCore | None = None) -> int:  # fmt: skip
+               sock: socket.socket, spawned: SpawnedCore | None = None,
+               sampling_defaults: dict | None = None) -> int:  # fmt: skip
     """Serve on the listening `sock` until SIGTERM (drained) or the core's death; the exit code.
-    `args` are checked already (serve_command.py), and `spawned` is the core started meanwhile,
-    if it was."""
+    `args` are checked already (serve_command.py), `spawned` is the core started meanwhile, if it
+    was, and `sampling_defaults` the model's generation_config.json defaults (--generation-config)."""
     server = Server(engine_args, names, max_queue_len=args.max_queue_len, drain_timeout=args.drain_timeout,
                     kv_events=kv_events, kv_transfer=kv_transfer, api_keys=api_keys,
                     allow_client_priority=args.allow_client_priority, request_timeout=args.request_timeout,
                     engine_stall_timeout=args.engine_stall_timeout or None, tool_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                     reasoning_parser=args.reasoning_parser, playground=not args.no_playground,
-                    spawned=spawned, sampling_defaults=getattr(args, "sampling_defaults", None))  # fmt: skip
+                    spawned=spawned, sampling_defaults=sampling_defaults, cors=cors_options(args),
+                    request_id_headers=args.enable_request_id_headers)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

@@ -21,6 +21,7 @@ from ferry.config import (
     KVTransferConfig,
 )
 from ferry.engine.core_client import spawn_engine_core
+from ferry.entrypoints.openai.http_middleware import add_http_args
 from ferry.entrypoints.openai.reasoning import REASONING_PARSERS
 from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
@@ -62,6 +63,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "generation_config.json, as vLLM), vllm (none: temperature 1, ...), or a directory "
                         "with a generation_config.json")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
+    add_http_args(p)
     p.add_argument("--no-playground", action="store_true",
                    help="serve no chat playground at / (it holds no secrets: it calls /v1/* with the key typed "
                         "in)")  # fmt: skip
@@ -143,9 +145,9 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_keys = api_keys_from(args.api_key, os.environ)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
-    args.sampling_defaults = sampling_defaults(path, args.generation_config)  # ValueError: exit 2
+    defaults = sampling_defaults(path, args.generation_config)  # ValueError: exit 2
     try:  # a default out of range would fail every request that leaves the field unset: fail here instead
-        SamplingParams(**args.sampling_defaults)
+        SamplingParams(**defaults)
     except ValueError as e:
         raise ValueError(f"the model's generation_config.json (--generation-config vllm ignores it): {e}") from None
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
@@ -174,4 +176,4 @@ def serve(args: argparse.Namespace) -> int:
     spawned = spawn_engine_core(engine_args, kv_events, kv_transfer)
     from ferry.entrypoints.openai.api_server import run_server
 
-    return run_server(args, engine_args, names, path, kv_events, kv_transfer, api_keys, sock, spawned)
+    return run_server(args, engine_args, names, path, kv_events, kv_transfer, api_keys, sock, spawned, defaults)

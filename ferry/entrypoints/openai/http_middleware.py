@@ -1,0 +1,102 @@
+"""The HTTP layers vLLM's serve flags switch on: CORS for browser clients (--allowed-origins, ...)
+and an X-Request-Id on every answer (--enable-request-id-headers).
+
+CORS is off unless origins are named. vLLM allows every origin by default; here a server without an
+API key on a laptop or a cluster's internal address would then be readable by any web page its
+user opens (the browser sends the page's requests), so browsers get access only where asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (serve's argument parsing imports this module before the core starts: kept light)
+    from fastapi import FastAPI
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("browser access and request ids (vLLM's flags)")
+    g.add_argument("--allowed-origins", type=_json_list, default=[], metavar="JSON",
+                   help='origins whose web pages may call this server, e.g. \'["https://app.example.com"]\' '
+                        "or '[\"*\"]' (default: none; vLLM's is every origin)")  # fmt: skip
+    g.add_argument(
+        "--allowed-methods",
+        type=_json_list,
+        default=["*"],
+        metavar="JSON",
+        help="the methods they may use (default: all)",
+    )
+    g.add_argument(
+        "--allowed-headers",
+        type=_json_list,
+        default=["*"],
+        metavar="JSON",
+        help="the headers they may send (default: all)",
+    )
+    g.add_argument("--allow-credentials", action="store_true", help="let them send credentials (cookies, HTTP auth)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="answer with an X-Request-Id header: the client's, else a new one (the answer's id "
+                        "then carries it, as with a client's)")  # fmt: skip
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} (a list such as '[\"*\"]')") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, got {text!r}")
+    return value
+
+
+def cors_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """CORSMiddleware's options from the flags; None when no origin is allowed."""
+    if not args.allowed_origins:
+        return None
+    return {
+        "allow_origins": args.allowed_origins,
+        "allow_methods": args.allowed_methods,
+        "allow_headers": args.allowed_headers,
+        "allow_credentials": args.allow_credentials,
+    }
+
+
+def add_http_middleware(app: FastAPI, cors: dict[str, Any] | None, request_id_headers: bool) -> None:
+    """Added last, so they wrap everything: a browser's preflight (OPTIONS, with no API key) is
+    answered before the key check, and 401s carry the CORS headers a page needs to read them."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    if request_id_headers:
+        app.add_middleware(RequestIdHeader)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
+
+
+class RequestIdHeader:
+    """X-Request-Id on every answer: the client's header, else a new id, which is also put on the
+    request, so the answer's `id` names it (serving.request_ids) and logs and client agree."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = list(scope["headers"])
+        rid = next((v for k, v in headers if k == b"x-request-id"), None)
+        if rid is None:
+            rid = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*headers, (b"x-request-id", rid)]}
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*kept, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
