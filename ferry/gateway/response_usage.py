@@ -1,11 +1,11 @@
 """Token usage and first-token time from a response the gateway passed through.
 
 Non-streamed: the JSON body's `usage`. Streamed (SSE): the `usage` of the
-last chunk that carries one (the client asked for `stream_options.include_usage`;
-with vLLM's continuous_usage_stats every chunk carries its choice's usage so far,
-and only the last, the whole request's, is the charge); without it, completion
-tokens are counted from the chunks that carry text (a lower bound, for metrics
-only: the rate limiter keeps its estimate).
+choice-less chunk that ends a stream asked for `stream_options.include_usage`
+(with vLLM's continuous_usage_stats the other chunks carry one choice's usage
+so far: not the request's, and a stream cut short by an error ends at one of
+them); without it, completion tokens are counted from the chunks that carry
+text (a lower bound, for metrics only: the rate limiter keeps its estimate).
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ def response_usage(body: bytes, streamed: bool) -> tuple[int | None, int | None,
         except ValueError:
             return None, None, False
         return p, c, c is not None
-    text_chunks, last = 0, None
+    text_chunks = 0
     for event in sse_events(body):
         p, c = _usage_of(event)
-        if c is not None:
-            last = p, c, True
+        if c is not None and event.get("choices") == []:
+            return p, c, True
         text_chunks += _text_choices(event)
-    return last or (None, text_chunks, False)
+    return None, text_chunks, False
 
 
 def has_error_event(body: bytes) -> bool:

@@ -32,8 +32,13 @@ def attention_scale(head_dim: int, scaling: dict | None) -> float:
     return scale
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
-    """Return (inverse frequencies [head_dim/2], attention scaling for cos/sin)."""
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position: int,
+                  trained_len: int | None = None) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """Return (inverse frequencies [head_dim/2], attention scaling for cos/sin). `max_position`: the
+    longest sequence served; `trained_len`: the model's max_position_embeddings, the length dynamic
+    and YaRN scaling stretch from where the config names no original_max_position_embeddings (as
+    transformers reads it; default: `max_position`)."""
+    trained_len = trained_len or max_position
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")) or "default"
     inv_freq = _default_inv_freq(head_dim, base)
     if rope_type == "default":
@@ -43,7 +48,7 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position
         return inv_freq / factor, 1.0
     if rope_type == "dynamic":
         # NTK-aware base for the longest sequence this engine will serve.
-        orig = scaling.get("original_max_position_embeddings", max_position)
+        orig = scaling.get("original_max_position_embeddings", trained_len)
         seq = max(max_position, orig)
         new_base = base * ((factor * seq / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
         return _default_inv_freq(head_dim, new_base), 1.0
@@ -58,7 +63,7 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     if rope_type == "yarn":
-        orig = scaling.get("original_max_position_embeddings", max_position)
+        orig = scaling.get("original_max_position_embeddings", trained_len)
         beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
         mscale = scaling.get("attention_factor")
         if mscale is None:
@@ -85,7 +90,8 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, max_position
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None,
+                 trained_len: int | None = None) -> None:  # fmt: skip
         super().__init__()
         if torch.empty(0).device.type == "meta":
             # The loader's meta-device model: init_rotary() builds the real tables once the model has a
@@ -94,7 +100,7 @@ class RotaryEmbedding(torch.nn.Module):
             self.register_buffer("cos", torch.empty(max_position, head_dim // 2), persistent=False)
             self.register_buffer("sin", torch.empty(max_position, head_dim // 2), persistent=False)
             return
-        inv_freq, attn_scale = rope_inv_freq(head_dim, base, scaling, max_position)
+        inv_freq, attn_scale = rope_inv_freq(head_dim, base, scaling, max_position, trained_len)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos() * attn_scale, persistent=False)

@@ -341,7 +341,9 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's cos/sin tables (fp32, on the default device): one table shared by every layer,
         or, for Gemma 3, a second for its sliding layers (their own base, unscaled)."""
         cfg = self.config
-        rotary = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling)
+        # (the served context may pass the trained one: dynamic and YaRN scaling stretch from the latter)
+        rotary = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling,
+                                 cfg.max_position_embeddings)  # fmt: skip
         local = rotary
         if cfg.local_rope_theta is not None:
             local = RotaryEmbedding(cfg.head_dim, self.max_position, cfg.local_rope_theta, None)

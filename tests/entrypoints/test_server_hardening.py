@@ -90,10 +90,13 @@ def test_request_id_headers_name_the_answer(server):
     answer's id carries too."""
     r = post(server, {"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "trace-7"})
     assert r.headers["x-request-id"] == "trace-7" and r.json()["id"] == "cmpl-trace-7"
-    r = post(server, {"prompt": "Hi", "max_tokens": 1})
-    rid = r.headers["x-request-id"]
-    assert len(rid) == 32 and r.json()["id"] == f"cmpl-{rid}"
+    for headers in ({}, {"X-Request-Id": "two words"}):  # none, or one that could forge a log line: a new one
+        r = post(server, {"prompt": "Hi", "max_tokens": 1}, headers=headers)
+        rid = r.headers["x-request-id"]
+        assert len(rid) == 32 and r.json()["id"] == f"cmpl-{rid}", headers
     assert httpx.get(server.url + "/health").headers["x-request-id"] != rid
+    r = post(server, {"prompt": "Hi", "max_tokens": 1}, headers={"Origin": APP})  # pages may read it
+    assert r.headers["access-control-expose-headers"].lower() == "x-request-id"
 
 
 def test_the_cors_flags_take_json_lists():

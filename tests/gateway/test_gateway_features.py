@@ -122,12 +122,16 @@ def test_response_usage_from_json_and_sse():
         b"data: [DONE]\n\n"
     )
     assert response_usage(with_usage, streamed=True) == (9, 2, True)
-    # vLLM's continuous_usage_stats: every chunk carries the usage so far; the charge is the last one
-    continuous = (b'data: {"choices": [{"text": "a"}], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}\n\n'
-                  b'data: {"choices": [{"text": "b"}], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n'
+    # vLLM's continuous_usage_stats: every chunk carries one choice's usage so far (n = 2 here); the
+    # charge is the choice-less last chunk's, and a stream cut short before it is counted, not exact
+    continuous = (b'data: {"choices": [{"index": 0, "text": "a"}], "usage": {"prompt_tokens": 9, '
+                  b'"completion_tokens": 1}}\n\n'
+                  b'data: {"choices": [{"index": 1, "text": "b"}], "usage": {"prompt_tokens": 9, '
+                  b'"completion_tokens": 1}}\n\n'
                   b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}\n\n')  # fmt: skip
     assert response_usage(continuous, streamed=True) == (9, 2, True)
-    assert response_usage(continuous.rsplit(b"data:", 1)[0], streamed=True) == (9, 2, True)
+    cut_short = continuous.rsplit(b"data:", 1)[0] + b'data: {"error": {"message": "timed out"}}\n\n'
+    assert response_usage(cut_short, streamed=True) == (None, 2, False)
     assert response_usage(b"not json", streamed=False) == (None, None, False)
     # n = 2: one chunk with text in both choices counts twice.
     two = b'data: {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]}\n\n'

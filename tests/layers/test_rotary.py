@@ -57,6 +57,27 @@ def test_inv_freq_matches_transformers(scaling):
     assert scale == pytest.approx(ref_scale)
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn"])
+def test_a_context_past_the_trained_one_stretches_from_the_trained_length(rope_type):
+    """Served 4x past max_position_embeddings (the default context of such a config): dynamic NTK
+    takes its base for the served length, and YaRN without original_max_position_embeddings ramps
+    from max_position_embeddings, both as transformers computes them, not from the table's length."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": rope_type, "factor": 4.0}
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096, rope_theta=10000.0,
+                      rope_scaling=dict(scaling))  # fmt: skip
+    ours, scale = rope_inv_freq(64, 10000.0, scaling, 16384, trained_len=4096)
+    ref, ref_scale = ROPE_INIT_FUNCTIONS[rope_type](
+        cfg, "cpu", **({"seq_len": 16384} if rope_type == "dynamic" else {})
+    )
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(ref_scale)
+    stretched_from_the_table = rope_inv_freq(64, 10000.0, scaling, 16384)[0]
+    assert not torch.allclose(ours, stretched_from_the_table)
+
+
 def test_deepseek_softmax_scale_takes_mscale_all_dim_squared():
     from ferry.layers.rotary import attention_scale, yarn_mscale
 

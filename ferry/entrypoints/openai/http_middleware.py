@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (serve's argument parsing imports this module before the core starts: kept light)
     from fastapi import FastAPI
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+# The X-Request-Id values taken from clients (serving.request_ids): visible ASCII, nothing that
+# could forge a log line.
+CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +65,10 @@ def cors_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """CORSMiddleware's options from the flags; None when no origin is allowed."""
     if not args.allowed_origins:
         return None
+    if "*" in args.allowed_origins and args.allow_credentials:
+        logger.warning("--allowed-origins '[\"*\"]' with --allow-credentials: every site's pages may call this "
+                       "server with the user's cookies and HTTP auth (harmless with API keys alone; not behind "
+                       "a proxy that authenticates by cookie)")  # fmt: skip
     return {
         "allow_origins": args.allowed_origins,
         "allow_methods": args.allowed_methods,
@@ -72,13 +84,16 @@ def add_http_middleware(app: FastAPI, cors: dict[str, Any] | None, request_id_he
 
     if request_id_headers:
         app.add_middleware(RequestIdHeader)
-    if cors is not None:
-        app.add_middleware(CORSMiddleware, **cors)
+    if cors is not None:  # (pages may read the id too)
+        expose = ["X-Request-Id"] if request_id_headers else []
+        app.add_middleware(CORSMiddleware, **cors, expose_headers=expose)
 
 
 class RequestIdHeader:
-    """X-Request-Id on every answer: the client's header, else a new id, which is also put on the
-    request, so the answer's `id` names it (serving.request_ids) and logs and client agree."""
+    """X-Request-Id on every answer the app makes (a 500 from Starlette's outermost error layer
+    has none, as in vLLM): the client's header, else (none, or one request_ids would not take) a
+    new id, which replaces it on the request, so the answer's `id` names it and logs and client
+    agree."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -89,9 +104,10 @@ class RequestIdHeader:
             return
         headers = list(scope["headers"])
         rid = next((v for k, v in headers if k == b"x-request-id"), None)
-        if rid is None:
+        if rid is None or not CLIENT_REQUEST_ID.fullmatch(rid.decode("latin-1")):
             rid = uuid.uuid4().hex.encode()
-            scope = {**scope, "headers": [*headers, (b"x-request-id", rid)]}
+            kept = [(k, v) for k, v in headers if k != b"x-request-id"]
+            scope = {**scope, "headers": [*kept, (b"x-request-id", rid)]}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
