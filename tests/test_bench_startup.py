@@ -17,3 +17,15 @@ def test_bench_startup_reports_each_phase(tmp_path, capsys):
         assert r["wall"] > 0 and {"api_process_start", "core_process_start", "load_weights", "warm_up"} <= set(r)
         assert r["total"] <= r["wall"] + 0.5  # the server's own clock against the launcher's
     assert "warm: median" in capsys.readouterr().out
+
+
+def test_the_engine_core_imports_no_compiler():
+    """torch._dynamo (and sympy, triton beneath it) cost ~3 s of every core's start, and no engine
+    path uses them: one import of torch.nn.attention.bias by the MLA layer had pulled them all in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ferry.engine.core_proc; "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy', 'torch._inductor') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

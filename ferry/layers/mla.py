@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from ferry.distributed.parallel_state import TensorParallel
 from ferry.kv_quant import dequantize_rows, is_quantized
@@ -43,6 +42,12 @@ class MLAAttention(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         """cfg: the model's ModelConfig (its MLA fields; models/ sits above this package)."""
         super().__init__()
+        # SDPA's lower-right causal bias keeps its flash kernels (a boolean mask takes the math path).
+        # Imported here, by MLA models only: torch.nn.attention.bias imports torch._dynamo, ~3 s of a
+        # start that no other model needs.
+        from torch.nn.attention.bias import causal_lower_right
+
+        self._causal_lower_right = causal_lower_right
         self.tp = tp
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
         self.num_kv_heads = 1  # the cache's one shared row per token
@@ -156,6 +161,6 @@ class MLAAttention(nn.Module):
             if chunk.context_slots is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             else:  # the chunk's queries are the context's last n positions: causal, aligned bottom-right
-                mask = causal_lower_right(n, k.shape[2])
+                mask = self._causal_lower_right(n, k.shape[2])
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             out[s : s + n] = o.squeeze(0).transpose(0, 1)[..., : self.v_dim]
