@@ -35,6 +35,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ferry.entrypoints.openai.http_middleware import CLIENT_REQUEST_ID
 from ferry.entrypoints.openai.protocol import (
     OFFLOAD_BYTES,
     ChatCompletionRequest,
@@ -74,6 +75,7 @@ class RequestContext:
     prefill_pool: str | None = None  # the API key's prefill pool (disaggregated serving)
     cache_salt: str | None = None  # as forwarded: routing hashes the prompt's blocks with it
     strip_usage: bool = False  # a stream whose usage chunk the client did not ask for
+    request_id: str | None = None  # the client's X-Request-Id, passed on: the worker's answer names it
     cache_key: str | None = None
     charge: Charge | None = None
     handed_off: bool = False  # a worker's response is being passed through (it settles the charge)
@@ -205,9 +207,12 @@ class Admission:
             raw_out = msgspec.json.encode(out)
         except RecursionError:
             return error_response(400, "the request body is nested too deeply")
+        request_id = request.headers.get("x-request-id")
+        if request_id is not None and not CLIENT_REQUEST_ID.fullmatch(request_id):
+            request_id = None  # (the worker would not take it either)
         ctx = RequestContext(kind, path, raw_out, out, model, key_name, getattr(body, "stream", False),
-                             prefill_pool=key_pool, cache_salt=out.get("cache_salt"),
-                             strip_usage=strip_usage)  # fmt: skip
+                             prefill_pool=key_pool, cache_salt=out.get("cache_salt"), strip_usage=strip_usage,
+                             request_id=request_id)  # fmt: skip
 
         cache = self.result_cache
         deterministic = kind == "embeddings" or is_deterministic(data)  # an embedding is, alone or batched

@@ -40,6 +40,7 @@ from prometheus_client import Gauge
 from starlette.requests import ClientDisconnect
 
 from ferry.entrypoints.draining_server import wait_drained
+from ferry.entrypoints.openai.http_middleware import add_http_middleware
 from ferry.entrypoints.openai.protocol import wait_for_disconnect
 from ferry.gateway.admission import Admission, RequestContext, unauthorized
 from ferry.gateway.auth import ApiKeys
@@ -93,6 +94,10 @@ class GatewayConfig:
     # The deployment's secret (utils/deployment_secret.py): authenticates the workers' KV events and
     # salts the gateway's block hashes as the workers salt theirs.
     kv_secret: bytes | None = field(default=None, repr=False)
+    # vLLM's serve flags, here too (entrypoints/openai/http_middleware.py): CORSMiddleware's options
+    # (None: no browser access) and X-Request-Id on every answer.
+    cors: dict | None = None
+    request_id_headers: bool = False
 
 
 class Gateway:
@@ -352,6 +357,7 @@ class Gateway:
                 return unauthorized()
             return Response(self.metrics.render(self.workers), media_type="text/plain; version=0.0.4")
 
+        add_http_middleware(app, self.config.cors, self.config.request_id_headers)
         drop = None if self.config.worker_header else WORKER_HEADER.lower().encode()
         self._outermost = _Outermost(app, self.metrics.in_progress, drop)
         return self._outermost

@@ -9,6 +9,7 @@ import os
 import uvicorn
 
 from ferry.entrypoints.draining_server import DrainingServer
+from ferry.entrypoints.openai.http_middleware import add_http_args, cors_options
 from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
 from ferry.gateway.replicas import MonitorConfig
@@ -32,6 +33,7 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
                    help="disaggregated: prompts whose part not cached on the decode worker is shorter than this "
                         "are prefilled there")  # fmt: skip
     p.add_argument("--policy", choices=POLICIES, default="kv-aware")
+    add_http_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8080)
     p.add_argument("--fd", type=int, default=None,
@@ -133,6 +135,8 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         max_held_requests=args.max_held_requests,
         drain_timeout=args.drain_timeout,
         kv_secret=secret if secret is not None else load_secret(args.kv_transfer_secret_file),
+        cors=cors_options(args),
+        request_id_headers=args.enable_request_id_headers,
     )
     monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
     policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,

@@ -37,6 +37,15 @@ MAX_KEPT_BYTES = 8 * 1024 * 1024  # of a response, for usage and the result cach
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
 
+def worker_headers(request_id: str | None) -> dict[str, str]:
+    """A request's headers to a worker: JSON, and the client's X-Request-Id (checked at admission),
+    so that the worker's answer and logs carry the id the client traces."""
+    headers = {"content-type": "application/json"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    return headers
+
+
 class UpstreamError(NamedTuple):
     """A worker's 5xx before any byte reached the client, kept to answer with if no worker does better."""
 
@@ -48,10 +57,11 @@ class UpstreamError(NamedTuple):
 
 
 async def send(client: httpx.AsyncClient, worker: Worker, path: str, raw: bytes, accept: str | None,
-               breaker: MonitorConfig) -> tuple[httpx.Response | None, UpstreamError | None]:  # fmt: skip
+               breaker: MonitorConfig,
+               request_id: str | None = None) -> tuple[httpx.Response | None, UpstreamError | None]:  # fmt: skip
     """(the worker's response with its headers read, None) or, when it failed before any
-    byte, (None, its 5xx response if it sent one)."""
-    headers = {"content-type": "application/json"}
+    byte, (None, its 5xx response if it sent one). `request_id`: the client's X-Request-Id."""
+    headers = worker_headers(request_id)
     if accept is not None:
         headers["accept"] = accept
     worker.in_flight += 1

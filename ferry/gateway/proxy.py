@@ -55,7 +55,7 @@ from ferry.gateway.disagg import (
 )
 from ferry.gateway.kv_index import KVMirrors
 from ferry.gateway.metrics import GatewayMetrics
-from ferry.gateway.passthrough import UpstreamError, pass_through, send
+from ferry.gateway.passthrough import UpstreamError, pass_through, send, worker_headers
 from ferry.gateway.prompts import PromptTokenizer
 from ferry.gateway.replicas import MonitorConfig, Worker, pool
 from ferry.gateway.responses import PREFILL_HEADER, WORKER_HEADER, error_response
@@ -240,7 +240,7 @@ class Proxy:
             ctx.delivered = True
             try:
                 r = await self.client.post(worker.url + ctx.path, content=body,
-                                           headers={"content-type": "application/json"})  # fmt: skip
+                                           headers=worker_headers(ctx.request_id))  # fmt: skip
             except (httpx.TransportError, OSError) as e:
                 if not isinstance(e, httpx.ReadTimeout):  # a long prefill is slow, not broken
                     worker.record_failure(f"{type(e).__name__}: {e}", self.breaker)
@@ -286,7 +286,7 @@ class Proxy:
 
         async def attempt(worker: Worker) -> Done | Retry:
             ctx.delivered = True
-            upstream, error = await send(self.client, worker, ctx.path, body, accept, self.breaker)
+            upstream, error = await send(self.client, worker, ctx.path, body, accept, self.breaker, ctx.request_id)
             if upstream is None:
                 return Retry(error) if error is None or error.retry else GiveUp(error)
             ctx.handed_off = True

@@ -487,6 +487,30 @@ def test_requests_go_to_the_pool_of_their_model(replicas):
         other.stop()
 
 
+def test_request_ids_reach_the_workers_and_browsers_the_allowed_origins(replicas):
+    """A client's X-Request-Id names the worker's answer through the gateway; with
+    --enable-request-id-headers a request without one gets a new one, passed on the same way; with
+    --allowed-origins a page of that origin may call the gateway (its preflight answered, no key)."""
+    app = "https://app.example"
+    gw = gateway([s.url for s in replicas], "--enable-request-id-headers", "--allowed-origins", json.dumps([app]))
+    try:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+        r = httpx.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-9"}, timeout=60)
+        assert r.headers["x-request-id"] == "trace-9" and r.json()["id"] == "cmpl-trace-9", r.text
+        r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "stream": True,
+                       "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)  # fmt: skip
+        rid = r.headers["x-request-id"]
+        ids = {json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {")}
+        assert len(rid) == 32 and ids == {f"chatcmpl-{rid}"}, (rid, ids)
+        preflight = {"Origin": app, "Access-Control-Request-Method": "POST"}
+        r = httpx.options(gw.url + "/v1/completions", headers=preflight, timeout=10)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app
+        r = httpx.post(gw.url + "/v1/completions", json=body, headers={"Origin": app}, timeout=60)
+        assert r.headers["access-control-allow-origin"] == app and "x-request-id" in r.headers
+    finally:
+        gw.stop()
+
+
 def test_clients_that_leave_early_are_aborted_on_every_path(replicas):
     """20 raw-socket clients go away early on each path, at a worker and through the gateway: while
     their requests run (streamed: after a first token; not streamed: before any byte, since such a
