@@ -191,10 +191,12 @@ class AsyncLLM:
         *,
         priority: int = 0,
         strict_context: bool = True,
+        asked_max_tokens: int | None = None,
         kv_export_to: str | None = None,
         remote_prefill: RemotePrefill | None = None,
     ) -> RequestStream:
         """Validate (raises InvalidParameterError, changing nothing) and send to the core.
+        `strict_context`, `asked_max_tokens`: InputProcessor.process's.
 
         `kv_export_to` (prefill side): once the request finishes, send its prompt's KV blocks to
         this receiver address ("" for Redis); await `kv_sent(request_id)` for the outcome.
@@ -211,7 +213,7 @@ class AsyncLLM:
         in_use = self.streams.keys() | self.output_processor.seq_to_request.keys()
         req = self.input_processor.process(
             request_id, prompt, params, priority=priority, arrival_time=arrival, in_use=in_use,
-            strict_context=strict_context,
+            strict_context=strict_context, asked_max_tokens=asked_max_tokens,
         )  # fmt: skip
         if kv_export_to is not None:
             if len(req.core_requests) != 1:

@@ -89,11 +89,14 @@ class InputProcessor:
         arrival_time: float | None = None,
         in_use: Container[str] = (),
         strict_context: bool = False,
+        asked_max_tokens: int | None = None,
     ) -> ProcessedRequest:
         """Validate and build the core requests.
 
         `strict_context`: reject prompt + max_tokens > max_model_len (the server's behaviour,
-        as OpenAI's) instead of shortening max_tokens to the room left (LLM.generate's).
+        as OpenAI's) instead of shortening max_tokens to the room left (LLM.generate's); the
+        max_tokens held against the room is `asked_max_tokens`, the client's, where given (the
+        params' may be lower: the model's max_new_tokens caps it), as vLLM checks.
         """
         text, ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -115,10 +118,9 @@ class InputProcessor:
             why = f"outside the vocabulary [0, {vocab})" if type(bad) is int else "not a token id (an integer)"
             raise InvalidParameterError("prompt", f"prompt_token_ids contains {bad!r}, {why}")
         room = info.max_model_len - len(ids)
-        if strict_context and params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidParameterError(
-                "max_tokens", context_length_message(info.max_model_len, len(ids), params.max_tokens)
-            )
+        asked = asked_max_tokens if asked_max_tokens is not None else params.max_tokens
+        if strict_context and asked is not None and asked > room:
+            raise InvalidParameterError("max_tokens", context_length_message(info.max_model_len, len(ids), asked))
         if params.min_tokens > room:
             raise InvalidParameterError(
                 "min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {room} tokens left in the context"

@@ -238,12 +238,14 @@ async def check_structured_output(params: StructuredOutputsParams | None, field:
 
 
 def add_requests(state: ServerState, engine: AsyncLLM, base_id: str, prompts: list, params, body,
-                 plan: KVTransferPlan | None = None, strict_context: bool = True) -> list[RequestStream]:  # fmt: skip
+                 plan: KVTransferPlan | None = None,
+                 asked_max_tokens: int | None = None) -> list[RequestStream]:  # fmt: skip
     """One engine request per prompt; all or nothing. The queue limit is checked again here, with
     no await between the check and the adding: thousands of requests admitted together before
-    their tokenizing cannot all pass on a queue that filled meanwhile. `strict_context`: a prompt
-    plus max_tokens over the context is a 400 (False where the client named no max_tokens: the
-    model's max_new_tokens is then shortened to the room left, as vLLM does)."""
+    their tokenizing cannot all pass on a queue that filled meanwhile. `asked_max_tokens`: the
+    client's max_tokens; a prompt plus it over the context is a 400, as vLLM checks it, whatever
+    the model's max_new_tokens lowered it to (None, no max_tokens named: max_new_tokens, if any, is
+    shortened to the room left instead)."""
     admit(state, engine, len(prompts) * params.n)
     streams: list[RequestStream] = []
     plan = plan or KVTransferPlan()
@@ -253,7 +255,8 @@ def add_requests(state: ServerState, engine: AsyncLLM, base_id: str, prompts: li
             prompt = salted(prompt, body.cache_salt)
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(engine.add_request(rid, prompt, params, priority=priority, kv_export_to=plan.export_to,
-                                              remote_prefill=plan.remote, strict_context=strict_context))  # fmt: skip
+                                              remote_prefill=plan.remote, strict_context=asked_max_tokens is not None,
+                                              asked_max_tokens=asked_max_tokens))  # fmt: skip
     except Exception:
         for s in streams:
             engine.abort(s.request_id)

@@ -96,7 +96,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body)
     reasoning_open = _reasoning_open(state, engine, prompt, params)
     base_id, reply_id = request_ids(request, "chatcmpl")
-    streams = add_requests(state, engine, base_id, [prompt], params, body, plan, strict_context=max_tokens is not None)
+    streams = add_requests(state, engine, base_id, [prompt], params, body, plan, asked_max_tokens=max_tokens)
     created = now_s()
     if body.stream:
         builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]

@@ -122,7 +122,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     due = deadline(state)
     prompts = await tokenize_prompts(engine.tokenizer, prompts)
     base_id, reply_id = request_ids(request, "cmpl")
-    streams = add_requests(state, engine, base_id, prompts, params, body, plan, body.max_tokens is not None)
+    streams = add_requests(state, engine, base_id, prompts, params, body, plan, body.max_tokens)
     n = params.n
     created = now_s()
     tokenizer = engine.tokenizer
