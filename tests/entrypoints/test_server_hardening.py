@@ -99,7 +99,7 @@ def test_request_id_headers_name_the_answer(server):
     assert r.headers["access-control-expose-headers"].lower() == "x-request-id"
 
 
-def test_the_cors_flags_take_json_lists():
+def test_the_json_flags_take_json():
     from ferry.cli import build_parser
 
     for bad in ("*", '"*"', "[1]"):
@@ -107,6 +107,11 @@ def test_the_cors_flags_take_json_lists():
             build_parser().parse_args(["serve", "--allowed-origins", bad])
     args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]'])
     assert args.allowed_origins == ["*"] and args.allowed_methods == ["*"] and not args.allow_credentials
+    for bad in ("temperature=0.5", "[1]"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--override-generation-config", bad])
+    args = build_parser().parse_args(["serve", "--override-generation-config", '{"temperature": 0.5}'])
+    assert args.override_generation_config == {"temperature": 0.5}
 
 
 def test_the_key_comes_from_the_flag_else_ferrys_variable_else_vllms():

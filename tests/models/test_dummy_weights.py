@@ -212,6 +212,14 @@ def test_sampling_defaults_come_from_the_generation_config(tmp_path):
     assert sampling_defaults(str(tmp_path), "vllm") == {}
     assert sampling_defaults("/nowhere/model.gguf", str(tmp_path)) == want  # a directory of one's own
     assert sampling_defaults(str(tmp_path / "none")) == {}
+    # vLLM's --override-generation-config: fields set over the file's, or over none
+    over = sampling_defaults(str(tmp_path), "auto", {"temperature": 0.2, "max_new_tokens": 5})
+    assert over == {**want, "temperature": 0.2, "max_tokens": 5}
+    assert sampling_defaults(str(tmp_path), "vllm", {"top_k": 3}) == {"top_k": 3}
+    with pytest.raises(ValueError, match="'do_sample' not read"):
+        sampling_defaults(str(tmp_path), "auto", {"do_sample": True})
+    with pytest.raises(ValueError, match="top_p must be a finite number"):
+        sampling_defaults(str(tmp_path), "auto", {"top_p": "high"})
     with pytest.raises(ValueError, match="auto, vllm or a directory"):
         sampling_defaults(str(tmp_path), "greedy")
     (tmp_path / "generation_config.json").write_text("{not json")
@@ -228,6 +236,12 @@ def test_a_generation_config_out_of_range_stops_serve_at_once(tiny_dir, tmp_path
                            "--port", "1"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "generation_config.json" in proc.stderr and "top_p" in proc.stderr and "Traceback" not in proc.stderr
+    # ... and so does an override out of range, over a file in range
+    (model_dir / "generation_config.json").write_text(json.dumps({"top_p": 0.9}))
+    proc = subprocess.run([sys.executable, "-m", "ferry.cli", "serve", str(model_dir), "--load-format", "dummy",
+                           "--override-generation-config", '{"top_p": 0}', "--port", "1"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "top_p" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_cli_errors_without_tokenizer_or_weights(tiny_dir, capsys):

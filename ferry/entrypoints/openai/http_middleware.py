@@ -9,11 +9,12 @@ user opens (the browser sends the page's requests), so browsers get access only 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import uuid
 from typing import TYPE_CHECKING, Any
+
+from ferry.utils.json_args import json_list
 
 if TYPE_CHECKING:  # (serve's argument parsing imports this module before the core starts: kept light)
     from fastapi import FastAPI
@@ -28,19 +29,19 @@ CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("browser access and request ids (vLLM's flags)")
-    g.add_argument("--allowed-origins", type=_json_list, default=[], metavar="JSON",
+    g.add_argument("--allowed-origins", type=json_list, default=[], metavar="JSON",
                    help='origins whose web pages may call this server, e.g. \'["https://app.example.com"]\' '
                         "or '[\"*\"]' (default: none; vLLM's is every origin)")  # fmt: skip
     g.add_argument(
         "--allowed-methods",
-        type=_json_list,
+        type=json_list,
         default=["*"],
         metavar="JSON",
         help="the methods they may use (default: all)",
     )
     g.add_argument(
         "--allowed-headers",
-        type=_json_list,
+        type=json_list,
         default=["*"],
         metavar="JSON",
         help="the headers they may send (default: all)",
@@ -49,16 +50,6 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer with an X-Request-Id header: the client's, else a new one (the answer's id "
                         "then carries it, as with a client's)")  # fmt: skip
-
-
-def _json_list(text: str) -> list[str]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r} (a list such as '[\"*\"]')") from None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"a JSON list of strings, got {text!r}")
-    return value
 
 
 def cors_options(args: argparse.Namespace) -> dict[str, Any] | None:

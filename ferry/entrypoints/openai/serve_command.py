@@ -29,6 +29,7 @@ from ferry.models.generation_config import sampling_defaults
 from ferry.models.paths import resolve_model_path
 from ferry.sampling_params import SamplingParams
 from ferry.utils.deployment_secret import load_secret
+from ferry.utils.json_args import json_object
 from ferry.utils.network import UVICORN_LOG_LEVELS, port_number, server_socket
 
 
@@ -62,6 +63,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for requests that leave them unset: auto (the model's "
                         "generation_config.json, as vLLM), vllm (none: temperature 1, ...), or a directory "
                         "with a generation_config.json")  # fmt: skip
+    p.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help="sampling defaults set over --generation-config's, in generation_config.json's names, "
+                        "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 1024}' (vLLM's)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
     add_http_args(p)
     p.add_argument("--no-playground", action="store_true",
@@ -145,11 +149,14 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_keys = api_keys_from(args.api_key, os.environ)
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
-    defaults = sampling_defaults(path, args.generation_config)  # ValueError: exit 2
+    defaults = sampling_defaults(path, args.generation_config, args.override_generation_config)  # ValueError: exit 2
     try:  # a default out of range would fail every request that leaves the field unset: fail here instead
         SamplingParams(**defaults)
     except ValueError as e:
-        raise ValueError(f"the model's generation_config.json (--generation-config vllm ignores it): {e}") from None
+        raise ValueError(
+            f"the sampling defaults of the model's generation_config.json (--generation-config "
+            f"vllm ignores it) and --override-generation-config: {e}"
+        ) from None
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
     secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
     kv_events = None
