@@ -55,7 +55,7 @@ from ferry.gateway.prompts import PromptTokenizer, prompts_of
 from ferry.gateway.rate_limit import Charge, TokenRateLimiter
 from ferry.gateway.replicas import Worker, pool
 from ferry.gateway.responses import CACHE_HEADER, WORKER_HEADER, error_response
-from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
+from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic, with_answer_id
 
 
 def _limited(limits) -> bool:
@@ -225,7 +225,8 @@ class Admission:
                     return refused
                 self.metrics.cache.labels("hit").inc()
                 headers = {**hit.headers, CACHE_HEADER: "hit", WORKER_HEADER: hit.worker}
-                return Response(hit.body, status_code=hit.status, headers=headers)
+                replay = with_answer_id(hit.body, ctx.streamed, ctx.request_id)
+                return Response(replay, status_code=hit.status, headers=headers)
             self.metrics.cache.labels("miss").inc()
 
         if _limited(limits):

@@ -13,11 +13,16 @@ bypasses it (no lookup, no store).
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
+
+from ferry.gateway.response_usage import sse_events
 
 
 @dataclass
@@ -87,3 +92,20 @@ class ResultCache:
     def _drop(self, key: str) -> None:
         entry = self._entries.pop(key)
         self.bytes -= len(entry.body)
+
+
+def with_answer_id(body: bytes, streamed: bool, request_id: str | None) -> bytes:
+    """A replayed body under an id of its own. The stored answer's `id` (`<prefix>-<id>`; every chunk
+    of a stream repeats it) becomes `<prefix>-<request_id>`, the client's X-Request-Id as a worker
+    would name it, or a fresh random one: a hit must not hand one client the trace id another sent
+    (every client shares the cache of a gateway without keys), nor give every hit the same id."""
+    try:
+        first = next(iter(sse_events(body)), None) if streamed else json.loads(body)
+    except ValueError:
+        return body
+    old = first.get("id") if isinstance(first, dict) else None
+    if not isinstance(old, str) or "-" not in old:
+        return body
+    new = f"{old.split('-', 1)[0]}-{request_id or uuid.uuid4().hex}"
+    field = re.compile(rb'("id"\s*:\s*)' + re.escape(msgspec.json.encode(old)))
+    return field.sub(lambda m: m.group(1) + msgspec.json.encode(new), body)

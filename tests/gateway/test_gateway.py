@@ -492,11 +492,18 @@ def test_request_ids_reach_the_workers_and_browsers_the_allowed_origins(replicas
     --enable-request-id-headers a request without one gets a new one, passed on the same way; with
     --allowed-origins a page of that origin may call the gateway (its preflight answered, no key)."""
     app = "https://app.example"
-    gw = gateway([s.url for s in replicas], "--enable-request-id-headers", "--allowed-origins", json.dumps([app]))
+    gw = gateway([s.url for s in replicas], "--enable-request-id-headers", "--allowed-origins", json.dumps([app]),
+                 "--result-cache")  # fmt: skip
     try:
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
         r = httpx.post(gw.url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-9"}, timeout=60)
         assert r.headers["x-request-id"] == "trace-9" and r.json()["id"] == "cmpl-trace-9", r.text
+        # A result-cache hit answers under its own request's id, not the one that filled the entry.
+        greedy = {**body, "temperature": 0}
+        for rid in ("alice-1", "bob-2"):
+            r = httpx.post(gw.url + "/v1/completions", json=greedy, headers={"X-Request-Id": rid}, timeout=60)
+            assert r.json()["id"] == f"cmpl-{rid}" and r.headers["x-request-id"] == rid, r.text
+        assert r.headers["x-ferry-cache"] == "hit"
         r = httpx.post(gw.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "stream": True,
                        "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)  # fmt: skip
         rid = r.headers["x-request-id"]

@@ -140,6 +140,18 @@ def test_response_usage_from_json_and_sse():
     assert not has_error_event(without)
 
 
+def test_a_cache_hit_is_replayed_under_its_own_id():
+    from ferry.gateway.result_cache import with_answer_id
+
+    body = b'{"id":"cmpl-alice-1","choices":[{"text":"say \\"cmpl-alice-1\\""}]}'
+    assert with_answer_id(body, False, "bob") == b'{"id":"cmpl-bob","choices":[{"text":"say \\"cmpl-alice-1\\""}]}'
+    quoted = b'data: {"id": "chatcmpl-a\\"b", "n": 1}\n\ndata: {"id": "chatcmpl-a\\"b"}\n\ndata: [DONE]\n\n'
+    fresh = with_answer_id(quoted, True, None)
+    ids = {json.loads(line[6:])["id"] for line in fresh.decode().splitlines() if line.startswith("data: {")}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-") and b'a\\"b' not in fresh
+    assert with_answer_id(b'{"object": "list"}', False, "x") == b'{"object": "list"}'
+
+
 def test_a_forwarded_stream_asks_for_usage_and_for_no_more():
     """The gateway's added include_usage does not switch on the continuous usage a client asked
     for without include_usage (vLLM gives none then); a client's own include_usage goes as sent."""

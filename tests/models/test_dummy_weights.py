@@ -292,8 +292,11 @@ def test_serve_token_ids_without_tokenizer(tiny_dir, tmp_path):
         long = {**unset, "prompt": [1] * 253, "max_tokens": None}
         r = httpx.post(s.url + "/v1/completions", json=long, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3, r.text
-        r = httpx.post(s.url + "/v1/completions", json={**long, "max_tokens": 4}, timeout=60)
-        assert r.status_code == 400 and "maximum context length" in r.text, r.text
+        for prompt, asked in ((253, 4), (253, 20), (240, 20)):  # the client's own against the room (3, 3, 16),
+            # though max_new_tokens caps 20 to 8, which 240 tokens leave room for
+            r = httpx.post(s.url + "/v1/completions", json={**long, "prompt": [1] * prompt, "max_tokens": asked},
+                           timeout=60)  # fmt: skip
+            assert r.status_code == 400 and f"({prompt} in the prompt, {asked} in the completion)" in r.text, r.text
         defaults = tiny_llm(str(model_dir), seed=3).get_default_sampling_params()  # LLM.generate's, as vLLM's
         assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.0, 0.9, 8)
         # Streamed: the prompt's ids once, then the new ids chunk by chunk.
