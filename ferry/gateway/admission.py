@@ -35,7 +35,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ferry.entrypoints.openai.http_middleware import CLIENT_REQUEST_ID
+from ferry.entrypoints.openai.http_middleware import client_request_id
 from ferry.entrypoints.openai.protocol import (
     OFFLOAD_BYTES,
     ChatCompletionRequest,
@@ -207,9 +207,7 @@ class Admission:
             raw_out = msgspec.json.encode(out)
         except RecursionError:
             return error_response(400, "the request body is nested too deeply")
-        request_id = request.headers.get("x-request-id")
-        if request_id is not None and not CLIENT_REQUEST_ID.fullmatch(request_id):
-            request_id = None  # (the worker would not take it either)
+        request_id = client_request_id(request.headers.get("x-request-id"))  # (a worker takes no other)
         ctx = RequestContext(kind, path, raw_out, out, model, key_name, getattr(body, "stream", False),
                              prefill_pool=key_pool, cache_salt=out.get("cache_salt"), strip_usage=strip_usage,
                              request_id=request_id)  # fmt: skip

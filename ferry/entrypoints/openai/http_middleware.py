@@ -22,9 +22,13 @@ if TYPE_CHECKING:  # (serve's argument parsing imports this module before the co
 
 logger = logging.getLogger(__name__)
 
-# The X-Request-Id values taken from clients (serving.request_ids): visible ASCII, nothing that
-# could forge a log line.
-CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+# The X-Request-Id values taken from clients: visible ASCII, nothing that could forge a log line.
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's X-Request-Id header, if it is one the server, the gateway and their logs take."""
+    return value if value is not None and _CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
@@ -32,20 +36,9 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", type=json_list, default=[], metavar="JSON",
                    help='origins whose web pages may call this server, e.g. \'["https://app.example.com"]\' '
                         "or '[\"*\"]' (default: none; vLLM's is every origin)")  # fmt: skip
-    g.add_argument(
-        "--allowed-methods",
-        type=json_list,
-        default=["*"],
-        metavar="JSON",
-        help="the methods they may use (default: all)",
-    )
-    g.add_argument(
-        "--allowed-headers",
-        type=json_list,
-        default=["*"],
-        metavar="JSON",
-        help="the headers they may send (default: all)",
-    )
+    for what, verb in (("methods", "use"), ("headers", "send")):
+        g.add_argument(f"--allowed-{what}", type=json_list, default=["*"], metavar="JSON",
+                       help=f"the {what} they may {verb} (default: all)")  # fmt: skip
     g.add_argument("--allow-credentials", action="store_true", help="let them send credentials (cookies, HTTP auth)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="answer with an X-Request-Id header: the client's, else a new one (the answer's id "
@@ -95,7 +88,7 @@ class RequestIdHeader:
             return
         headers = list(scope["headers"])
         rid = next((v for k, v in headers if k == b"x-request-id"), None)
-        if rid is None or not CLIENT_REQUEST_ID.fullmatch(rid.decode("latin-1")):
+        if rid is None or client_request_id(rid.decode("latin-1")) is None:
             rid = uuid.uuid4().hex.encode()
             kept = [(k, v) for k, v in headers if k != b"x-request-id"]
             scope = {**scope, "headers": [*kept, (b"x-request-id", rid)]}

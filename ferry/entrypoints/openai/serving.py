@@ -16,7 +16,7 @@ from starlette.requests import Request
 
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError, RemotePrefill, RequestStream, prompt_digest
 from ferry.engine.core_client import EngineDeadError
-from ferry.entrypoints.openai.http_middleware import CLIENT_REQUEST_ID
+from ferry.entrypoints.openai.http_middleware import client_request_id
 from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits, wait_for_disconnect
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.outputs import RequestOutput
@@ -70,8 +70,8 @@ def request_ids(request: Request, prefix: str) -> tuple[str, str]:
     """(the engine's id, the answer's id) of a request. With an `X-Request-Id` header (vLLM's
     tracing) the answer's is `<prefix>-<that id>` and the engine's carries it too, with a random
     tail: ids the engine holds must be unique, whatever clients send."""
-    client_id = request.headers.get("x-request-id")
-    if client_id is None or not CLIENT_REQUEST_ID.fullmatch(client_id):
+    client_id = client_request_id(request.headers.get("x-request-id"))
+    if client_id is None:
         engine_id = random_id(prefix)
         return engine_id, engine_id
     return f"{prefix}-{client_id}-{uuid.uuid4().hex[:8]}", f"{prefix}-{client_id}"
