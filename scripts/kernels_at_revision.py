@@ -22,17 +22,18 @@ def kernel_at(rev: str, picks: Callable[[str], bool], binding: Callable[[dict[st
     from ferry.kernels.cpu import _checkout_key, _isa_flags
 
     git = dict(cwd=ROOT, check=True, capture_output=True)
-    work = Path(tempfile.mkdtemp(prefix=f"ferry-{prefix}-"))
-    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, CSRC + "/"], text=True, **git).stdout.split()
-    texts = {}
-    for path in listed:
-        file = Path(path).name
-        if picks(file) or file.endswith(".h"):
-            texts[file] = subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout
-            (work / file).write_bytes(texts[file])
-    (work / "binding.cpp").write_text(binding(texts))
-    sources = [str(work / f) for f in texts if f.endswith(".cpp")] + [str(work / "binding.cpp")]
-    short = subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
-    name = f"ferry_{prefix}_{short}_{_checkout_key()}"  # this CPU's and torch's, as ferry's own build
-    flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
-    return load(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    with tempfile.TemporaryDirectory(prefix=f"ferry-{prefix}-") as tmp:  # the build reads them, then they go
+        work = Path(tmp)
+        listed = subprocess.run(["git", "ls-tree", "--name-only", rev, CSRC + "/"], text=True, **git).stdout.split()
+        texts = {}
+        for path in listed:
+            file = Path(path).name
+            if picks(file) or file.endswith(".h"):
+                texts[file] = subprocess.run(["git", "show", f"{rev}:{path}"], **git).stdout
+                (work / file).write_bytes(texts[file])
+        (work / "binding.cpp").write_text(binding(texts))
+        sources = [str(work / f) for f in texts if f.endswith(".cpp")] + [str(work / "binding.cpp")]
+        short = subprocess.run(["git", "rev-parse", "--short", rev], text=True, **git).stdout.strip()
+        name = f"ferry_{prefix}_{short}_{_checkout_key()}"  # this CPU's and torch's, as ferry's own build
+        flags = ["-O3", *_isa_flags()[1], "-fopenmp", "-ffast-math"]  # as ferry/kernels/cpu.py builds it
+        return load(name=name, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"])

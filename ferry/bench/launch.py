@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -15,7 +16,9 @@ from ferry.utils.network import handed_over
 
 
 class LaunchedServer:
-    """`with LaunchedServer(cmd, port, ready_path="/ready") as url:`; the log goes to a temp file."""
+    """`with LaunchedServer(cmd, port, ready_path="/ready") as url:`. The server's output goes to a temp
+    file, removed when the server stopped cleanly and the block raised nothing; else kept, and named on
+    stderr (every benchmark run left one behind before: thousands of them in /tmp)."""
 
     def __init__(self, cmd: list[str], port: int, ready_path: str = "/health", timeout: float = 600.0,
                  env: dict[str, str] | None = None, sock: socket.socket | None = None) -> None:  # fmt: skip
@@ -43,14 +46,28 @@ class LaunchedServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        self.__exit__(None, None, None)
+        self._stop()
         raise RuntimeError(f"{self.cmd[0]} not ready after {self.timeout}s; log: {self.log.name}")
 
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+    def _stop(self) -> bool:
+        """Stop the server (SIGINT, then SIGKILL after 30 s); whether it ended cleanly: exited 0 or of
+        that SIGINT."""
+        if self.proc is None:
+            return False
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+                return False
+        return self.proc.returncode in (0, -signal.SIGINT)
+
+    def __exit__(self, exc_type, *exc) -> None:
+        clean = self._stop()
+        self.log.close()
+        if clean and exc_type is None:
+            os.unlink(self.log.name)
+        else:
+            print(f"{self.cmd[0]} log kept: {self.log.name}", file=sys.stderr)
