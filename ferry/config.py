@@ -43,6 +43,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 class EngineArgs:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # defaults to the model's own
+    # vLLM's: load a tokenizer that is its own Python code (its tokenizer_config.json's auto_map).
+    # ferry never runs a checkpoint's modelling code: its models are its own.
+    trust_remote_code: bool = False
+    # The most logprobs (or prompt_logprobs) one request may ask for per token (vLLM's default, 20);
+    # -1: the vocabulary's size. Each costs a top-k over the vocabulary and ~30 bytes of answer.
+    max_logprobs: int = 20
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str | None = None  # None/auto (as stored) | none | gguf | int8 (dynamic W8A8: CPU and CUDA)
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | float32 | bfloat16 | float16 | int8 | fp8 | fp8_e4m3
@@ -91,6 +97,8 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1 (-1: the vocabulary's size), got {self.max_logprobs}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

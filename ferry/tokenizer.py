@@ -44,11 +44,14 @@ def gguf_tokenizer_cache_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), "tokenizers", hashlib.sha256(key.encode()).hexdigest())
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
     """Tokenizer for a `.gguf` file or an HF model directory.
 
     Returns None for a directory without tokenizer files: the engine then takes and returns
-    token ids only (vLLM's skip_tokenizer_init).
+    token ids only (vLLM's skip_tokenizer_init). `trust_remote_code` (vLLM's --trust-remote-code):
+    a directory whose tokenizer_config.json maps AutoTokenizer to its own Python file (`auto_map`)
+    is loaded with that code, which runs in this process; without it such a tokenizer is refused.
+    ferry's models are its own code: no checkpoint's modelling code ever runs.
     """
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -59,7 +62,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     if not any(os.path.isfile(os.path.join(path, n)) for n in _HF_TOKENIZER_FILES):
         logger.warning("%s has no tokenizer files; requests must carry token ids", path)
         return None
-    return _load_saved(path)
+    return _load_saved(path, trust_remote_code)
 
 
 def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -79,7 +82,7 @@ def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _load_saved(directory: str) -> PreTrainedTokenizerBase:
+def _load_saved(directory: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """A tokenizer saved by transformers (an HF model directory, or a converted GGUF's cache), by
     the class its tokenizer_config.json names, looked up on transformers directly, as AutoTokenizer
     does first: AutoTokenizer itself imports transformers' config machinery, which imports torch
@@ -89,15 +92,24 @@ def _load_saved(directory: str) -> PreTrainedTokenizerBase:
 
     try:
         with open(os.path.join(directory, "tokenizer_config.json")) as f:
-            name = json.load(f).get("tokenizer_class")
+            config = json.load(f)
     except (OSError, ValueError):
-        name = None
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    name, own_code = config.get("tokenizer_class"), "AutoTokenizer" in (config.get("auto_map") or {})
+    if own_code and trust_remote_code:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
     if isinstance(name, str) and name:
         # AutoTokenizer prefers a class's fast twin (in transformers 5 most names are one class).
         for candidate in (name if name.endswith("Fast") else name + "Fast", name):
             cls = getattr(transformers, candidate, None)
             if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
                 return cls.from_pretrained(directory)
+    if own_code:  # and a class transformers does not have: only its own code can load it
+        raise ValueError(f"the tokenizer of {directory} is its own Python code (tokenizer_config.json's auto_map); "
+                         "run it with --trust-remote-code if you trust it")  # fmt: skip
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)

@@ -95,6 +95,32 @@ def test_hf_directory_tokenizer(tmp_path, reference) -> None:
     assert tok.chat_template == reference.chat_template
 
 
+def test_a_tokenizer_that_is_its_own_code_needs_trust_remote_code(tmp_path, reference) -> None:
+    """vLLM's --trust-remote-code: a tokenizer_config.json whose auto_map names the directory's own
+    Python file loads with that code only when the flag is given; refused, with the flag named, else."""
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "tokenization_ferrytest.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class FerryTestTokenizerFast(PreTrainedTokenizerFast):\n"
+        "    def encode(self, text, *args, **kwargs):\n"
+        "        return super().encode(text.upper(), *args, **kwargs)\n"
+    )
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "FerryTestTokenizer"
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_ferrytest.FerryTestTokenizerFast"]}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        load_tokenizer(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path), trust_remote_code=True)
+    assert type(tok).__name__ == "FerryTestTokenizerFast"
+    assert tok.encode(TEXT) == reference.encode(TEXT.upper()) != reference.encode(TEXT)
+    # A class transformers has, with an auto_map beside it: without the flag, transformers' own class.
+    config["tokenizer_class"] = type(reference).__name__
+    config_path.write_text(json.dumps(config))
+    assert load_tokenizer(str(tmp_path)).encode(TEXT) == reference.encode(TEXT)
+
+
 def test_hf_directory_without_tokenizer_returns_none(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
     assert load_tokenizer(str(tmp_path)) is None

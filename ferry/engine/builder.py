@@ -124,6 +124,7 @@ def _build(
         eos_token_ids=sorted(eos_token_ids),
         block_size=bs,
         num_kv_blocks=num_blocks,
+        max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else min(args.max_logprobs, cfg.vocab_size),
     )
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * block_bytes / 2**30)
     proposer = None

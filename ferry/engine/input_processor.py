@@ -129,10 +129,12 @@ class InputProcessor:
             raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be < vocabulary size {vocab}")
         if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
             raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise InvalidParameterError("prompt_logprobs", f"prompt_logprobs must be <= the vocabulary size {vocab}")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidParameterError("logprobs", f"logprobs must be <= the vocabulary size {vocab}")
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's words
+            asked = getattr(params, name)
+            if asked is not None and asked > info.max_logprobs:
+                what = "sample" if name == "logprobs" else "prompt"
+                raise InvalidParameterError(name, f"Requested {what} logprobs of {asked}, which is greater than max "
+                                                  f"allowed: {info.max_logprobs} (--max-logprobs)")  # fmt: skip
         if params.pooling is not None and (params.n != 1 or params.structured_outputs is not None
                                            or params.logprobs is not None):  # fmt: skip
             raise InvalidParameterError("pooling", "an embedding request takes n = 1, no grammar and no logprobs")

@@ -83,6 +83,7 @@ class EngineInfo(msgspec.Struct):
     eos_token_ids: list[int]
     block_size: int
     num_kv_blocks: int
+    max_logprobs: int = 20  # per token, per request (--max-logprobs; -1 there is the vocabulary's size here)
     # Where the core publishes KV events (core/kv_events.py); None unless enabled.
     kv_events_host: str | None = None
     kv_events_port: int | None = None

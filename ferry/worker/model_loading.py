@@ -210,7 +210,7 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage, draft: 
     # The tokenizer loads in a thread meanwhile (importing transformers alone takes ~1 s); the weights'
     # copies run in torch and numpy, which release the GIL.
     with ThreadPoolExecutor(1, thread_name_prefix="ferry-tokenizer") as pool:
-        tokenizer = pool.submit(load_tokenizer, args.tokenizer or ckpt.path)
+        tokenizer = pool.submit(load_tokenizer, args.tokenizer or ckpt.path, args.trust_remote_code)
         model = _build_model(args, ckpt, tp, pp, device, dtype, quantization)
         tokenizer = tokenizer.result()
     if quantization == "int8":

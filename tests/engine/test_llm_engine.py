@@ -236,3 +236,22 @@ def test_without_chunked_prefill_the_step_budget_takes_a_whole_prompt(make_engin
     assert engine.core.scheduler.max_num_batched_tokens >= engine.info.max_model_len > 2048
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=1000)
+
+
+def test_max_logprobs_bounds_each_requests_logprobs(engine, make_engine):
+    """vLLM's --max-logprobs: 20 unless set, -1 for the whole vocabulary; beyond it a request is
+    refused (the field named) before it takes a block."""
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match="logprobs of 21, which is greater than max allowed: 20") as e:
+            engine.add_request("many", PROMPT, SamplingParams(max_tokens=1, **{field: 21}))
+        assert e.value.param == field
+    assert_no_blocks_referenced(engine)
+    wide = make_engine(max_model_len=64, max_logprobs=-1, num_kv_blocks=16)
+    vocab = wide.core.info.vocab_size
+    wide.add_request("all", "Hi", SamplingParams(temperature=0, max_tokens=1, logprobs=vocab))
+    (top,) = run_to_completion(wide)["all"].outputs[0].logprobs
+    assert len(top) == vocab  # every token's, ranked
+    with pytest.raises(ValueError, match=f"max allowed: {vocab}"):
+        wide.add_request("more", "Hi", SamplingParams(max_tokens=1, logprobs=vocab + 1))
+    with pytest.raises(ValueError, match="max_logprobs must be >= -1"):
+        make_engine(max_logprobs=-2)

@@ -150,7 +150,9 @@ class Server:
         engine.on_dead = self._on_engine_dead
         self.state.engine = engine
         try:
-            await engine.start(tokenizer_loader=lambda: load_tokenizer(self.engine_args.tokenizer or self.model_path))
+            args = self.engine_args
+            await engine.start(tokenizer_loader=lambda: load_tokenizer(args.tokenizer or self.model_path,
+                                                                       args.trust_remote_code))  # fmt: skip
         except Exception as e:  # EngineDeadError has already called _on_engine_dead
             self.state.startup_error = str(e)
             if engine.dead is None:

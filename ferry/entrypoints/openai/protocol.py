@@ -30,7 +30,6 @@ from starlette.requests import Request
 from ferry.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
-MAX_LOGPROBS = 20
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_INT = 2**31 - 1  # token counts: far above any context, far below what msgspec or torch choke on
 MAX_STOP_STRINGS = 64  # the detokenizer scans every stop string at every step
@@ -434,7 +433,7 @@ class _GenerationRequest(Strict):
     include_stop_str_in_output: bool = False
     # vLLM's: each prompt token's logprob (and rank) with this many alternatives; the whole prompt is
     # computed (no prefix-cache hits), so it costs a prefill.
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # the engine holds it to --max-logprobs
     # Prefill/decode disaggregation, set by the gateway (vLLM's field name): {"do_remote_decode": true,
     # "decode_receiver": "tcp://..."} to a prefill worker; {"do_remote_prefill": true, "first_token_ids":
     # [...], "prompt_digest": "..."} to a decode worker (entrypoints/openai/serving.py).
@@ -530,7 +529,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0, le=MAX_INT)  # 0: only with echo (the prompt scored)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # the engine holds it to --max-logprobs
     echo: bool = False
     suffix: str | None = None
     # vLLM's extra: also return the prompt's and the completion's token ids in each choice.
@@ -612,7 +611,7 @@ class ChatCompletionRequest(_GenerationRequest, ChatPrompt):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # the engine holds it to --max-logprobs
     # Unset: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
