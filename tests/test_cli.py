@@ -49,6 +49,11 @@ def test_serve_rejects_bad_flags_before_loading():
         (["--port", "99999"], "not a port number"),  # argparse's error: the --port 1 before is overridden
         (["--uvicorn-log-level", "foo"], "invalid choice"),
         (["--max-model", "64"], "unrecognized arguments: --max-model"),  # no abbreviations
+        (["--chat-template", "{% if %}"], "--chat-template: line 1"),
+        (["--chat-template", "templates/chatml.jinja"], "looks like a file path, but it cannot be opened"),
+        (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
+        (["--max-log-len", "-1"], "max_log_len must be >= 0"),
+        (["--max-logprobs", "-2"], "max_logprobs must be >= -1"),
     ):
         proc = _ferry("serve", "--port", "1", *args, timeout=60)
         assert proc.returncode == 2, proc.stderr

@@ -4,10 +4,10 @@ The kv-aware and prefix policies hash the prompt's blocks exactly as the
 replica will, and a token rate limit charges an estimate of the prompt's
 tokens before it runs, so the gateway tokenizes as the server does: the
 worker's own tokenizer (`/ferry/info` names it; `--tokenizer` overrides) and,
-for chat, the same `render_chat_prompt`. Tokenizers are loaded on first use
-and kept. A body this cannot turn into ids (no tokenizer, a malformed body)
-gives None: the request is then routed by load and the replica says what is
-wrong with it.
+for chat, the same `render_chat_prompt` with the worker's `--chat-template`
+if it has one. Tokenizers are loaded on first use and kept. A body this
+cannot turn into ids (no tokenizer, a malformed body) gives None: the request
+is then routed by load and the replica says what is wrong with it.
 """
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ class PromptTokenizer:
             tok = self._tokenizer(worker)
             if tok is None:
                 return None
-            return render_chat_prompt(tok, ChatCompletionRequest.model_validate(data))["prompt_token_ids"]
+            body = ChatCompletionRequest.model_validate(data)
+            # The worker's --chat-template, when it shows it (a keyed worker shows only a digest:
+            # its chats are then hashed with the tokenizer's template, and match no cached block).
+            return render_chat_prompt(tok, body, (worker.info or {}).get("chat_template"))["prompt_token_ids"]
         except Exception:  # a body the replica will reject: route it by load, let the replica say why
             return None
 

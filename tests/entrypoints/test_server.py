@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, wait_for
 
 LONG_PROMPT = "Here is a story about a lighthouse keeper who counted the ships passing by at night. " * 4
 
@@ -19,7 +19,9 @@ LONG_PROMPT = "Here is a story about a lighthouse keeper who counted the ships p
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "8", "--served-model-name", "smol", "extra-name",
-                      "--enable-kv-events", "--allow-client-priority")  # fmt: skip
+                      "--enable-kv-events", "--allow-client-priority", "--enable-log-requests",
+                      "--enable-log-outputs", "--max-log-len", "40",
+                      env={"FERRY_LOG_STATS_INTERVAL": "0.5"})  # fmt: skip
     yield s
     assert s.stop() == 0, s.logs()
 
@@ -395,6 +397,55 @@ def test_metrics_names(server, client):
         assert name in text, name
     assert server.metric("ferry:generation_tokens_total") >= 3
     assert server.metric("ferry:time_to_first_token_seconds_count") >= 1
+
+
+def test_the_engine_logs_its_throughput_while_tokens_flow(server, client):
+    """vLLM's periodic line (stats_log.py), every FERRY_LOG_STATS_INTERVAL seconds here: tokens
+    counted while they flow, then one line that says they stopped (later idle lines are DEBUG)."""
+
+    def lines() -> list[str]:
+        with open(server.log.name, errors="replace") as f:
+            return [line for line in f if "Avg prompt throughput" in line]
+
+    before = len(lines())
+    client.completions.create(model="smol", prompt="Count: one, two,", max_tokens=16, temperature=0)
+
+    def counted() -> int | None:
+        return next((i for i, line in enumerate(lines()[before:]) if "generation throughput: 0.0 " not in line), None)
+
+    wait_for(lambda: counted() is not None, "a line that counted the tokens", timeout=60)
+    wait_for(lambda: any("generation throughput: 0.0 tokens/s" in line for line in lines()[before + counted():]),
+             "the line that says they stopped", timeout=60)  # fmt: skip
+    assert "Engine 000: " in lines()[-1] and "KV cache usage: " in lines()[-1]
+
+
+def test_requests_and_outputs_are_logged_as_vllm_logs_them(server):
+    """--enable-log-requests logs a request's prompt and parameters as it is added (not the
+    tenant's cache_salt), --enable-log-outputs each choice's whole text once it finishes, streamed
+    or not, both cut to --max-log-len (40) characters or ids."""
+    prompt = "The log of the ferry lists every crossing: the date, the weather and the tide."
+    body = {"model": "smol", "prompt": prompt, "max_tokens": 6, "temperature": 0, "cache_salt": "tenant-secret-9"}
+    with httpx.Client(timeout=60) as http:
+        whole = http.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "logged-1"}).json()
+        with http.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                         headers={"X-Request-Id": "logged-2"}) as r:  # fmt: skip
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                               if line.startswith("data: {") and json.loads(line[6:])["choices"])  # fmt: skip
+    text = whole["choices"][0]["text"]
+    assert streamed == text and len(text) > 0
+
+    def lines(kind: str, rid: str) -> list[str]:
+        with open(server.log.name, errors="replace") as f:
+            return [line for line in f if f"{kind} cmpl-{rid}-" in line]
+
+    wait_for(lambda: lines("Generated response", "logged-2"), "the streamed request's output line", timeout=30)
+    for rid in ("logged-1", "logged-2"):
+        (received,) = lines("Received request", rid)
+        assert f"prompt: {prompt[:40]!r}, params: " in received and "max_tokens=6" in received
+        assert "tenant-secret-9" not in received and "num_prompt_tokens: " in received
+        (generated,) = lines("Generated response", rid)
+        assert f"(choice 0): output: {text[:40]!r}, output_token_ids: [" in generated
+        assert "finish_reason: length" in generated
 
 
 def test_x_request_id_names_the_answer(server):

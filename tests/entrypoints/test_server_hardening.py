@@ -4,6 +4,7 @@ salts, a stalled engine core and request deadlines. Real server processes on 127
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -18,6 +19,10 @@ from server_utils import ServerProcess
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 APP = "https://app.example"  # the one origin whose pages may call the server (--allowed-origins)
+# --chat-template: a keyed server shows only its digest on the open /ferry/info.
+TEMPLATE = (
+    "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<<a>>{% endif %}"
+)
 STORY = "Here is a story about a lighthouse keeper who counted the ships passing by at night. " * 3
 
 
@@ -25,7 +30,7 @@ STORY = "Here is a story about a lighthouse keeper who counted the ships passing
 def server():
     s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "smol",
                       "--api-key", KEY, "--engine-stall-timeout", "5", "--allowed-origins", json.dumps([APP]),
-                      "--enable-request-id-headers")  # fmt: skip
+                      "--enable-request-id-headers", "--chat-template", TEMPLATE)  # fmt: skip
     yield s
     assert s.stop() == 0, s.logs()
 
@@ -63,6 +68,18 @@ def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
         assert httpx.get(server.url + path).status_code == 200, path
     # Loading took longer than the 5-second stall timeout: no stall for it once ready.
     assert "has not stepped" not in server.logs()
+
+
+def test_the_chat_template_flag_renders_chats_and_a_key_hides_its_text(server):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = post(server, {"messages": messages}, "/tokenize").json()["tokens"]
+    text = "<<user>>Name a colour.\n<<a>>"
+    assert ids == post(server, {"prompt": text, "add_special_tokens": False}, "/tokenize").json()["tokens"]
+    r = post(server, {"messages": messages, "max_tokens": 2}, "/v1/chat/completions")
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+    info = httpx.get(server.url + "/ferry/info").json()
+    assert info["chat_template"] is None
+    assert info["chat_template_sha256"] == hashlib.sha256(TEMPLATE.encode()).hexdigest()
 
 
 def test_browsers_reach_it_only_from_the_allowed_origins(server):

@@ -56,15 +56,16 @@ DEPLOYMENT = {"FERRY_KV_TRANSFER_SECRET": "test-deployment-secret-42"}
 def cluster(redis_url):
     """Two decode workers (they pull from Redis too) and one prefill worker per transport."""
     env = DEPLOYMENT
-    decode = [ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url, *FLAGS, env=env)
-              for _ in range(2)]  # fmt: skip
+    # Request logs: the tests read which ids each worker saw.
+    decode = [ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url, "--enable-log-requests",
+                            *FLAGS, env=env) for _ in range(2)]  # fmt: skip
     prefill = {}
     for t in TRANSPORTS:
         # The Redis prefill worker takes its URL from the environment, as deploy/'s pd-redis overlay
         # gives it (a password stays out of the process list); the decode workers take the flag.
         penv = {**env, "FERRY_REDIS_URL": redis_url} if t == "redis" else env
         prefill[t] = ServerProcess("--role", "prefill", "--kv-transfer", t, "--kv-transfer-timeout", "3",
-                                   "--enable-kv-events", *FLAGS, env=penv)  # fmt: skip
+                                   "--enable-kv-events", "--enable-log-requests", *FLAGS, env=penv)  # fmt: skip
     yield {"decode": decode, "prefill": prefill, "redis": redis_url}
     for s in [*decode, *prefill.values()]:
         if s.proc.poll() is None:
@@ -231,8 +232,13 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(cluster):
         headers, text = complete(gw.url, "Name a colour.")  # ~5 tokens: not worth a transfer
         assert "x-ferry-prefill-worker" not in headers and text
         assert p.metric("ferry:prompt_tokens_total") == before
-        headers, _ = complete(gw.url, long_prompt("conditional", 0))
+        headers, _ = complete(gw.url, long_prompt("conditional", 0), headers={"X-Request-Id": "trace-pd-1"})
         assert headers["x-ferry-prefill-worker"] == p.url
+        # The client's id went to both hops: each worker's request log names it.
+        decoder = next(d for d in (d1, d2) if d.url == headers["x-ferry-worker"])
+        for worker in (p, decoder):
+            with open(worker.log.name, errors="replace") as f:
+                assert "Received request cmpl-trace-pd-1-" in f.read(), worker.url
         assert gw.metric("ferry_gateway_pd_decisions_total", decision="local") == 1
         assert gw.metric("ferry_gateway_pd_decisions_total", decision="disaggregated") == 1
         # An embedding is one pass over its prompt: a decode worker runs it whole, however long.

@@ -41,6 +41,7 @@ from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError, SpawnedCore
 from ferry.entrypoints.draining_server import DrainingServer, wait_drained
 from ferry.entrypoints.openai import serving_tokenization
+from ferry.entrypoints.openai.chat_template import template_digest
 from ferry.entrypoints.openai.http_middleware import add_http_middleware, cors_options
 from ferry.entrypoints.openai.metrics import ServerMetrics
 from ferry.entrypoints.openai.protocol import (
@@ -59,6 +60,7 @@ from ferry.entrypoints.openai.protocol import (
     read_body,
     validate_body,
 )
+from ferry.entrypoints.openai.request_log import RequestLogger
 from ferry.entrypoints.openai.serving import (
     RequestAbortedError,
     RequestTimeoutError,
@@ -69,6 +71,7 @@ from ferry.entrypoints.openai.serving import (
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.entrypoints.openai.serving_embedding import create_embedding
+from ferry.entrypoints.openai.stats_log import StatsLog
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 from ferry.utils.bearer import key_digest, match_digest
@@ -118,8 +121,10 @@ class Server:
                  enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
                  playground: bool = True, spawned: SpawnedCore | None = None,
                  sampling_defaults: dict | None = None, cors: dict | None = None,
-                 request_id_headers: bool = False) -> None:  # fmt: skip
+                 request_id_headers: bool = False, log_stats_interval: float | None = None,
+                 request_logger: RequestLogger | None = None, chat_template: str | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
+        self.log_stats_interval = log_stats_interval  # None: --disable-log-stats
         self.cors = cors  # CORSMiddleware's options (http_middleware.py); None: no browser access
         self.request_id_headers = request_id_headers
         self.spawned = spawned  # the core, when `ferry serve` started it before importing this module
@@ -131,7 +136,8 @@ class Server:
         self.state = ServerState(served_model_names, max_queue_len, allow_client_priority, request_timeout,
                                  tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                  reasoning_parser=reasoning_parser,
-                                 sampling_defaults=sampling_defaults or {})  # fmt: skip
+                                 sampling_defaults=sampling_defaults or {},
+                                 request_logger=request_logger, chat_template=chat_template)  # fmt: skip
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -199,7 +205,12 @@ class Server:
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI):
         self._start_task = asyncio.create_task(self._start_engine())
+        stats_task = None
+        if self.log_stats_interval is not None:
+            stats_task = asyncio.create_task(StatsLog(self.metrics).run(self.log_stats_interval))
         yield
+        if stats_task is not None:
+            stats_task.cancel()
         self.abort_all("server shutdown")
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
@@ -324,6 +335,11 @@ class Server:
                 "models": state.served_model_names,
                 "model_path": self.model_path,
                 "tokenizer": self.engine_args.tokenizer or self.model_path,
+                # --chat-template's text, so a gateway renders chats as this server does. Behind a key,
+                # only its digest: /ferry/info is open, and the template may hold the operator's system
+                # prompt (without a key, /tokenize and /detokenize show what it renders anyway).
+                "chat_template": None if self.api_keys else state.chat_template,
+                "chat_template_sha256": template_digest(state.chat_template),
                 "block_size": i.block_size,
                 "num_kv_blocks": i.num_kv_blocks,
                 "max_model_len": i.max_model_len,
@@ -428,7 +444,9 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
                     reasoning_parser=args.reasoning_parser, playground=not args.no_playground,
                     spawned=spawned, sampling_defaults=sampling_defaults, cors=cors_options(args),
-                    request_id_headers=args.enable_request_id_headers)  # fmt: skip
+                    request_id_headers=args.enable_request_id_headers,
+                    log_stats_interval=args.log_stats_interval,
+                    request_logger=RequestLogger.from_flags(args), chat_template=args.chat_template)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

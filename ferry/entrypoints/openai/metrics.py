@@ -126,6 +126,14 @@ class ServerMetrics(MetricsSink):
         for outcome in ("continued", "recomputed"):
             self._remote_prefill.labels(model_name, outcome)
         self._last: EngineStats | None = None
+        # Plain totals beside the counters, for the periodic log line (stats_log.py).
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @property
+    def last_stats(self) -> EngineStats | None:
+        """The core's latest stats (running totals, and the batch as it stands)."""
+        return self._last
 
     def set_engine_info(self, info: EngineInfo) -> None:
         self._cache_info.labels(str(info.block_size), str(info.num_kv_blocks)).set(1)
@@ -167,6 +175,7 @@ class ServerMetrics(MetricsSink):
 
     def on_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)
+        self.prompt_tokens_total += num_tokens
 
     def on_first_token(self, ttft: float, queue_time: float | None) -> None:
         self.ttft.observe(ttft)
@@ -175,6 +184,7 @@ class ServerMetrics(MetricsSink):
 
     def on_tokens(self, num_tokens: int, inter_token_latency: float | None) -> None:
         self.generation_tokens.inc(num_tokens)
+        self.generation_tokens_total += num_tokens
         if inter_token_latency is not None:
             self.itl.observe(inter_token_latency)
 

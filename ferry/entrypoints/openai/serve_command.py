@@ -21,8 +21,10 @@ from ferry.config import (
     KVTransferConfig,
 )
 from ferry.engine.core_client import spawn_engine_core
+from ferry.entrypoints.openai.chat_template import load_chat_template
 from ferry.entrypoints.openai.http_middleware import add_http_args
 from ferry.entrypoints.openai.reasoning import REASONING_PARSERS
+from ferry.entrypoints.openai.stats_log import log_stats_interval
 from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.generation_config import sampling_defaults
@@ -67,10 +69,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults set over --generation-config's, in generation_config.json's names, "
                         "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 1024}' (vLLM's)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt and sampling parameters as it is added (users' data: off by "
+                        "default, as in vLLM)")  # fmt: skip
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older flag for what is now the default: no request log")  # fmt: skip
+    p.add_argument("--enable-log-outputs", action="store_true",
+                   help="log each finished choice's text and token ids")  # fmt: skip
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of text, or token ids, the request log shows of a prompt or output (default: "
+                        "all)")  # fmt: skip
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine log line (throughputs, running and waiting requests, KV usage, "
+                        "prefix hit rate) every $FERRY_LOG_STATS_INTERVAL seconds (default 10)")  # fmt: skip
     add_http_args(p)
     p.add_argument("--no-playground", action="store_true",
                    help="serve no chat playground at / (it holds no secrets: it calls /v1/* with the key typed "
                         "in)")  # fmt: skip
+    p.add_argument("--chat-template", default=None,
+                   help="the Jinja chat template for /v1/chat/completions, instead of the tokenizer's: a file, or "
+                        "the template itself (vLLM's flag)")  # fmt: skip
     g = p.add_argument_group("tools and reasoning")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='take tool_choice "auto" (the default with tools): the model decides, and --tool-call-parser '
@@ -148,6 +166,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_keys = api_keys_from(args.api_key, os.environ)
+    args.chat_template = load_chat_template(args.chat_template)  # the text; ValueError: exit 2
+    args.log_stats_interval = None if args.disable_log_stats else log_stats_interval()  # ValueError: exit 2
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"max_log_len must be >= 0, got {args.max_log_len}")
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
     defaults = sampling_defaults(path, args.generation_config, args.override_generation_config)  # ValueError: exit 2
     try:  # a default out of range would fail every request that leaves the field unset: fail here instead

@@ -18,6 +18,7 @@ from ferry.engine.async_llm import AsyncLLM, EngineStalledError, RemotePrefill, 
 from ferry.engine.core_client import EngineDeadError
 from ferry.entrypoints.openai.http_middleware import client_request_id
 from ferry.entrypoints.openai.protocol import OpenAIError, PromptLimits, wait_for_disconnect
+from ferry.entrypoints.openai.request_log import OutputCollector, RequestLogger
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError, StructuredOutputsParams
@@ -46,6 +47,8 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser: splits off reasoning_content
     # The model's sampling defaults for fields a request leaves unset (--generation-config).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    request_logger: RequestLogger | None = None  # --enable-log-requests
+    chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None
@@ -252,11 +255,13 @@ def add_requests(state: ServerState, engine: AsyncLLM, base_id: str, prompts: li
     priority = body.priority
     try:
         for i, prompt in enumerate(prompts):
-            prompt = salted(prompt, body.cache_salt)
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(engine.add_request(rid, prompt, params, priority=priority, kv_export_to=plan.export_to,
-                                              remote_prefill=plan.remote, strict_context=asked_max_tokens is not None,
+            streams.append(engine.add_request(rid, salted(prompt, body.cache_salt), params, priority=priority,
+                                              kv_export_to=plan.export_to, remote_prefill=plan.remote,
+                                              strict_context=asked_max_tokens is not None,
                                               asked_max_tokens=asked_max_tokens))  # fmt: skip
+            if state.request_logger is not None:  # the prompt as sent, without the tenant's cache_salt
+                state.request_logger.log_inputs(rid, prompt, params, streams[-1].num_prompt_tokens)
     except Exception:
         for s in streams:
             engine.abort(s.request_id)
@@ -264,8 +269,29 @@ def add_requests(state: ServerState, engine: AsyncLLM, base_id: str, prompts: li
     return streams
 
 
-async def merged_outputs(engine: AsyncLLM, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several requests as they come; closing it aborts the unfinished."""
+def output_log(state: ServerState, params) -> OutputCollector | None:
+    """--enable-log-outputs' collector for one request's outputs, or None."""
+    return state.request_logger.collector(params) if state.request_logger is not None else None
+
+
+def merged_outputs(engine: AsyncLLM, streams: list[RequestStream],
+                   log: OutputCollector | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:  # fmt: skip
+    """(prompt index, output) from several requests as they come; closing it aborts the unfinished.
+    `log`: --enable-log-outputs' collector, which logs each choice as it finishes."""
+    outputs = _merged(engine, streams)
+    return outputs if log is None else _logged(outputs, log)
+
+
+async def _logged(outputs, log: OutputCollector) -> AsyncIterator[tuple[int, RequestOutput]]:
+    try:
+        async for i, out in outputs:
+            log.add(out)
+            yield i, out
+    finally:
+        await outputs.aclose()  # now, not when collected: closing aborts the unfinished requests
+
+
+async def _merged(engine: AsyncLLM, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     if len(streams) == 1:
         async for out in engine.iterate(streams[0]):
             yield 0, out

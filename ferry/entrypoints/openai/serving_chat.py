@@ -18,6 +18,7 @@ from ferry.entrypoints.openai.protocol import (
 )
 from ferry.entrypoints.openai.reasoning import END as REASONING_END
 from ferry.entrypoints.openai.reasoning import reasoning_ended_in_prompt, reasoning_open_in_prompt
+from ferry.entrypoints.openai.request_log import OutputCollector
 from ferry.entrypoints.openai.serving import (
     SSE_DONE,
     ServerState,
@@ -33,6 +34,7 @@ from ferry.entrypoints.openai.serving import (
     kv_transfer_plan,
     merged_outputs,
     now_s,
+    output_log,
     prompt_logprobs_json,
     ready_engine,
     request_ids,
@@ -93,17 +95,18 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     admit(state, engine, params.n)  # before tokenizing; add_requests checks again
     due = deadline(state)
     # Rendering (Jinja) and tokenizing take milliseconds on long conversations: off the event loop.
-    prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body)
+    prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body, state.chat_template)
     reasoning_open = _reasoning_open(state, engine, prompt, params)
     base_id, reply_id = request_ids(request, "chatcmpl")
     streams = add_requests(state, engine, base_id, [prompt], params, body, plan, asked_max_tokens=max_tokens)
     created = now_s()
+    log = output_log(state, params)
     if body.stream:
         builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]
-        return StreamingResponse(_stream(request, engine, streams, body, model, reply_id, created, top, due, builders),
-                                 media_type="text/event-stream")  # fmt: skip
+        return StreamingResponse(_stream(request, engine, streams, body, model, reply_id, created, top, due, builders,
+                                         log), media_type="text/event-stream")  # fmt: skip
     final = None
-    async for _, out in until_disconnect(request, merged_outputs(engine, streams), due):
+    async for _, out in until_disconnect(request, merged_outputs(engine, streams, log), due):
         final = out
     if final is None or not final.finished:
         engine.forget_kv_sent(base_id)
@@ -135,7 +138,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
 
 
 async def _stream(request, engine, streams, body, model, reply_id, created, top, due,
-                  builders: list[DeltaBuilder]) -> AsyncIterator[bytes]:  # fmt: skip
+                  builders: list[DeltaBuilder], log: OutputCollector | None) -> AsyncIterator[bytes]:  # fmt: skip
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         if body.continuous_usage and "usage" not in extra:  # the choice's so far (vLLM's)
             extra["usage"] = usage(streams[0].num_prompt_tokens, tokens_of[choices[0]["index"]], cached)
@@ -161,7 +164,7 @@ async def _stream(request, engine, streams, body, model, reply_id, created, top,
             yield chunk(
                 [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
             )
-        async for _, out in until_disconnect(request, merged_outputs(engine, streams), due):
+        async for _, out in until_disconnect(request, merged_outputs(engine, streams, log), due):
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             choices = []
             for c in out.outputs:

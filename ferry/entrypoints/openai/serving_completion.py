@@ -26,6 +26,7 @@ from ferry.entrypoints.openai.serving import (
     kv_transfer_plan,
     merged_outputs,
     now_s,
+    output_log,
     prompt_logprobs_json,
     ready_engine,
     request_ids,
@@ -134,7 +135,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
             return p["prompt"]
         return tokenizer.decode(p) if tokenizer is not None else ""
 
-    outputs = merged_outputs(engine, streams)
+    outputs = merged_outputs(engine, streams, output_log(state, params))
     if score_only:
         outputs = _nothing_generated(outputs)
     if body.stream:

@@ -23,9 +23,9 @@ def _tokenizer(engine):
     return engine.tokenizer
 
 
-def _tokenize(tokenizer, body: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+def _tokenize(tokenizer, body: TokenizeCompletionRequest | TokenizeChatRequest, chat_template: str | None) -> list[int]:
     if isinstance(body, TokenizeChatRequest):
-        return render_chat_prompt(tokenizer, body)["prompt_token_ids"]
+        return render_chat_prompt(tokenizer, body, chat_template)["prompt_token_ids"]
     return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
 
@@ -33,7 +33,7 @@ async def tokenize(state: ServerState, body: TokenizeCompletionRequest | Tokeniz
     check_model(state, body.model)
     engine = ready_engine(state)
     tokenizer = _tokenizer(engine)
-    ids = await asyncio.to_thread(_tokenize, tokenizer, body)
+    ids = await asyncio.to_thread(_tokenize, tokenizer, body, state.chat_template)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids,
                            "token_strs": None}  # fmt: skip
     if body.return_token_strs:

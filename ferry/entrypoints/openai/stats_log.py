@@ -1,0 +1,120 @@
+"""The server's periodic engine log line, as vLLM's (`--disable-log-stats` turns it off).
+
+Every FERRY_LOG_STATS_INTERVAL seconds (vLLM's VLLM_LOG_STATS_INTERVAL is read too; default 10):
+
+    Engine 000: Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 95.0 tokens/s,
+    Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 12.5%, Prefix cache hit rate: 40.0%
+
+(one line), and with speculative decoding a `SpecDecoding metrics:` line after it. Throughputs and
+the hit rate are over the interval; running, waiting and the KV usage are the core's latest. Logged
+at INFO while tokens flow and once after they stop (the line that says they did), at DEBUG while
+idle, so an idle server does not fill its log. Everything comes from what ServerMetrics already
+receives: the core's running totals (EngineStats) and the tokens the API process streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # serve_command.py reads the interval before the HTTP side (and prometheus_client) loads
+    from ferry.entrypoints.openai.metrics import ServerMetrics
+
+logger = logging.getLogger("ferry.stats")
+
+DEFAULT_INTERVAL = 10.0
+
+
+def log_stats_interval(env=os.environ) -> float:
+    """Seconds between two lines: $FERRY_LOG_STATS_INTERVAL, else $VLLM_LOG_STATS_INTERVAL, else 10."""
+    raw = env.get("FERRY_LOG_STATS_INTERVAL") or env.get("VLLM_LOG_STATS_INTERVAL")
+    if not raw:
+        return DEFAULT_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"FERRY_LOG_STATS_INTERVAL must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class _Totals:
+    """The running totals one line is the difference of."""
+
+    at: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted: int = 0
+    spec_per_pos: tuple[int, ...] = ()
+
+
+class StatsLog:
+    def __init__(self, metrics: ServerMetrics, engine_index: int = 0) -> None:
+        self.metrics = metrics
+        self.engine_index = engine_index
+        self._prev = self._totals(time.monotonic())
+        self._was_active = False
+
+    def _totals(self, now: float) -> _Totals:
+        m, s = self.metrics, self.metrics.last_stats
+        if s is None:
+            return _Totals(now, m.prompt_tokens_total, m.generation_tokens_total)
+        return _Totals(now, m.prompt_tokens_total, m.generation_tokens_total, s.prefix_cache_queries,
+                       s.prefix_cache_hits, s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
+                       tuple(s.spec_accepted_per_pos))  # fmt: skip
+
+    def lines(self, now: float) -> tuple[list[str], bool]:
+        """The lines for the interval since the last call, and whether tokens flowed in it."""
+        cur, prev = self._totals(now), self._prev
+        self._prev = cur
+        seconds = max(cur.at - prev.at, 1e-9)
+        prompt = cur.prompt_tokens - prev.prompt_tokens
+        generation = cur.generation_tokens - prev.generation_tokens
+        queries, hits = cur.prefix_queries - prev.prefix_queries, cur.prefix_hits - prev.prefix_hits
+        s = self.metrics.last_stats
+        running, waiting, usage = (s.num_running, s.num_waiting, s.kv_cache_usage) if s is not None else (0, 0, 0.0)
+        out = [
+            f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
+            f"Avg generation throughput: {generation / seconds:.1f} tokens/s, Running: {running} reqs, "
+            f"Waiting: {waiting} reqs, KV cache usage: {usage * 100:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+        ]
+        drafts = cur.spec_drafts - prev.spec_drafts
+        if drafts:
+            drafted = cur.spec_draft_tokens - prev.spec_draft_tokens
+            accepted = cur.spec_accepted - prev.spec_accepted
+            per_pos = [
+                (n - (prev.spec_per_pos[i] if i < len(prev.spec_per_pos) else 0)) / drafts
+                for i, n in enumerate(cur.spec_per_pos)
+            ]
+            out.append(
+                f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted throughput: {accepted / seconds:.2f} tokens/s, "
+                f"Drafted throughput: {drafted / seconds:.2f} tokens/s, Accepted: {accepted} tokens, "
+                f"Drafted: {drafted} tokens, Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+                f"Avg Draft acceptance rate: {100 * accepted / drafted if drafted else 0.0:.1f}%"
+            )
+        return out, bool(prompt or generation)
+
+    def log(self, now: float | None = None) -> None:
+        out, active = self.lines(time.monotonic() if now is None else now)
+        level = logging.INFO if active or self._was_active else logging.DEBUG
+        self._was_active = active
+        for line in out:
+            logger.log(level, "%s", line)
+
+    async def run(self, interval: float) -> None:
+        """Log every `interval` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            self.log()
