@@ -4,8 +4,10 @@ whether it is still alive.
 Inputs go through a plain (synchronous) PUSH socket with no high-water mark: a send either
 happens now or raises (the core is not connected), which keeps aborts from cancellation
 handlers simple. Outputs come through an asyncio PULL socket. Both are ipc sockets in a private
-temporary directory. This module imports no model code: the core process imports
-`core_proc.py` itself once spawned.
+temporary directory, named for the process that made it; the client removes it at shutdown, and
+a process killed before that (SIGKILL, the OOM killer) leaves it behind for the next client on
+the machine to remove (`remove_stale_ipc_dirs`). This module imports no model code: the core
+process imports `core_proc.py` itself once spawned.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import re
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -50,6 +55,44 @@ class SpawnedCore:
     spawned_at: float | None  # this process's age then (the API process's start phase), Linux only
 
 
+_IPC_PREFIX = "ferry-ipc-"
+_STALE_IPC_DIR = re.compile(rf"{_IPC_PREFIX}(\d+)-[A-Za-z0-9_]+")
+
+
+def new_ipc_dir() -> str:
+    """A private (0700) directory for one client's sockets, named for this process."""
+    remove_stale_ipc_dirs()
+    return tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_ipc_dirs(root: str | None = None) -> list[str]:
+    """Remove the socket directories (this user's) of processes that are gone; the paths removed.
+    A directory whose process lives, or whose number a new process took, is left: a removal needs
+    the process to be dead, never a guess about age."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = _STALE_IPC_DIR.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue  # a link, or another user's: not ours to remove
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except (OSError, OverflowError):  # alive under another user (EPERM), or gone meanwhile
+            continue
+    return removed
+
+
 def _addresses(ipc_dir: str) -> tuple[str, str]:
     return f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
 
@@ -60,7 +103,7 @@ def spawn_engine_core(args: EngineArgs, kv_events: KVEventsConfig | None = None,
     """Start the core process (it loads the model and warms up). It connects to the client's
     sockets, which need not be bound yet (ZMQ retries): `ferry serve` spawns it before importing
     its HTTP side, so the two processes start side by side (serve_command.py)."""
-    ipc_dir = ipc_dir or tempfile.mkdtemp(prefix="ferry-ipc-")
+    ipc_dir = ipc_dir or new_ipc_dir()
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
     level = logging.getLogger("ferry").getEffectiveLevel()
     proc = ctx.Process(
@@ -89,7 +132,7 @@ class EngineCoreClient:
         self.kv_transfer = kv_transfer
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
-        self._ipc_dir = spawned.ipc_dir if spawned is not None else tempfile.mkdtemp(prefix="ferry-ipc-")
+        self._ipc_dir = spawned.ipc_dir if spawned is not None else new_ipc_dir()
         self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context()
         self._input = self._sync_ctx.socket(zmq.PUSH)

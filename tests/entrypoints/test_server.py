@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import random
 import signal
+import tempfile
 import threading
 import time
 
@@ -12,6 +15,8 @@ import httpx
 import openai
 import pytest
 from server_utils import ServerProcess, wait_for
+
+from ferry.engine.core_client import remove_stale_ipc_dirs
 
 LONG_PROMPT = "Here is a story about a lighthouse keeper who counted the ships passing by at night. " * 4
 
@@ -670,6 +675,9 @@ def test_engine_core_exits_when_the_api_process_is_killed():
     while _alive(core):
         assert time.monotonic() < deadline, "EngineCore outlived its API process"
         time.sleep(0.1)
+    # Nothing ran at the SIGKILL, so its socket directory is left: the next client removes it.
+    (left,) = glob.glob(os.path.join(tempfile.gettempdir(), f"ferry-ipc-{s.proc.pid}-*"))
+    assert left in remove_stale_ipc_dirs() and not os.path.exists(left)
 
 
 def _alive(pid: int) -> bool:
