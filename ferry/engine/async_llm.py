@@ -44,6 +44,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class RequestTally:
+    """What a request's sequences add up to once the last one finishes: the most tokens any generated
+    (vLLM's request_max_num_generation_tokens)."""
+
+    unfinished: int
+    max_tokens_generated: int = 0
+
+
+@dataclass
 class SeqTiming:
     """One sequence's timestamps (time.monotonic) and counts, for the per-request metrics."""
 
@@ -56,6 +65,7 @@ class SeqTiming:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0  # generated
+    tally: RequestTally | None = None  # shared by the request's sequences
 
 
 @dataclass
@@ -227,10 +237,12 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
         stream = RequestStream(request_id, len(req.prompt_token_ids))
         self.streams[request_id] = stream
+        tally = RequestTally(len(req.seq_ids))
         for i, sid in enumerate(req.seq_ids):
             # The prompt counts once, when it has been prefilled: a request aborted in the queue was not.
             self.timings[sid] = SeqTiming(arrival, num_prompt_tokens=len(req.prompt_token_ids) if i == 0 else 0,
-                                          n=len(req.seq_ids), max_tokens=req.params.max_tokens)  # fmt: skip
+                                          n=len(req.seq_ids), max_tokens=req.params.max_tokens,
+                                          tally=tally)  # fmt: skip
             self.unstarted.add(sid)
         if kv_export_to is not None:
             self._kv_sent[request_id] = asyncio.get_running_loop().create_future()

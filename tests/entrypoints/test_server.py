@@ -478,7 +478,8 @@ def test_per_request_metrics_as_vllms(server, client):
     names = ["ferry:request_prompt_tokens", "ferry:request_generation_tokens", "ferry:request_params_n",
              "ferry:request_params_max_tokens", "ferry:request_time_per_output_token_seconds",
              "ferry:request_prefill_time_seconds", "ferry:request_decode_time_seconds",
-             "ferry:request_inference_time_seconds", "ferry:iteration_tokens_total"]  # fmt: skip
+             "ferry:request_inference_time_seconds", "ferry:iteration_tokens_total",
+             "ferry:request_max_num_generation_tokens"]  # fmt: skip
     text = httpx.get(server.url + "/metrics").text
     for reason in ("stop", "length", "abort"):
         assert f'ferry:request_success_total{{finished_reason="{reason}",model_name="smol"}}' in text, reason
@@ -498,6 +499,7 @@ def test_per_request_metrics_as_vllms(server, client):
     grew("ferry:request_params_n", 1, 2)
     grew("ferry:request_params_max_tokens", 1, 5)
     grew("ferry:request_generation_tokens", 2, 10)
+    grew("ferry:request_max_num_generation_tokens", 1, 5)  # per request: its longest sequence
     for phase in names[4:8]:
         grew(phase, 2)
     # vLLM's tokens per engine step: the prompt's (each sequence's, less prefix hits) and 4 decode steps of 2

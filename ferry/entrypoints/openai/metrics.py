@@ -142,6 +142,11 @@ class ServerMetrics(MetricsSink):
             for name, doc, buckets in (
                 ("request_prompt_tokens", "A finished request's prompt tokens.", tokens),
                 ("request_generation_tokens", "A finished sequence's generated tokens.", tokens),
+                (
+                    "request_max_num_generation_tokens",
+                    "The most tokens one of a finished request's sequences generated.",
+                    tokens,
+                ),
                 ("request_params_max_tokens", "The max_tokens a request asked for.", tokens),
                 ("request_params_n", "The n a request asked for.", N_BUCKETS),
             ):
@@ -191,6 +196,12 @@ class ServerMetrics(MetricsSink):
     def on_finished(self, reason: str, e2e: float, seq: SeqTiming | None = None) -> None:
         self._success.labels(self.model_name, reason).inc()
         self.e2e.observe(e2e)
+        tally = seq.tally if seq is not None else None
+        if tally is not None:
+            tally.unfinished -= 1
+            tally.max_tokens_generated = max(tally.max_tokens_generated, seq.num_tokens)
+            if tally.unfinished == 0 and self.request_tokens:  # the request's last sequence
+                self.request_tokens["request_max_num_generation_tokens"].observe(tally.max_tokens_generated)
         if seq is None or seq.first_token is None or seq.last_token is None:
             return  # nothing generated (aborted in the queue): no phases to time
         scheduled = seq.arrival + (seq.queue_time or 0.0)
