@@ -38,6 +38,7 @@ class LaunchedServer:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.log.close()  # kept: it says why
                 raise RuntimeError(f"{self.cmd[0]} exited with {self.proc.returncode}; log: {self.log.name}")
             try:
                 with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
@@ -47,6 +48,7 @@ class LaunchedServer:
                 pass
             time.sleep(0.5)
         self._stop()
+        self.log.close()
         raise RuntimeError(f"{self.cmd[0]} not ready after {self.timeout}s; log: {self.log.name}")
 
     def _stop(self) -> bool:

@@ -12,8 +12,12 @@ is then routed by load and the replica says what is wrong with it.
 
 from __future__ import annotations
 
+import logging
+
 from ferry.entrypoints.openai.protocol import MAX_BODY_BYTES, PromptLimits
 from ferry.gateway.replicas import Worker
+
+logger = logging.getLogger(__name__)
 
 
 def prompts_of(data: dict) -> object:
@@ -52,7 +56,13 @@ class PromptTokenizer:
         if source not in self._tokenizers:
             from ferry.tokenizer import load_tokenizer
 
-            self._tokenizers[source] = load_tokenizer(source)
+            try:
+                tok = load_tokenizer(source)
+            except Exception as e:  # not on this host, or its own code (--trust-remote-code on the worker)
+                logger.warning("cannot load the tokenizer %s (%s): its workers' requests are routed by load, and "
+                               "token limits charge an estimate", source, e)  # fmt: skip
+                tok = None
+            self._tokenizers[source] = tok  # once: a failure is not retried on every request
         return self._tokenizers[source]
 
     def token_ids(self, kind: str, data: dict, worker: Worker) -> list[int] | None:

@@ -1,17 +1,12 @@
-"""`--chat-template` (chat_template.py): a file or the template itself, checked at start, and the
-gateway rendering a worker's template as the worker does. (`ferry serve` refusing a bad one:
-tests/test_cli.py.)"""
+"""`--chat-template` (chat_template.py): a file or the template itself, checked at start. (`ferry
+serve` refusing a bad one: tests/test_cli.py; the gateway rendering a worker's:
+tests/gateway/test_prompt_tokenizer.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from ferry.entrypoints.openai.chat_prompt import render_chat_prompt
 from ferry.entrypoints.openai.chat_template import load_chat_template
-from ferry.entrypoints.openai.protocol import ChatCompletionRequest
-from ferry.gateway.prompts import PromptTokenizer
-from ferry.gateway.replicas import Worker
-from ferry.models.paths import default_model_path
 
 TEMPLATE = (
     "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<<a>>{% endif %}"
@@ -32,14 +27,12 @@ def test_a_missing_file_or_a_syntax_error_is_named():
         load_chat_template("templates/chatml.jinja")
     with pytest.raises(ValueError, match="line 2: .*endfor"):
         load_chat_template("{% for m in messages %}\n{{ m.content }}")
+    with pytest.raises(ValueError, match="backslash escape"):
+        load_chat_template("{{ messages }}\\")
 
 
-def test_the_gateway_renders_a_workers_template_when_it_shows_it():
-    gguf = default_model_path()
-    body = {"model": "m", "messages": [{"role": "user", "content": "Name a colour."}]}
-    prompts = PromptTokenizer()
-    own = prompts.token_ids("chat", body, Worker("http://w1", info={"tokenizer": gguf}))
-    custom = prompts.token_ids("chat", body, Worker("http://w2", info={"tokenizer": gguf, "chat_template": TEMPLATE}))
-    tok = prompts._tokenizer(Worker("http://w2", info={"tokenizer": gguf}))
-    assert custom == tok.encode("<<user>>Name a colour.\n<<a>>", add_special_tokens=False)
-    assert own == render_chat_prompt(tok, ChatCompletionRequest.model_validate(body))["prompt_token_ids"] != custom
+def test_the_tags_transformers_renders_are_taken():
+    """Loop controls and `{% generation %}` (assistant masks): transformers renders them."""
+    text = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% generation %}{{ m.content }}"
+            "{% endgeneration %}{% endfor %}")  # fmt: skip
+    assert load_chat_template(text) == text

@@ -25,7 +25,7 @@ LONG_PROMPT = "Here is a story about a lighthouse keeper who counted the ships p
 def server():
     s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "8", "--served-model-name", "smol", "extra-name",
                       "--enable-kv-events", "--allow-client-priority", "--enable-log-requests",
-                      "--enable-log-outputs", "--max-log-len", "40",
+                      "--enable-log-outputs", "--max-log-len", "12",
                       env={"FERRY_LOG_STATS_INTERVAL": "0.5"})  # fmt: skip
     yield s
     assert s.stop() == 0, s.logs()
@@ -427,17 +427,20 @@ def test_the_engine_logs_its_throughput_while_tokens_flow(server, client):
 def test_requests_and_outputs_are_logged_as_vllm_logs_them(server):
     """--enable-log-requests logs a request's prompt and parameters as it is added (not the
     tenant's cache_salt), --enable-log-outputs each choice's whole text once it finishes, streamed
-    or not, both cut to --max-log-len (40) characters or ids."""
+    or not, n > 1 once per choice, all cut to --max-log-len (12) characters or ids."""
     prompt = "The log of the ferry lists every crossing: the date, the weather and the tide."
-    body = {"model": "smol", "prompt": prompt, "max_tokens": 6, "temperature": 0, "cache_salt": "tenant-secret-9"}
+    body = {"model": "smol", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "cache_salt": "tenant-secret-9"}  # fmt: skip
     with httpx.Client(timeout=60) as http:
         whole = http.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "logged-1"}).json()
         with http.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
                          headers={"X-Request-Id": "logged-2"}) as r:  # fmt: skip
             streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
                                if line.startswith("data: {") and json.loads(line[6:])["choices"])  # fmt: skip
+        pair = http.post(server.url + "/v1/completions", json={**body, "n": 2, "seed": 3, "temperature": 1.0},
+                         headers={"X-Request-Id": "logged-3"}).json()  # fmt: skip
     text = whole["choices"][0]["text"]
-    assert streamed == text and len(text) > 0
+    assert streamed == text and len(text) > 12
 
     def lines(kind: str, rid: str) -> list[str]:
         with open(server.log.name, errors="replace") as f:
@@ -446,11 +449,17 @@ def test_requests_and_outputs_are_logged_as_vllm_logs_them(server):
     wait_for(lambda: lines("Generated response", "logged-2"), "the streamed request's output line", timeout=30)
     for rid in ("logged-1", "logged-2"):
         (received,) = lines("Received request", rid)
-        assert f"prompt: {prompt[:40]!r}, params: " in received and "max_tokens=6" in received
+        assert f"prompt: {prompt[:12]!r}, params: " in received and "max_tokens=16" in received
         assert "tenant-secret-9" not in received and "num_prompt_tokens: " in received
         (generated,) = lines("Generated response", rid)
-        assert f"(choice 0): output: {text[:40]!r}, output_token_ids: [" in generated
-        assert "finish_reason: length" in generated
+        assert f"(choice 0): output: {text[:12]!r}, output_token_ids: [" in generated
+        ids = generated.split("output_token_ids: [")[1].split("]")[0].split(", ")
+        assert len(ids) == 12 and "finish_reason: length" in generated  # 16 generated, 12 shown
+    choices = sorted(pair["choices"], key=lambda c: c["index"])
+    generated = sorted(lines("Generated response", "logged-3"))
+    assert len(generated) == 2 and len(lines("Received request", "logged-3")) == 1
+    for c, line in zip(choices, generated):
+        assert f"(choice {c['index']}): output: {c['text'][:12]!r}" in line
 
 
 def test_x_request_id_names_the_answer(server):

@@ -69,14 +69,18 @@ class OutputCollector:
         self.cumulative = cumulative  # the outputs carry everything so far (else deltas)
         self._text: dict[tuple[str, int], str] = {}
         self._ids: dict[tuple[str, int], list[int]] = {}
+        self._logged: set[tuple[str, int]] = set()  # a finished choice reappears in later cumulative outputs
 
     def add(self, out) -> None:
         for c in out.outputs:
             key = (out.request_id, c.index)
+            if key in self._logged:
+                continue
             if self.cumulative:
                 self._text[key], self._ids[key] = c.text, list(c.token_ids)
             else:
                 self._text[key] = self._text.get(key, "") + c.text
                 self._ids.setdefault(key, []).extend(c.token_ids)
             if c.finish_reason is not None:
+                self._logged.add(key)
                 self.log.log_output(out.request_id, c.index, self._text.pop(key), self._ids.pop(key), c.finish_reason)

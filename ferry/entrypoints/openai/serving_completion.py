@@ -135,7 +135,8 @@ async def create_completion(request: Request, state: ServerState, body: Completi
             return p["prompt"]
         return tokenizer.decode(p) if tokenizer is not None else ""
 
-    outputs = merged_outputs(engine, streams, output_log(state, params))
+    # A scored prompt generates nothing the client sees (the one token computed is dropped): no output log.
+    outputs = merged_outputs(engine, streams, None if score_only else output_log(state, params))
     if score_only:
         outputs = _nothing_generated(outputs)
     if body.stream:
