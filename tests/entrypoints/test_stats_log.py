@@ -75,3 +75,5 @@ def test_the_interval_comes_from_the_environment():
     for bad in ("0", "-3", "soon", "nan"):
         with pytest.raises(ValueError, match="FERRY_LOG_STATS_INTERVAL"):
             log_stats_interval({"FERRY_LOG_STATS_INTERVAL": bad})
+    with pytest.raises(ValueError, match="^VLLM_LOG_STATS_INTERVAL must be"):
+        log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "0"})

@@ -30,12 +30,12 @@ class RequestLogger:
 
     def __init__(self, log_inputs: bool = True, log_outputs: bool = False, max_log_len: int | None = None) -> None:
         self.max_log_len = max_log_len
-        self.log_outputs = log_outputs
-        self.log_inputs_too = log_inputs
+        self.logs_inputs = log_inputs
+        self.logs_outputs = log_outputs
 
     def log_inputs(self, request_id: str, prompt: Any, params: Any, num_prompt_tokens: int) -> None:
         """`prompt`: the text, the token ids a client sent instead, or both ({"prompt", "prompt_token_ids"})."""
-        if not self.log_inputs_too:
+        if not self.logs_inputs:
             return
         if isinstance(prompt, dict):
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
@@ -54,7 +54,7 @@ class RequestLogger:
 
     def collector(self, params) -> OutputCollector | None:
         """What logs a request's choices as they finish (None without --enable-log-outputs)."""
-        if not self.log_outputs:
+        if not self.logs_outputs:
             return None
         from ferry.sampling_params import RequestOutputKind
 

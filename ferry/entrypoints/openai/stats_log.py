@@ -31,7 +31,8 @@ DEFAULT_INTERVAL = 10.0
 
 def log_stats_interval(env=os.environ) -> float:
     """Seconds between two lines: $FERRY_LOG_STATS_INTERVAL, else $VLLM_LOG_STATS_INTERVAL, else 10."""
-    raw = env.get("FERRY_LOG_STATS_INTERVAL") or env.get("VLLM_LOG_STATS_INTERVAL")
+    name = "FERRY_LOG_STATS_INTERVAL" if env.get("FERRY_LOG_STATS_INTERVAL") else "VLLM_LOG_STATS_INTERVAL"
+    raw = env.get(name)
     if not raw:
         return DEFAULT_INTERVAL
     try:
@@ -39,7 +40,7 @@ def log_stats_interval(env=os.environ) -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"FERRY_LOG_STATS_INTERVAL must be a number of seconds > 0, got {raw!r}")
+        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}")
     return value
 
 
