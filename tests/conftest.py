@@ -150,6 +150,26 @@ def dense_attention(q, k, v, q_pos, scale, window=None, softcap=None):
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), v)
 
 
+def write_own_code_tokenizer(tokenizer, path) -> dict:
+    """Save `tokenizer` to the directory `path` as a tokenizer that is its own Python code (an
+    `auto_map` to tokenization_ferrytest.py, whose class upper-cases text before encoding), as
+    --trust-remote-code loads; its tokenizer_config.json as written."""
+    import json
+
+    tokenizer.save_pretrained(path)
+    (path / "tokenization_ferrytest.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class FerryTestTokenizerFast(PreTrainedTokenizerFast):\n"
+        "    def encode(self, text, *args, **kwargs):\n"
+        "        return super().encode(text.upper(), *args, **kwargs)\n"
+    )
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "FerryTestTokenizer"
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_ferrytest.FerryTestTokenizerFast"]}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return config
+
+
 def outputs_of_both_cpu_builds(script: str, tmp_path) -> tuple[dict, dict]:
     """Run `script` (it saves a dict of tensors to sys.argv[1]) in a process with the AVX2-only build
     of the CPU kernels (FERRY_CPU_ISA=avx2) and in one with the native build: (avx2, native)."""

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import transformers
+from conftest import write_own_code_tokenizer
 from transformers import AutoTokenizer
 
 import ferry.tokenizer as ferry_tokenizer
@@ -98,18 +99,8 @@ def test_hf_directory_tokenizer(tmp_path, reference) -> None:
 def test_a_tokenizer_that_is_its_own_code_needs_trust_remote_code(tmp_path, reference) -> None:
     """vLLM's --trust-remote-code: a tokenizer_config.json whose auto_map names the directory's own
     Python file loads with that code only when the flag is given; refused, with the flag named, else."""
-    reference.save_pretrained(tmp_path)
-    (tmp_path / "tokenization_ferrytest.py").write_text(
-        "from transformers import PreTrainedTokenizerFast\n\n\n"
-        "class FerryTestTokenizerFast(PreTrainedTokenizerFast):\n"
-        "    def encode(self, text, *args, **kwargs):\n"
-        "        return super().encode(text.upper(), *args, **kwargs)\n"
-    )
+    config = write_own_code_tokenizer(reference, tmp_path)
     config_path = tmp_path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "FerryTestTokenizer"
-    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_ferrytest.FerryTestTokenizerFast"]}
-    config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="--trust-remote-code"):
         load_tokenizer(str(tmp_path))
     tok = load_tokenizer(str(tmp_path), trust_remote_code=True)

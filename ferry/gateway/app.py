@@ -70,6 +70,7 @@ class GatewayConfig:
     workers: list[str]
     policy: str = "kv-aware"
     tokenizer: str | None = None  # default: what each worker's /ferry/info names
+    trust_remote_code: bool = False  # load a tokenizer that is its own code (as the workers do, vLLM's flag)
     max_retries: int = 2
     request_timeout: float = 600.0
     prefix_index_blocks: int = 200_000
@@ -133,7 +134,7 @@ class Gateway:
             if config.result_cache
             else None
         )
-        self.prompts = PromptTokenizer(config.tokenizer)
+        self.prompts = PromptTokenizer(config.tokenizer, config.trust_remote_code)
         self.waiting_room = WaitingRoom(config.hold_timeout, config.max_held_requests, self.metrics.held,
                                         self.metrics.held_outcomes)  # fmt: skip
         self.kv = KVMirrors(self.workers, self.monitor_config.scrape_interval, config.policy == "kv-aware",

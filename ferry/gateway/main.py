@@ -41,6 +41,9 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
                         "that holds the port until the gateway has it)")  # fmt: skip
     if workers_required:  # under `ferry up`, --tokenizer is the engine flag (and the workers report it)
         p.add_argument("--tokenizer", default=None, help="tokenizer for prompt hashing (default: the workers' own)")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="load a tokenizer that is its own Python code (an auto_map in its tokenizer_config.json), "
+                            "as workers started with it do; without it their prompts are routed by load")  # fmt: skip
     p.add_argument("--max-retries", type=int, default=2, help="other workers to try when one fails before a byte")
     p.add_argument(
         "--api-keys",
@@ -120,6 +123,7 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         getattr(args, "tokenizer", None),
         args.max_retries,
         api_keys_file=args.api_keys,
+        trust_remote_code=getattr(args, "trust_remote_code", False),  # `ferry up`: the engine flag
         result_cache=args.result_cache,
         result_cache_entries=args.result_cache_entries,
         result_cache_bytes=args.result_cache_bytes,

@@ -26,8 +26,9 @@ def prompts_of(data: dict) -> object:
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: str | None = None) -> None:
+    def __init__(self, tokenizer: str | None = None, trust_remote_code: bool = False) -> None:
         self.tokenizer = tokenizer  # default: what each worker's /ferry/info names
+        self.trust_remote_code = trust_remote_code  # a tokenizer that is its own code loads (the workers' flag)
         self._tokenizers: dict[str, object] = {}
         self._limits: dict[tuple[str, int], PromptLimits] = {}
 
@@ -57,8 +58,8 @@ class PromptTokenizer:
             from ferry.tokenizer import load_tokenizer
 
             try:
-                tok = load_tokenizer(source)
-            except Exception as e:  # not on this host, or its own code (--trust-remote-code on the worker)
+                tok = load_tokenizer(source, self.trust_remote_code)
+            except Exception as e:  # not on this host, or its own code without --trust-remote-code
                 logger.warning("cannot load the tokenizer %s (%s): its workers' requests are routed by load, and "
                                "token limits charge an estimate", source, e)  # fmt: skip
                 tok = None

@@ -44,3 +44,17 @@ def test_a_tokenizer_the_gateway_cannot_load_routes_by_load_and_is_tried_once(mo
     assert prompts.num_prompt_tokens(["Hi", "there"], worker) is None
     assert prompts.num_prompt_tokens([[1, 2], [3]], worker) == 3  # ids need no tokenizer
     assert calls == ["/models/elsewhere"]
+
+
+def test_a_tokenizer_that_is_its_own_code_loads_with_the_gateways_trust_remote_code(tmp_path):
+    from conftest import write_own_code_tokenizer
+
+    from ferry.tokenizer import load_tokenizer
+
+    write_own_code_tokenizer(load_tokenizer(default_model_path()), tmp_path)
+    worker = Worker("http://w", info={"tokenizer": str(tmp_path)})
+    trusting = PromptTokenizer(trust_remote_code=True)
+    own = trusting._tokenizer(worker)
+    assert type(own).__name__ == "FerryTestTokenizerFast"
+    assert trusting.token_ids("completions", {"prompt": "Hi there"}, worker) == own.encode("Hi there")
+    assert PromptTokenizer().token_ids("completions", {"prompt": "Hi there"}, worker) is None  # refused: by load
