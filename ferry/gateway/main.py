@@ -119,9 +119,9 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         raise ValueError("--result-cache-entries, --result-cache-bytes and --result-cache-ttl must be positive")
     config = GatewayConfig(
         workers,
-        args.policy,
-        getattr(args, "tokenizer", None),
-        args.max_retries,
+        policy=args.policy,
+        tokenizer=getattr(args, "tokenizer", None),
+        max_retries=args.max_retries,
         api_keys_file=args.api_keys,
         trust_remote_code=getattr(args, "trust_remote_code", False),  # `ferry up`: the engine flag
         result_cache=args.result_cache,
