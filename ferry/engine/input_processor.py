@@ -51,6 +51,16 @@ def _token_id(t):
         return t
 
 
+def check_logprobs(params: SamplingParams, limit: int, logprobs_field: str = "logprobs") -> None:
+    """Hold a request's logprobs and prompt_logprobs to `limit` (--max-logprobs), in vLLM's words;
+    `logprobs_field`: what the client called it (a chat's `top_logprobs`)."""
+    for name, field, asked in (("sample", logprobs_field, params.logprobs),
+                               ("prompt", "prompt_logprobs", params.prompt_logprobs)):  # fmt: skip
+        if asked is not None and asked > limit:
+            raise InvalidParameterError(field, f"Requested {name} logprobs of {asked}, which is greater than max "
+                                               f"allowed: {limit} (--max-logprobs)")  # fmt: skip
+
+
 class InputProcessor:
     def __init__(self, tokenizer, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
@@ -129,12 +139,7 @@ class InputProcessor:
             raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be < vocabulary size {vocab}")
         if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
             raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):  # vLLM's words
-            asked = getattr(params, name)
-            if asked is not None and asked > info.max_logprobs:
-                what = "sample" if name == "logprobs" else "prompt"
-                raise InvalidParameterError(name, f"Requested {what} logprobs of {asked}, which is greater than max "
-                                                  f"allowed: {info.max_logprobs} (--max-logprobs)")  # fmt: skip
+        check_logprobs(params, info.max_logprobs)
         if params.pooling is not None and (params.n != 1 or params.structured_outputs is not None
                                            or params.logprobs is not None):  # fmt: skip
             raise InvalidParameterError("pooling", "an embedding request takes n = 1, no grammar and no logprobs")

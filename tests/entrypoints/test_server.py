@@ -322,6 +322,7 @@ def test_prompt_forms_and_extras(client, server):
         ({"prompt": "x", "max_tokens": None, "min_tokens": 600}, 400, "min_tokens"),
         ({"prompt": "x", "min_tokens": 2**64}, 400, "min_tokens"),
         ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ({"prompt": "x", "logprobs": 21, "echo": True}, 400, "logprobs"),  # --max-logprobs: 20
         ({"prompt": "x", "best_of": 2}, 400, "best_of"),
         ({"prompt": ["x"] * 1025}, 400, "prompt"),
         ({"prompt": ["x"] * 20, "n": 100}, 400, "n"),  # 2,000 sequences > --max-queue-len 1024
@@ -333,6 +334,18 @@ def test_errors_are_openai_shaped(server, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and err["message"]
+
+
+def test_a_chats_top_logprobs_past_max_logprobs_is_refused_under_its_own_name(server):
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 21,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    }
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    assert "max allowed: 20" in r.json()["error"]["message"]
 
 
 def test_chat_template_cannot_be_replaced_by_the_client(server):

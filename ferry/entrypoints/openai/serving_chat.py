@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ferry.engine.input_processor import check_logprobs
 from ferry.entrypoints.openai.assistant_message import DeltaBuilder, finish_reason, message
 from ferry.entrypoints.openai.chat_prompt import render_chat_prompt
 from ferry.entrypoints.openai.protocol import (
@@ -86,6 +87,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     tools = tool_plan(body, state.tool_parser, state.enable_auto_tool_choice)
     params = body.sampling_params(max_tokens, top if body.logprobs else None, state.sampling_defaults)
+    check_logprobs(params, engine.info.max_logprobs, "top_logprobs")  # before the grammar and the template
     grammar_field = body.structured_output_params()[1]
     if tools.grammar is not None:  # tool_choice required or named: the calls follow the tools' schemas
         params.structured_outputs, grammar_field = tools.grammar, "tools"

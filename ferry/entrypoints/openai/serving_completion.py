@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ferry.engine.input_processor import check_logprobs
 from ferry.entrypoints.openai.protocol import MAX_PROMPTS, CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import (
     SSE_DONE,
@@ -116,6 +117,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, state.sampling_defaults)
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)
+    check_logprobs(params, engine.info.max_logprobs)  # before the grammar and the tokenizing
     plan = kv_transfer_plan(engine, body, len(prompts), params)
     await check_structured_output(params.structured_outputs, body.structured_output_params()[1])
     check_priority(state, body)
