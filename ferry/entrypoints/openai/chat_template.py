@@ -9,6 +9,8 @@ syntax error stops the server with its line number instead of failing every chat
 
 from __future__ import annotations
 
+import hashlib
+
 _JINJA_CHARS = "{}\n"
 
 
@@ -45,6 +47,4 @@ def check_syntax(text: str) -> None:
 
 def template_digest(text: str | None) -> str | None:
     """What /ferry/info shows of a custom template behind an API key: which one, not its text."""
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest() if text is not None else None

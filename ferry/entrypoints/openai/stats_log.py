@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ferry.engine.messages import EngineStats
+
 if TYPE_CHECKING:  # serve_command.py reads the interval before the HTTP side (and prometheus_client) loads
     from ferry.entrypoints.openai.metrics import ServerMetrics
 
@@ -44,59 +46,54 @@ def log_stats_interval(env=os.environ) -> float:
     return value
 
 
+# Before the core's first stats: nothing counted yet.
+_NO_STATS = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_kv_blocks=0, prefix_cache_queries=0,
+                        prefix_cache_hits=0, num_preemptions=0, num_evictions=0)  # fmt: skip
+
+
 @dataclass(frozen=True)
-class _Totals:
-    """The running totals one line is the difference of."""
+class _Snapshot:
+    """The running totals at one moment; a line is the difference of two."""
 
     at: float
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted: int = 0
-    spec_per_pos: tuple[int, ...] = ()
+    prompt_tokens: int
+    generation_tokens: int
+    stats: EngineStats  # the core's latest (its counters are running totals too)
 
 
 class StatsLog:
     def __init__(self, metrics: ServerMetrics, engine_index: int = 0) -> None:
         self.metrics = metrics
         self.engine_index = engine_index
-        self._prev = self._totals(time.monotonic())
+        self._prev = self._snapshot(time.monotonic())
         self._was_active = False
 
-    def _totals(self, now: float) -> _Totals:
-        m, s = self.metrics, self.metrics.last_stats
-        if s is None:
-            return _Totals(now, m.prompt_tokens_total, m.generation_tokens_total)
-        return _Totals(now, m.prompt_tokens_total, m.generation_tokens_total, s.prefix_cache_queries,
-                       s.prefix_cache_hits, s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens,
-                       tuple(s.spec_accepted_per_pos))  # fmt: skip
+    def _snapshot(self, now: float) -> _Snapshot:
+        m = self.metrics
+        return _Snapshot(now, m.prompt_tokens_total, m.generation_tokens_total, m.last_stats or _NO_STATS)
 
     def lines(self, now: float) -> tuple[list[str], bool]:
         """The lines for the interval since the last call, and whether tokens flowed in it."""
-        cur, prev = self._totals(now), self._prev
+        cur, prev = self._snapshot(now), self._prev
         self._prev = cur
+        s, p = cur.stats, prev.stats
         seconds = max(cur.at - prev.at, 1e-9)
         prompt = cur.prompt_tokens - prev.prompt_tokens
         generation = cur.generation_tokens - prev.generation_tokens
-        queries, hits = cur.prefix_queries - prev.prefix_queries, cur.prefix_hits - prev.prefix_hits
-        s = self.metrics.last_stats
-        running, waiting, usage = (s.num_running, s.num_waiting, s.kv_cache_usage) if s is not None else (0, 0, 0.0)
+        queries, hits = s.prefix_cache_queries - p.prefix_cache_queries, s.prefix_cache_hits - p.prefix_cache_hits
         out = [
             f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
-            f"Avg generation throughput: {generation / seconds:.1f} tokens/s, Running: {running} reqs, "
-            f"Waiting: {waiting} reqs, KV cache usage: {usage * 100:.1f}%, "
+            f"Avg generation throughput: {generation / seconds:.1f} tokens/s, Running: {s.num_running} reqs, "
+            f"Waiting: {s.num_waiting} reqs, KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         ]
-        drafts = cur.spec_drafts - prev.spec_drafts
+        drafts = s.spec_num_drafts - p.spec_num_drafts
         if drafts:
-            drafted = cur.spec_draft_tokens - prev.spec_draft_tokens
-            accepted = cur.spec_accepted - prev.spec_accepted
+            drafted = s.spec_num_draft_tokens - p.spec_num_draft_tokens
+            accepted = s.spec_num_accepted_tokens - p.spec_num_accepted_tokens
+            before = p.spec_accepted_per_pos
             per_pos = [
-                (n - (prev.spec_per_pos[i] if i < len(prev.spec_per_pos) else 0)) / drafts
-                for i, n in enumerate(cur.spec_per_pos)
+                (n - (before[i] if i < len(before) else 0)) / drafts for i, n in enumerate(s.spec_accepted_per_pos)
             ]
             out.append(
                 f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
