@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -22,14 +23,14 @@ from ferry.utils.network import free_port, reserve_port, reserve_ports
 
 class ServerProcess:
     def __init__(self, *args: str, ready_timeout: float = 180.0, env: dict[str, str] | None = None,
-                 port: int | None = None) -> None:  # fmt: skip
+                 port: int | None = None, tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
         # A port given: a replica coming back where it was. Else one held from the pick to the server
         # (`--fd`): another server's ZMQ socket or an outgoing connection could take a port let go.
         sock = None if port else reserve_ports(1)[0]
         self.port = port or sock.getsockname()[1]
         cmd = [sys.executable, "-m", "ferry.cli", "serve", "--port", str(self.port), *args]
         env = {"PYTHONUNBUFFERED": "1", **(env or {})}
-        self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env=env, sock=sock)
+        self.launched = LaunchedServer(cmd, self.port, "/ready", ready_timeout, env=env, sock=sock, tls=tls)
         self.log = self.launched.log
         try:
             self.url = self.launched.__enter__()
@@ -69,13 +70,14 @@ class ServerProcess:
 
 
 class GatewayProcess:
-    def __init__(self, workers: list[str], *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workers: list[str], *flags: str, env: dict[str, str] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
         sock, self.port = reserve_port()
         cmd = [sys.executable, "-m", "ferry.cli", "gateway", "--port", str(self.port), *flags]
         for w in workers:
             cmd += ["--worker", w]
         self.launched = LaunchedServer(cmd, self.port, "/ready", 60, env={"PYTHONUNBUFFERED": "1", **(env or {})},
-                                       sock=sock)  # fmt: skip
+                                       sock=sock, tls=tls)  # fmt: skip
         self.log = self.launched.log
         self.url = self.launched.__enter__()
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)

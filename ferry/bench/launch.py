@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -21,13 +22,15 @@ class LaunchedServer:
     stderr (every benchmark run left one behind before: thousands of them in /tmp)."""
 
     def __init__(self, cmd: list[str], port: int, ready_path: str = "/health", timeout: float = 600.0,
-                 env: dict[str, str] | None = None, sock: socket.socket | None = None) -> None:  # fmt: skip
+                 env: dict[str, str] | None = None, sock: socket.socket | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
         """`sock`: the port already bound here (utils/network.py reserve_ports), handed to the server
-        (`--fd`, which `ferry serve` and `ferry gateway` take) so nothing can take it meanwhile."""
+        (`--fd`, which `ferry serve` and `ferry gateway` take) so nothing can take it meanwhile.
+        `tls`: the server speaks HTTPS (its --ssl-certfile); what the readiness poll checks it with."""
         self.cmd, self.port, self.ready_path, self.timeout = cmd, port, ready_path, timeout
-        self.sock = sock
+        self.sock, self.tls = sock, tls
         self.env = {**os.environ, **(env or {})}
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="ferry-bench-server-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
@@ -41,7 +44,7 @@ class LaunchedServer:
                 self.log.close()  # kept: it says why
                 raise RuntimeError(f"{self.cmd[0]} exited with {self.proc.returncode}; log: {self.log.name}")
             try:
-                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2, context=self.tls) as r:
                     if r.status == 200:
                         return self.url
             except (urllib.error.URLError, OSError):

@@ -7,6 +7,9 @@ owner's `start_drain` on the event loop instead (readiness turns 503, new
 requests get 503, the owner sets `should_exit` once its in-flight requests
 are done or its drain timeout has passed); a second signal stops at once, and
 a SIGINT (Ctrl-C) stops as uvicorn does, a second one without waiting.
+
+It also runs --enable-ssl-refresh's certificate watchers (tls.py) while it serves: uvicorn makes the
+server's SSLContext as it starts, so they get it then.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from collections.abc import Callable
 
 import uvicorn
 
+from ferry.entrypoints.tls import Watching
 from ferry.utils.network import allow_rebind
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, start_drain: Callable[[], None], draining: Callable[[], bool]) -> None:
+    def __init__(self, config: uvicorn.Config, start_drain: Callable[[], None], draining: Callable[[], bool],
+                 watching: Watching | None = None) -> None:  # fmt: skip
         super().__init__(config)
         self.start_drain, self.draining = start_drain, draining
+        self.watching = watching
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -34,6 +40,13 @@ class DrainingServer(uvicorn.Server):
             # An event loop that listens on the descriptor itself (uvloop, when installed) never calls
             # ServerSocket.listen: then set here, once listening (a connection made in between lacks it).
             allow_rebind(sock)
+        if self.watching is not None and not self.should_exit:
+            self.watching.start(self.config.ssl)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.watching is not None:
+            await self.watching.stop()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.should_exit or self.draining():

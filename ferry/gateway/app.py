@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -99,6 +100,9 @@ class GatewayConfig:
     # (None: no browser access) and X-Request-Id on every answer.
     cors: dict | None = None
     request_id_headers: bool = False
+    # How https:// workers' certificates are checked (httpx's `verify`: True, the default trust store;
+    # or an SSLContext with the CAs and client certificate of --worker-ssl-*, entrypoints/tls.py).
+    worker_verify: ssl.SSLContext | bool = True
 
 
 class Gateway:
@@ -162,7 +166,8 @@ class Gateway:
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.request_timeout, connect=5.0), limits=limits,
+                                        verify=self.config.worker_verify)  # fmt: skip
         self.proxy.client = self.client
         self.monitors = [WorkerMonitor(w, self.client, self.monitor_config, self.waiting_room.worker_checked)
                          for w in self.workers]  # fmt: skip

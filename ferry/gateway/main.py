@@ -10,6 +10,14 @@ import uvicorn
 
 from ferry.entrypoints.draining_server import DrainingServer
 from ferry.entrypoints.openai.http_middleware import add_http_args, cors_options
+from ferry.entrypoints.tls import (
+    add_tls_args,
+    add_worker_tls_args,
+    server_tls,
+    uvicorn_tls_options,
+    watchers,
+    worker_client_tls,
+)
 from ferry.gateway.app import Gateway, GatewayConfig
 from ferry.gateway.policies import POLICIES, PolicyConfig
 from ferry.gateway.replicas import MonitorConfig
@@ -101,6 +109,9 @@ def add_gateway_args(p: argparse.ArgumentParser, workers_required: bool = True) 
     g.add_argument("--max-held-requests", type=int, default=256,
                    help="requests that may wait at once; more get a 503 at once")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
+    add_tls_args(p)
+    if workers_required:  # `ferry up`'s workers are its own, on 127.0.0.1, over plain HTTP
+        add_worker_tls_args(p)
 
 
 def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
@@ -117,6 +128,10 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         raise ValueError(f"drain_timeout must be >= 0, got {args.drain_timeout}")
     if args.result_cache_entries < 1 or args.result_cache_bytes < 1 or args.result_cache_ttl <= 0:
         raise ValueError("--result-cache-entries, --result-cache-bytes and --result-cache-ttl must be positive")
+    # The certificate files, loaded once to check them (before `ferry up` starts its workers).
+    args.tls = server_tls(args)
+    worker_tls = worker_client_tls(args) if hasattr(args, "worker_ssl_certfile") else (True, None)
+    args.tls_watching = watchers(args, args.tls, worker_tls)
     config = GatewayConfig(
         workers,
         policy=args.policy,
@@ -141,6 +156,7 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
         kv_secret=secret if secret is not None else load_secret(args.kv_transfer_secret_file),
         cors=cors_options(args),
         request_id_headers=args.enable_request_id_headers,
+        worker_verify=worker_tls[0],
     )
     monitor = MonitorConfig(args.scrape_interval, args.health_interval, args.failure_threshold, args.cooldown)
     policy = PolicyConfig(args.prefix_weight, args.load_weight, args.kv_usage_weight, args.balance_abs,
@@ -151,8 +167,9 @@ def build_gateway(args: argparse.Namespace, workers: list[str], prefill: list[st
 def gateway_server(gateway: Gateway, args: argparse.Namespace) -> DrainingServer:
     """The uvicorn server for `gateway`: SIGTERM drains it (Gateway.start_drain)."""
     config = uvicorn.Config(gateway.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=5)  # fmt: skip
-    server = DrainingServer(config, gateway.start_drain, lambda: gateway.draining)
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                            **uvicorn_tls_options(args.tls, args.ssl_cert_reqs))  # fmt: skip
+    server = DrainingServer(config, gateway.start_drain, lambda: gateway.draining, args.tls_watching)
     gateway.server = server
     return server
 
@@ -164,7 +181,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     gateway = build_gateway(args, args.worker, args.prefill, args.decode)
     server = gateway_server(gateway, args)
     logger.info(
-        "ferry gateway on http://%s:%d over %s",
+        "ferry gateway on %s://%s:%d over %s",
+        "https" if args.tls else "http",
         args.host,
         sock.getsockname()[1],
         ", ".join(args.worker + [f"prefill {u}" for u in args.prefill] + [f"decode {u}" for u in args.decode]),

@@ -251,7 +251,8 @@ def run_up(args: argparse.Namespace) -> int:
         replicas.start(args.replica_ready_timeout)
         gateway.also_run.append(replicas.supervise)
         server = gateway_server(gateway, args)
-        logger.info("ferry up: gateway on http://%s:%d, %s (%s)", args.host, gateway_sock.getsockname()[1],
+        logger.info("ferry up: gateway on %s://%s:%d, %s (%s)", "https" if args.tls else "http", args.host,
+                    gateway_sock.getsockname()[1],
                     f"{args.pd} prefill:decode workers" if args.pd else f"{args.replicas} replicas",
                     args.policy)  # fmt: skip
         server.run(sockets=[gateway_sock])

@@ -72,6 +72,7 @@ from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.entrypoints.openai.serving_embedding import create_embedding
 from ferry.entrypoints.openai.stats_log import StatsLog
+from ferry.entrypoints.tls import uvicorn_tls_options
 from ferry.models.paths import resolve_model_path
 from ferry.tokenizer import load_tokenizer
 from ferry.utils.bearer import key_digest, match_digest
@@ -454,10 +455,12 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
         log_level=args.uvicorn_log_level,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
+        **uvicorn_tls_options(args.tls, args.ssl_cert_reqs),
     )
-    uv = DrainingServer(config, server.start_drain, lambda: server.state.draining)
+    uv = DrainingServer(config, server.start_drain, lambda: server.state.draining, args.tls_watching)
     server.uvicorn = uv
-    logger.info("ferry serve on http://%s:%d (model %s)", args.host, sock.getsockname()[1], path)
+    scheme = "https" if args.tls else "http"
+    logger.info("ferry serve on %s://%s:%d (model %s)", scheme, args.host, sock.getsockname()[1], path)
     uv.run(sockets=[sock])
     if not uv.started and server.exit_code == 0:
         return 1  # the HTTP side did not start

@@ -26,6 +26,7 @@ from ferry.entrypoints.openai.http_middleware import add_http_args
 from ferry.entrypoints.openai.reasoning import REASONING_PARSERS
 from ferry.entrypoints.openai.stats_log import log_stats_interval
 from ferry.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from ferry.entrypoints.tls import add_tls_args, server_tls, watchers
 from ferry.kv_transfer.allowed_receivers import allow_list
 from ferry.models.generation_config import sampling_defaults
 from ferry.models.paths import resolve_model_path
@@ -69,6 +70,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults set over --generation-config's, in generation_config.json's names, "
                         "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 1024}' (vLLM's)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
+    add_tls_args(p)
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's prompt and sampling parameters as it is added (users' data: off by "
                         "default, as in vLLM)")  # fmt: skip
@@ -166,6 +168,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_keys = api_keys_from(args.api_key, os.environ)
+    args.tls = server_tls(args)  # the certificate files, loaded once to check them; ValueError: exit 2
+    args.tls_watching = watchers(args, args.tls)  # --enable-ssl-refresh's
     args.chat_template = load_chat_template(args.chat_template)  # the text; ValueError: exit 2
     args.log_stats_interval = None if args.disable_log_stats else log_stats_interval()  # ValueError: exit 2
     if args.enable_log_requests and args.disable_log_requests:

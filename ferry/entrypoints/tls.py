@@ -1,0 +1,210 @@
+"""HTTPS for `ferry serve` and `ferry gateway` (vLLM's --ssl-* flags), and the gateway's HTTPS to
+its workers.
+
+An API key sent over plain HTTP is readable by anyone on the path; a cluster without a mesh that
+encrypts for it needs the server itself to speak TLS. --ssl-ca-certs with --ssl-cert-reqs 2 asks
+every client for a certificate signed by that CA (mutual TLS: only holders of such a certificate
+get an HTTP exchange at all); the gateway presents one to its workers with --worker-ssl-certfile.
+
+--enable-ssl-refresh reloads the certificates when their files change (cert-manager and other
+rotators rewrite them in place, or swap a Kubernetes secret volume's symlink): new connections get
+the new ones, open ones keep theirs. A pair that does not load (a key written before its certificate,
+say) is tried again at the next change and the old one is kept meanwhile: a context given a
+certificate whose key then fails to load would fail every handshake. CAs are added, not replaced
+(OpenSSL's contexts only add them): a CA dropped from the file stays trusted until a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# How often --enable-ssl-refresh looks at the files (a stat each: cheap; rotations happen days apart).
+REFRESH_INTERVAL_S = 1.0
+
+
+def add_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (vLLM's flags)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="the server's private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                   help="the server's certificate chain (PEM): serve HTTPS instead of HTTP")  # fmt: skip
+    g.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                   help="CA certificates (PEM) that clients' certificates must be signed by")  # fmt: skip
+    g.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=int(ssl.CERT_NONE),
+                   help="client certificates: 0 not asked for, 1 checked if sent, 2 required (mutual TLS; "
+                        "health probes then need one too)")  # fmt: skip
+    g.add_argument(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="reload the certificate, key and CA files when they change (new connections get them)",
+    )
+
+
+def add_worker_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS to workers (https:// worker URLs)")
+    g.add_argument("--worker-ssl-ca-certs", default=None, metavar="PATH",
+                   help="CA certificates (PEM) the workers' certificates are checked against (default: the "
+                        "system's, or $SSL_CERT_FILE)")  # fmt: skip
+    g.add_argument("--worker-ssl-certfile", default=None, metavar="PATH",
+                   help="a client certificate (PEM) to present to workers that require one (their "
+                        "--ssl-cert-reqs 2)")  # fmt: skip
+    g.add_argument("--worker-ssl-keyfile", default=None, metavar="PATH", help="its private key (PEM)")
+
+
+@dataclass(frozen=True)
+class CertificateFiles:
+    """The files behind one SSLContext: its own chain (and key) and the CAs it checks peers with."""
+
+    certfile: str | None
+    keyfile: str | None
+    ca_certs: str | None
+
+    def paths(self) -> list[str]:
+        return [p for p in (self.certfile, self.keyfile, self.ca_certs) if p]
+
+    def load_into(self, ctx: ssl.SSLContext) -> None:
+        if self.certfile:
+            ctx.load_cert_chain(self.certfile, self.keyfile)
+        if self.ca_certs:
+            ctx.load_verify_locations(self.ca_certs)
+
+
+def _loaded(files: CertificateFiles, ctx: ssl.SSLContext, flags: str) -> ssl.SSLContext:
+    """`ctx` with `files` loaded; a ValueError naming `flags` when they do not load."""
+    try:
+        files.load_into(ctx)
+    except FileNotFoundError as e:
+        raise ValueError(f"{flags}: no such file: {e.filename}") from None
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"{flags}: {e}") from None
+    return ctx
+
+
+def server_tls(args: argparse.Namespace) -> CertificateFiles | None:
+    """The server's certificate files from the --ssl-* flags, checked by loading them now (a bad file
+    or a key that is not the certificate's stops the start with a message, before the model loads);
+    None: plain HTTP."""
+    if args.ssl_certfile is None:
+        given = [f for f, v in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-ca-certs", args.ssl_ca_certs)) if v]
+        if given or args.ssl_cert_reqs:
+            flag = given[0] if given else "--ssl-cert-reqs"
+            raise ValueError(f"{flag} needs --ssl-certfile (the server's certificate)")
+        return None
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CAs that clients' certificates are "
+                         "checked against)")  # fmt: skip
+    files = CertificateFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    _loaded(files, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), "--ssl-certfile/--ssl-keyfile/--ssl-ca-certs")
+    return files
+
+
+def watchers(
+    args: argparse.Namespace,
+    server: CertificateFiles | None,
+    worker_client: tuple[ssl.SSLContext | bool, CertificateFiles | None] = (True, None),
+) -> Watching | None:
+    """--enable-ssl-refresh's watchers over the server's files and the gateway's client files, if on."""
+    if not args.enable_ssl_refresh:
+        return None
+    found = [CertificateWatcher(server)] if server else []
+    ctx, files = worker_client
+    if files is not None and isinstance(ctx, ssl.SSLContext):
+        found.append(CertificateWatcher(files, ctx, "to workers"))
+    if not found:
+        raise ValueError("--enable-ssl-refresh needs certificate files to watch (--ssl-certfile)")
+    return Watching(found)
+
+
+def uvicorn_tls_options(files: CertificateFiles | None, cert_reqs: int) -> dict:
+    """uvicorn.Config's keyword arguments for serving `files` (none: plain HTTP)."""
+    if files is None:
+        return {}
+    return {"ssl_certfile": files.certfile, "ssl_keyfile": files.keyfile, "ssl_ca_certs": files.ca_certs,
+            "ssl_cert_reqs": cert_reqs}  # fmt: skip
+
+
+def worker_client_tls(args: argparse.Namespace) -> tuple[ssl.SSLContext | bool, CertificateFiles | None]:
+    """What the gateway's HTTP client verifies https:// workers with (httpx's `verify`), and the files
+    behind it (None: the default trust store, nothing to refresh)."""
+    if args.worker_ssl_keyfile and not args.worker_ssl_certfile:
+        raise ValueError("--worker-ssl-keyfile needs --worker-ssl-certfile")
+    if not (args.worker_ssl_ca_certs or args.worker_ssl_certfile):
+        return True, None
+    files = CertificateFiles(args.worker_ssl_certfile, args.worker_ssl_keyfile, args.worker_ssl_ca_certs)
+    # Hostnames and chains checked either way; the system's CAs unless others are named.
+    ctx = ssl.create_default_context() if files.ca_certs is None else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx = _loaded(files, ctx, "--worker-ssl-certfile/--worker-ssl-keyfile/--worker-ssl-ca-certs")
+    return ctx, files
+
+
+def _signature(path: str) -> tuple[int, int, int] | None:
+    """What changes when a file is rewritten or its symlink swapped (None: missing just now)."""
+    try:
+        st = os.stat(path)  # follows symlinks: a secret volume's ..data swap changes the inode
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+class CertificateWatcher:
+    """--enable-ssl-refresh: reloads `files` into live contexts when any of them changes."""
+
+    def __init__(self, files: CertificateFiles, ctx: ssl.SSLContext | None = None, what: str = "server") -> None:
+        self.files, self.ctx, self.what = files, ctx, what  # ctx: uvicorn's, set once it has made it
+        self.seen = self._signatures()
+        self.reloads = 0
+
+    def _signatures(self) -> list:
+        return [_signature(p) for p in self.files.paths()]
+
+    def check(self) -> bool:
+        """Reload if the files changed since last seen and now load; whether it reloaded."""
+        now = self._signatures()
+        if now == self.seen or self.ctx is None:
+            return False
+        self.seen = now
+        server = self.ctx.protocol == ssl.PROTOCOL_TLS_SERVER
+        try:  # into a scratch context first: a pair that fails there must not touch the live one
+            _loaded(self.files, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT), "")
+            self.files.load_into(self.ctx)
+        except (ValueError, ssl.SSLError, OSError) as e:
+            logger.warning("TLS refresh (%s): the changed files do not load (%s); keeping the certificates "
+                           "loaded before, trying again at the next change", self.what,
+                           str(e).lstrip(": "))  # fmt: skip
+            return False
+        self.reloads += 1
+        logger.info("TLS refresh (%s): reloaded %s", self.what, ", ".join(self.files.paths()))
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_INTERVAL_S)
+            self.check()
+
+
+class Watching:
+    """The watchers' tasks while a server runs (started on its loop, cancelled at its shutdown)."""
+
+    def __init__(self, watchers: list[CertificateWatcher]) -> None:
+        self.watchers = watchers
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self, server_ctx: ssl.SSLContext | None) -> None:
+        for w in self.watchers:
+            if w.ctx is None:
+                w.ctx = server_ctx
+            self.tasks.append(asyncio.get_running_loop().create_task(w.run()))
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self.tasks = []
