@@ -49,6 +49,7 @@ from ferry.entrypoints.openai.protocol import (
     read_body,
     validate_body,
 )
+from ferry.entrypoints.openai.responses_protocol import ResponsesRequest, precheck_responses
 from ferry.gateway.auth import ApiKey, ApiKeys
 from ferry.gateway.metrics import GatewayMetrics
 from ferry.gateway.prompts import PromptTokenizer, prompts_of
@@ -64,7 +65,7 @@ def _limited(limits) -> bool:
 
 @dataclass
 class RequestContext:
-    kind: str  # "completions" | "chat" | "embeddings"
+    kind: str  # "completions" | "chat" | "embeddings" | "responses"
     path: str
     raw: bytes
     data: dict
@@ -115,14 +116,19 @@ def _completion_estimate(body, pool: list[Worker]) -> int:
     generates nothing."""
     if isinstance(body, EmbeddingRequest):
         return 0
+    if isinstance(body, ResponsesRequest):
+        limit = body.max_output_tokens
+        return limit if limit is not None else _max_model_len(pool) or 1024
     seqs = body.n * (_num_prompts({"prompt": body.prompt}) if isinstance(body, CompletionRequest) else 1)
     limit = getattr(body, "max_completion_tokens", None)
     limit = limit if limit is not None else body.max_tokens
     return (limit if limit is not None else _max_model_len(pool) or 1024) * seqs
 
 
-_SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "embeddings": EmbeddingRequest}
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
+_SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "embeddings": EmbeddingRequest,
+            "responses": ResponsesRequest}  # fmt: skip
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings",
+         "responses": "/v1/responses"}  # fmt: skip
 
 
 def _parse(raw: bytes, kind: str, limits_of: Callable[[object], PromptLimits | None]) -> tuple[dict, object]:
@@ -133,7 +139,7 @@ def _parse(raw: bytes, kind: str, limits_of: Callable[[object], PromptLimits | N
     data = decode_json_object(raw)
     limits = limits_of(data.get("model"))
     if limits is not None:
-        precheck_body(data, limits)
+        (precheck_responses if kind == "responses" else precheck_body)(data, limits)
     return data, validate_body(data, _SCHEMAS[kind])
 
 

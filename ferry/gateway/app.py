@@ -298,6 +298,10 @@ class Gateway:
         async def embeddings(request: Request) -> Response:
             return await self.handle(request, "embeddings")
 
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Response:
+            return await self.handle(request, "responses")
+
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             if self.api_keys is not None and self.api_keys.authenticate(request.headers.get("authorization")) is None:

@@ -85,7 +85,12 @@ class PromptTokenizer:
             tok = self._tokenizer(worker)
             if tok is None:
                 return None
-            body = ChatCompletionRequest.model_validate(data)
+            if kind == "responses":
+                from ferry.entrypoints.openai.responses_protocol import ResponsesRequest
+
+                body = ResponsesRequest.model_validate(data).to_chat()  # the chat it runs as, rendered as one
+            else:
+                body = ChatCompletionRequest.model_validate(data)
             # The worker's --chat-template, when it shows it (a keyed worker shows only a digest:
             # its chats are then hashed with the tokenizer's template, and match no cached block).
             return render_chat_prompt(tok, body, (worker.info or {}).get("chat_template"))["prompt_token_ids"]

@@ -1,7 +1,9 @@
 """Token usage and first-token time from a response the gateway passed through.
 
-Non-streamed: the JSON body's `usage`. Streamed (SSE): the `usage` of the
-choice-less chunk that ends a stream asked for `stream_options.include_usage`
+Non-streamed: the JSON body's `usage` (the Responses API's names its counts
+input_tokens and output_tokens). Streamed (SSE): the `usage` of the
+choice-less chunk that ends a stream asked for `stream_options.include_usage`, or
+of the response in a Responses API stream's last event (`response.completed`)
 (with vLLM's continuous_usage_stats the other chunks carry one choice's usage
 so far: not the request's, and a stream cut short by an error ends at one of
 them); without it, completion tokens are counted from the chunks that carry
@@ -12,12 +14,19 @@ from __future__ import annotations
 
 import json
 
+# A Responses API stream's last event: the whole response, with its usage.
+_FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete")
+# Its events that carry generated text (the first one marks the first token).
+_RESPONSE_TEXT_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta",
+                         "response.function_call_arguments.delta")  # fmt: skip
+
 
 def _usage_of(obj) -> tuple[int | None, int | None]:
     usage = obj.get("usage") if isinstance(obj, dict) else None
     if not isinstance(usage, dict):
         return None, None
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    p = usage.get("prompt_tokens", usage.get("input_tokens"))
+    c = usage.get("completion_tokens", usage.get("output_tokens"))
     total = usage.get("total_tokens")
     if c is None and isinstance(p, int) and isinstance(total, int):  # embeddings report no completion
         c = total - p
@@ -25,6 +34,8 @@ def _usage_of(obj) -> tuple[int | None, int | None]:
 
 
 def _text_choices(obj) -> int:
+    if isinstance(obj, dict) and obj.get("type") in _RESPONSE_TEXT_EVENTS:
+        return 1 if obj.get("delta") else 0
     n = 0
     for choice in obj.get("choices") or [] if isinstance(obj, dict) else []:
         if not isinstance(choice, dict):
@@ -59,6 +70,10 @@ def response_usage(body: bytes, streamed: bool) -> tuple[int | None, int | None,
         return p, c, c is not None
     text_chunks = 0
     for event in sse_events(body):
+        if event.get("type") in _FINAL_RESPONSE_EVENTS:
+            p, c = _usage_of(event.get("response"))
+            if c is not None:
+                return p, c, True
         p, c = _usage_of(event)
         if c is not None and event.get("choices") == []:
             return p, c, True
@@ -68,7 +83,7 @@ def response_usage(body: bytes, streamed: bool) -> tuple[int | None, int | None,
 
 def has_error_event(body: bytes) -> bool:
     """Whether a streamed body reports an error in-band (ferry serve does, mid-stream)."""
-    return any(isinstance(e, dict) and "error" in e for e in sse_events(body))
+    return any(isinstance(e, dict) and ("error" in e or e.get("type") == "response.failed") for e in sse_events(body))
 
 
 def first_text_chunk(chunk: bytes) -> bool:

@@ -103,6 +103,8 @@ def with_answer_id(body: bytes, streamed: bool, request_id: str | None) -> bytes
         first = next(iter(sse_events(body)), None) if streamed else json.loads(body)
     except ValueError:
         return body
+    if isinstance(first, dict) and "id" not in first and isinstance(first.get("response"), dict):
+        first = first["response"]  # a Responses API stream: its events carry the response
     old = first.get("id") if isinstance(first, dict) else None
     if not isinstance(old, str) or "-" not in old:
         return body

@@ -303,3 +303,135 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client):
     assert len(chat.json()["prompt_logprobs"]) == chat.json()["usage"]["prompt_tokens"]
     streamed = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True})
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+# -- the Responses API (/v1/responses) -------------------------------------------------------------
+
+FLAT = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]  # Responses' tools are flat
+
+
+def events_of(stream) -> list:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    return events
+
+
+def test_responses_answer_as_the_chat_does(client):
+    """The same conversation, as Responses input and as chat messages: the same greedy text, and
+    streamed the same text again in output_text deltas."""
+    r = client.responses.create(model="smol", instructions="Answer briefly.", input="Say hi", max_output_tokens=8,
+                                temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(model="smol", max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hi"}])  # fmt: skip
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # 8 tokens cut it
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    assert r.usage.total_tokens == r.usage.input_tokens + 8 and r.id.startswith("resp")
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+
+    events = events_of(client.responses.create(model="smol", instructions="Answer briefly.", input="Say hi",
+                                               max_output_tokens=8, temperature=0, stream=True))  # fmt: skip
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == r.output_text and len(deltas) > 1
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == r.output_text
+    assert last.response.usage.output_tokens == 8
+    kinds = [e.type for e in events if "delta" not in e.type]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.incomplete"]  # fmt: skip
+
+
+def test_responses_call_tools_and_take_their_outputs(client):
+    r = client.responses.create(model="smol", input=ASK[0]["content"], tools=FLAT, tool_choice="required",
+                                max_output_tokens=200, temperature=0.8)  # fmt: skip
+    assert r.status == "completed" and r.output and all(o.type == "function_call" for o in r.output)
+    for call in r.output:
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    named = client.responses.create(model="smol", input=ASK[0]["content"], tools=FLAT, max_output_tokens=60,
+                                    tool_choice={"type": "function", "name": "get_time"}, stream=True)  # fmt: skip
+    events = events_of(named)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (call,) = events[-1].response.output
+    assert done.arguments == args == call.arguments and call.name == done.name == "get_time"
+    jsonschema.validate(json.loads(args), SCHEMAS["get_time"])
+    # The call and its output go back as input items (as an agent loop sends them): the same text
+    # as the chat with the assistant's tool call and the tool's message.
+    args = '{"city": "Paris", "unit": "celsius"}'
+    items = [{"role": "user", "content": ASK[0]["content"]},
+             {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather", "arguments": args,
+              "status": "completed"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C and sunny"}]  # fmt: skip
+    r = client.responses.create(model="smol", input=items, tools=FLAT, tool_choice="none", max_output_tokens=8,
+                                temperature=0)  # fmt: skip
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    messages = [*ASK, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]  # fmt: skip
+    chat = client.chat.completions.create(model="smol", tools=[WEATHER, TIME], tool_choice="none", max_tokens=8,
+                                          temperature=0, messages=messages)  # fmt: skip
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+
+
+def test_responses_json_schema_logprobs_and_bad_requests(client, server):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}  # fmt: skip
+    r = client.responses.create(model="smol", input="Is the sky blue?", max_output_tokens=30, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "yes_no", "schema": schema}},
+                                include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+    jsonschema.validate(json.loads(r.output_text), schema)
+    logprobs = r.output[0].content[0].logprobs
+    assert "".join(lp.token for lp in logprobs) == r.output_text and len(logprobs) == r.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    bad = [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),  # hosted tools are OpenAI's
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input.0.message.content.0"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"text": {"format": {"type": "json_schema", "schema": schema}}}, "text.format.name"),
+        ({"input": []}, "input"),
+        ({"background": True}, "background"),
+    ]  # fmt: skip
+    for body, param in bad:
+        r = httpx.post(server.url + "/v1/responses", json={"model": "smol", "input": "x", "max_output_tokens": 4,
+                                                           **body}, timeout=60)  # fmt: skip
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+    # Labels and storage hints (which the SDK and agent libraries send) are accepted no-ops.
+    ok = {"model": "smol", "input": "x", "max_output_tokens": 2, "store": True, "metadata": {"k": "v"},
+          "truncation": "disabled", "reasoning": {"effort": "low"},
+          "include": ["reasoning.encrypted_content"]}  # fmt: skip
+    assert httpx.post(server.url + "/v1/responses", json=ok, timeout=60).status_code == 200
+
+
+def test_an_agent_library_runs_a_tool_loop_over_responses(server):
+    """openai-agents' default model speaks the Responses API: its tool loop, against ferry."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(min_length=2, max_length=20)]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"It is 18 degrees and sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    agent = Agent(
+        name="weather",
+        instructions="You answer questions about the weather.",
+        model=OpenAIResponsesModel(model="smol", openai_client=client),
+        tools=[get_weather],
+        model_settings=ModelSettings(tool_choice="required", temperature=0.0, max_tokens=48),
+    )
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert len(calls) == 1 and 2 <= len(calls[0]) <= 20
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
+    assert isinstance(result.final_output, str) and result.final_output.strip()

@@ -385,6 +385,58 @@ def test_embeddings_go_through_keys_limits_and_the_result_cache(replicas, tmp_pa
         gw.stop()
 
 
+def test_responses_go_through_keys_limits_and_the_result_cache(replicas, tmp_path):
+    """/v1/responses at the gateway: the worker's answer, its usage (input_tokens, output_tokens; a
+    stream's in its last event) settled and observed, cached per key and replayed under an id of its
+    own, streamed or not; keys' limits and the worker's schema as for the other endpoints."""
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "sk-r", "name": "r"}, {"key": "sk-small", "name": "small", '
+                    '"total_tokens_per_minute": 80}, {"key": "sk-ops", "name": "ops", "admin": true}]')  # fmt: skip
+    gw = gateway([replicas[0].url], "--api-keys", str(keys), "--result-cache")
+    gw.admin = {"Authorization": "Bearer sk-ops"}
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-r", max_retries=0, timeout=60)
+        direct = openai.OpenAI(base_url=replicas[0].url + "/v1", api_key="-", max_retries=0, timeout=60)
+        req = dict(model=MODEL, instructions=TENANTS[0], input="Which seas are on your maps?", max_output_tokens=8,
+                   temperature=0)  # fmt: skip
+        want = direct.responses.create(**req)
+        used = {"input": 0, "output": 0}
+
+        def answer(stream: bool):
+            raw = client.responses.with_raw_response.create(stream=stream, **req)
+            if not stream:
+                return raw, raw.parse()
+            events = list(raw.parse())
+            assert events[-1].type == "response.incomplete"  # max_output_tokens cut it off
+            return raw, events[-1].response
+
+        for stream in (False, True):
+            first, got = answer(stream)
+            assert first.headers["x-ferry-cache"] == "miss" and first.headers["x-ferry-worker"] == replicas[0].url
+            assert got.output_text == want.output_text and got.usage.input_tokens == want.usage.input_tokens
+            used["input"] += got.usage.input_tokens
+            used["output"] += got.usage.output_tokens
+            again, replayed = answer(stream)
+            assert again.headers["x-ferry-cache"] == "hit" and replayed.output_text == got.output_text
+            assert replayed.id != got.id and replayed.id.startswith("resp-")  # a hit gets an id of its own
+        assert gw.metric("gen_ai_client_token_usage_sum", key="r", gen_ai_token_type="input") == used["input"]
+        assert gw.metric("gen_ai_client_token_usage_sum", key="r", gen_ai_token_type="output") == used["output"]
+        assert gw.metric("gen_ai_server_time_to_first_token_seconds_count", key="r") == 1  # the streamed miss
+
+        def post(key: str, body: dict) -> httpx.Response:
+            return httpx.post(gw.url + "/v1/responses", json={"model": MODEL, **body},
+                              headers={"Authorization": f"Bearer {key}"}, timeout=60)  # fmt: skip
+
+        r = post("sk-r", {"input": [{"type": "item_reference", "id": "msg_1"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input.0", r.text
+        r = post("sk-small", {"input": "x", "max_output_tokens": 500})  # more than the key's minute holds
+        assert r.status_code == 400 and "per minute" in r.json()["error"]["message"], r.text
+        statuses = [post("sk-small", {"input": f"Item {i}.", "max_output_tokens": 16}).status_code for i in range(6)]
+        assert statuses[0] == 200 and 429 in statuses, statuses
+    finally:
+        gw.stop()
+
+
 def test_tenants_are_isolated_and_bodies_are_the_operators(replicas, tmp_path):
     """One worker behind the gateway, so every request meets the same prefix cache."""
     keys = tmp_path / "keys.json"

@@ -4,7 +4,7 @@ This process validates, tokenizes, detokenizes and streams; the model runs in
 the EngineCore process (see `ferry/engine/core_proc.py`). Probes:
 `/health` (liveness: this process answers and the core answers a ping),
 `/ready` (503 until the model is loaded and warmed, and while draining).
-OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings and /v1/models, and vLLM's
+OpenAI's /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses and /v1/models, and vLLM's
 `/tokenize`, `/detokenize` and `/version`. `/` is a chat playground (web/, unless
 `--no-playground`): static files that call /v1/chat/completions like any client.
 SIGTERM drains: readiness turns 503, new requests get 503, in-flight
@@ -61,6 +61,7 @@ from ferry.entrypoints.openai.protocol import (
     validate_body,
 )
 from ferry.entrypoints.openai.request_log import RequestLogger
+from ferry.entrypoints.openai.responses_protocol import ResponsesRequest, precheck_responses
 from ferry.entrypoints.openai.serving import (
     RequestAbortedError,
     RequestTimeoutError,
@@ -71,6 +72,7 @@ from ferry.entrypoints.openai.serving import (
 from ferry.entrypoints.openai.serving_chat import create_chat_completion
 from ferry.entrypoints.openai.serving_completion import create_completion
 from ferry.entrypoints.openai.serving_embedding import create_embedding
+from ferry.entrypoints.openai.serving_responses import create_response
 from ferry.entrypoints.openai.stats_log import StatsLog
 from ferry.entrypoints.tls import uvicorn_tls_options
 from ferry.models.paths import resolve_model_path
@@ -96,18 +98,19 @@ def _error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def _decode(raw: bytes, limits: PromptLimits) -> dict:
+def _decode(raw: bytes, limits: PromptLimits, precheck=precheck_body) -> dict:
     precheck_raw(raw, lambda _model: limits)  # millions of token ids refused before they are built
     data = decode_json_object(raw)
-    precheck_body(data, limits)
+    precheck(data, limits)
     return data
 
 
-async def _parse(request: Request, model: type, limits: PromptLimits) -> Any:
+async def _parse(request: Request, model: type, limits: PromptLimits, precheck=precheck_body) -> Any:
+    """The body as `model`, bounded by `precheck(data, limits)` before the schema walks it."""
     raw = await read_body(request)
     if len(raw) <= OFFLOAD_BYTES:
-        return validate_body(_decode(raw, limits), model)
-    data = await asyncio.to_thread(_decode, raw, limits)
+        return validate_body(_decode(raw, limits, precheck), model)
+    data = await asyncio.to_thread(_decode, raw, limits, precheck)
     return await asyncio.to_thread(validate_body, data, model)
 
 
@@ -353,10 +356,10 @@ class Server:
                 "startup_seconds": i.startup_seconds,  # `ferry bench startup`
             })  # fmt: skip
 
-        async def generate(request: Request, body_type: type, handler) -> Response:
+        async def generate(request: Request, body_type: type, handler, precheck=precheck_body) -> Response:
             engine = ready_engine(state)  # 503 before reading a body this server cannot serve yet
             try:
-                body = await _parse(request, body_type, state.prompt_limits(engine))
+                body = await _parse(request, body_type, state.prompt_limits(engine), precheck)
             except ClientDisconnect:  # gone before its body was read: nothing started, nothing to answer
                 return Response(status_code=499)
             try:
@@ -405,9 +408,14 @@ class Server:
         async def embeddings(request: Request) -> Response:
             return await generate(request, EmbeddingRequest, create_embedding)
 
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Response:
+            return await generate(request, ResponsesRequest, create_response, precheck_responses)
+
         app.openapi = partial(_openapi_with_bodies, app, {"/v1/completions": CompletionRequest,
                                                           "/v1/chat/completions": ChatCompletionRequest,
-                                                          "/v1/embeddings": EmbeddingRequest})  # fmt: skip
+                                                          "/v1/embeddings": EmbeddingRequest,
+                                                          "/v1/responses": ResponsesRequest})  # fmt: skip
         add_http_middleware(app, self.cors, self.request_id_headers)
         return app
 

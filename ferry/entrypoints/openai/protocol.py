@@ -96,7 +96,7 @@ class PromptLimits:
         return cls(max_model_len - 1, 2 * max_model_len * max(longest, 1))
 
 
-def _too_long(what: str, n: int, unit: str, limit: int, max_model_len: int) -> OpenAIError:
+def too_long(what: str, n: int, unit: str, limit: int, max_model_len: int) -> OpenAIError:
     return OpenAIError(400, f"{what} has {n} {unit}, more than a context of {max_model_len} tokens can hold "
                             f"(at most {limit}); shorten it", param=what, code=400)  # fmt: skip
 
@@ -105,7 +105,7 @@ def _text_len(x: Any) -> int:
     return len(x) if isinstance(x, str) else 0
 
 
-def _json_text_len(value: Any) -> int:
+def json_text_len(value: Any) -> int:
     """Characters a template can render from a JSON value (its strings, keys included; one for
     every other value), counted without recursion: a body may nest ~1000 levels deep."""
     total, stack = 0, [value]
@@ -175,7 +175,7 @@ def precheck_raw(raw: bytes, limits_of: Callable[[Any], PromptLimits | None]) ->
             raise OpenAIError(400, f"prompt holds {total} token ids in all, {why}; shorten them", param="prompt",
                               code=400)  # fmt: skip
     elif total > limits.max_tokens:
-        raise _too_long("prompt", total, "tokens", limits.max_tokens, limits.max_tokens + 1)
+        raise too_long("prompt", total, "tokens", limits.max_tokens, limits.max_tokens + 1)
 
 
 def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
@@ -186,19 +186,19 @@ def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
     prompt = data.get("prompt", data.get("input"))  # /v1/embeddings calls it input
     if isinstance(prompt, str):
         if len(prompt) > limits.max_chars:
-            raise _too_long("prompt", len(prompt), "characters", limits.max_chars, ctx)
+            raise too_long("prompt", len(prompt), "characters", limits.max_chars, ctx)
     elif isinstance(prompt, list) and prompt:
         if not isinstance(prompt[0], (str, list)):  # one prompt of token ids
             if len(prompt) > limits.max_tokens:
-                raise _too_long("prompt", len(prompt), "tokens", limits.max_tokens, ctx)
+                raise too_long("prompt", len(prompt), "tokens", limits.max_tokens, ctx)
             return
         if len(prompt) > MAX_PROMPTS:
             raise OpenAIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt", code=400)
         for p in prompt:
             if isinstance(p, list) and len(p) > limits.max_tokens:
-                raise _too_long("prompt", len(p), "tokens", limits.max_tokens, ctx)
+                raise too_long("prompt", len(p), "tokens", limits.max_tokens, ctx)
             if isinstance(p, str) and len(p) > limits.max_chars:
-                raise _too_long("prompt", len(p), "characters", limits.max_chars, ctx)
+                raise too_long("prompt", len(p), "characters", limits.max_chars, ctx)
     messages = data.get("messages")
     if isinstance(messages, list):
         if len(messages) > MAX_MESSAGES:
@@ -212,10 +212,10 @@ def precheck_body(data: dict[str, Any], limits: PromptLimits) -> None:
                 # A part counts at least one character: a million empty parts is no free ride.
                 chars += sum(max(_text_len(p.get("text") if isinstance(p, dict) else None), 1) for p in content)
             if isinstance(m, dict):
-                chars += sum(_json_text_len(m[f]) for f in _RENDERED_MESSAGE_FIELDS if m.get(f) is not None)
-        chars += sum(_json_text_len(data[f]) for f in _RENDERED_BODY_FIELDS if data.get(f) is not None)
+                chars += sum(json_text_len(m[f]) for f in _RENDERED_MESSAGE_FIELDS if m.get(f) is not None)
+        chars += sum(json_text_len(data[f]) for f in _RENDERED_BODY_FIELDS if data.get(f) is not None)
         if chars > limits.max_chars:
-            raise _too_long("messages", chars, "characters", limits.max_chars, ctx)
+            raise too_long("messages", chars, "characters", limits.max_chars, ctx)
 
 
 MAX_BODY_BYTES = 32 << 20

@@ -43,12 +43,12 @@ from ferry.entrypoints.openai.serving import (
     until_disconnect,
     usage,
 )
-from ferry.entrypoints.openai.tool_choice import tool_plan
+from ferry.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from ferry.outputs import CompletionOutput
 from ferry.tokenizer import token_bytes
 
 
-def _logprobs(c: CompletionOutput, top: int, tokenizer) -> dict[str, Any]:
+def chat_logprobs(c: CompletionOutput, top: int, tokenizer) -> dict[str, Any]:
     def entry_json(token_id: int, lp) -> dict[str, Any]:
         text = lp.decoded_token or ""
         # The token's own bytes: a piece of a UTF-8 character decodes to U+FFFD, whose bytes are not
@@ -75,7 +75,28 @@ def _reasoning_open(state: ServerState, engine, prompt: dict[str, Any], params) 
     return reasoning_open_in_prompt(text)
 
 
-async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request admitted and in the engine: what answering it needs (the chat endpoint's, or
+    the Responses API's, serving_responses.py)."""
+
+    engine: Any
+    model: str
+    base_id: str  # the engine's request id
+    reply_id: str  # the answer's id
+    streams: list
+    tools: ToolPlan
+    reasoning_open: bool | None
+    top: int  # top logprobs per token
+    due: float | None
+    log: OutputCollector | None
+    plan: Any  # the KV-transfer plan (PD disaggregation)
+    created: int
+
+
+async def start_chat(request: Request, state: ServerState, body: ChatCompletionRequest, id_prefix: str) -> ChatRun:
+    """Check `body`, render and tokenize its prompt and add it to the engine; OpenAIError (or
+    ValueError) when it cannot run."""
     model = check_model(state, body.model)
     engine = ready_engine(state)
     if body.prompt_logprobs is not None and body.stream:
@@ -99,19 +120,32 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
     # Rendering (Jinja) and tokenizing take milliseconds on long conversations: off the event loop.
     prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body, state.chat_template)
     reasoning_open = _reasoning_open(state, engine, prompt, params)
-    base_id, reply_id = request_ids(request, "chatcmpl")
+    base_id, reply_id = request_ids(request, id_prefix)
     streams = add_requests(state, engine, base_id, [prompt], params, body, plan, asked_max_tokens=max_tokens)
-    created = now_s()
-    log = output_log(state, params)
-    if body.stream:
-        builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]
-        return StreamingResponse(_stream(request, engine, streams, body, model, reply_id, created, top, due, builders,
-                                         log), media_type="text/event-stream")  # fmt: skip
+    return ChatRun(engine, model, base_id, reply_id, streams, tools, reasoning_open, top, due,
+                   output_log(state, params), plan, now_s())  # fmt: skip
+
+
+async def final_output(request: Request, run: ChatRun):
+    """The request's finished output (non-streamed); None when the client went away first."""
     final = None
-    async for _, out in until_disconnect(request, merged_outputs(engine, streams, log), due):
+    async for _, out in until_disconnect(request, merged_outputs(run.engine, run.streams, run.log), run.due):
         final = out
     if final is None or not final.finished:
-        engine.forget_kv_sent(base_id)
+        run.engine.forget_kv_sent(run.base_id)
+        return None
+    return final
+
+
+async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
+    run = await start_chat(request, state, body, "chatcmpl")
+    engine, model, tools, reasoning_open, top = run.engine, run.model, run.tools, run.reasoning_open, run.top
+    if body.stream:
+        builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]
+        return StreamingResponse(_stream(request, engine, run.streams, body, model, run.reply_id, run.created, top,
+                                         run.due, builders, run.log), media_type="text/event-stream")  # fmt: skip
+    final = await final_output(request, run)
+    if final is None:
         return None  # the client went away
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
@@ -119,23 +153,23 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
         choices.append({
             "index": c.index,
             "message": msg,
-            "logprobs": _logprobs(c, top, engine.tokenizer) if body.logprobs else None,
+            "logprobs": chat_logprobs(c, top, engine.tokenizer) if body.logprobs else None,
             "finish_reason": finish_reason(c.finish_reason, called),
             "stop_reason": c.stop_reason,
         })  # fmt: skip
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     response = {
-        "id": reply_id,
+        "id": run.reply_id,
         "object": "chat.completion",
-        "created": created,
+        "created": run.created,
         "model": model,
         "choices": choices,
         "usage": usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens),
     }
     if body.prompt_logprobs is not None:  # vLLM's place for it in a chat response
         response["prompt_logprobs"] = prompt_logprobs_json(final)
-    if plan.export_to is not None:
-        response["kv_transfer_params"] = await kv_sent_params(engine, plan, base_id, final)
+    if run.plan.export_to is not None:
+        response["kv_transfer_params"] = await kv_sent_params(engine, run.plan, run.base_id, final)
     return JSONResponse(response)
 
 
@@ -180,7 +214,7 @@ async def _stream(request, engine, streams, body, model, reply_id, created, top,
                     {
                         "index": c.index,
                         "delta": delta,
-                        "logprobs": _logprobs(c, top, engine.tokenizer) if body.logprobs else None,
+                        "logprobs": chat_logprobs(c, top, engine.tokenizer) if body.logprobs else None,
                         "finish_reason": finish_reason(c.finish_reason, builder.called),
                         "stop_reason": c.stop_reason,
                     }
