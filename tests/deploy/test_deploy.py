@@ -29,7 +29,7 @@ DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent  # the venv's bin: hadolint, kubectl and ferry (test extra / the package)
 OVERLAYS = ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu", "kubernetes/overlays/gpu-scale-to-zero",
             "kubernetes/overlays/pd", "kubernetes/overlays/pd-redis", "kubernetes/overlays/multi-node",
-            "kubernetes/kserve"]  # fmt: skip
+            "kubernetes/overlays/gateway-tls", "kubernetes/kserve"]  # fmt: skip
 # What the kubelet substitutes for $(VAR) in a LeaderWorkerSet pod's args (a worker's index, the leader's name)
 LWS_ENV = {"$(LWS_WORKER_INDEX)": "1", "$(LWS_LEADER_ADDRESS)": "ferry-mn-0.ferry-mn"}
 K8S_VERSION = "1.33.0"
@@ -225,7 +225,7 @@ GATEWAY_FLAG = {"worker": "--worker", "prefill": "--prefill", "decode": "--decod
 
 @pytest.mark.parametrize("overlay", ["kubernetes/overlays/cpu", "kubernetes/overlays/gpu",
                                      "kubernetes/overlays/gpu-scale-to-zero", "kubernetes/overlays/pd",
-                                     "kubernetes/overlays/pd-redis"])  # fmt: skip
+                                     "kubernetes/overlays/pd-redis", "kubernetes/overlays/gateway-tls"])  # fmt: skip
 def test_the_gateway_reaches_every_worker_and_its_secrets(overlay):
     """For each pool (a StatefulSet: workers, or prefill and decode), the gateway lists its pods
     name-0 .. N-1 through the pool's headless Service, N at least its replicas and exactly the
@@ -384,3 +384,21 @@ def test_scale_to_zero_wakes_on_the_gateways_held_requests(tmp_path):
         for part in meta["valueLocation"].split("."):  # GJSON's dotted path, as KEDA reads it
             value = value[part]
         assert value == 0 and state["hold_timeout"] > 0
+
+
+def test_gateway_tls_serves_the_mounted_secret():
+    """overlays/gateway-tls: the gateway's --ssl-* flags name the files of the mounted TLS Secret and
+    refresh them, its probes speak HTTPS, and its Service answers on 443."""
+    docs = render("kubernetes/overlays/gateway-tls")
+    (gateway,) = by_kind(docs, "Deployment", "ferry-gateway")
+    spec = gateway["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    args = build_parser().parse_args(container_args(container))
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+    assert volume["secret"]["secretName"] == "ferry-gateway-tls" and mount["readOnly"]
+    assert (args.ssl_certfile, args.ssl_keyfile) == (mount["mountPath"] + "/tls.crt", mount["mountPath"] + "/tls.key")
+    assert args.enable_ssl_refresh
+    assert {container[p]["httpGet"]["scheme"] for p in ("readinessProbe", "livenessProbe")} == {"HTTPS"}
+    (service,) = by_kind(docs, "Service", "ferry-gateway")
+    assert service["spec"]["ports"] == [{"name": "https", "port": 443, "targetPort": "http"}]
