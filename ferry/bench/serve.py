@@ -16,7 +16,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import ssl
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -62,6 +64,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="write a PNG here")
     p.add_argument("--label", default=None, help="name of the server in the output")
+    p.add_argument("--api-key", default=None,
+                   help="sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY, as vLLM's bench reads "
+                        "it)")  # fmt: skip
+    p.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                   help="CA certificates (PEM) an https:// server's certificate is checked against (default: "
+                        "the system's)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClientAuth:
+    """How the load generator reaches a keyed or HTTPS server."""
+
+    api_key: str | None = None
+    ca_certs: str | None = None  # trust these CAs for https:// (a private CA's server)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClientAuth:
+        return cls(args.api_key or os.environ.get("OPENAI_API_KEY") or None, args.ssl_ca_certs)
+
+    def session_options(self) -> tuple[dict[str, str], ssl.SSLContext | bool]:
+        """(the session's headers, the connector's `ssl`: True verifies against the system's CAs)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return headers, ssl.create_default_context(cafile=self.ca_certs) if self.ca_certs else True
 
 
 async def _first_model(session: aiohttp.ClientSession, url: str) -> str:
@@ -132,11 +157,14 @@ async def run_load(
     timeout: float,
     seed: int,
     ignore_eos: bool = True,
+    auth: ClientAuth = ClientAuth(),
 ) -> tuple[list[RequestResult], float, str]:
     # A fresh connection per request: servers close keep-alive connections on their own terms
     # (llama-server after 5 requests), and a reused connection the server just closed would fail.
-    conn = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+    headers, tls = auth.session_options()
+    conn = aiohttp.TCPConnector(limit=0, force_close=True, ssl=tls)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout),
+                                     headers=headers) as session:  # fmt: skip
         model = model or await _first_model(session, url)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         rng = random.Random(seed)
@@ -230,11 +258,12 @@ def format_summary(label: str, s: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_once(url, model, requests, rate, max_concurrency, timeout, seed, slos, ignore_eos: bool = True) -> dict:
+def bench_once(url, model, requests, rate, max_concurrency, timeout, seed, slos, ignore_eos: bool = True,
+               auth: ClientAuth = ClientAuth()) -> dict:  # fmt: skip
     """One pass of `requests` ((prompt token ids, max_tokens) pairs, greedy; EOS ignored unless
     `ignore_eos` is False) against the server at `url`: the `summarize` dict."""
     results, seconds, model = asyncio.run(
-        run_load(url, model, requests, rate, max_concurrency, timeout, seed, ignore_eos)
+        run_load(url, model, requests, rate, max_concurrency, timeout, seed, ignore_eos, auth)
     )
     summary = summarize(results, seconds, slos)
     summary.update(model=model, request_rate=rate, max_concurrency=max_concurrency)
@@ -293,9 +322,8 @@ def main(args: argparse.Namespace) -> int:
     rates = args.sweep or [args.request_rate]
     runs = []
     for i, rate in enumerate(rates):
-        run = bench_once(
-            args.url, args.model, salted(requests, i), rate, args.max_concurrency, args.timeout, args.bench_seed, slos
-        )
+        run = bench_once(args.url, args.model, salted(requests, i), rate, args.max_concurrency, args.timeout,
+                         args.bench_seed, slos, auth=ClientAuth.from_args(args))  # fmt: skip
         runs.append(run)
         print(format_summary(f"{label} rate={rate} concurrency={args.max_concurrency}", run))
     result = {
