@@ -41,7 +41,10 @@ class DrainingServer(uvicorn.Server):
             # ServerSocket.listen: then set here, once listening (a connection made in between lacks it).
             allow_rebind(sock)
         if self.watching is not None and not self.should_exit:
-            self.watching.start(self.config.ssl)
+            c = self.config
+            self.watching.start(c.ssl, lambda files: uvicorn.config.create_ssl_context(
+                files.certfile, files.keyfile, c.ssl_keyfile_password, c.ssl_version, c.ssl_cert_reqs, files.ca_certs,
+                c.ssl_ciphers))  # fmt: skip
 
     async def shutdown(self, sockets=None) -> None:
         if self.watching is not None:

@@ -8,10 +8,15 @@ get an HTTP exchange at all); the gateway presents one to its workers with --wor
 
 --enable-ssl-refresh reloads the certificates when their files change (cert-manager and other
 rotators rewrite them in place, or swap a Kubernetes secret volume's symlink): new connections get
-the new ones, open ones keep theirs. A pair that does not load (a key written before its certificate,
-say) is tried again at the next change and the old one is kept meanwhile: a context given a
-certificate whose key then fails to load would fail every handshake. CAs are added, not replaced
-(OpenSSL's contexts only add them): a CA dropped from the file stays trusted until a restart.
+the new ones, open ones keep theirs. A server's live context is never changed: each change loads
+a fresh one, and the live one's SNI callback (which OpenSSL calls at every ClientHello, with or
+without a server name) hands each new handshake the newest. Loading into the live context instead
+would leave it broken when a file changes between the certificate's read and the key's (OpenSSL
+drops the key of a certificate it replaces), and serving an old certificate of another key type
+(a context holds one per type). A pair that does not load (a key written before its certificate,
+say) is tried again at the next change, the one loaded before serving meanwhile. The gateway's
+client context (its HTTP client holds it) is loaded in place, from one private copy of the files
+that a scratch context loaded first; its CAs are added to, not replaced.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import contextlib
 import logging
 import os
 import ssl
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -51,7 +58,7 @@ def add_worker_tls_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("TLS to workers (https:// worker URLs)")
     g.add_argument("--worker-ssl-ca-certs", default=None, metavar="PATH",
                    help="CA certificates (PEM) the workers' certificates are checked against (default: the "
-                        "system's, or $SSL_CERT_FILE)")  # fmt: skip
+                        "system's, or $SSL_CERT_FILE / $SSL_CERT_DIR)")  # fmt: skip
     g.add_argument("--worker-ssl-certfile", default=None, metavar="PATH",
                    help="a client certificate (PEM) to present to workers that require one (their "
                         "--ssl-cert-reqs 2)")  # fmt: skip
@@ -130,18 +137,19 @@ def uvicorn_tls_options(files: CertificateFiles | None, cert_reqs: int) -> dict:
             "ssl_cert_reqs": cert_reqs}  # fmt: skip
 
 
-def worker_client_tls(args: argparse.Namespace) -> tuple[ssl.SSLContext | bool, CertificateFiles | None]:
+def worker_client_tls(args: argparse.Namespace) -> tuple[ssl.SSLContext, CertificateFiles | None]:
     """What the gateway's HTTP client verifies https:// workers with (httpx's `verify`), and the files
-    behind it (None: the default trust store, nothing to refresh)."""
+    behind it (None: the system's trust store, nothing to refresh). Always the system's store by
+    default (OpenSSL's paths, $SSL_CERT_FILE / $SSL_CERT_DIR), not httpx's own bundle: a CA an
+    operator installed in the image counts with or without a client certificate."""
     if args.worker_ssl_keyfile and not args.worker_ssl_certfile:
         raise ValueError("--worker-ssl-keyfile needs --worker-ssl-certfile")
-    if not (args.worker_ssl_ca_certs or args.worker_ssl_certfile):
-        return True, None
     files = CertificateFiles(args.worker_ssl_certfile, args.worker_ssl_keyfile, args.worker_ssl_ca_certs)
     # Hostnames and chains checked either way; the system's CAs unless others are named.
     ctx = ssl.create_default_context() if files.ca_certs is None else ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx = _loaded(files, ctx, "--worker-ssl-certfile/--worker-ssl-keyfile/--worker-ssl-ca-certs")
-    return ctx, files
+    if not files.paths():
+        return ctx, None
+    return _loaded(files, ctx, "--worker-ssl-certfile/--worker-ssl-keyfile/--worker-ssl-ca-certs"), files
 
 
 def _signature(path: str) -> tuple[int, int, int] | None:
@@ -153,13 +161,51 @@ def _signature(path: str) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
+@contextlib.contextmanager
+def _snapshot(files: CertificateFiles) -> Iterator[CertificateFiles]:
+    """`files` copied once into a private directory (memory-backed where /dev/shm is): contexts
+    loaded from the copy load the same bytes, whatever happens to the files meanwhile."""
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="ferry-tls-", dir=shm) as d:  # mode 0700
+
+        def copy(path: str | None, name: str) -> str | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                data = f.read()
+            out = os.path.join(d, name)
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as g:
+                g.write(data)
+            return out
+
+        yield CertificateFiles(copy(files.certfile, "cert.pem"), copy(files.keyfile, "key.pem"),
+                               copy(files.ca_certs, "ca.pem"))  # fmt: skip
+
+
 class CertificateWatcher:
-    """--enable-ssl-refresh: reloads `files` into live contexts when any of them changes."""
+    """--enable-ssl-refresh over one context's files (see the module's docstring for how)."""
 
     def __init__(self, files: CertificateFiles, ctx: ssl.SSLContext | None = None, what: str = "server") -> None:
-        self.files, self.ctx, self.what = files, ctx, what  # ctx: uvicorn's, set once it has made it
+        self.files, self.what = files, what
+        self.live: ssl.SSLContext | None = None
+        self.make: Callable[[CertificateFiles], ssl.SSLContext] | None = None
+        self.current: ssl.SSLContext | None = None  # a server's newest context (None: the live one's own)
         self.seen = self._signatures()
         self.reloads = 0
+        if ctx is not None:
+            self.attach(ctx)
+
+    def attach(self, live: ssl.SSLContext, make: Callable[[CertificateFiles], ssl.SSLContext] | None = None) -> None:
+        """Watch for `live`. A server's: `make(files)` builds a context as the live one was built."""
+        self.live = live
+        if live.protocol == ssl.PROTOCOL_TLS_SERVER:
+            self.make = make or (lambda files: _loaded(files, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ""))
+            live.sni_callback = self._select
+
+    def _select(self, ssl_object, server_name, ctx) -> None:
+        if self.current is not None:
+            ssl_object.context = self.current  # this handshake goes on with the newest certificates
 
     def _signatures(self) -> list:
         return [_signature(p) for p in self.files.paths()]
@@ -167,13 +213,16 @@ class CertificateWatcher:
     def check(self) -> bool:
         """Reload if the files changed since last seen and now load; whether it reloaded."""
         now = self._signatures()
-        if now == self.seen or self.ctx is None:
+        if now == self.seen or self.live is None:
             return False
         self.seen = now
-        server = self.ctx.protocol == ssl.PROTOCOL_TLS_SERVER
-        try:  # into a scratch context first: a pair that fails there must not touch the live one
-            _loaded(self.files, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT), "")
-            self.files.load_into(self.ctx)
+        try:
+            if self.make is not None:
+                self.current = self.make(self.files)
+            else:
+                with _snapshot(self.files) as copy:  # a scratch context first: a pair that fails leaves all
+                    _loaded(copy, ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), "")
+                    copy.load_into(self.live)
         except (ValueError, ssl.SSLError, OSError) as e:
             logger.warning("TLS refresh (%s): the changed files do not load (%s); keeping the certificates "
                            "loaded before, trying again at the next change", self.what,
@@ -196,10 +245,12 @@ class Watching:
         self.watchers = watchers
         self.tasks: list[asyncio.Task] = []
 
-    def start(self, server_ctx: ssl.SSLContext | None) -> None:
+    def start(self, server_ctx: ssl.SSLContext | None,
+              make: Callable[[CertificateFiles], ssl.SSLContext] | None = None) -> None:  # fmt: skip
+        """`server_ctx`: the context the server made, `make` how it makes one from files."""
         for w in self.watchers:
-            if w.ctx is None:
-                w.ctx = server_ctx
+            if w.live is None and server_ctx is not None:
+                w.attach(server_ctx, make)
             self.tasks.append(asyncio.get_running_loop().create_task(w.run()))
 
     async def stop(self) -> None:

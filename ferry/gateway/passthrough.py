@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from ferry.entrypoints.openai.protocol import OpenAIError
 from ferry.gateway.admission import RequestContext
 from ferry.gateway.replicas import MonitorConfig, Worker
-from ferry.gateway.response_usage import UsageChunkFilter, first_text_chunk
+from ferry.gateway.response_usage import StreamEnd, UsageChunkFilter, first_text_chunk
 from ferry.gateway.responses import CACHE_HEADER, WORKER_HEADER
 from ferry.gateway.settlement import PassThroughResponse, Settlement
 
@@ -125,7 +125,7 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
         # The bookkeeping (close) runs before the client can see the end of the response, so
         # a client that repeats a request right away finds it in the result cache: a
         # non-streamed body is read whole first (the worker sends it at the end anyway), a
-        # stream is settled just before its `data: [DONE]` chunk goes out.
+        # stream is settled just before its last event (`data: [DONE]`, ...: StreamEnd) goes out.
         try:
             if not sse:  # a non-streamed response, or a worker's error answer to a streamed request
                 data = await upstream.aread()
@@ -136,6 +136,7 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
                 yield data
                 return
             strip = UsageChunkFilter() if ctx.strip_usage else None
+            end = StreamEnd()
             async for chunk in upstream.aiter_raw():
                 if state["first"] is None and first_text_chunk(chunk):
                     state["first"] = time.monotonic()
@@ -143,7 +144,7 @@ def pass_through(ctx: RequestContext, worker: Worker, upstream: httpx.Response, 
                     state["kept"] += chunk  # as the worker sent it: settlement reads its usage
                     state["overflow"] = len(state["kept"]) > MAX_KEPT_BYTES
                 out = chunk if strip is None else strip.feed(chunk)
-                if chunk.rstrip().endswith(b"data: [DONE]"):
+                if end.feed(chunk):
                     state["complete"] = True
                     await close()  # also closes the upstream: nothing may be read after this
                     yield out + (strip.flush() if strip is not None else b"")

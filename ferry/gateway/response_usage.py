@@ -81,6 +81,23 @@ def response_usage(body: bytes, streamed: bool) -> tuple[int | None, int | None,
     return None, text_chunks, False
 
 
+class StreamEnd:
+    """Whether a passed-through stream has sent its last event: a chat's or completion's ends with
+    `data: [DONE]`, a Responses API stream with its response.completed / .incomplete / .failed event
+    (which carries the whole response, so it may span chunks; JSON holds no raw newline, so the
+    blank line after it ends it)."""
+
+    _FINAL = tuple(b"event: " + t.encode() + b"\n" for t in (*_FINAL_RESPONSE_EVENTS, "response.failed"))
+
+    def __init__(self) -> None:
+        self.final_started = False
+
+    def feed(self, chunk: bytes) -> bool:
+        if not self.final_started and any(marker in chunk for marker in self._FINAL):
+            self.final_started = True
+        return chunk.rstrip().endswith(b"data: [DONE]") or (self.final_started and chunk.endswith(b"\n\n"))
+
+
 def has_error_event(body: bytes) -> bool:
     """Whether a streamed body reports an error in-band (ferry serve does, mid-stream)."""
     return any(isinstance(e, dict) and ("error" in e or e.get("type") == "response.failed") for e in sse_events(body))

@@ -35,14 +35,17 @@ def make_ca(d, name: str) -> tuple[str, str]:
     return pem, key
 
 
-def make_cert(d, name: str, ca: tuple[str, str], usage: str) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 signed by `ca` (its serial is random: each call's differs)."""
+def make_cert(d, name: str, ca: tuple[str, str], usage: str, key_type: str = "ec") -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by `ca` (its serial is random: each call's differs), with
+    an EC P-256 key or (`key_type` "rsa") an RSA one."""
     key, csr, pem, ext = (str(d / f"{name}.{x}") for x in ("key", "csr", "pem", "ext"))
     with open(ext, "w") as f:
         f.write(f"subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage={usage}\n"
                 "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")  # fmt: skip
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", key, "-out", csr,
-            "-subj", f"/CN={name}")  # fmt: skip
+    new_key = (
+        ["-newkey", "rsa:2048"] if key_type == "rsa" else ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"]
+    )
+    openssl("req", *new_key, "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={name}")
     serial = str(int.from_bytes(os.urandom(8)))
     openssl("x509", "-req", "-in", csr, "-CA", ca[0], "-CAkey", ca[1], "-set_serial", serial, "-out", pem, "-days", "2",
             "-extfile", ext)  # fmt: skip
@@ -76,15 +79,24 @@ def pki(tmp_path_factory):
     }
 
 
-def peer_serial(server_ctx: ssl.SSLContext, ca: str) -> int:
-    """The serial of the certificate `server_ctx` presents, by a handshake over a socket pair."""
+def peer_serial(server_ctx: ssl.SSLContext, ca: str, client: ssl.SSLContext | None = None) -> int:
+    """The serial of the certificate `server_ctx` presents, by a handshake over a socket pair (with
+    `client`, else a default client trusting `ca`)."""
     a, b = socket.socketpair()
-    served = threading.Thread(target=lambda: server_ctx.wrap_socket(a, server_side=True).do_handshake())
+
+    def serve() -> None:
+        try:
+            server_ctx.wrap_socket(a, server_side=True).do_handshake()
+        except (ssl.SSLError, OSError):
+            pass  # the client says why
+
+    served = threading.Thread(target=serve)
     served.start()
     try:
-        with client_context(ca).wrap_socket(b, server_hostname="127.0.0.1") as tls:
+        with (client or client_context(ca)).wrap_socket(b, server_hostname="127.0.0.1") as tls:
             return int(tls.getpeercert()["serialNumber"], 16)
     finally:
+        b.close()
         served.join(10)
         a.close()
 
@@ -147,6 +159,72 @@ def test_refresh_keeps_the_loaded_pair_until_the_new_one_loads(pki, tmp_path, fi
     assert peer_serial(ctx, pki["ca"][0]) == serial_of(new[0])
 
 
+def test_a_rotation_to_another_key_type_serves_no_old_certificate(pki, tmp_path):
+    """EC to RSA: a context holds a certificate per key type, so one loaded in place would still
+    answer clients that take only ECDSA with the old (maybe revoked) certificate. The refresh
+    hands handshakes a fresh context: such a client now fails instead."""
+    old = make_cert(tmp_path, "old", pki["ca"], "serverAuth")
+    new = make_cert(tmp_path, "new", pki["ca"], "serverAuth", key_type="rsa")
+    live = (str(tmp_path / "live.pem"), str(tmp_path / "live.key"))
+    for src, dst in zip(old, live):
+        _copy(src, dst)
+    files = server_tls(tls_args("--ssl-certfile", live[0], "--ssl-keyfile", live[1]))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    files.load_into(ctx)
+    watcher = CertificateWatcher(files, ctx)
+    ecdsa_only = client_context(pki["ca"][0])
+    ecdsa_only.maximum_version = ssl.TLSVersion.TLSv1_2
+    ecdsa_only.set_ciphers("ECDHE-ECDSA-AES128-GCM-SHA256")
+    assert peer_serial(ctx, pki["ca"][0], ecdsa_only) == serial_of(old[0])
+    for src, dst in zip(new, live):
+        os.replace(_copy(src, dst + ".tmp"), dst)
+    assert watcher.check()
+    assert peer_serial(ctx, pki["ca"][0]) == serial_of(new[0])
+    with pytest.raises(ssl.SSLError):
+        peer_serial(ctx, pki["ca"][0], ecdsa_only)
+
+
+def test_the_gateways_client_certificate_is_refreshed(pki, tmp_path):
+    """The context the gateway shows workers (--worker-ssl-*): a rotated client certificate is what
+    the next handshake presents; a half-written pair leaves the loaded one."""
+    from ferry.entrypoints.tls import add_worker_tls_args, worker_client_tls
+
+    old, new = (make_cert(tmp_path, n, pki["ca"], "clientAuth") for n in ("old", "new"))
+    live = (str(tmp_path / "live.pem"), str(tmp_path / "live.key"))
+    for src, dst in zip(old, live):
+        _copy(src, dst)
+    p = argparse.ArgumentParser()
+    add_worker_tls_args(p)
+    ctx, files = worker_client_tls(p.parse_args(["--worker-ssl-ca-certs", pki["ca"][0], "--worker-ssl-certfile",
+                                                 live[0], "--worker-ssl-keyfile", live[1]]))  # fmt: skip
+    watcher = CertificateWatcher(files, ctx, "to workers")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(*pki["server"])
+    server.load_verify_locations(pki["ca"][0])
+    server.verify_mode = ssl.CERT_REQUIRED
+
+    def presented() -> int:
+        a, b = socket.socketpair()
+        seen = {}
+
+        def serve() -> None:
+            with server.wrap_socket(a, server_side=True) as tls:
+                seen["serial"] = int(tls.getpeercert()["serialNumber"], 16)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        with ctx.wrap_socket(b, server_hostname="127.0.0.1"):
+            t.join(10)
+        a.close()
+        return seen["serial"]
+
+    assert presented() == serial_of(old[0])
+    os.replace(_copy(new[0], live[0] + ".tmp"), live[0])  # the certificate, not yet its key
+    assert not watcher.check() and presented() == serial_of(old[0])
+    os.replace(_copy(new[1], live[1] + ".tmp"), live[1])
+    assert watcher.check() and presented() == serial_of(new[0])
+
+
 def _copy(src: str, dst: str) -> str:
     with open(src, "rb") as f, open(dst, "wb") as g:
         g.write(f.read())
@@ -203,8 +281,10 @@ def test_gateway_serves_https_over_an_https_worker(pki, tls_server):
 
 
 def test_gateway_without_the_workers_ca_does_not_route_to_them(pki, tls_server):
-    # The system's CAs: the test CA is not one. (Held half a second for a ready worker, so /ready is 200.)
-    gw = GatewayProcess([tls_server.url], "--hold-timeout", "0.5")
+    # The client certificate the worker asks for, but the system's CAs: the test CA is not one, so the
+    # worker's certificate does not check out. (Held half a second for a ready worker: /ready is 200.)
+    gw = GatewayProcess([tls_server.url], "--hold-timeout", "0.5", "--worker-ssl-certfile", pki["client"][0],
+                        "--worker-ssl-keyfile", pki["client"][1])  # fmt: skip
     try:
         r = httpx.post(gw.url + "/v1/completions", json=COMPLETION, timeout=60)
         assert r.status_code == 503, r.text
@@ -227,4 +307,6 @@ def test_serve_takes_rotated_certificates_for_new_connections(pki, tls_server, t
     wait_for(lambda: presented() == serial_of(new[0]), "the server presents the rotated certificate", timeout=60)
     with httpx.Client(verify=ctx, timeout=60) as c:
         assert c.post(tls_server.url + "/v1/completions", json=COMPLETION).status_code == 200
+    with httpx.Client(verify=client_context(pki["ca"][0]), timeout=30) as c, pytest.raises(httpx.TransportError):
+        c.get(tls_server.url + "/health")  # still no answer without a client certificate
     assert "TLS refresh (server): reloaded" in tls_server.logs()

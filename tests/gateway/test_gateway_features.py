@@ -7,7 +7,13 @@ import pytest
 
 from ferry.gateway.auth import ApiKeys, KeyLimits
 from ferry.gateway.rate_limit import TokenRateLimiter
-from ferry.gateway.response_usage import UsageChunkFilter, first_text_chunk, has_error_event, response_usage
+from ferry.gateway.response_usage import (
+    StreamEnd,
+    UsageChunkFilter,
+    first_text_chunk,
+    has_error_event,
+    response_usage,
+)
 from ferry.gateway.result_cache import ResultCache, cache_key, is_deterministic
 
 
@@ -140,6 +146,30 @@ def test_response_usage_from_json_and_sse():
     assert not has_error_event(without)
 
 
+def test_responses_api_usage_first_token_and_end():
+    """/v1/responses: usage named input_tokens / output_tokens, a stream's in its last event (which
+    may span chunks, and ends the stream); its text deltas mark the first token; response.failed is
+    an error."""
+    usage = {"input_tokens": 11, "output_tokens": 3, "total_tokens": 14}
+    assert response_usage(json.dumps({"object": "response", "usage": usage}).encode(), streamed=False) == (11, 3, True)
+
+    def event(kind: str, **fields) -> bytes:
+        return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **fields}).encode() + b"\n\n"
+
+    created = event("response.created", response={"id": "resp-1", "usage": None})
+    delta = event("response.output_text.delta", item_id="msg_1", delta="Hi")
+    final = event("response.completed", response={"id": "resp-1", "usage": usage, "output": ["x" * 100]})
+    assert not first_text_chunk(created) and first_text_chunk(delta)
+    assert response_usage(created + delta + final, streamed=True) == (11, 3, True)
+    assert response_usage(created + delta, streamed=True) == (None, 1, False)  # cut short: counted
+    end = StreamEnd()
+    assert not end.feed(created) and not end.feed(delta)
+    assert not end.feed(final[:40]) and not end.feed(final[40:-5]) and end.feed(final[-5:])
+    assert StreamEnd().feed(b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+    assert has_error_event(created + event("response.failed", response={"error": {"code": "server_error"}}))
+    assert not has_error_event(created + delta + final)
+
+
 def test_a_cache_hit_is_replayed_under_its_own_id():
     from ferry.gateway.result_cache import with_answer_id
 
@@ -150,6 +180,12 @@ def test_a_cache_hit_is_replayed_under_its_own_id():
     ids = {json.loads(line[6:])["id"] for line in fresh.decode().splitlines() if line.startswith("data: {")}
     assert len(ids) == 1 and ids.pop().startswith("chatcmpl-") and b'a\\"b' not in fresh
     assert with_answer_id(b'{"object": "list"}', False, "x") == b'{"object": "list"}'
+    # A Responses API stream: the id is inside each event's response.
+    events = (b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp-alice"}}\n\n'
+              b'event: response.completed\ndata: {"type": "response.completed", "response": {"id": "resp-alice"}}'
+              b"\n\n")  # fmt: skip
+    replayed = with_answer_id(events, True, "bob")
+    assert replayed.count(b'"id": "resp-bob"') == 2 and b"alice" not in replayed
 
 
 def test_a_forwarded_stream_asks_for_usage_and_for_no_more():
