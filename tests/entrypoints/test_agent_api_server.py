@@ -330,6 +330,7 @@ def test_responses_answer_as_the_chat_does(client):
     assert r.usage.total_tokens == r.usage.input_tokens + 8 and r.id.startswith("resp")
     (item,) = r.output
     assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert item.status == "incomplete"  # cut off, as the response
 
     events = events_of(client.responses.create(model="smol", instructions="Answer briefly.", input="Say hi",
                                                max_output_tokens=8, temperature=0, stream=True))  # fmt: skip
@@ -337,6 +338,7 @@ def test_responses_answer_as_the_chat_does(client):
     assert "".join(deltas) == r.output_text and len(deltas) > 1
     last = events[-1]
     assert last.type == "response.incomplete" and last.response.output_text == r.output_text
+    assert [o.status for o in last.response.output] == ["incomplete"]
     assert last.response.usage.output_tokens == 8
     kinds = [e.type for e in events if "delta" not in e.type]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
@@ -348,6 +350,7 @@ def test_responses_call_tools_and_take_their_outputs(client):
     r = client.responses.create(model="smol", input=ASK[0]["content"], tools=FLAT, tool_choice="required",
                                 max_output_tokens=200, temperature=0.8)  # fmt: skip
     assert r.status == "completed" and r.output and all(o.type == "function_call" for o in r.output)
+    assert all(o.status == "completed" for o in r.output)
     for call in r.output:
         assert call.call_id.startswith("call_") and call.id.startswith("fc_")
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

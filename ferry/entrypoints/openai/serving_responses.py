@@ -35,12 +35,12 @@ def _text_part(text: str, logprobs: list | None) -> dict[str, Any]:
 
 def _message_item(item_id: str, text: str, logprobs: list | None, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [_text_part(text, logprobs)] if status == "completed" else []}  # fmt: skip
+            "content": [_text_part(text, logprobs)] if status != "in_progress" else []}  # fmt: skip
 
 
-def _reasoning_item(item_id: str, text: str | None) -> dict[str, Any]:
+def _reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}] if text is not None else []
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": "completed"}
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -88,7 +88,12 @@ def _response(run: ChatRun, body: ResponsesRequest, status: str, output: list, u
     }
 
 
-def output_items(text: str, run: ChatRun, logprobs: list | None) -> list[dict[str, Any]]:
+def _item_status(finish_reason: str | None) -> str:
+    """The last item's: cut off by max_output_tokens, it is incomplete (as the response is)."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_items(text: str, run: ChatRun, logprobs: list | None, finish_reason: str | None) -> list[dict[str, Any]]:
     """A finished answer's output items: reasoning, text, then calls."""
     msg, _ = message(text, run.tools, run.reasoning_open)
     items = []
@@ -98,6 +103,7 @@ def output_items(text: str, run: ChatRun, logprobs: list | None) -> list[dict[st
         items.append(_message_item(_item_id("msg"), msg["content"] or "", logprobs))
     for call in msg.get("tool_calls") or ():
         items.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
+    items[-1]["status"] = _item_status(finish_reason)
     return items
 
 
@@ -112,7 +118,8 @@ async def create_response(request: Request, state: ServerState, body: ResponsesR
     c = final.outputs[0]
     logprobs = chat_logprobs(c, run.top, run.engine.tokenizer)["content"] if body.logprobs else None
     usage = _usage(len(final.prompt_token_ids), len(c.token_ids), final.num_cached_tokens)
-    return JSONResponse(_response(run, body, "completed", output_items(c.text, run, logprobs), usage, c.finish_reason))
+    items = output_items(c.text, run, logprobs, c.finish_reason)
+    return JSONResponse(_response(run, body, "completed", items, usage, c.finish_reason))
 
 
 class _EventWriter:
@@ -152,7 +159,7 @@ async def _stream(request: Request, run: ChatRun, body: ResponsesRequest) -> Asy
                                content_index=0, part=_text_part("", None)))  # fmt: skip
         return events
 
-    def close_item() -> list[bytes]:
+    def close_item(status: str = "completed") -> list[bytes]:
         nonlocal current
         if current is None:
             return []
@@ -164,13 +171,13 @@ async def _stream(request: Request, run: ChatRun, body: ResponsesRequest) -> Asy
                                text=text, logprobs=logprobs or []))  # fmt: skip
             events.append(emit("response.content_part.done", item_id=item_id, output_index=at, content_index=0,
                                part=part))  # fmt: skip
-            item = _message_item(item_id, text, logprobs)
+            item = _message_item(item_id, text, logprobs, status)
         elif current.kind == "reasoning":
             events.append(emit("response.reasoning_text.done", item_id=item_id, output_index=at, content_index=0,
                                text=text))  # fmt: skip
-            item = _reasoning_item(item_id, text)
+            item = _reasoning_item(item_id, text, status)
         else:
-            item = {**current.item, "arguments": text, "status": "completed"}
+            item = {**current.item, "arguments": text, "status": status}
             events.append(emit("response.function_call_arguments.done", item_id=item_id, output_index=at,
                                name=item["name"], arguments=text))  # fmt: skip
         events.append(emit("response.output_item.done", output_index=at, item=item))
@@ -232,7 +239,7 @@ async def _stream(request: Request, run: ChatRun, body: ResponsesRequest) -> Asy
         if not output and current is None:  # nothing said at all: still one (empty) message
             for e in open_item("message", _message_item(_item_id("msg"), "", None, "in_progress")):
                 yield e
-        for e in close_item():
+        for e in close_item(_item_status(finish)):
             yield e
         done = _response(run, body, "completed", output, _usage(prompt_tokens, output_tokens, cached), finish)
         yield emit(f"response.{done['status']}", response=done)
