@@ -170,10 +170,20 @@ def test_a_tool_conversation_renders_and_bad_tool_messages_are_400(client, serve
     assert r.status_code == 200 and r.json()["count"] > 0, r.text
 
 
-def test_an_agent_library_runs_a_tool_loop(server):
-    """openai-agents against ferry: the first turn must call the tool (required, grammar-enforced),
-    the tool's result goes back as a tool message, and the model answers in text."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_agent_library_runs_a_tool_loop(server, api):
+    """openai-agents against ferry, over chat completions and over the Responses API (its default
+    model's): the first turn must call the tool (required, grammar-enforced), the tool's result goes
+    back (a tool message, a function_call_output item), and the model answers in text."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     calls = []
@@ -185,10 +195,11 @@ def test_an_agent_library_runs_a_tool_loop(server):
         return f"It is 18 degrees and sunny in {city}."
 
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model_class = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
     agent = Agent(
         name="weather",
         instructions="You answer questions about the weather.",
-        model=OpenAIChatCompletionsModel(model="smol", openai_client=client),
+        model=model_class(model="smol", openai_client=client),
         tools=[get_weather],
         model_settings=ModelSettings(tool_choice="required", temperature=0.0, max_tokens=48),
     )
@@ -344,6 +355,12 @@ def test_responses_answer_as_the_chat_does(client):
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", "response.output_text.done", "response.content_part.done",
                      "response.output_item.done", "response.incomplete"]  # fmt: skip
+    # The SDK's stream helper rebuilds the response from the events, checking each item's identity
+    # from added to done (its get_final_response wants a completed one; this one is incomplete).
+    with client.responses.stream(model="smol", instructions="Answer briefly.", input="Say hi", max_output_tokens=8,
+                                 temperature=0) as stream:  # fmt: skip
+        rebuilt = list(stream)[-1]
+    assert rebuilt.type == "response.incomplete" and rebuilt.response.output_text == r.output_text
 
 
 def test_responses_call_tools_and_take_their_outputs(client):
@@ -361,6 +378,11 @@ def test_responses_call_tools_and_take_their_outputs(client):
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     (call,) = events[-1].response.output
     assert done.arguments == args == call.arguments and call.name == done.name == "get_time"
+    with client.responses.stream(model="smol", input=ASK[0]["content"], tools=FLAT, max_output_tokens=60,
+                                 tool_choice={"type": "function", "name": "get_time"}) as stream:  # fmt: skip
+        (rebuilt,) = stream.get_final_response().output
+    assert rebuilt.type == "function_call" and rebuilt.name == "get_time"
+    jsonschema.validate(json.loads(rebuilt.arguments), SCHEMAS["get_time"])
     jsonschema.validate(json.loads(args), SCHEMAS["get_time"])
     # The call and its output go back as input items (as an agent loop sends them): the same text
     # as the chat with the assistant's tool call and the tool's message.
@@ -399,6 +421,8 @@ def test_responses_json_schema_logprobs_and_bad_requests(client, server):
         ({"text": {"format": {"type": "json_schema", "schema": schema}}}, "text.format.name"),
         ({"input": []}, "input"),
         ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),  # nothing is stored
+        ({"stream_options": {"include_usage": True}}, "stream_options.include_usage"),
     ]  # fmt: skip
     for body, param in bad:
         r = httpx.post(server.url + "/v1/responses", json={"model": "smol", "input": "x", "max_output_tokens": 4,
@@ -407,34 +431,6 @@ def test_responses_json_schema_logprobs_and_bad_requests(client, server):
         assert r.json()["error"]["param"] == param, r.text
     # Labels and storage hints (which the SDK and agent libraries send) are accepted no-ops.
     ok = {"model": "smol", "input": "x", "max_output_tokens": 2, "store": True, "metadata": {"k": "v"},
-          "truncation": "disabled", "reasoning": {"effort": "low"},
-          "include": ["reasoning.encrypted_content"]}  # fmt: skip
+          "truncation": "disabled", "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"],
+          "max_tool_calls": 4, "stream_options": {"include_obfuscation": False}}  # fmt: skip
     assert httpx.post(server.url + "/v1/responses", json=ok, timeout=60).status_code == 200
-
-
-def test_an_agent_library_runs_a_tool_loop_over_responses(server):
-    """openai-agents' default model speaks the Responses API: its tool loop, against ferry."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)
-    calls = []
-
-    @function_tool
-    def get_weather(city: Annotated[str, Field(min_length=2, max_length=20)]) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"It is 18 degrees and sunny in {city}."
-
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    agent = Agent(
-        name="weather",
-        instructions="You answer questions about the weather.",
-        model=OpenAIResponsesModel(model="smol", openai_client=client),
-        tools=[get_weather],
-        model_settings=ModelSettings(tool_choice="required", temperature=0.0, max_tokens=48),
-    )
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
-    assert len(calls) == 1 and 2 <= len(calls[0]) <= 20
-    kinds = [type(item).__name__ for item in result.new_items]
-    assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem", kinds
-    assert isinstance(result.final_output, str) and result.final_output.strip()

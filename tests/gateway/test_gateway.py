@@ -344,14 +344,22 @@ def test_keys_rate_limits_result_cache_and_genai_metrics(replicas, tmp_path):
         gw.stop()
 
 
+def keyed_gateway(worker: ServerProcess, tmp_path, key: str, name: str, small_limit: int):
+    """A gateway over `worker` with the result cache and three keys: `key` (unlimited), sk-small
+    (`small_limit` tokens a minute) and the admin key sk-ops, which this test's metric reads use."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps([{"key": key, "name": name},
+                                {"key": "sk-small", "name": "small", "total_tokens_per_minute": small_limit},
+                                {"key": "sk-ops", "name": "ops", "admin": True}]))  # fmt: skip
+    gw = gateway([worker.url], "--api-keys", str(keys), "--result-cache")
+    gw.admin = {"Authorization": "Bearer sk-ops"}
+    return gw
+
+
 def test_embeddings_go_through_keys_limits_and_the_result_cache(replicas, tmp_path):
     """/v1/embeddings at the gateway: the worker's vectors, keyed, cached per key (an embedding is the
     same alone or batched), charged its prompt tokens; errors as for the other endpoints."""
-    keys = tmp_path / "keys.json"
-    keys.write_text('[{"key": "sk-e", "name": "e"}, {"key": "sk-small", "name": "small", '
-                    '"total_tokens_per_minute": 30}, {"key": "sk-ops", "name": "ops", "admin": true}]')  # fmt: skip
-    gw = gateway([replicas[0].url], "--api-keys", str(keys), "--result-cache")
-    gw.admin = {"Authorization": "Bearer sk-ops"}
+    gw = keyed_gateway(replicas[0], tmp_path, "sk-e", "e", small_limit=30)
     try:
         inputs = ["The tides of a small harbour town.", "A list of rivers:"]
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-e", max_retries=0, timeout=60)
@@ -389,11 +397,7 @@ def test_responses_go_through_keys_limits_and_the_result_cache(replicas, tmp_pat
     """/v1/responses at the gateway: the worker's answer, its usage (input_tokens, output_tokens; a
     stream's in its last event) settled and observed, cached per key and replayed under an id of its
     own, streamed or not; keys' limits and the worker's schema as for the other endpoints."""
-    keys = tmp_path / "keys.json"
-    keys.write_text('[{"key": "sk-r", "name": "r"}, {"key": "sk-small", "name": "small", '
-                    '"total_tokens_per_minute": 80}, {"key": "sk-ops", "name": "ops", "admin": true}]')  # fmt: skip
-    gw = gateway([replicas[0].url], "--api-keys", str(keys), "--result-cache")
-    gw.admin = {"Authorization": "Bearer sk-ops"}
+    gw = keyed_gateway(replicas[0], tmp_path, "sk-r", "r", small_limit=80)
     try:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-r", max_retries=0, timeout=60)
         direct = openai.OpenAI(base_url=replicas[0].url + "/v1", api_key="-", max_retries=0, timeout=60)

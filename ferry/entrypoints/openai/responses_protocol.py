@@ -160,6 +160,10 @@ class ReasoningConfig(Strict):
     _no_ops = frozenset({"effort", "summary", "generate_summary"})
 
 
+class ResponsesStreamOptions(Strict):
+    _no_ops = frozenset({"include_obfuscation"})  # OpenAI's padding against length side channels
+
+
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # What `include` may ask for: the answer's logprobs; encrypted reasoning is never made (there is
 # nothing to hide from the client that runs the model), so asking for it asks for nothing.
@@ -174,6 +178,7 @@ class ResponsesRequest(Strict):
     temperature: Finite | None = None
     top_p: Finite | None = None
     stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
@@ -188,8 +193,9 @@ class ResponsesRequest(Strict):
     seed: int | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
+    # Labels, storage and caching hints, and the cap on hosted tools' calls (there are none here).
     _no_ops = frozenset({"store", "metadata", "user", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-                         "safety_identifier"})  # fmt: skip
+                         "prompt_cache_options", "safety_identifier", "max_tool_calls"})  # fmt: skip
     _no_op_values = {"truncation": "disabled", "background": False}
 
     @field_validator("input", mode="before", json_schema_input_type=str | list[InputItem])
