@@ -176,3 +176,58 @@ def redis_server(password: str | None = None, tls_ca: str | None = None) -> Iter
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def path_prefix_proxy(target: str, prefix: str) -> Iterator[str]:
+    """A reverse proxy on 127.0.0.1 that serves `target` under the path `prefix` and strips it on the
+    way (an ingress with a rewrite, `kubectl proxy`): its base URL. Bodies and streams pass through
+    as they come; other paths are 404s."""
+    import asyncio
+    import threading
+
+    import aiohttp
+    from aiohttp import web
+
+    hop_by_hop = {"host", "content-length", "transfer-encoding", "connection", "content-encoding"}
+    loop = asyncio.new_event_loop()
+    state: dict = {}
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        path = request.rel_url.path_qs
+        if not path.startswith(prefix + "/"):
+            return web.Response(status=404, text="outside the prefix")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in hop_by_hop}
+        async with state["session"].request(request.method, target + path[len(prefix):], headers=headers,
+                                            data=await request.read(), allow_redirects=False) as upstream:  # fmt: skip
+            kept = {k: v for k, v in upstream.headers.items() if k.lower() not in hop_by_hop}
+            response = web.StreamResponse(status=upstream.status, headers=kept)
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def start() -> None:
+        state["session"] = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        state["runner"] = runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        state["port"] = runner.addresses[0][1]
+
+    async def stop() -> None:
+        await state["runner"].cleanup()
+        await state["session"].close()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield f"http://127.0.0.1:{state['port']}{prefix}"
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

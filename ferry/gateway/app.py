@@ -359,7 +359,9 @@ class Gateway:
 
             @app.get("/", include_in_schema=False)
             async def root() -> Response:
-                return RedirectResponse("/dashboard")
+                # Relative, as the pages' own URLs: behind a proxy that serves the gateway under a path
+                # prefix (an ingress rewrite), the browser stays under it.
+                return RedirectResponse("dashboard")
 
         @app.get("/metrics")
         async def metrics(request: Request) -> Response:

@@ -10,7 +10,7 @@ import shutil
 import httpx
 import openai
 import pytest
-from server_utils import GatewayProcess, ServerProcess
+from server_utils import GatewayProcess, ServerProcess, path_prefix_proxy
 
 MODEL = "smol"
 # No prefix cache: the playground test asks the page's question again through the API and expects the
@@ -184,4 +184,28 @@ def test_dashboard_shows_a_worker_go_down_and_come_back(page, workers):
         assert page.text_content("#card-healthy") == "2 / 2"
     finally:
         page.close()  # before its gateway goes: its next poll would find nobody there
+        gw.stop()
+
+
+def test_both_pages_work_behind_a_path_prefix_proxy(page, workers):
+    """Served under a path prefix by a proxy that strips it (an ingress rewrite): the pages load
+    their files and call the API relative to where they are, so the playground answers and the
+    dashboard (reached through the gateway's redirect) reads its state, all under the prefix."""
+    with path_prefix_proxy(workers[0].url, "/llm") as base:
+        page.goto(base + "/")
+        page.wait_for_function("() => document.getElementById('model').options.length > 0")
+        page.fill("#max_tokens", "4")
+        page.fill("#prompt", "Hi!")
+        page.press("#prompt", "Enter")
+        page.wait_for_selector(".message.assistant[data-done=true]", timeout=180_000)
+        assert "finish:" in page.text_content(".message.assistant .stats")
+    gw = GatewayProcess([w.url for w in workers], "--admin-key", ADMIN)
+    try:
+        with path_prefix_proxy(gw.url, "/gw") as base:
+            page.goto(base + "/")
+            assert page.url == base + "/dashboard"
+            page.fill("#admin-key", ADMIN)
+            page.dispatch_event("#admin-key", "change")
+            page.wait_for_function("() => document.querySelectorAll('#workers tr[data-healthy=true]').length == 2")
+    finally:
         gw.stop()

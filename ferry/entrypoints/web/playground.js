@@ -43,7 +43,7 @@
   async function loadModels() {
     const badge = $("server-status");
     try {
-      const resp = await fetch("/v1/models", { headers: headers() });
+      const resp = await fetch("v1/models", { headers: headers() });
       if (!resp.ok) throw new Error(await errorText(resp));
       const body = await resp.json();
       const select = $("model");
@@ -150,7 +150,7 @@
     state.controller = new AbortController();
     setBusy(true);
     try {
-      const resp = await fetch("/v1/chat/completions", {
+      const resp = await fetch("v1/chat/completions", {
         method: "POST", headers: headers(), body: JSON.stringify(body), signal: state.controller.signal,
       });
       if (!resp.ok) throw new Error(await errorText(resp));

@@ -136,7 +136,7 @@
     const status = $("status");
     const headers = keyInput.value ? { authorization: "Bearer " + keyInput.value } : {};
     try {
-      const resp = await fetch("/gateway/state", { headers, cache: "no-store" });
+      const resp = await fetch("gateway/state", { headers, cache: "no-store" });
       if (resp.status === 401) throw new Error("this gateway needs its admin key (top right)");
       if (!resp.ok) throw new Error("HTTP " + resp.status);
       const s = await resp.json();
