@@ -669,6 +669,37 @@ def test_engine_core_death_makes_server_unready_and_exit_nonzero():
         s.stop()
 
 
+def test_vllm_serving_flags(tmp_path):
+    """vLLM's --response-role, --enable-force-include-usage and --disable-uvicorn-access-log do what
+    they do there; --disable-fastapi-docs and --enable-prompt-tokens-details are accepted (ferry
+    serves no docs and reports cached tokens anyway)."""
+    s = ServerProcess("--max-model-len", "256", "--response-role", "bot", "--enable-force-include-usage",
+                      "--uvicorn-log-level", "info", "--disable-uvicorn-access-log", "--disable-fastapi-docs",
+                      "--enable-prompt-tokens-details")  # fmt: skip
+    try:
+        ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+        r = httpx.post(s.url + "/v1/chat/completions", json=ask, timeout=60).json()
+        assert r["choices"][0]["message"]["role"] == "bot"
+        assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        # Continuing the assistant's message: the answer is that message's role, as in vLLM.
+        cont = {**ask, "messages": [*ask["messages"], {"role": "assistant", "content": "Hello"}],
+                "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+        r = httpx.post(s.url + "/v1/chat/completions", json=cont, timeout=60).json()
+        assert r["choices"][0]["message"]["role"] == "assistant"
+        # Streams that did not ask for usage end with it all the same.
+        for path, body in (("/v1/chat/completions", ask), ("/v1/completions", {"prompt": "Hi", "max_tokens": 3})):
+            with httpx.stream("POST", s.url + path, json={**body, "stream": True}, timeout=60) as stream:
+                events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3, events[-1]
+            if path == "/v1/chat/completions":
+                assert events[0]["choices"][0]["delta"]["role"] == "bot"
+        logs = s.logs()
+        assert "Uvicorn running" in logs or "Application startup complete" in logs  # uvicorn logs at info ...
+        assert "POST /v1/chat/completions HTTP/1.1" not in logs  # ... but no access lines (it did without the flag)
+    finally:
+        s.stop()
+
+
 def test_bench_serve_load_generator(server):
     """`ferry bench serve`'s client against the real server: exact token counts, sane latencies."""
     import math

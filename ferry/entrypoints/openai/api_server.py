@@ -52,6 +52,7 @@ from ferry.entrypoints.openai.protocol import (
     EmbeddingRequest,
     OpenAIError,
     PromptLimits,
+    StreamOptions,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     decode_json_object,
@@ -126,7 +127,8 @@ class Server:
                  playground: bool = True, spawned: SpawnedCore | None = None,
                  sampling_defaults: dict | None = None, cors: dict | None = None,
                  request_id_headers: bool = False, log_stats_interval: float | None = None,
-                 request_logger: RequestLogger | None = None, chat_template: str | None = None) -> None:  # fmt: skip
+                 request_logger: RequestLogger | None = None, chat_template: str | None = None,
+                 response_role: str = "assistant", force_include_usage: bool = False) -> None:  # fmt: skip
         self.engine_args = engine_args
         self.log_stats_interval = log_stats_interval  # None: --disable-log-stats
         self.cors = cors  # CORSMiddleware's options (http_middleware.py); None: no browser access
@@ -141,7 +143,8 @@ class Server:
                                  tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                  reasoning_parser=reasoning_parser,
                                  sampling_defaults=sampling_defaults or {},
-                                 request_logger=request_logger, chat_template=chat_template)  # fmt: skip
+                                 request_logger=request_logger, chat_template=chat_template,
+                                 response_role=response_role, force_include_usage=force_include_usage)  # fmt: skip
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -360,6 +363,9 @@ class Server:
             engine = ready_engine(state)  # 503 before reading a body this server cannot serve yet
             try:
                 body = await _parse(request, body_type, state.prompt_limits(engine), precheck)
+                if state.force_include_usage and getattr(body, "stream", False) and not body.include_usage:
+                    # vLLM's --enable-force-include-usage: the stream ends with its usage, asked or not
+                    body.stream_options = StreamOptions(include_usage=True)
             except ClientDisconnect:  # gone before its body was read: nothing started, nothing to answer
                 return Response(status_code=499)
             try:
@@ -455,7 +461,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
                     spawned=spawned, sampling_defaults=sampling_defaults, cors=cors_options(args),
                     request_id_headers=args.enable_request_id_headers,
                     log_stats_interval=args.log_stats_interval,
-                    request_logger=RequestLogger.from_flags(args), chat_template=args.chat_template)  # fmt: skip
+                    request_logger=RequestLogger.from_flags(args), chat_template=args.chat_template,
+                    response_role=args.response_role, force_include_usage=args.enable_force_include_usage)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,
@@ -463,6 +470,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
         log_level=args.uvicorn_log_level,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=5,
+        access_log=not args.disable_uvicorn_access_log,
         **uvicorn_tls_options(args.tls, args.ssl_cert_reqs),
     )
     uv = DrainingServer(config, server.start_drain, lambda: server.state.draining, args.tls_watching)

@@ -70,6 +70,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults set over --generation-config's, in generation_config.json's names, "
                         "e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 1024}' (vLLM's)")  # fmt: skip
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line per HTTP request from uvicorn (it logs them at --uvicorn-log-level info)")  # fmt: skip
+    p.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of a chat answer that follows a generation prompt (vLLM's; default assistant)",
+    )
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with its usage chunk, whether or not the request asked "
+                        "(stream_options.include_usage)")  # fmt: skip
+    # vLLM's flags for what ferry does always: accepted, so a vLLM command line runs unchanged.
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="accepted for vLLM's command lines: ferry serves no /docs or /redoc pages anyway")  # fmt: skip
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always "
+                        "reported")  # fmt: skip
     add_tls_args(p)
     p.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's prompt and sampling parameters as it is added (users' data: off by "

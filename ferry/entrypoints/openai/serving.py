@@ -49,6 +49,8 @@ class ServerState:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     request_logger: RequestLogger | None = None  # --enable-log-requests
     chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
+    response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None

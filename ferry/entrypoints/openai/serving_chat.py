@@ -137,19 +137,27 @@ async def final_output(request: Request, run: ChatRun):
     return final
 
 
+def answer_role(state: ServerState, body: ChatCompletionRequest) -> str:
+    """The role a chat answer carries (vLLM's): --response-role after a generation prompt, else the
+    role of the message the output continues."""
+    return state.response_role if body.add_generation_prompt else body.messages[-1].role
+
+
 async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
     run = await start_chat(request, state, body, "chatcmpl")
+    role = answer_role(state, body)
     engine, model, tools, reasoning_open, top = run.engine, run.model, run.tools, run.reasoning_open, run.top
     if body.stream:
         builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]
         return StreamingResponse(_stream(request, engine, run.streams, body, model, run.reply_id, run.created, top,
-                                         run.due, builders, run.log), media_type="text/event-stream")  # fmt: skip
+                                         run.due, builders, run.log, role), media_type="text/event-stream")  # fmt: skip
     final = await final_output(request, run)
     if final is None:
         return None  # the client went away
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
         msg, called = message(c.text, tools, reasoning_open)
+        msg["role"] = role
         choices.append({
             "index": c.index,
             "message": msg,
@@ -174,7 +182,8 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
 
 
 async def _stream(request, engine, streams, body, model, reply_id, created, top, due,
-                  builders: list[DeltaBuilder], log: OutputCollector | None) -> AsyncIterator[bytes]:  # fmt: skip
+                  builders: list[DeltaBuilder], log: OutputCollector | None,
+                  role: str) -> AsyncIterator[bytes]:  # fmt: skip
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         if body.continuous_usage and "usage" not in extra:  # the choice's so far (vLLM's)
             extra["usage"] = usage(streams[0].num_prompt_tokens, tokens_of[choices[0]["index"]], cached)
@@ -197,9 +206,7 @@ async def _stream(request, engine, streams, body, model, reply_id, created, top,
         # The role comes first, in its own chunk per choice, as OpenAI sends it. Every chunk holds one
         # choice, as OpenAI's and vLLM's do (a client may read only choices[0] and its index).
         for i in range(body.n):
-            yield chunk(
-                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-            )
+            yield chunk([{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}])
         async for _, out in until_disconnect(request, merged_outputs(engine, streams, log), due):
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             choices = []
