@@ -670,12 +670,12 @@ def test_engine_core_death_makes_server_unready_and_exit_nonzero():
 
 
 def test_vllm_serving_flags(tmp_path):
-    """vLLM's --response-role, --enable-force-include-usage and --disable-uvicorn-access-log do what
-    they do there; --disable-fastapi-docs and --enable-prompt-tokens-details are accepted (ferry
-    serves no docs and reports cached tokens anyway)."""
+    """vLLM's --response-role, --enable-force-include-usage, --return-tokens-as-token-ids and
+    --disable-uvicorn-access-log do what they do there; --disable-fastapi-docs and
+    --enable-prompt-tokens-details are accepted (ferry serves no docs and reports cached tokens anyway)."""
     s = ServerProcess("--max-model-len", "256", "--response-role", "bot", "--enable-force-include-usage",
                       "--uvicorn-log-level", "info", "--disable-uvicorn-access-log", "--disable-fastapi-docs",
-                      "--enable-prompt-tokens-details")  # fmt: skip
+                      "--enable-prompt-tokens-details", "--return-tokens-as-token-ids")  # fmt: skip
     try:
         ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
         r = httpx.post(s.url + "/v1/chat/completions", json=ask, timeout=60).json()
@@ -693,6 +693,19 @@ def test_vllm_serving_flags(tmp_path):
             assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3, events[-1]
             if path == "/v1/chat/completions":
                 assert events[0]["choices"][0]["delta"]["role"] == "bot"
+        # Logprobs name tokens by id (a request's own false wins); chat's bytes stay the tokens' own.
+        body = {"prompt": "The sky is", "max_tokens": 4, "logprobs": 2, "return_token_ids": True, "temperature": 0}
+        choice = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+        plain = httpx.post(s.url + "/v1/completions", json={**body, "return_tokens_as_token_ids": False},
+                           timeout=60).json()["choices"][0]  # fmt: skip
+        assert "".join(plain["logprobs"]["tokens"]) == plain["text"] == choice["text"]
+        r = httpx.post(s.url + "/v1/chat/completions", json={**ask, "logprobs": True, "top_logprobs": 1},
+                       timeout=60).json()["choices"][0]  # fmt: skip
+        content = r["logprobs"]["content"]
+        assert all(e["token"].startswith("token_id:") for e in content)
+        assert bytes(b for e in content for b in e["bytes"]).decode() == r["message"]["content"]
         logs = s.logs()
         assert "Uvicorn running" in logs or "Application startup complete" in logs  # uvicorn logs at info ...
         assert "POST /v1/chat/completions HTTP/1.1" not in logs  # ... but no access lines (it did without the flag)

@@ -128,7 +128,8 @@ class Server:
                  sampling_defaults: dict | None = None, cors: dict | None = None,
                  request_id_headers: bool = False, log_stats_interval: float | None = None,
                  request_logger: RequestLogger | None = None, chat_template: str | None = None,
-                 response_role: str = "assistant", force_include_usage: bool = False) -> None:  # fmt: skip
+                 response_role: str = "assistant", force_include_usage: bool = False,
+                 return_tokens_as_token_ids: bool = False) -> None:  # fmt: skip
         self.engine_args = engine_args
         self.log_stats_interval = log_stats_interval  # None: --disable-log-stats
         self.cors = cors  # CORSMiddleware's options (http_middleware.py); None: no browser access
@@ -144,7 +145,8 @@ class Server:
                                  reasoning_parser=reasoning_parser,
                                  sampling_defaults=sampling_defaults or {},
                                  request_logger=request_logger, chat_template=chat_template,
-                                 response_role=response_role, force_include_usage=force_include_usage)  # fmt: skip
+                                 response_role=response_role, force_include_usage=force_include_usage,
+                                 return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -462,7 +464,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
                     request_id_headers=args.enable_request_id_headers,
                     log_stats_interval=args.log_stats_interval,
                     request_logger=RequestLogger.from_flags(args), chat_template=args.chat_template,
-                    response_role=args.response_role, force_include_usage=args.enable_force_include_usage)  # fmt: skip
+                    response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

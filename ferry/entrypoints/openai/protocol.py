@@ -434,6 +434,9 @@ class _GenerationRequest(Strict):
     # vLLM's: each prompt token's logprob (and rank) with this many alternatives; the whole prompt is
     # computed (no prefix-cache hits), so it costs a prefill.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # the engine holds it to --max-logprobs
+    # vLLM's: logprobs name each token `token_id:<id>` (exact, whatever its text); None: the server's
+    # --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     # Prefill/decode disaggregation, set by the gateway (vLLM's field name): {"do_remote_decode": true,
     # "decode_receiver": "tcp://..."} to a prefill worker; {"do_remote_prefill": true, "first_token_ids":
     # [...], "prompt_digest": "..."} to a decode worker (entrypoints/openai/serving.py).

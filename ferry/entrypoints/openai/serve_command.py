@@ -77,6 +77,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="assistant",
         help="the role of a chat answer that follows a generation prompt (vLLM's; default assistant)",
     )
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token `token_id:<id>` (exact whatever its text; a request's own "
+                        "return_tokens_as_token_ids wins)")  # fmt: skip
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with its usage chunk, whether or not the request asked "
                         "(stream_options.include_usage)")  # fmt: skip

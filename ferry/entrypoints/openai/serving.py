@@ -51,6 +51,7 @@ class ServerState:
     chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own)
     response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
     force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None
@@ -65,6 +66,17 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+
+def tokens_as_ids(state: ServerState, body) -> bool:
+    """Whether a request's logprobs name tokens `token_id:<id>` (vLLM's return_tokens_as_token_ids)."""
+    asked = getattr(body, "return_tokens_as_token_ids", None)
+    return state.return_tokens_as_token_ids if asked is None else asked
+
+
+def token_label(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or `token_id:<id>`."""
+    return f"token_id:{token_id}" if as_ids else decoded or ""
 
 
 def random_id(prefix: str) -> str:

@@ -40,6 +40,8 @@ from ferry.entrypoints.openai.serving import (
     ready_engine,
     request_ids,
     sse,
+    token_label,
+    tokens_as_ids,
     until_disconnect,
     usage,
 )
@@ -48,13 +50,16 @@ from ferry.outputs import CompletionOutput
 from ferry.tokenizer import token_bytes
 
 
-def chat_logprobs(c: CompletionOutput, top: int, tokenizer) -> dict[str, Any]:
+def chat_logprobs(c: CompletionOutput, top: int, tokenizer, as_ids: bool = False) -> dict[str, Any]:
+    """`as_ids`: tokens named `token_id:<id>` (their bytes stay the token's own)."""
+
     def entry_json(token_id: int, lp) -> dict[str, Any]:
         text = lp.decoded_token or ""
         # The token's own bytes: a piece of a UTF-8 character decodes to U+FFFD, whose bytes are not
         # the piece's. A token the output skips (a special one) has no text and no bytes.
         raw = token_bytes(tokenizer, token_id) if tokenizer is not None and text else None
-        return {"token": text, "logprob": finite(lp.logprob), "bytes": list(raw if raw is not None else text.encode())}
+        return {"token": token_label(token_id, text, as_ids), "logprob": finite(lp.logprob),
+                "bytes": list(raw if raw is not None else text.encode())}  # fmt: skip
 
     content = []
     for tok, entry in zip(c.token_ids, c.logprobs or []):
@@ -145,12 +150,13 @@ def answer_role(state: ServerState, body: ChatCompletionRequest) -> str:
 
 async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
     run = await start_chat(request, state, body, "chatcmpl")
-    role = answer_role(state, body)
+    role, as_ids = answer_role(state, body), tokens_as_ids(state, body)
     engine, model, tools, reasoning_open, top = run.engine, run.model, run.tools, run.reasoning_open, run.top
     if body.stream:
         builders = [DeltaBuilder(tools, reasoning_open) for _ in range(body.n)]
         return StreamingResponse(_stream(request, engine, run.streams, body, model, run.reply_id, run.created, top,
-                                         run.due, builders, run.log, role), media_type="text/event-stream")  # fmt: skip
+                                         run.due, builders, run.log, role, as_ids),
+                                 media_type="text/event-stream")  # fmt: skip
     final = await final_output(request, run)
     if final is None:
         return None  # the client went away
@@ -161,7 +167,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
         choices.append({
             "index": c.index,
             "message": msg,
-            "logprobs": chat_logprobs(c, top, engine.tokenizer) if body.logprobs else None,
+            "logprobs": chat_logprobs(c, top, engine.tokenizer, as_ids) if body.logprobs else None,
             "finish_reason": finish_reason(c.finish_reason, called),
             "stop_reason": c.stop_reason,
         })  # fmt: skip
@@ -183,7 +189,7 @@ async def create_chat_completion(request: Request, state: ServerState, body: Cha
 
 async def _stream(request, engine, streams, body, model, reply_id, created, top, due,
                   builders: list[DeltaBuilder], log: OutputCollector | None,
-                  role: str) -> AsyncIterator[bytes]:  # fmt: skip
+                  role: str, as_ids: bool) -> AsyncIterator[bytes]:  # fmt: skip
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         if body.continuous_usage and "usage" not in extra:  # the choice's so far (vLLM's)
             extra["usage"] = usage(streams[0].num_prompt_tokens, tokens_of[choices[0]["index"]], cached)
@@ -221,7 +227,7 @@ async def _stream(request, engine, streams, body, model, reply_id, created, top,
                     {
                         "index": c.index,
                         "delta": delta,
-                        "logprobs": chat_logprobs(c, top, engine.tokenizer) if body.logprobs else None,
+                        "logprobs": chat_logprobs(c, top, engine.tokenizer, as_ids) if body.logprobs else None,
                         "finish_reason": finish_reason(c.finish_reason, builder.called),
                         "stop_reason": c.stop_reason,
                     }

@@ -32,6 +32,8 @@ from ferry.entrypoints.openai.serving import (
     ready_engine,
     request_ids,
     sse,
+    token_label,
+    tokens_as_ids,
     until_disconnect,
     usage,
 )
@@ -62,17 +64,19 @@ async def tokenize_prompts(tokenizer, prompts: list) -> list:
     return await asyncio.to_thread(run)
 
 
-def echo_logprobs(out, top: int, completion: dict[str, Any], tokenizer) -> dict[str, Any]:
+def echo_logprobs(out, top: int, completion: dict[str, Any], tokenizer, as_ids: bool = False) -> dict[str, Any]:
     """OpenAI's legacy `echo` with `logprobs`: the prompt's tokens come first in the logprobs object,
-    the first with null logprobs (nothing precedes it), then the completion's (offsets from 0)."""
+    the first with null logprobs (nothing precedes it), then the completion's (offsets from 0).
+    `as_ids`: tokens named `token_id:<id>` (offsets still count their text)."""
     tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
     for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
         if entry is None:  # the first token: its text, no logprob
             text, lp, alternatives = tokenizer.decode([tok]) if tokenizer is not None else "", None, None
         else:
             text, lp = entry[tok].decoded_token or "", finite(entry[tok].logprob)
-            alternatives = {(e.decoded_token or ""): finite(e.logprob) for e in entry.values() if e.rank <= top}
-        tokens.append(text)
+            alternatives = {token_label(t, e.decoded_token, as_ids): finite(e.logprob) for t, e in entry.items()
+                            if e.rank <= top}  # fmt: skip
+        tokens.append(token_label(tok, text, as_ids))
         token_lps.append(lp)
         tops.append(alternatives)
         offsets.append(offset)
@@ -86,17 +90,17 @@ def echo_logprobs(out, top: int, completion: dict[str, Any], tokenizer) -> dict[
 class LogprobsBuilder:
     """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
 
-    def __init__(self, start_offset: int = 0) -> None:
-        self.offset = start_offset
+    def __init__(self, start_offset: int = 0, as_ids: bool = False) -> None:
+        self.offset, self.as_ids = start_offset, as_ids  # as_ids: tokens named `token_id:<id>`
 
     def build(self, c: CompletionOutput) -> dict[str, Any]:
         tokens, token_lps, tops, offsets = [], [], [], []
         for tok, entry in zip(c.token_ids, c.logprobs or []):
             sampled = entry[tok]
             text = sampled.decoded_token or ""
-            tokens.append(text)
+            tokens.append(token_label(tok, text, self.as_ids))
             token_lps.append(finite(sampled.logprob))
-            tops.append({(e.decoded_token or ""): finite(e.logprob) for e in entry.values()})
+            tops.append({token_label(t, e.decoded_token, self.as_ids): finite(e.logprob) for t, e in entry.items()})
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -130,6 +134,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     created = now_s()
     tokenizer = engine.tokenizer
     with_ids = body.return_token_ids if body.return_token_ids is not None else tokenizer is None
+    as_ids = tokens_as_ids(state, body)  # logprobs name tokens `token_id:<id>`
 
     def echo_text(i: int) -> str:
         p = prompts[i]
@@ -143,7 +148,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         outputs = _nothing_generated(outputs)
     if body.stream:
         return StreamingResponse(
-            _stream(request, engine, outputs, body, model, reply_id, created, n, echo_text, with_ids, due),
+            _stream(request, engine, outputs, body, model, reply_id, created, n, echo_text, with_ids, due, as_ids),
             media_type="text/event-stream",
         )
 
@@ -163,9 +168,9 @@ async def create_completion(request: Request, state: ServerState, body: Completi
             completion_tokens += len(c.token_ids)
             lp = None
             if body.logprobs is not None:
-                lp = LogprobsBuilder(len(prefix)).build(c)
+                lp = LogprobsBuilder(len(prefix), as_ids).build(c)
                 if body.echo:
-                    lp = echo_logprobs(out, body.logprobs, lp, tokenizer)
+                    lp = echo_logprobs(out, body.logprobs, lp, tokenizer, as_ids)
             choice = {
                 "index": i * n + c.index,
                 "text": prefix + c.text,
@@ -212,7 +217,7 @@ async def _nothing_generated(outputs: AsyncIterator[tuple[int, Any]]) -> AsyncIt
 
 
 async def _stream(
-    request, engine, outputs, body, model, reply_id, created, n, echo_text, with_ids, due
+    request, engine, outputs, body, model, reply_id, created, n, echo_text, with_ids, due, as_ids
 ) -> AsyncIterator[bytes]:
     lp_builders: dict[int, LogprobsBuilder] = {}
     echoed: set[int] = set()
@@ -247,10 +252,11 @@ async def _stream(
                 tokens_of[index] = tokens_of.get(index, 0) + len(c.token_ids)
                 lp, first = None, index not in lp_builders
                 if body.logprobs is not None or body.prompt_logprobs is not None:
-                    builder = lp_builders.setdefault(index, LogprobsBuilder(len(echo_text(i)) if body.echo else 0))
+                    start = len(echo_text(i)) if body.echo else 0
+                    builder = lp_builders.setdefault(index, LogprobsBuilder(start, as_ids))
                     lp = builder.build(c) if body.logprobs is not None else None
                     if first and body.echo and lp is not None:
-                        lp = echo_logprobs(out, body.logprobs, lp, engine.tokenizer)
+                        lp = echo_logprobs(out, body.logprobs, lp, engine.tokenizer, as_ids)
                 choice = {
                     "index": index,
                     "text": text,
