@@ -189,7 +189,7 @@ def path_prefix_proxy(target: str, prefix: str) -> Iterator[str]:
     import aiohttp
     from aiohttp import web
 
-    hop_by_hop = {"host", "content-length", "transfer-encoding", "connection", "content-encoding"}
+    hop_by_hop = {"host", "content-length", "transfer-encoding", "connection"}  # (bodies pass as sent, encoded or not)
     loop = asyncio.new_event_loop()
     state: dict = {}
 

@@ -16,7 +16,9 @@ drops the key of a certificate it replaces), and serving an old certificate of a
 (a context holds one per type). A pair that does not load (a key written before its certificate,
 say) is tried again at the next change, the one loaded before serving meanwhile. The gateway's
 client context (its HTTP client holds it) is loaded in place, from one private copy of the files
-that a scratch context loaded first; its CAs are added to, not replaced.
+that a scratch context loaded first; its CAs are added to, not replaced, and a client certificate
+of another key type joins the old one, which OpenSSL may go on presenting: after such a rotation,
+restart the gateway.
 """
 
 from __future__ import annotations

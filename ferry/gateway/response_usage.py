@@ -85,17 +85,25 @@ class StreamEnd:
     """Whether a passed-through stream has sent its last event: a chat's or completion's ends with
     `data: [DONE]`, a Responses API stream with its response.completed / .incomplete / .failed event
     (which carries the whole response, so it may span chunks; JSON holds no raw newline, so the
-    blank line after it ends it)."""
+    blank line after it ends it). Chunks are cut anywhere, a marker or the blank line too: each is
+    looked for in the previous chunk's tail and this one together. LF or CRLF lines."""
 
-    _FINAL = tuple(b"event: " + t.encode() + b"\n" for t in (*_FINAL_RESPONSE_EVENTS, "response.failed"))
+    _FINAL = tuple(b"event: " + t.encode() + eol for t in (*_FINAL_RESPONSE_EVENTS, "response.failed")
+                   for eol in (b"\n", b"\r\n"))  # fmt: skip
+    _KEEP = max(len(m) for m in _FINAL)
 
     def __init__(self) -> None:
         self.final_started = False
+        self.tail = b""
 
     def feed(self, chunk: bytes) -> bool:
-        if not self.final_started and any(marker in chunk for marker in self._FINAL):
+        window = self.tail + chunk
+        self.tail = window[-self._KEEP :]
+        if not self.final_started and any(marker in window for marker in self._FINAL):
             self.final_started = True
-        return chunk.rstrip().endswith(b"data: [DONE]") or (self.final_started and chunk.endswith(b"\n\n"))
+        if window.rstrip().endswith(b"data: [DONE]"):
+            return True
+        return self.final_started and (window.endswith(b"\n\n") or window.endswith(b"\r\n\r\n"))
 
 
 def has_error_event(body: bytes) -> bool:

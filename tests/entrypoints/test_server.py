@@ -693,6 +693,11 @@ def test_vllm_serving_flags(tmp_path):
             assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3, events[-1]
             if path == "/v1/chat/completions":
                 assert events[0]["choices"][0]["delta"]["role"] == "bot"
+        # A client's continuous_usage_stats (without include_usage) is kept: usage on every chunk.
+        cont_body = {**ask, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=cont_body, timeout=60) as stream:
+            events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        assert all(e["usage"] is not None for e in events) and events[-1]["choices"] == []
         # Logprobs name tokens by id (a request's own false wins); chat's bytes stay the tokens' own.
         body = {"prompt": "The sky is", "max_tokens": 4, "logprobs": 2, "return_token_ids": True, "temperature": 0}
         choice = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]

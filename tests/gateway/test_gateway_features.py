@@ -165,6 +165,12 @@ def test_responses_api_usage_first_token_and_end():
     end = StreamEnd()
     assert not end.feed(created) and not end.feed(delta)
     assert not end.feed(final[:40]) and not end.feed(final[40:-5]) and end.feed(final[-5:])
+    # Cut inside the marker, and between the two newlines that end the event; CRLF lines.
+    split = StreamEnd()
+    assert not split.feed(created + final[:12]) and not split.feed(final[12:-1]) and split.feed(final[-1:])
+    crlf = StreamEnd()
+    assert not crlf.feed(created) and crlf.feed(final.replace(b"\n", b"\r\n"))
+    assert StreamEnd().feed(b'data: {"choices": []}\n\ndata: [DO') is False
     assert StreamEnd().feed(b'data: {"choices": []}\n\ndata: [DONE]\n\n')
     assert has_error_event(created + event("response.failed", response={"error": {"code": "server_error"}}))
     assert not has_error_event(created + delta + final)

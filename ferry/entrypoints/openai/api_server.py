@@ -367,7 +367,8 @@ class Server:
                 body = await _parse(request, body_type, state.prompt_limits(engine), precheck)
                 if state.force_include_usage and getattr(body, "stream", False) and not body.include_usage:
                     # vLLM's --enable-force-include-usage: the stream ends with its usage, asked or not
-                    body.stream_options = StreamOptions(include_usage=True)
+                    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+                    body.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=continuous)
             except ClientDisconnect:  # gone before its body was read: nothing started, nothing to answer
                 return Response(status_code=499)
             try:

@@ -99,7 +99,7 @@ def output_items(text: str, run: ChatRun, logprobs: list | None, finish_reason: 
     items = []
     if msg.get("reasoning_content") is not None:
         items.append(_reasoning_item(_item_id("rs"), msg["reasoning_content"]))
-    if msg["content"] or not msg.get("tool_calls"):
+    if msg["content"] or not items and not msg.get("tool_calls"):  # (nothing else said: still a message)
         items.append(_message_item(_item_id("msg"), msg["content"] or "", logprobs))
     for call in msg.get("tool_calls") or ():
         items.append(_call_item(_item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]))
