@@ -670,16 +670,17 @@ def test_engine_core_death_makes_server_unready_and_exit_nonzero():
 
 
 def test_vllm_serving_flags(tmp_path):
-    """vLLM's --response-role, --enable-force-include-usage, --return-tokens-as-token-ids and
-    --disable-uvicorn-access-log do what they do there; --disable-fastapi-docs and
+    """vLLM's --response-role, --enable-force-include-usage, --return-tokens-as-token-ids,
+    --scheduling-policy and --disable-uvicorn-access-log do what they do there; --disable-fastapi-docs and
     --enable-prompt-tokens-details are accepted (ferry serves no docs and reports cached tokens anyway)."""
     s = ServerProcess("--max-model-len", "256", "--response-role", "bot", "--enable-force-include-usage",
                       "--uvicorn-log-level", "info", "--disable-uvicorn-access-log", "--disable-fastapi-docs",
-                      "--enable-prompt-tokens-details", "--return-tokens-as-token-ids")  # fmt: skip
+                      "--enable-prompt-tokens-details", "--return-tokens-as-token-ids",
+                      "--scheduling-policy", "priority")  # fmt: skip
     try:
         ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
-        r = httpx.post(s.url + "/v1/chat/completions", json=ask, timeout=60).json()
-        assert r["choices"][0]["message"]["role"] == "bot"
+        r = httpx.post(s.url + "/v1/chat/completions", json={**ask, "priority": 3}, timeout=60).json()
+        assert r["choices"][0]["message"]["role"] == "bot"  # (and a priority taken: --scheduling-policy priority)
         assert r["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
         # Continuing the assistant's message: the answer is that message's role, as in vLLM.
         cont = {**ask, "messages": [*ask["messages"], {"role": "assistant", "content": "Hello"}],

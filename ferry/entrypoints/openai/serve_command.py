@@ -54,6 +54,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer <key>` (one of these) on /v1/* (default: $FERRY_API_KEY, else "
                         "$VLLM_API_KEY); "
                         "probes and /metrics stay open")  # fmt: skip
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM's: priority lets requests carry a `priority` (lower first), as "
+                        "--allow-client-priority does; fcfs refuses a nonzero one (ties run first come, first "
+                        "served either way)")  # fmt: skip
     p.add_argument("--allow-client-priority", action="store_true",
                    help="let requests set `priority` (else only 0 is taken: a client could jump every queue); "
                         "`ferry gateway` sets it per API key")  # fmt: skip
@@ -187,6 +191,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     api_keys = api_keys_from(args.api_key, os.environ)
+    args.allow_client_priority = args.allow_client_priority or args.scheduling_policy == "priority"
     args.tls = server_tls(args)  # the certificate files, loaded once to check them; ValueError: exit 2
     args.tls_watching = watchers(args, args.tls)  # --enable-ssl-refresh's
     args.chat_template = load_chat_template(args.chat_template)  # the text; ValueError: exit 2
