@@ -85,14 +85,15 @@ class CertificateFiles:
             ctx.load_verify_locations(self.ca_certs)
 
 
-def _loaded(files: CertificateFiles, ctx: ssl.SSLContext, flags: str) -> ssl.SSLContext:
-    """`ctx` with `files` loaded; a ValueError naming `flags` when they do not load."""
+def _loaded(files: CertificateFiles, ctx: ssl.SSLContext, flags: str | None = None) -> ssl.SSLContext:
+    """`ctx` with `files` loaded; a ValueError (naming `flags`, if given) when they do not load."""
+    where = f"{flags}: " if flags else ""
     try:
         files.load_into(ctx)
     except FileNotFoundError as e:
-        raise ValueError(f"{flags}: no such file: {e.filename}") from None
+        raise ValueError(f"{where}no such file: {e.filename}") from None
     except (ssl.SSLError, OSError) as e:
-        raise ValueError(f"{flags}: {e}") from None
+        raise ValueError(f"{where}{e}") from None
     return ctx
 
 
@@ -202,7 +203,7 @@ class CertificateWatcher:
         """Watch for `live`. A server's: `make(files)` builds a context as the live one was built."""
         self.live = live
         if live.protocol == ssl.PROTOCOL_TLS_SERVER:
-            self.make = make or (lambda files: _loaded(files, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), ""))
+            self.make = make or (lambda files: _loaded(files, ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)))
             live.sni_callback = self._select
 
     def _select(self, ssl_object, server_name, ctx) -> None:
@@ -223,12 +224,12 @@ class CertificateWatcher:
                 self.current = self.make(self.files)
             else:
                 with _snapshot(self.files) as copy:  # a scratch context first: a pair that fails leaves all
-                    _loaded(copy, ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), "")
+                    _loaded(copy, ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
                     copy.load_into(self.live)
         except (ValueError, ssl.SSLError, OSError) as e:
             logger.warning("TLS refresh (%s): the changed files do not load (%s); keeping the certificates "
                            "loaded before, trying again at the next change", self.what,
-                           str(e).lstrip(": "))  # fmt: skip
+                           e)  # fmt: skip
             return False
         self.reloads += 1
         logger.info("TLS refresh (%s): reloaded %s", self.what, ", ".join(self.files.paths()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -79,26 +80,42 @@ def pki(tmp_path_factory):
     }
 
 
-def peer_serial(server_ctx: ssl.SSLContext, ca: str, client: ssl.SSLContext | None = None) -> int:
-    """The serial of the certificate `server_ctx` presents, by a handshake over a socket pair (with
-    `client`, else a default client trusting `ca`)."""
+def handshake(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> tuple[int, int | None]:
+    """A TLS handshake over a socket pair: (the serial of the certificate the server presented, that
+    of the client's, None when it sent none). The client's error, if it fails."""
     a, b = socket.socketpair()
+    seen: dict[str, int] = {}
 
     def serve() -> None:
         try:
-            server_ctx.wrap_socket(a, server_side=True).do_handshake()
+            with server_ctx.wrap_socket(a, server_side=True) as tls:
+                cert = tls.getpeercert()
+                if cert:
+                    seen["client"] = int(cert["serialNumber"], 16)
         except (ssl.SSLError, OSError):
             pass  # the client says why
 
     served = threading.Thread(target=serve)
     served.start()
     try:
-        with (client or client_context(ca)).wrap_socket(b, server_hostname="127.0.0.1") as tls:
-            return int(tls.getpeercert()["serialNumber"], 16)
+        with client_ctx.wrap_socket(b, server_hostname="127.0.0.1") as tls:
+            server_serial = int(tls.getpeercert()["serialNumber"], 16)
     finally:
-        b.close()
         served.join(10)
+        b.close()
         a.close()
+    return server_serial, seen.get("client")
+
+
+def peer_serial(server_ctx: ssl.SSLContext, ca: str, client: ssl.SSLContext | None = None) -> int:
+    """The serial of the certificate `server_ctx` presents to `client` (else a default client trusting `ca`)."""
+    return handshake(server_ctx, client or client_context(ca))[0]
+
+
+def install(src: str, dst: str) -> None:
+    """`src`'s bytes at `dst`, swapped in whole (a rename), as certificate rotators write them."""
+    shutil.copyfile(src, dst + ".tmp")
+    os.replace(dst + ".tmp", dst)
 
 
 def tls_args(*flags: str) -> argparse.Namespace:
@@ -141,7 +158,7 @@ def test_refresh_keeps_the_loaded_pair_until_the_new_one_loads(pki, tmp_path, fi
     new = make_cert(tmp_path, "new", pki["ca"], "serverAuth")
     live = (str(tmp_path / "live.pem"), str(tmp_path / "live.key"))
     for src, dst in zip(old, live):
-        os.replace(_copy(src, dst + ".tmp"), dst)
+        install(src, dst)
     files = server_tls(tls_args("--ssl-certfile", live[0], "--ssl-keyfile", live[1]))
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     files.load_into(ctx)
@@ -150,11 +167,11 @@ def test_refresh_keeps_the_loaded_pair_until_the_new_one_loads(pki, tmp_path, fi
     assert peer_serial(ctx, pki["ca"][0]) == serial_of(old[0])
 
     order = [0, 1] if first == "certificate" else [1, 0]
-    os.replace(_copy(new[order[0]], live[order[0]] + ".tmp"), live[order[0]])
+    install(new[order[0]], live[order[0]])
     assert not watcher.check()
     assert peer_serial(ctx, pki["ca"][0]) == serial_of(old[0])
 
-    os.replace(_copy(new[order[1]], live[order[1]] + ".tmp"), live[order[1]])
+    install(new[order[1]], live[order[1]])
     assert watcher.check() and watcher.reloads == 1
     assert peer_serial(ctx, pki["ca"][0]) == serial_of(new[0])
 
@@ -167,7 +184,7 @@ def test_a_rotation_to_another_key_type_serves_no_old_certificate(pki, tmp_path)
     new = make_cert(tmp_path, "new", pki["ca"], "serverAuth", key_type="rsa")
     live = (str(tmp_path / "live.pem"), str(tmp_path / "live.key"))
     for src, dst in zip(old, live):
-        _copy(src, dst)
+        shutil.copyfile(src, dst)
     files = server_tls(tls_args("--ssl-certfile", live[0], "--ssl-keyfile", live[1]))
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     files.load_into(ctx)
@@ -177,7 +194,7 @@ def test_a_rotation_to_another_key_type_serves_no_old_certificate(pki, tmp_path)
     ecdsa_only.set_ciphers("ECDHE-ECDSA-AES128-GCM-SHA256")
     assert peer_serial(ctx, pki["ca"][0], ecdsa_only) == serial_of(old[0])
     for src, dst in zip(new, live):
-        os.replace(_copy(src, dst + ".tmp"), dst)
+        install(src, dst)
     assert watcher.check()
     assert peer_serial(ctx, pki["ca"][0]) == serial_of(new[0])
     with pytest.raises(ssl.SSLError):
@@ -192,7 +209,7 @@ def test_the_gateways_client_certificate_is_refreshed(pki, tmp_path):
     old, new = (make_cert(tmp_path, n, pki["ca"], "clientAuth") for n in ("old", "new"))
     live = (str(tmp_path / "live.pem"), str(tmp_path / "live.key"))
     for src, dst in zip(old, live):
-        _copy(src, dst)
+        shutil.copyfile(src, dst)
     p = argparse.ArgumentParser()
     add_worker_tls_args(p)
     ctx, files = worker_client_tls(p.parse_args(["--worker-ssl-ca-certs", pki["ca"][0], "--worker-ssl-certfile",
@@ -203,32 +220,14 @@ def test_the_gateways_client_certificate_is_refreshed(pki, tmp_path):
     server.load_verify_locations(pki["ca"][0])
     server.verify_mode = ssl.CERT_REQUIRED
 
-    def presented() -> int:
-        a, b = socket.socketpair()
-        seen = {}
-
-        def serve() -> None:
-            with server.wrap_socket(a, server_side=True) as tls:
-                seen["serial"] = int(tls.getpeercert()["serialNumber"], 16)
-
-        t = threading.Thread(target=serve)
-        t.start()
-        with ctx.wrap_socket(b, server_hostname="127.0.0.1"):
-            t.join(10)
-        a.close()
-        return seen["serial"]
+    def presented() -> int | None:
+        return handshake(server, ctx)[1]
 
     assert presented() == serial_of(old[0])
-    os.replace(_copy(new[0], live[0] + ".tmp"), live[0])  # the certificate, not yet its key
+    install(new[0], live[0])  # the certificate, not yet its key
     assert not watcher.check() and presented() == serial_of(old[0])
-    os.replace(_copy(new[1], live[1] + ".tmp"), live[1])
+    install(new[1], live[1])
     assert watcher.check() and presented() == serial_of(new[0])
-
-
-def _copy(src: str, dst: str) -> str:
-    with open(src, "rb") as f, open(dst, "wb") as g:
-        g.write(f.read())
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +236,8 @@ def tls_server(pki, tmp_path_factory):
     are copies the refresh test rewrites."""
     d = tmp_path_factory.mktemp("served")
     cert, key = str(d / "server.pem"), str(d / "server.key")
-    _copy(pki["server"][0], cert)
-    _copy(pki["server"][1], key)
+    shutil.copyfile(pki["server"][0], cert)
+    shutil.copyfile(pki["server"][1], key)
     s = ServerProcess("--max-model-len", "256", "--num-kv-blocks", "32", "--served-model-name", MODEL,
                       "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", pki["ca"][0],
                       "--ssl-cert-reqs", "2", "--enable-ssl-refresh",
@@ -295,8 +294,8 @@ def test_gateway_without_the_workers_ca_does_not_route_to_them(pki, tls_server):
 def test_serve_takes_rotated_certificates_for_new_connections(pki, tls_server, tmp_path):
     new = make_cert(tmp_path, "rotated", pki["ca"], "serverAuth")
     cert, key = tls_server.files
-    os.replace(_copy(new[1], key + ".tmp"), key)
-    os.replace(_copy(new[0], cert + ".tmp"), cert)
+    install(new[1], key)
+    install(new[0], cert)
     ctx = client_context(pki["ca"][0], pki["client"])
 
     def presented() -> int:
