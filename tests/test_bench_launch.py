@@ -10,10 +10,16 @@ import pytest
 from ferry.bench.launch import LaunchedServer
 from ferry.utils.network import free_port
 
+# Python's http.server as the server, with Python's own Ctrl-C handler: a process started in the
+# background by a shell inherits SIGINT ignored, and a Python started so leaves it ignored (the
+# servers ferry launches, uvicorn and llama-server, install their own handlers).
+SERVE_WITH_CTRL_C = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv[0] = 'http.server'; runpy.run_module('http.server', run_name='__main__')")  # fmt: skip
+
 
 def http_server(tmp_path) -> LaunchedServer:
     port = free_port()
-    cmd = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(tmp_path), str(port)]
+    cmd = [sys.executable, "-c", SERVE_WITH_CTRL_C, "--bind", "127.0.0.1", "--directory", str(tmp_path), str(port)]
     return LaunchedServer(cmd, port, "/", 60)
 
 
