@@ -7,6 +7,7 @@ process must not load the model code behind them.
 from typing import TYPE_CHECKING
 
 from ferry.config import EngineArgs
+from ferry.lora_request import LoRARequest
 from ferry.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -26,6 +27,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
 ]
 __version__ = "0.1.0"
 

@@ -94,9 +94,18 @@ class EngineArgs:
     pooling_type: str = "last"  # last | mean | cls
     embed_max_batch: int = 32
     embed_max_delay_ms: float = 5.0
+    # LoRA adapters (PEFT directories) served beside the base model, as vLLM's --enable-lora: each
+    # `name=path` (or {"name": ..., "path": ...}); requests choose one by name. max_loras: the most
+    # adapters the running requests use together; max_lora_rank: the largest rank accepted.
+    enable_lora: bool = False
+    lora_modules: list[str | dict] | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self.lora_adapters = parse_lora_modules(self.lora_modules)
+        self._check_lora()
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1 (-1: the vocabulary's size), got {self.max_logprobs}")
         if self.block_size < 1:
@@ -156,6 +165,21 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+    def _check_lora(self) -> None:
+        if self.lora_adapters and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.world_size > 1:
+            raise ValueError("LoRA adapters do not run under tensor or pipeline parallelism yet")
+        if self.quantization == "int8":
+            # SmoothQuant scales each layer's input columns (layers/smoothquant.py): an adapter's A would need them too
+            raise ValueError("LoRA adapters do not run over --quantization int8 (SmoothQuant) yet")
+        if self.speculative is not None and self.speculative.method == "early_exit":
+            raise ValueError("LoRA adapters do not run with early-exit speculation (its drafts skip the adapters)")
+
     @property
     def world_size(self) -> int:
         """Ranks (processes, GPUs) the engine runs on: tensor x pipeline parallel."""
@@ -175,6 +199,8 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             if f.type == "bool":
                 g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            elif f.type.startswith("list["):  # --lora-modules a=/path b=/path
+                g.add_argument(flag, nargs="+", default=f.default)
             else:
                 kind = {"int": int, "float": float, "str": str}[f.type.split(" ")[0]]
                 g.add_argument(flag, type=kind, default=f.default)
@@ -192,6 +218,8 @@ class EngineArgs:
                 flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
             elif isinstance(value, dict):
                 flags += [flag, json.dumps(value)]
+            elif isinstance(value, list):
+                flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
             else:
                 flags += [flag, str(value)]
         return flags
@@ -392,3 +420,27 @@ class KVTransferConfig:
     @property
     def receives(self) -> bool:
         return self.role in ("decode", "both")
+
+
+def parse_lora_modules(modules: list[str | dict] | None) -> list[tuple[str, str]]:
+    """vLLM's --lora-modules entries, `name=path` or a JSON object with "name" and "path" (text or a
+    dict), as (name, path) pairs; ValueError for a malformed entry or a name given twice."""
+    out: list[tuple[str, str]] = []
+    for entry in modules or []:
+        if isinstance(entry, str) and entry.lstrip().startswith("{"):
+            try:
+                entry = json.loads(entry)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules entry is not valid JSON: {e}") from None
+        if isinstance(entry, dict):
+            name, path = entry.get("name"), entry.get("path")
+        elif isinstance(entry, str) and "=" in entry:
+            name, path = entry.split("=", 1)
+        else:
+            raise ValueError(f"--lora-modules takes name=path or a JSON object with name and path, got {entry!r}")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules entry needs a non-empty name and path, got {entry!r}")
+        if name in (n for n, _ in out):
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out.append((name, path))
+    return out

@@ -47,7 +47,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: the most LoRA adapters the running requests may use together (vLLM's
+        --max-loras); a request of another adapter waits, and those behind it go first."""
         self.kv = kv_cache_manager
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -57,6 +60,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------
@@ -134,8 +138,14 @@ class Scheduler:
         # New work only when nothing was preempted: the freed blocks belong to the victims.
         if not out.preempted:
             cached = self.kv.num_cached_prefix_tokens if self.kv.enable_prefix_caching else None
+            adapters = {r.lora_slot for r in self.running if r.lora_slot >= 0}
+            other_adapter: list[Request] = []  # waiting for the adapters running to finish
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.scheduled) < cap:
                 request = self.waiting.take_next(cached)
+                if (self.max_loras is not None and request.lora_slot >= 0 and request.lora_slot not in adapters
+                        and len(adapters) >= self.max_loras):  # fmt: skip
+                    other_adapter.append(request)
+                    continue
                 # An embedding pools over every prompt position, prompt logprobs read every one's
                 # logits: such requests compute them all.
                 p = request.sampling_params
@@ -159,6 +169,10 @@ class Scheduler:
                 self.running.append(request)
                 out.scheduled.append((request, num_new))
                 budget -= num_new
+                if request.lora_slot >= 0:
+                    adapters.add(request.lora_slot)
+            for request in other_adapter:
+                self.waiting.push(request)
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         # Tokens scheduled now count as computed: their K/V are written by this step.

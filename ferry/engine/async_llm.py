@@ -36,6 +36,7 @@ from ferry.engine.messages import (
 )
 from ferry.engine.output_processor import OutputProcessor
 from ferry.kv_transfer.outcome import KVTransferDone
+from ferry.lora_request import LoRARequest, lora_name_of
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import InvalidParameterError, SamplingParams
 from ferry.utils.process import process_age
@@ -204,6 +205,7 @@ class AsyncLLM:
         asked_max_tokens: int | None = None,
         kv_export_to: str | None = None,
         remote_prefill: RemotePrefill | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> RequestStream:
         """Validate (raises InvalidParameterError, changing nothing) and send to the core.
         `strict_context`, `asked_max_tokens`: InputProcessor.process's.
@@ -212,7 +214,8 @@ class AsyncLLM:
         this receiver address ("" for Redis); await `kv_sent(request_id)` for the outcome.
         `remote_prefill` (decode side): continue from the token the prefill worker sampled; it is
         ignored (the first token computed here) unless the digest names this prompt and the
-        request is one sequence without logprobs."""
+        request is one sequence without logprobs. `lora_request`: the LoRA adapter it runs under, one
+        the core loaded (--lora-modules)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if self.input_processor is None:
@@ -223,7 +226,7 @@ class AsyncLLM:
         in_use = self.streams.keys() | self.output_processor.seq_to_request.keys()
         req = self.input_processor.process(
             request_id, prompt, params, priority=priority, arrival_time=arrival, in_use=in_use,
-            strict_context=strict_context, asked_max_tokens=asked_max_tokens,
+            strict_context=strict_context, asked_max_tokens=asked_max_tokens, lora_name=lora_name_of(lora_request),
         )  # fmt: skip
         if kv_export_to is not None:
             if len(req.core_requests) != 1:

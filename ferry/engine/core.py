@@ -121,8 +121,13 @@ class EngineCore:
                 block_size=self.kv.block_size,
                 cache_salt=request.cache_salt,
                 deployment_salt=self.kv.block_hash_salt,
+                lora_name=request.lora_name,
+                lora_slot=self.runner.loras.get(request.lora_name, -1) if request.lora_name else -1,
                 max_tokens=request.max_tokens,
             )
+        if request.lora_name and request.lora_slot < 0:  # the API side checks names first: a direct caller's
+            self._pending.append(self._refused(request, f"no LoRA adapter named {request.lora_name!r} is loaded"))
+            return
         if request.sampling_params.pooling is not None and self.embed_max_delay > 0:
             self._embed_held.append(request)
             return

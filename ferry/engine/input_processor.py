@@ -100,6 +100,7 @@ class InputProcessor:
         in_use: Container[str] = (),
         strict_context: bool = False,
         asked_max_tokens: int | None = None,
+        lora_name: str | None = None,
     ) -> ProcessedRequest:
         """Validate and build the core requests.
 
@@ -108,6 +109,9 @@ class InputProcessor:
         max_tokens held against the room is `asked_max_tokens`, the client's, where given (the
         params' may be lower: the model's max_new_tokens caps it), as vLLM checks.
         """
+        if lora_name is not None and lora_name not in self.info.lora_names:
+            loaded = ", ".join(self.info.lora_names) or "none"
+            raise InvalidParameterError("model", f"no LoRA adapter named {lora_name!r} is loaded (loaded: {loaded})")
         text, ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -167,5 +171,6 @@ class InputProcessor:
         for i, sid in enumerate(seq_ids):
             child = core_params if params.seed is None or i == 0 else core_params.clone(seed=params.seed + i)
             child.all_stop_token_ids = params.all_stop_token_ids
-            core_requests.append(EngineCoreRequest(sid, ids, child, max_tokens, priority, arrival, cache_salt))
+            core_requests.append(EngineCoreRequest(sid, ids, child, max_tokens, priority, arrival, cache_salt,
+                                                   lora_name=lora_name))  # fmt: skip
         return ProcessedRequest(request_id, text, ids, params, seq_ids, core_requests)

@@ -18,10 +18,12 @@ from ferry.engine.input_processor import InputProcessor, PromptType
 from ferry.engine.messages import EngineInfo, EngineStats
 from ferry.engine.output_processor import OutputProcessor
 from ferry.kv_transfer.blocks import KVBlocks, export_blocks, import_blocks
+from ferry.lora_request import LoRARequest, lora_name_of
 from ferry.models.config import ModelConfig
 from ferry.models.llama import LlamaForCausalLM
+from ferry.models.lora_adapters import read_peft_adapter
 from ferry.outputs import RequestOutput
-from ferry.sampling_params import SamplingParams
+from ferry.sampling_params import InvalidParameterError, SamplingParams
 from ferry.worker.model_loading import LoadedModel
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.tp_worker import TensorParallelWorkers
@@ -117,18 +119,40 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field, changing nothing."""
+        """Validate and queue a request; raises ValueError naming the bad field, changing nothing.
+        `lora_request`: the LoRA adapter it runs under, loaded now if it is a LoRARequest with a
+        path that is not loaded yet (engines built with enable_lora)."""
+        if isinstance(lora_request, LoRARequest) and lora_request.lora_path:
+            self.add_lora(lora_request)
         # A finished child of a request still running (x#0 of x) keeps its id until x ends: a new
         # request with that id would take over its place in the output processor.
         in_use = self.output_processor.requests.keys() | self.output_processor.seq_to_request.keys()
         in_use |= self.scheduler.requests.keys()
         req = self.input_processor.process(
-            request_id, prompt, params or SamplingParams(), priority=priority, arrival_time=arrival_time, in_use=in_use
-        )
+            request_id, prompt, params or SamplingParams(), priority=priority, arrival_time=arrival_time, in_use=in_use,
+            lora_name=lora_name_of(lora_request),
+        )  # fmt: skip
         self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, req.seq_ids)
         for core_request in req.core_requests:
             self.core.add_request(core_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter (vLLM's `add_lora`) unless one of its name is loaded; whether it
+        loaded it. ValueError for an engine without enable_lora, or an adapter that does not fit."""
+        if lora_request.lora_name in self.core.runner.loras:
+            return False
+        if not self.args.enable_lora:
+            raise InvalidParameterError("lora_request", "this engine was built without enable_lora")
+        args = self.args
+        self.core.runner.add_lora(read_peft_adapter(lora_request.lora_name, lora_request.lora_path, args.max_lora_rank))
+        self.core.info.lora_names.append(lora_request.lora_name)
+        return True
+
+    def list_loras(self) -> list[str]:
+        """The LoRA adapters loaded, by name."""
+        return list(self.core.runner.loras)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -30,6 +30,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     kv_target: str | None = None
     # Decode side: the token(s) the prefill worker sampled, emitted first and continued from.
     prefilled_token_ids: list[int] = []
+    lora_name: str | None = None  # the LoRA adapter it runs under (one the core loaded), None: the base model
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -98,6 +99,7 @@ class EngineInfo(msgspec.Struct):
     # start (interpreter and imports), weight loading, KV-cache sizing and allocation (CUDA graphs
     # included), warm-up; the API process adds its own start, the tokenizer, and the total to ready.
     startup_seconds: dict[str, float] = msgspec.field(default_factory=dict)
+    lora_names: list[str] = []  # the LoRA adapters loaded (--lora-modules), which requests may name
 
 
 # -- API -> core ---------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from ferry.config import EngineArgs
 from ferry.engine.input_processor import PromptType
 from ferry.engine.llm_engine import LLMEngine
+from ferry.lora_request import LoRARequest
 from ferry.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
@@ -50,10 +51,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
         A prompt is a string, `{"prompt_token_ids": [...]}` or `{"prompt": str}`.
+        `lora_request`: the LoRA adapter every prompt runs under, or one per prompt (None: the
+        base model); loaded on first use (`LLM(..., enable_lora=True)`).
         A bad prompt or parameter raises ValueError before anything runs.
         """
         if isinstance(prompts, (str, dict)):
@@ -72,6 +76,9 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         engine = self.llm_engine
         ids = []
         try:
@@ -82,6 +89,7 @@ class LLM:
                     prompt,
                     p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
                     priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
                 )
                 ids.append(rid)
         except Exception:

@@ -135,7 +135,7 @@ class KVTransferCoordinator:
         # Blocks another worker computed may be in Redis: fetch the ones missing here first.
         bs = self.kv.block_size
         usable = (len(r.prompt_token_ids) + len(r.prefilled_token_ids) - 1) // bs
-        hashes = hash_prompt_blocks(r.prompt_token_ids, bs, r.cache_salt, self.kv.block_hash_salt)[:usable]
+        hashes = hash_prompt_blocks(r.prompt_token_ids, bs, r.cache_salt, self.kv.block_hash_salt, r.lora_name)[:usable]
         missing = self.connector.missing_prefix(hashes)
         if not missing:
             return True
@@ -161,7 +161,8 @@ class KVTransferCoordinator:
             r = self.exports.pop(out.request_id)
             if out.finish_reason == "abort":
                 continue
-            hashes = hash_prompt_blocks(r.prompt_token_ids, self.kv.block_size, r.cache_salt, self.kv.block_hash_salt)
+            hashes = hash_prompt_blocks(r.prompt_token_ids, self.kv.block_size, r.cache_salt, self.kv.block_hash_salt,
+                                        r.lora_name)  # fmt: skip
             payload = export_blocks(self.kv, self.kv_caches, hashes, encoding=self.connector.config.encoding)
             self.connector.send(r.request_id, payload, r.kv_target)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from ferry.layers.gguf_linear import GGUFWeight, concat_rows, gguf_linear
 from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
+from ferry.layers.lora import LoRADelta, add_lora
 
 
 def onednn_packing_available() -> bool:
@@ -39,11 +40,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """nn.Linear that can switch to a oneDNN-packed fp32 copy of its weight, to an int8 one
     (`--quantization int8`, see int8_linear.py), or run GGUF block-quantized weights as stored
-    (`--quantization gguf`, see gguf_linear.py; then it has no fp32 weight at all)."""
+    (`--quantization gguf`, see gguf_linear.py; then it has no fp32 weight at all). LoRA adapters'
+    updates (lora.py), per adapter slot, are added to its output for the rows that run under them."""
 
     packed: torch.Tensor | None = None
     int8: Int8Weight | Int8Rows | None = None
     gguf: list[GGUFWeight] | None = None
+    lora: dict[int, LoRADelta] | None = None
 
     def drop_weight(self) -> None:
         """Free the fp32 weight (before it is ever allocated, on a meta model): the GGUF parts
@@ -87,6 +90,10 @@ class Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        return add_lora(self.lora, x, y) if self.lora else y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.gguf is not None:
             return gguf_linear(x, self.gguf, self.bias)
         if self.int8 is not None:

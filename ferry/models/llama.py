@@ -45,6 +45,7 @@ from ferry.layers.gguf_linear import (
 )
 from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
 from ferry.layers.linear import Linear, pack_weight, packed_linear
+from ferry.layers.lora import lora_active
 from ferry.layers.mla import MLAAttention
 from ferry.layers.moe import FusedMoE, select_experts
 from ferry.layers.norm import RMSNorm
@@ -285,7 +286,8 @@ class LlamaForCausalLM(nn.Module):
         `first_layers` drafted). `pre_norm`: (the normed states, the residual stream before the
         final norm), the stream being what `last_layers` starts from."""
         stream_only = intermediate is None or intermediate[1] is None
-        if self.cpu_decode_step is not None and stream_only and self.cpu_decode_step.runs(kv_caches, meta):
+        if (self.cpu_decode_step is not None and stream_only and not lora_active()
+                and self.cpu_decode_step.runs(kv_caches, meta)):  # fmt: skip
             hidden = None if intermediate is None else intermediate[0]
             return self.cpu_decode_step(input_ids, positions, kv_caches, meta, hidden, pre_norm)
         if intermediate is None:

@@ -23,8 +23,10 @@ from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage
 from ferry.distributed.pipeline_channel import PipelineChannel
 from ferry.kv_quant import KEYS, ROWS, VALUES, copy_slots
 from ferry.layers.attention import AttentionBackend, build_metadata
+from ferry.layers.lora import LoRABatch, lora_batch
 from ferry.layers.moe import triton_moe_available
 from ferry.models.llama import LlamaForCausalLM
+from ferry.models.lora_adapters import LoRAAdapter, attach, detach
 from ferry.utils import lazy_zeros
 from ferry.worker.cpu_allocator import tune_cpu_allocator
 from ferry.worker.cuda_graphs import CUDAGraphRunner
@@ -108,6 +110,8 @@ class ModelRunner:
         # local/global mix (Gemma), whose global layers read the whole context.
         self.sliding_window: int | None = None if cfg.full_attention_layers else cfg.sliding_window
         self.graphs: CUDAGraphRunner | None = None
+        # LoRA adapters attached to the model (models/lora_adapters.py): name -> slot.
+        self.loras: dict[str, int] = {}
         # The last step's hidden states (the LM head's input) of its logits rows, the requests that
         # sampled in it and, per request, the row whose draw is its last token: what Medusa heads
         # draft from (`last_row_of`).
@@ -187,6 +191,20 @@ class ModelRunner:
             )
             self.graphs.capture()
 
+    def add_lora(self, adapter: LoRAAdapter) -> int:
+        """Attach an adapter read from disk under the lowest free slot; its slot. ValueError (and the
+        model unchanged) for one that does not fit this model or a name already taken."""
+        if adapter.name in self.loras:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        slot = min(set(range(len(self.loras) + 1)) - set(self.loras.values()))
+        attach(self.model, slot, adapter)
+        self.loras[adapter.name] = slot
+        return slot
+
+    def remove_lora(self, name: str) -> None:
+        """Detach an adapter; the caller makes sure no request still runs under it."""
+        detach(self.model, self.loras.pop(name))
+
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """This rank's forward over the step; the logits of `plan.logits_rows` (all ranks)."""
@@ -212,7 +230,8 @@ class ModelRunner:
         `model` and `kv_caches`: another view of the model over those layers' caches (early exit's
         last layers; never from a graph), `pre_norm` as `LlamaForCausalLM.forward` takes it."""
         plain = model is None and not pre_norm
-        if plain and self.graphs is not None and self.graphs.fits(plan):
+        lora = LoRABatch.from_slots(plan.lora_slots, self.device) if plan.lora_slots is not None else None
+        if plain and lora is None and self.graphs is not None and self.graphs.fits(plan):  # (graphs know no adapter)
             return self.graphs.run(plan)
         meta = build_metadata(
             slot_mapping=plan.slot_mapping,
@@ -226,9 +245,10 @@ class ModelRunner:
         )
         ids = torch.from_numpy(plan.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(plan.positions).to(self.device, non_blocking=True)
-        if model is None:
-            return self.model(ids, positions, self.kv_caches, meta, intermediate, pre_norm)
-        return model(ids, positions, kv_caches, meta, intermediate, pre_norm)
+        with lora_batch(lora):
+            if model is None:
+                return self.model(ids, positions, self.kv_caches, meta, intermediate, pre_norm)
+            return model(ids, positions, kv_caches, meta, intermediate, pre_norm)
 
     def _outputs(self, plan: StepPlan, hidden: torch.Tensor) -> torch.Tensor | None:
         """From the final hidden states: the embedding rows kept for pooling, prompt logprobs, and the

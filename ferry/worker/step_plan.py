@@ -48,6 +48,8 @@ class StepPlan:
     # Prompt-logprob rows: (request id, first row, position of the first row, top-k, the prompt
     # tokens that follow the rows); row j's logits give the logprob of targets[j].
     prompt_logprob_chunks: list[tuple[str, int, int, int, list[int]]] = field(default_factory=list)
+    # Per row, the LoRA adapter slot it runs under (-1: none); None when no row has one (layers/lora.py).
+    lora_slots: np.ndarray | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -169,6 +171,9 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
             drafts.append([])
         start += n
 
+    lora_slots = None
+    if any(r.lora_slot >= 0 for r, _ in sched.scheduled):
+        lora_slots = np.concatenate([np.full(n, r.lora_slot, dtype=np.int64) for r, n in (*decodes, *prefills)])
     plan = StepPlan(
         input_ids=np.asarray(ids, dtype=np.int64),
         positions=np.concatenate(pos_parts),
@@ -180,6 +185,7 @@ def build_step_plan(sched: SchedulerOutput, block_size: int) -> tuple[StepPlan, 
         decode_tree=tree,
         pool_chunks=pool_chunks,
         prompt_logprob_chunks=prompt_lp_chunks,
+        lora_slots=lora_slots,
     )
     return plan, sampling, drafts
 

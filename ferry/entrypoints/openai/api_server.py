@@ -146,7 +146,8 @@ class Server:
                                  sampling_defaults=sampling_defaults or {},
                                  request_logger=request_logger, chat_template=chat_template,
                                  response_role=response_role, force_include_usage=force_include_usage,
-                                 return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
+                                 return_tokens_as_token_ids=return_tokens_as_token_ids,
+                                 lora_modules=dict(engine_args.lora_adapters))  # fmt: skip
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -297,11 +298,15 @@ class Server:
         def model_cards() -> list[dict]:
             engine = state.engine
             max_len = engine.info.max_model_len if engine is not None and engine.info is not None else None
-            return [
+            base = [
                 {"id": name, "object": "model", "created": 0, "owned_by": "ferry", "root": self.model_path,
-                 "max_model_len": max_len}
+                 "parent": None, "max_model_len": max_len}
                 for name in state.served_model_names
             ]  # fmt: skip
+            # LoRA adapters as vLLM lists them: their directory as root, the base model as parent
+            adapters = [{**base[0], "id": name, "root": path, "parent": state.model_name}
+                        for name, path in state.lora_modules.items()]  # fmt: skip
+            return base + adapters
 
         @app.get("/v1/models")
         async def models() -> Response:

@@ -210,6 +210,11 @@ def serve(args: argparse.Namespace) -> int:
             f"vllm ignores it) and --override-generation-config: {e}"
         ) from None
     names = args.served_model_name or [default_served_name(engine_args.model, path)]
+    for name, lora_path in engine_args.lora_adapters:  # checked whole by the core as it loads them
+        if name in names:
+            raise ValueError(f"--lora-modules: {name!r} is also a served model name; give the adapter another")
+        if not os.path.isfile(os.path.join(lora_path, "adapter_config.json")):
+            raise ValueError(f"--lora-modules: {lora_path!r} has no adapter_config.json (a PEFT LoRA adapter's)")
     secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
     kv_events = None
     if args.enable_kv_events:

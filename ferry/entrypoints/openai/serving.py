@@ -52,6 +52,8 @@ class ServerState:
     response_role: str = "assistant"  # --response-role: a chat answer's role after a generation prompt
     force_include_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
+    # --lora-modules: adapter name -> its directory; a request naming one as its model runs under it.
+    lora_modules: dict[str, str] = field(default_factory=dict)
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None
@@ -99,11 +101,18 @@ def now_s() -> int:
 
 
 def check_model(state: ServerState, model: str | None) -> str:
-    """The served name to report: the first, whichever of them was asked for (vLLM's); 404 for a
-    model this server does not serve."""
+    """The served name to report: the first, whichever of them was asked for (vLLM's), or the LoRA
+    adapter's; 404 for a model this server does not serve."""
+    if model in state.lora_modules:
+        return model
     if model and model not in state.served_model_names:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
     return state.model_name
+
+
+def lora_of(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's model names, or None (the base model)."""
+    return model if model in state.lora_modules else None
 
 
 def ready_engine(state: ServerState) -> AsyncLLM:
@@ -273,7 +282,8 @@ def add_requests(state: ServerState, engine: AsyncLLM, base_id: str, prompts: li
             streams.append(engine.add_request(rid, salted(prompt, body.cache_salt), params, priority=priority,
                                               kv_export_to=plan.export_to, remote_prefill=plan.remote,
                                               strict_context=asked_max_tokens is not None,
-                                              asked_max_tokens=asked_max_tokens))  # fmt: skip
+                                              asked_max_tokens=asked_max_tokens,
+                                              lora_request=lora_of(state, getattr(body, "model", None))))  # fmt: skip
             if state.request_logger is not None:  # the prompt as sent, without the tenant's cache_salt
                 state.request_logger.log_inputs(rid, prompt, params, streams[-1].num_prompt_tokens)
     except Exception:

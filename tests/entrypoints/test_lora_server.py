@@ -1,0 +1,72 @@
+"""`ferry serve --enable-lora --lora-modules`: an adapter is a model of its own on the OpenAI API.
+
+The adapter is written here in PEFT's format from its specification (adapter_config.json, and
+`base_model.model.<module>.lora_A/B.weight` in adapter_model.safetensors) for the bundled SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from conftest import engine_over
+from safetensors.torch import save_file
+from server_utils import ServerProcess
+
+from ferry import SamplingParams
+
+
+def write_adapter(path, cfg, rank: int = 2) -> None:
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        for module, out in (("q_proj", q), ("v_proj", kv)):
+            key = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, cfg.hidden_size, generator=g) * 0.05
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
+              "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.slow
+def test_an_adapter_is_served_as_its_own_model(smollm_gguf, tmp_path):
+    """/v1/models lists the adapter with the base model as parent; a completion naming it runs under
+    it (the offline engine's tokens with the same adapter, not the base model's) and reports its
+    name; the base model's answer is unchanged beside it."""
+    adapter = tmp_path / "tuned"
+    write_adapter(adapter, smollm_gguf.model.config)
+    prompt = "The capital of France is"
+    params = SamplingParams(max_tokens=12, temperature=0)
+    engine = engine_over(smollm_gguf, enable_lora=True, lora_modules=[f"tuned={adapter}"])
+    try:
+        engine.add_request("base", prompt, params)
+        engine.add_request("tuned", prompt, params, lora_request="tuned")
+        offline = {}
+        while engine.has_unfinished_requests():
+            offline.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
+    finally:
+        engine.runner.remove_lora("tuned")  # the session's shared model, as it was
+    assert offline["tuned"] != offline["base"]
+    server = ServerProcess("--max-model-len", "256", "--served-model-name", "smol", "--enable-lora",
+                           "--lora-modules", f"tuned={adapter}", "--max-loras", "2")  # fmt: skip
+    try:
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("smol", None), ("tuned", "smol")]
+        assert models[1]["root"] == str(adapter)
+        answers = {}
+        for model in ("smol", "tuned"):
+            body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+            answers[model] = r.json()["choices"][0]["text"]
+        assert answers == {"smol": offline["base"], "tuned": offline["tuned"]}
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tuned2", "prompt": prompt}, timeout=30)
+        assert r.status_code == 404
+    finally:
+        server.stop()
