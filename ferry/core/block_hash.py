@@ -8,7 +8,7 @@ salted prompt's blocks hash differently from the same tokens under another salt
 or none, so prefix-cache hits, and what they reveal through timing,
 `cached_tokens` and KV events, happen only among requests holding the salt.
 A request run under a LoRA adapter (layers/lora.py) computes other K/V for the
-same tokens: the adapter's name is mixed into the root too.
+same tokens: the adapter's key (its name and its files' digest) is mixed into the root too.
 
 A deployment with a secret (utils/deployment_secret.py) also mixes a salt
 derived from it into every root: hashes leave a worker in KV events, KV-transfer
@@ -32,15 +32,15 @@ _ROOT = b"ferry-kv-v1"
 
 
 def chain_root(cache_salt: str | None = None, deployment_salt: bytes | None = None,
-               lora_name: str | None = None) -> bytes:  # fmt: skip
+               lora_key: str | None = None) -> bytes:  # fmt: skip
     """The parent of a prompt's first block."""
     root = _ROOT
     if deployment_salt:
         root = hashlib.sha256(root + b"\x00deployment\x00" + deployment_salt).digest()[:16]
     if cache_salt:
         root = hashlib.sha256(root + b"\x00cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass")).digest()[:16]
-    if lora_name:
-        root = hashlib.sha256(root + b"\x00lora\x00" + lora_name.encode("utf-8", "surrogatepass")).digest()[:16]
+    if lora_key:
+        root = hashlib.sha256(root + b"\x00lora\x00" + lora_key.encode("utf-8", "surrogatepass")).digest()[:16]
     return root
 
 
@@ -60,10 +60,10 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: list[int]) -> BlockHa
 
 def hash_prompt_blocks(token_ids: list[int], block_size: int, cache_salt: str | None = None,
                        deployment_salt: bytes | None = None,
-                       lora_name: str | None = None) -> list[BlockHash]:  # fmt: skip
+                       lora_key: str | None = None) -> list[BlockHash]:  # fmt: skip
     """Hashes of every full block of `token_ids` (what a router needs)."""
     out: list[BlockHash] = []
-    parent = chain_root(cache_salt, deployment_salt, lora_name)
+    parent = chain_root(cache_salt, deployment_salt, lora_key)
     for i in range(len(token_ids) // block_size):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         out.append(parent)

@@ -42,7 +42,7 @@ class Request:
         block_size: int = 16,
         cache_salt: str | None = None,
         deployment_salt: bytes | None = None,
-        lora_name: str | None = None,
+        lora_key: str | None = None,
         lora_slot: int = -1,
         max_tokens: int,
     ) -> None:
@@ -66,11 +66,11 @@ class Request:
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.deployment_salt = deployment_salt
-        # The LoRA adapter it runs under (layers/lora.py): its name keys the block hashes, its slot
-        # (-1: none) tells the model's layers which update to add to its rows.
-        self.lora_name = lora_name
+        # The LoRA adapter it runs under (layers/lora.py): its key (name and content digest) keys the
+        # block hashes, its slot (-1: none) tells the model's layers which update to add to its rows.
+        self.lora_key = lora_key
         self.lora_slot = lora_slot
-        self._hash_root = chain_root(cache_salt, deployment_salt, lora_name)  # the first block's parent (block_hash.py)
+        self._hash_root = chain_root(cache_salt, deployment_salt, lora_key)  # the first block's parent (block_hash.py)
         self.block_hashes: list[BlockHash] = []
         # Draft tokens to verify in the next step (speculative decoding); never part of the
         # sequence (nor of its block hashes) until the model accepts them.

@@ -108,6 +108,9 @@ class EngineCore:
     def add_request(self, request: Request | EngineCoreRequest) -> None:
         prefilled: list[int] = []
         if isinstance(request, EngineCoreRequest):
+            if request.lora_name is not None and request.lora_name not in self.runner.loras:  # (a direct caller's)
+                self._pending.append(self._refused(request, f"no LoRA adapter named {request.lora_name!r} is loaded"))
+                return
             prefilled = request.prefilled_token_ids
             params = request.sampling_params
             # Sets do not survive the wire; EOS ids are the core's to add anyway.
@@ -121,13 +124,10 @@ class EngineCore:
                 block_size=self.kv.block_size,
                 cache_salt=request.cache_salt,
                 deployment_salt=self.kv.block_hash_salt,
-                lora_name=request.lora_name,
-                lora_slot=self.runner.loras.get(request.lora_name, -1) if request.lora_name else -1,
+                lora_key=self.runner.lora_keys[request.lora_name] if request.lora_name else None,
+                lora_slot=self.runner.loras[request.lora_name] if request.lora_name else -1,
                 max_tokens=request.max_tokens,
             )
-        if request.lora_name and request.lora_slot < 0:  # the API side checks names first: a direct caller's
-            self._pending.append(self._refused(request, f"no LoRA adapter named {request.lora_name!r} is loaded"))
-            return
         if request.sampling_params.pooling is not None and self.embed_max_delay > 0:
             self._embed_held.append(request)
             return

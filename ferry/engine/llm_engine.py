@@ -141,7 +141,11 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load a LoRA adapter (vLLM's `add_lora`) unless one of its name is loaded; whether it
         loaded it. ValueError for an engine without enable_lora, or an adapter that does not fit."""
-        if lora_request.lora_name in self.core.runner.loras:
+        loaded = self.core.runner.lora_paths.get(lora_request.lora_name)
+        if loaded is not None:
+            if lora_request.lora_path and lora_request.lora_path != loaded:
+                raise InvalidParameterError("lora_request", f"a LoRA adapter named {lora_request.lora_name!r} is "
+                                            f"already loaded from {loaded}, not {lora_request.lora_path}")  # fmt: skip
             return False
         if not self.args.enable_lora:
             raise InvalidParameterError("lora_request", "this engine was built without enable_lora")

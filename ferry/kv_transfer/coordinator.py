@@ -42,6 +42,7 @@ class TransferRequest(Protocol):
     prefilled_token_ids: list[int]
     kv_export: bool
     kv_target: str | None
+    lora_name: str | None
 
 
 class FinishedOutput(Protocol):
@@ -93,8 +94,11 @@ class KVTransferCoordinator:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         model_path: str,
         report: Callable[[KVTransferDone], None],
+        lora_keys: dict[str, str] | None = None,
     ) -> None:
+        """`lora_keys`: the runner's LoRA adapters, name -> what their block hashes mix in (its live dict)."""
         self.kv = kv
+        self.lora_keys = lora_keys if lora_keys is not None else {}
         self.kv_caches = kv_caches
         self.report = report
         k0 = kv_caches[0][0]
@@ -112,6 +116,11 @@ class KVTransferCoordinator:
         self.parked_at: dict[str, float] = {}
         logger.info("KV transfer: role %s, sends by %s, receives on %s%s", config.role, config.transport or "-",
                     self.receiver_addr or "-", ", pulls from Redis" if self.pulls else "")  # fmt: skip
+
+    def _lora_key(self, r: TransferRequest) -> str | None:
+        """The block-hash key of the request's adapter, as the core hashes it (an unknown name keeps
+        its own: the core refuses the request, and it matches no adapter's blocks)."""
+        return self.lora_keys.get(r.lora_name, r.lora_name) if r.lora_name else None
 
     @property
     def receiver_addr(self) -> str | None:
@@ -135,7 +144,9 @@ class KVTransferCoordinator:
         # Blocks another worker computed may be in Redis: fetch the ones missing here first.
         bs = self.kv.block_size
         usable = (len(r.prompt_token_ids) + len(r.prefilled_token_ids) - 1) // bs
-        hashes = hash_prompt_blocks(r.prompt_token_ids, bs, r.cache_salt, self.kv.block_hash_salt, r.lora_name)[:usable]
+        hashes = hash_prompt_blocks(r.prompt_token_ids, bs, r.cache_salt, self.kv.block_hash_salt, self._lora_key(r))[
+            :usable
+        ]
         missing = self.connector.missing_prefix(hashes)
         if not missing:
             return True
@@ -162,7 +173,7 @@ class KVTransferCoordinator:
             if out.finish_reason == "abort":
                 continue
             hashes = hash_prompt_blocks(r.prompt_token_ids, self.kv.block_size, r.cache_salt, self.kv.block_hash_salt,
-                                        r.lora_name)  # fmt: skip
+                                        self._lora_key(r))  # fmt: skip
             payload = export_blocks(self.kv, self.kv_caches, hashes, encoding=self.connector.config.encoding)
             self.connector.send(r.request_id, payload, r.kv_target)
 

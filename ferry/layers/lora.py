@@ -71,7 +71,8 @@ def add_lora(deltas: dict[int, LoRADelta], x: torch.Tensor, y: torch.Tensor) -> 
     batch = _active
     if batch is None:
         return y
-    x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    y = y.contiguous()  # (the base paths' outputs are; a copy otherwise, so the update is never lost)
+    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
     for slot, rows in batch.groups:
         d = deltas.get(slot)
         if d is None:

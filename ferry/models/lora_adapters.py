@@ -14,6 +14,7 @@ layers, and ranks above `--max-lora-rank`. A bad adapter changes nothing in the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -38,6 +39,13 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest of its modules'
     deltas: dict[str, LoRADelta]
+    digest: str = ""  # of its files: with the name, what keys its prompts' KV blocks (`hash_key`)
+
+    @property
+    def hash_key(self) -> str:
+        """What its requests' block hashes mix in (core/block_hash.py): the name and the files' digest,
+        so another adapter under the same name (a new version, another worker's) never shares K/V."""
+        return f"{self.name}:{self.digest}"
 
 
 def read_peft_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
@@ -53,7 +61,7 @@ def read_peft_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
     if not isinstance(config, dict):
         raise ValueError(f"LoRA adapter {name!r}: {config_file} is not a JSON object")
     _check_config(name, config)
-    tensors = _read_tensors(name, path)
+    tensors, weights_file = _read_tensors(name, path)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         if any(part in key for part in _REFUSED_KEYS):
@@ -79,7 +87,11 @@ def read_peft_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         deltas[_hf_module(module)] = LoRADelta(a, b * scale)
         top = max(top, rank)
-    return LoRAAdapter(name, path, top, deltas)
+    digest = hashlib.sha256()
+    for file in (config_file, weights_file):
+        with open(file, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return LoRAAdapter(name, path, top, deltas, digest.hexdigest()[:32])
 
 
 def _check_config(name: str, config: dict) -> None:
@@ -95,18 +107,18 @@ def _check_config(name: str, config: dict) -> None:
         raise ValueError(f"LoRA adapter {name!r}: fan_in_fan_out (GPT-2's Conv1D layers) is not supported")
 
 
-def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+def _read_tensors(name: str, path: str) -> tuple[dict[str, torch.Tensor], str]:
     st, pt = os.path.join(path, "adapter_model.safetensors"), os.path.join(path, "adapter_model.bin")
     try:
         if os.path.exists(st):
             from safetensors.torch import load_file
 
-            return load_file(st)
+            return load_file(st), st
         if os.path.exists(pt):
             state = torch.load(pt, map_location="cpu", weights_only=True)  # never unpickles code
             if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
                 raise ValueError("not a dict of tensors")
-            return state
+            return state, pt
     except Exception as e:
         raise ValueError(f"LoRA adapter {name!r}: cannot read its weights in {path}: {e}") from None
     raise ValueError(f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors or adapter_model.bin")

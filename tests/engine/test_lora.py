@@ -139,6 +139,8 @@ def test_adapters_load_on_first_use_and_unknown_names_are_refused(lora_setup):
     assert llm.llm_engine.list_loras() == []
     assert run(llm, prompts[:1], LoRARequest("qv", 1, str(dirs["qv"]))) == expected["qv"][:1]
     assert llm.llm_engine.list_loras() == ["qv"]
+    with pytest.raises(ValueError, match="already loaded from"):  # one name, other weights: never mixed up
+        run(llm, prompts[:1], LoRARequest("qv", 1, str(dirs["every"])))
     with pytest.raises(ValueError, match="no LoRA adapter named 'nope'") as e:
         run(llm, prompts[:1], LoRARequest("nope"))
     assert e.value.param == "model"
@@ -193,3 +195,8 @@ def test_bad_adapters_are_refused_and_leave_the_model_untouched(lora_setup, tmp_
         runner.add_lora(read_peft_adapter("every", str(dirs["every"]), 16))
     runner.remove_lora("every")
     assert all(m.lora is None for m in loaded.model.modules() if isinstance(m, Linear))
+    # Block hashes mix in the adapter's name and files: the same files, the same key; another
+    # adapter under that name (a new version, another worker's), another key.
+    key = read_peft_adapter("every", str(dirs["every"]), 16).hash_key
+    assert read_peft_adapter("every", str(dirs["every"]), 16).hash_key == key
+    assert read_peft_adapter("every", str(dirs["qv"]), 16).hash_key != key
