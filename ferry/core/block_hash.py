@@ -44,6 +44,17 @@ def chain_root(cache_salt: str | None = None, deployment_salt: bytes | None = No
     return root
 
 
+def lora_name_fingerprint(name: str) -> str:
+    """A public name for a LoRA adapter's name (`/ferry/info` lists adapters' digests under it): a
+    gateway holding a request's model name finds its adapter's digest; nobody else learns the name."""
+    return hashlib.sha256(b"ferry-lora-name\x00" + name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def lora_hash_key(name: str, digest: str) -> str:
+    """What a LoRA adapter's prompts mix into their block hashes: its name and its files' digest."""
+    return f"{name}:{digest}"
+
+
 def salt_fingerprint(deployment_salt: bytes | None) -> str | None:
     """A public name for a deployment salt: equal salts, equal names; the name does not give the salt."""
     if not deployment_salt:

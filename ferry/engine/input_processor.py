@@ -109,8 +109,8 @@ class InputProcessor:
         max_tokens held against the room is `asked_max_tokens`, the client's, where given (the
         params' may be lower: the model's max_new_tokens caps it), as vLLM checks.
         """
-        if lora_name is not None and lora_name not in self.info.lora_names:
-            loaded = ", ".join(self.info.lora_names) or "none"
+        if lora_name is not None and lora_name not in self.info.lora_digests:
+            loaded = ", ".join(self.info.lora_digests) or "none"
             raise InvalidParameterError("model", f"no LoRA adapter named {lora_name!r} is loaded (loaded: {loaded})")
         text, ids = self.tokenize(prompt)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None

@@ -151,7 +151,7 @@ class LLMEngine:
             raise InvalidParameterError("lora_request", "this engine was built without enable_lora")
         args = self.args
         self.core.runner.add_lora(read_peft_adapter(lora_request.lora_name, lora_request.lora_path, args.max_lora_rank))
-        self.core.info.lora_names.append(lora_request.lora_name)
+        self.core.info.lora_digests[lora_request.lora_name] = self.core.runner.lora_digests[lora_request.lora_name]
         return True
 
     def list_loras(self) -> list[str]:

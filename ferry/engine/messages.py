@@ -99,7 +99,8 @@ class EngineInfo(msgspec.Struct):
     # start (interpreter and imports), weight loading, KV-cache sizing and allocation (CUDA graphs
     # included), warm-up; the API process adds its own start, the tokenizer, and the total to ready.
     startup_seconds: dict[str, float] = msgspec.field(default_factory=dict)
-    lora_names: list[str] = []  # the LoRA adapters loaded (--lora-modules), which requests may name
+    # The LoRA adapters loaded (--lora-modules), which requests may name: name -> their files' digest.
+    lora_digests: dict[str, str] = {}
 
 
 # -- API -> core ---------------------------------------------------------------

@@ -33,7 +33,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ferry.core.block_hash import hash_prompt_blocks, salt_fingerprint
+from ferry.core.block_hash import hash_prompt_blocks, lora_hash_key, lora_name_fingerprint, salt_fingerprint
 from ferry.core.kv_events import (
     HASH_ALGORITHM,
     TOPIC,
@@ -223,9 +223,14 @@ class KVMirrors(BackgroundTask):
         if self._zmq is not None:
             self._zmq.term()
 
-    def block_hashes(self, token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
-        """A prompt's block hashes as this deployment's workers compute them."""
-        return hash_prompt_blocks(token_ids, block_size, cache_salt, self.hash_salt)
+    def block_hashes(self, token_ids: list[int], block_size: int, cache_salt: str | None,
+                     model: str | None = None, worker: Worker | None = None) -> list[bytes]:  # fmt: skip
+        """A prompt's block hashes as this deployment's workers compute them; for a request whose
+        `model` is a LoRA adapter of `worker` (its /ferry/info), as that adapter's requests hash them."""
+        digests = ((worker.info or {}).get("lora_digests") or {}) if worker is not None and model else {}
+        digest = digests.get(lora_name_fingerprint(model)) if digests else None
+        lora_key = lora_hash_key(model, digest) if isinstance(digest, str) else None
+        return hash_prompt_blocks(token_ids, block_size, cache_salt, self.hash_salt, lora_key)
 
     def overlap(self, worker: Worker, hashes: list[bytes]) -> int:
         """Leading blocks of a prompt `worker` caches, as far as its mirror knows."""

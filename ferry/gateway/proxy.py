@@ -197,7 +197,7 @@ class Proxy:
                 ids = await ctx.token_ids(self.prompts, d)
                 block_size = (d.info or {}).get("block_size")
                 if ids and block_size:
-                    hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt)
+                    hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt, ctx.model, d)
                     uncached = len(ids) - self.kv.overlap(d, hashes) * block_size
                     if uncached >= self.pd_min_prefill_tokens:
                         t0 = time.monotonic()

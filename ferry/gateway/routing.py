@@ -42,7 +42,7 @@ class Routing:
             block_size = next((w.info["block_size"] for w in pool if w.info and w.info.get("block_size")), None)
             ids = await ctx.token_ids(self.prompts, pool[0]) if block_size else None
             if ids:
-                hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt)
+                hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt, ctx.model, pool[0])
                 if self.router.policy == "kv-aware":
                     overlaps = [self.kv.overlap(w, hashes) for w in pool]
                 else:

@@ -39,13 +39,10 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest of its modules'
     deltas: dict[str, LoRADelta]
-    digest: str = ""  # of its files: with the name, what keys its prompts' KV blocks (`hash_key`)
-
-    @property
-    def hash_key(self) -> str:
-        """What its requests' block hashes mix in (core/block_hash.py): the name and the files' digest,
-        so another adapter under the same name (a new version, another worker's) never shares K/V."""
-        return f"{self.name}:{self.digest}"
+    # Of its files: with the name, what its prompts' KV blocks mix into their hashes
+    # (core/block_hash.py: lora_hash_key), so another adapter under the same name (a new version,
+    # another worker's) never shares K/V.
+    digest: str = ""
 
 
 def read_peft_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:

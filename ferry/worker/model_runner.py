@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.config import EngineArgs
+from ferry.core.block_hash import lora_hash_key
 from ferry.core.request import Request
 from ferry.core.scheduler import SchedulerOutput
 from ferry.distributed.parallel_state import SINGLE, SINGLE_STAGE, PipelineStage, TensorParallel
@@ -111,9 +112,10 @@ class ModelRunner:
         self.sliding_window: int | None = None if cfg.full_attention_layers else cfg.sliding_window
         self.graphs: CUDAGraphRunner | None = None
         # LoRA adapters attached to the model (models/lora_adapters.py): name -> slot, name -> what
-        # its requests' block hashes mix in (name and content digest), name -> its directory.
+        # its requests' block hashes mix in (name and content digest), name -> that digest, name -> its directory.
         self.loras: dict[str, int] = {}
         self.lora_keys: dict[str, str] = {}
+        self.lora_digests: dict[str, str] = {}
         self.lora_paths: dict[str, str] = {}
         # The last step's hidden states (the LM head's input) of its logits rows, the requests that
         # sampled in it and, per request, the row whose draw is its last token: what Medusa heads
@@ -202,7 +204,8 @@ class ModelRunner:
         slot = min(set(range(len(self.loras) + 1)) - set(self.loras.values()))
         attach(self.model, slot, adapter)
         self.loras[adapter.name] = slot
-        self.lora_keys[adapter.name] = adapter.hash_key
+        self.lora_keys[adapter.name] = lora_hash_key(adapter.name, adapter.digest)
+        self.lora_digests[adapter.name] = adapter.digest
         self.lora_paths[adapter.name] = adapter.path
         return slot
 
@@ -210,7 +213,7 @@ class ModelRunner:
         """Detach an adapter; the caller makes sure no request still runs under it. (Its cached
         blocks stay unreachable to another adapter of that name: they are keyed by content too.)"""
         detach(self.model, self.loras.pop(name))
-        del self.lora_keys[name], self.lora_paths[name]
+        del self.lora_keys[name], self.lora_digests[name], self.lora_paths[name]
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor | None:

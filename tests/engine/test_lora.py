@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ferry import LLM, EngineArgs, LoRARequest, SamplingParams
+from ferry.core.block_hash import lora_hash_key
 from ferry.core.request import RequestStatus
 from ferry.layers.linear import Linear
 from ferry.models.lora_adapters import read_peft_adapter
@@ -193,10 +194,10 @@ def test_bad_adapters_are_refused_and_leave_the_model_untouched(lora_setup, tmp_
     assert runner.add_lora(read_peft_adapter("every", str(dirs["every"]), 16)) == 0
     with pytest.raises(ValueError, match="already loaded"):
         runner.add_lora(read_peft_adapter("every", str(dirs["every"]), 16))
+    key = runner.lora_keys["every"]
     runner.remove_lora("every")
     assert all(m.lora is None for m in loaded.model.modules() if isinstance(m, Linear))
     # Block hashes mix in the adapter's name and files: the same files, the same key; another
     # adapter under that name (a new version, another worker's), another key.
-    key = read_peft_adapter("every", str(dirs["every"]), 16).hash_key
-    assert read_peft_adapter("every", str(dirs["every"]), 16).hash_key == key
-    assert read_peft_adapter("every", str(dirs["qv"]), 16).hash_key != key
+    assert key == lora_hash_key("every", read_peft_adapter("every", str(dirs["every"]), 16).digest)
+    assert lora_hash_key("every", read_peft_adapter("every", str(dirs["qv"]), 16).digest) != key

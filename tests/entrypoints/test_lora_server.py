@@ -15,6 +15,11 @@ from safetensors.torch import save_file
 from server_utils import ServerProcess
 
 from ferry import SamplingParams
+from ferry.core.block_hash import hash_prompt_blocks, lora_hash_key
+from ferry.core.request import Request
+from ferry.gateway.kv_index import KVMirrors
+from ferry.gateway.replicas import Worker
+from ferry.models.lora_adapters import read_peft_adapter
 
 
 def write_adapter(path, cfg, rank: int = 2) -> None:
@@ -68,5 +73,16 @@ def test_an_adapter_is_served_as_its_own_model(smollm_gguf, tmp_path):
         assert answers == {"smol": offline["base"], "tuned": offline["tuned"]}
         r = httpx.post(server.url + "/v1/completions", json={"model": "tuned2", "prompt": prompt}, timeout=30)
         assert r.status_code == 404
+        # A gateway hashes an adapter request's blocks as the worker does: /ferry/info gives the
+        # adapter's digest under a fingerprint of its name (the name itself is not published there).
+        info = httpx.get(server.url + "/ferry/info", timeout=30).json()
+        assert "tuned" not in json.dumps(info["lora_digests"])
+        mirrors = KVMirrors([], 1.0, subscribe=False, forget=lambda url: None)
+        worker = Worker(server.url, info=info)
+        ids = list(range(100, 140))
+        key = lora_hash_key("tuned", read_peft_adapter("tuned", str(adapter), 16).digest)
+        as_worker = Request("r", ids, SamplingParams(), block_size=16, lora_key=key, max_tokens=1).block_hashes
+        assert mirrors.block_hashes(ids, 16, None, "tuned", worker) == as_worker
+        assert mirrors.block_hashes(ids, 16, None, "smol", worker) == hash_prompt_blocks(ids, 16) != as_worker
     finally:
         server.stop()

@@ -36,6 +36,7 @@ from ferry.config import (
     KVEventsConfig,
     KVTransferConfig,
 )
+from ferry.core.block_hash import lora_name_fingerprint
 from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError, SpawnedCore
@@ -356,6 +357,9 @@ class Server:
                 "chat_template_sha256": template_digest(state.chat_template),
                 "block_size": i.block_size,
                 "num_kv_blocks": i.num_kv_blocks,
+                # LoRA adapters' digests under a fingerprint of their names (their prompts' block hashes
+                # mix in name and digest): a gateway routes adapter requests by cache overlap too.
+                "lora_digests": {lora_name_fingerprint(n): d for n, d in i.lora_digests.items()},
                 "max_model_len": i.max_model_len,
                 "prefix_caching": self.engine_args.enable_prefix_caching,
                 "block_hash": HASH_ALGORITHM,
