@@ -50,7 +50,9 @@ class Scheduler:
         max_loras: int | None = None,
     ) -> None:
         """`max_loras`: the most LoRA adapters the running requests may use together (vLLM's
-        --max-loras); a request of another adapter waits, and those behind it go first."""
+        --max-loras); a request of another adapter waits, and those behind it go first (up to one
+        queue window of such requests passed over a step). As in vLLM, steady traffic to the
+        adapters running can keep another waiting."""
         self.kv = kv_cache_manager
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -145,6 +147,8 @@ class Scheduler:
                 if (self.max_loras is not None and request.lora_slot >= 0 and request.lora_slot not in adapters
                         and len(adapters) >= self.max_loras):  # fmt: skip
                     other_adapter.append(request)
+                    if len(other_adapter) >= self.waiting.window:
+                        break  # a step passes over at most one window of them: a long queue costs no more
                     continue
                 # An embedding pools over every prompt position, prompt logprobs read every one's
                 # logits: such requests compute them all.

@@ -197,3 +197,31 @@ def test_duplicate_request_id_rejected():
     s.add_request(req("a", [1]))
     with pytest.raises(ValueError, match="request_id"):
         s.add_request(req("a", [2]))
+
+
+def test_max_loras_holds_other_adapters_back_and_passes_over_one_window_a_step():
+    """max_loras=1: while adapter 0's request runs, adapter 1's wait (in their order) and a base
+    request behind them runs; a step passes over at most one queue window of held-back requests,
+    so a long queue of them costs no more. Once adapter 0's request ends, adapter 1's run."""
+    kv = KVCacheManager(256, BS, enable_prefix_caching=True)
+    s = Scheduler(kv, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1000, max_loras=1)
+    first = req("a0", [1, 2, 3], arrival=0.0)
+    first.lora_slot = 0
+    s.add_request(first)
+    fake_step(s, s.schedule())
+    for i in range(40):  # adapter 1, then a base request behind 3 of them
+        r = req(f"b{i}", [10 + i, 2, 3], arrival=1.0 + i)
+        r.lora_slot = 1
+        s.add_request(r)
+    s.add_request(req("base", [9, 9, 9], arrival=3.5))
+    taken = []
+    real_take = s.waiting.take_next
+    s.waiting.take_next = lambda cached=None: taken.append(1) or real_take(cached)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["a0", "base"]
+    assert len(taken) <= s.waiting.window + 1  # not one per waiting request
+    assert len(s.waiting) == 40
+    s.finish_request(first, RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert {r.request_id for r, _ in out.scheduled} >= {f"b{i}" for i in range(16)}
+    assert all(r.lora_slot == 1 for r in s.running if r.request_id != "base")
