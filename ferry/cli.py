@@ -117,6 +117,8 @@ BENCHMARKS = (
      "multi-head latent attention's KV bytes per token and batch decode tok/s at long context against GQA"),
     ("pipeline", "ferry.bench.pipeline", True,
      "pipeline-parallel tok/s, stages overlapped by micro-batches or taking turns, beside one process"),
+    ("lora", "ferry.bench.lora", True,
+     "serving LoRA adapters against the base model: one adapter for all requests, and a mix of them"),
     ("window", "ferry.bench.window", False,
      "a request far longer than its sliding window, in a KV cache sized for a little more than the window"),
     ("startup", "ferry.bench.startup", False,

@@ -244,3 +244,20 @@ def test_bench_window_runs_a_request_longer_than_its_cache(tmp_path, capsys):
     # The window, one 16-token chunk and a partial block at each end, in a 96-token cache: not 306 tokens.
     assert 32 < r["peak_tokens_held"] <= 32 + 16 + 8 and r["peak_tokens_held"] < r["cache_tokens"]
     assert r["prefill_tok_per_s"] > 0 and r["tpot_ms"] > 0
+
+
+def test_bench_lora_runs_base_one_and_mixed_adapters(tiny_dir, tmp_path, capsys):
+    """`ferry bench lora` writes random adapters for the model, loads them, and times the same
+    requests without an adapter, under one, and spread over all of them."""
+    out = tmp_path / "lora.json"
+    argv = ["bench", "lora", "--model", tiny_dir, "--num-prompts", "4", "--input-len", "16", "--output-len", "6",
+            "--num-adapters", "3", "--rank", "4", "--targets", "q_proj", "down_proj", "--json", str(out),
+            *ENGINE]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "3 adapters of rank 4 on q_proj, down_proj" in printed
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["base", "one", "mixed"]
+    assert runs["base"]["step_vs_base"] == 1.0
+    for r in runs.values():
+        assert r["output_tok_per_s"] > 0 and r["decode_step_ms"] > 0

@@ -1,7 +1,7 @@
 """`ferry serve --enable-lora --lora-modules`: an adapter is a model of its own on the OpenAI API.
 
-The adapter is written here in PEFT's format from its specification (adapter_config.json, and
-`base_model.model.<module>.lora_A/B.weight` in adapter_model.safetensors) for the bundled SmolLM2."""
+The adapter is written in PEFT's format from its specification (ferry/bench/lora.py: adapter_config.json,
+and `base_model.model.<module>.lora_A/B.weight` in adapter_model.safetensors) for the bundled SmolLM2."""
 
 from __future__ import annotations
 
@@ -9,33 +9,16 @@ import json
 
 import httpx
 import pytest
-import torch
 from conftest import engine_over
-from safetensors.torch import save_file
 from server_utils import ServerProcess
 
 from ferry import SamplingParams
+from ferry.bench.lora import write_random_adapter
 from ferry.core.block_hash import hash_prompt_blocks, lora_hash_key
 from ferry.core.request import Request
 from ferry.gateway.kv_index import KVMirrors
 from ferry.gateway.replicas import Worker
 from ferry.models.lora_adapters import read_peft_adapter
-
-
-def write_adapter(path, cfg, rank: int = 2) -> None:
-    g = torch.Generator().manual_seed(7)
-    tensors = {}
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    for i in range(cfg.num_hidden_layers):
-        for module, out in (("q_proj", q), ("v_proj", kv)):
-            key = f"base_model.model.model.layers.{i}.self_attn.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, cfg.hidden_size, generator=g) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
-    path.mkdir()
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
-              "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
-    (path / "adapter_config.json").write_text(json.dumps(config))
 
 
 @pytest.mark.slow
@@ -44,7 +27,7 @@ def test_an_adapter_is_served_as_its_own_model(smollm_gguf, tmp_path):
     it (the offline engine's tokens with the same adapter, not the base model's) and reports its
     name; the base model's answer is unchanged beside it."""
     adapter = tmp_path / "tuned"
-    write_adapter(adapter, smollm_gguf.model.config)
+    write_random_adapter(adapter, smollm_gguf.model.config, rank=2, targets=("q_proj", "v_proj"), seed=7, b_scale=0.5)
     prompt = "The capital of France is"
     params = SamplingParams(max_tokens=12, temperature=0)
     engine = engine_over(smollm_gguf, enable_lora=True, lora_modules=[f"tuned={adapter}"])
