@@ -31,9 +31,10 @@ class LoRADelta:
 
 
 class LoRABatch:
-    """Which rows of the step run under which adapter slot: (slot, row indices) per slot present."""
+    """Which rows of the step run under which adapter slot: (slot, row indices) per slot present;
+    None for the rows when one adapter has every row (no gather, no scatter)."""
 
-    def __init__(self, groups: list[tuple[int, torch.Tensor]]) -> None:
+    def __init__(self, groups: list[tuple[int, torch.Tensor | None]]) -> None:
         self.groups = groups
 
     @classmethod
@@ -42,6 +43,8 @@ class LoRABatch:
         present = np.unique(slots[slots >= 0])
         if not len(present):
             return None
+        if len(present) == 1 and present[0] >= 0 and (slots == present[0]).all():
+            return cls([(int(present[0]), None)])
         groups = [(int(s), torch.from_numpy(np.flatnonzero(slots == s)).to(device)) for s in present]
         return cls(groups)
 
@@ -76,6 +79,9 @@ def add_lora(deltas: dict[int, LoRADelta], x: torch.Tensor, y: torch.Tensor) -> 
     for slot, rows in batch.groups:
         d = deltas.get(slot)
         if d is None:
+            continue
+        if rows is None:
+            y2.add_(((x2.to(d.a.dtype) @ d.a.T) @ d.b.T).to(y2.dtype))
             continue
         xs = x2.index_select(0, rows).to(d.a.dtype)
         y2.index_add_(0, rows, ((xs @ d.a.T) @ d.b.T).to(y2.dtype))
