@@ -172,8 +172,8 @@ class EngineArgs:
             return
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
-        if self.world_size > 1:
-            raise ValueError("LoRA adapters do not run under tensor or pipeline parallelism yet")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run under pipeline parallelism yet")
         if self.quantization == "int8":
             # SmoothQuant scales each layer's input columns (layers/smoothquant.py): an adapter's A would need them too
             raise ValueError("LoRA adapters do not run over --quantization int8 (SmoothQuant) yet")

@@ -22,7 +22,6 @@ from ferry.engine.core import EngineCore
 from ferry.engine.messages import EngineInfo
 from ferry.models.config import ModelConfig
 from ferry.models.cpu_decode_step import CPUDecodeStep
-from ferry.models.lora_adapters import read_peft_adapter
 from ferry.utils.math import cdiv
 from ferry.utils.process import freeze_startup_heap
 from ferry.worker.memory import blocks_in_budget, gpu_kv_budget, host_kv_budget, kv_bytes_per_block
@@ -85,9 +84,7 @@ def _build(
     runner = ModelRunner.create(args, loaded, tp, check_peers=tp_workers.check_alive if tp_workers else None,
                                 pp=tp_workers.pp if tp_workers else SINGLE_STAGE,
                                 channel=tp_workers.channel if tp_workers else None)  # fmt: skip
-    for name, path in args.lora_adapters:  # before sizing the KV cache: their weights take memory
-        runner.add_lora(read_peft_adapter(name, path, args.max_lora_rank))
-        logger.info("LoRA adapter %r loaded from %s", name, path)
+    runner.add_lora_modules(args)  # before sizing the KV cache: their weights take memory (the other ranks' too)
     bs = args.block_size
     # Of the largest pipeline stage: every stage allocates as many blocks as rank 0's budget allows it.
     stage_layers = max((b - a for a, b in tp_workers.layer_ranges), default=None) if tp_workers else None

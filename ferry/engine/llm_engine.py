@@ -149,6 +149,9 @@ class LLMEngine:
             return False
         if not self.args.enable_lora:
             raise InvalidParameterError("lora_request", "this engine was built without enable_lora")
+        if self.tp_workers is not None:  # every rank would have to load it, in step with rank 0
+            raise InvalidParameterError("lora_request", "under tensor parallelism adapters load at start "
+                                        "(lora_modules); this one is not among them")  # fmt: skip
         args = self.args
         self.core.runner.add_lora(read_peft_adapter(lora_request.lora_name, lora_request.lora_path, args.max_lora_rank))
         self.core.info.lora_digests[lora_request.lora_name] = self.core.runner.lora_digests[lora_request.lora_name]

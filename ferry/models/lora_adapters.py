@@ -143,13 +143,20 @@ def attach(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
     param = model.norm.weight
     fused: dict[Linear, list[tuple[int, LoRADelta]]] = {}
     for module, delta in adapter.deltas.items():
-        layer, row, rows = _target(model, adapter.name, module)
+        layer, name, shard, row, rows = _target(model, adapter.name, module)
         a, b = delta.a, delta.b
+        if model.config.rope_interleave:
+            b = model._deinterleave_rope(module + ".weight", b)
+        if model.tp.size > 1:  # this rank's part, as its layer's weight is sharded (column: B's rows; row: A's
+            # columns, the partial products summed by the layer's all-reduce with the base output's)
+            sharding = model._SHARDING.get(name.rsplit(".", 1)[-1])
+            if sharding == "column":
+                b = model._tensor_parallel_slice(name + ".weight", b, shard)
+            elif sharding == "row":
+                a = model._tensor_parallel_slice(name + ".weight", a)
         if a.shape[1] != layer.in_features or b.shape[0] != rows:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {module} is [{b.shape[0]}, {a.shape[1]}], the "
                              f"model's is [{rows}, {layer.in_features}]: an adapter of another model?")  # fmt: skip
-        if model.config.rope_interleave:
-            b = model._deinterleave_rope(module + ".weight", b)
         fused.setdefault(layer, []).append((row, LoRADelta(a.to(param), b.to(param))))
     for layer, parts in fused.items():
         delta = parts[0][1] if len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1].b) == layer.out_features \
@@ -164,8 +171,9 @@ def detach(model: LlamaForCausalLM, slot: int) -> None:
             m.lora = {s: d for s, d in m.lora.items() if s != slot} or None
 
 
-def _target(model: LlamaForCausalLM, adapter: str, module: str) -> tuple[Linear, int, int]:
-    """The ferry layer holding Hugging Face module `module`, and the rows of its output it makes."""
+def _target(model: LlamaForCausalLM, adapter: str, module: str) -> tuple[Linear, str, int | None, int, int]:
+    """The ferry layer holding Hugging Face module `module`, its name, the part of it the module is
+    (q/k/v or gate/up; None: the whole layer), and the rows of its output (this rank's) the module makes."""
     parts = module.split(".")
     leaf = parts[-1]
     fused = model._FUSED.get(leaf)
@@ -181,10 +189,10 @@ def _target(model: LlamaForCausalLM, adapter: str, module: str) -> tuple[Linear,
         raise ValueError(f"LoRA adapter {adapter!r}: {module} is not a dense linear layer of this model "
                          "(ferry adapts attention and MLP projections, not embeddings, heads or experts)")  # fmt: skip
     if shard is None:
-        return layer, 0, layer.out_features
+        return layer, name, None, 0, layer.out_features
     parent = model.get_submodule(name.rsplit(".", 1)[0])
     if isinstance(parent, Attention):
         offsets = [0, parent.q_size, parent.q_size + parent.kv_size, layer.out_features]
-        return layer, offsets[shard], offsets[shard + 1] - offsets[shard]
+        return layer, name, shard, offsets[shard], offsets[shard + 1] - offsets[shard]
     half = layer.out_features // 2  # gate/up: the halves of the fused rows
-    return layer, shard * half, half
+    return layer, name, shard, shard * half, half

@@ -27,7 +27,7 @@ from ferry.layers.attention import AttentionBackend, build_metadata
 from ferry.layers.lora import LoRABatch, lora_batch
 from ferry.layers.moe import triton_moe_available
 from ferry.models.llama import LlamaForCausalLM
-from ferry.models.lora_adapters import LoRAAdapter, attach, detach
+from ferry.models.lora_adapters import LoRAAdapter, attach, detach, read_peft_adapter
 from ferry.utils import lazy_zeros
 from ferry.worker.cpu_allocator import tune_cpu_allocator
 from ferry.worker.cuda_graphs import CUDAGraphRunner
@@ -208,6 +208,13 @@ class ModelRunner:
         self.lora_digests[adapter.name] = adapter.digest
         self.lora_paths[adapter.name] = adapter.path
         return slot
+
+    def add_lora_modules(self, args: EngineArgs) -> None:
+        """The adapters of --lora-modules, in their order: every tensor-parallel rank loads them so,
+        and each gets the same slot on every rank."""
+        for name, path in args.lora_adapters:
+            self.add_lora(read_peft_adapter(name, path, args.max_lora_rank))
+            logger.info("LoRA adapter %r loaded from %s", name, path)
 
     def remove_lora(self, name: str) -> None:
         """Detach an adapter; the caller makes sure no request still runs under it. (Its cached

@@ -98,6 +98,7 @@ def worker_main(args: EngineArgs, rank: int, layer_ranges: list[tuple[int, int]]
     logging.basicConfig(level=logging.WARNING)
     tp, pp, channel = init_rank(args, rank, rendezvous_store(args, rank), layer_ranges)
     runner = ModelRunner.create(args, load_model(args, tp, pp), tp, pp=pp, channel=channel)
+    runner.add_lora_modules(args)  # as rank 0 does: the same adapters in the same slots
     if pp.is_first:
         _first_stage_loop(args, runner, tp, pp, channel)
     else:

@@ -150,6 +150,11 @@ def test_adapters_load_on_first_use_and_unknown_names_are_refused(lora_setup):
     for bad, why in ((["x"], "name=path"), (["a=b", "a=c"], "twice"), (['{"name": "a"}'], "non-empty")):
         with pytest.raises(ValueError, match=why):
             EngineArgs(model=str(base), enable_lora=True, lora_modules=bad)
+    for refused, why in (({"pipeline_parallel_size": 2}, "pipeline"), ({"quantization": "int8"}, "SmoothQuant"),
+                         ({"speculative_config": {"method": "early_exit", "num_speculative_tokens": 2,
+                                                  "draft_layers": 1}}, "early-exit")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            EngineArgs(model=str(base), enable_lora=True, **refused)
 
 
 def _rewrite_config(src, dst, **changes):

@@ -250,3 +250,39 @@ def test_kv_heads_per_rank_shard_or_replicate():
         TensorParallel(0, 4).kv_heads(3)
     with pytest.raises(ValueError, match="divisible"):
         TensorParallel(0, 4).kv_heads(6)
+
+
+def lora_tokens(path: str, tp: int, adapter: str) -> list[list[int]]:
+    """Greedy tokens of PROMPTS, the first and last under the adapter, the middle one without."""
+    args = EngineArgs(model=path, device="cpu", dtype="float32", tensor_parallel_size=tp, num_kv_blocks=64,
+                      block_size=4, max_num_batched_tokens=16, enable_lora=True, lora_modules=[f"a={adapter}"],
+                      max_lora_rank=8)  # fmt: skip
+    engine = LLMEngine(args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        for i, ids in enumerate(PROMPTS):
+            engine.add_request(str(i), {"prompt_token_ids": ids}, params, lora_request=None if i == 1 else "a")
+        done = run_to_completion(engine)
+        assert_no_blocks_referenced(engine)
+        return [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_lora_adapters_shard_over_tp2(tmp_path, kv_heads):
+    """An adapter on every projection under TP=2: q/k/v and gate/up updates split by output rows (a
+    single KV head's replicated), o/down's by input columns, their partial products summed by the
+    layers' all-reduce. TP=1's greedy tokens, in a batch beside a base-model request; the adapter
+    changes them."""
+    from types import SimpleNamespace
+
+    from ferry.bench.lora import write_random_adapter
+
+    config = {**CONFIG, "num_key_value_heads": kv_heads}
+    path = write_checkpoint(tmp_path, config)
+    write_random_adapter(tmp_path / "adapter", SimpleNamespace(**config), rank=8, seed=3, b_scale=0.5)
+    base = generate(path, 1)
+    ref = lora_tokens(path, 1, str(tmp_path / "adapter"))
+    assert ref[1] == base[1] and ref[0] != base[0] and ref[2] != base[2]
+    assert lora_tokens(path, 2, str(tmp_path / "adapter")) == ref
