@@ -123,7 +123,8 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field, changing nothing.
         `lora_request`: the LoRA adapter it runs under, loaded now if it is a LoRARequest with a
-        path that is not loaded yet (engines built with enable_lora)."""
+        path that is not loaded yet (engines built with enable_lora); an adapter so loaded stays
+        loaded if the request itself is then refused, as in vLLM."""
         if isinstance(lora_request, LoRARequest) and lora_request.lora_path:
             self.add_lora(lora_request)
         # A finished child of a request still running (x#0 of x) keeps its id until x ends: a new
