@@ -26,11 +26,14 @@ TEMPLATE = (
 STORY = "Here is a story about a lighthouse keeper who counted the ships passing by at night. " * 3
 
 
+PREFIX = "/llm"  # --root-path: a proxy may forward it or strip it
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "smol",
                       "--api-key", KEY, "--engine-stall-timeout", "5", "--allowed-origins", json.dumps([APP]),
-                      "--enable-request-id-headers", "--chat-template", TEMPLATE)  # fmt: skip
+                      "--enable-request-id-headers", "--chat-template", TEMPLATE, "--root-path", PREFIX)  # fmt: skip
     yield s
     assert s.stop() == 0, s.logs()
 
@@ -53,16 +56,21 @@ def idle(server: ServerProcess) -> bool:
 
 
 def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
+    """The key guards the same routes whether the --root-path prefix comes with the path or not."""
     body = {"prompt": "Hi", "max_tokens": 2}
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/reset_prefix_cache",
-                 "/tokenize", "/detokenize"):  # fmt: skip
-        method = httpx.get if path == "/v1/models" else httpx.post
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/reset_prefix_cache",
+                  "/tokenize", "/detokenize"):  # fmt: skip
+        path = route if route != "/v1/models" else PREFIX + route
+        method = httpx.get if route == "/v1/models" else httpx.post
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = method(server.url + path, headers=headers, **({} if method is httpx.get else {"json": body}))
             assert r.status_code == 401, (path, headers, r.text)
             assert r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url + "/v1/models", headers=AUTH).status_code == 200
-    assert post(server, body).status_code == 200
+    for prefix in ("", PREFIX):
+        assert httpx.get(server.url + prefix + "/v1/models", headers=AUTH).status_code == 200
+        assert post(server, body, prefix + "/v1/completions").status_code == 200
+        assert httpx.post(server.url + prefix + "/v1/completions", json=body).status_code == 401
+    assert httpx.get(server.url + "/llmx/v1/models", headers=AUTH).status_code == 404  # a prefix is whole segments
     assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}, headers=AUTH).json()["count"] >= 1
     for path in ("/health", "/ready", "/metrics", "/version"):
         assert httpx.get(server.url + path).status_code == 200, path

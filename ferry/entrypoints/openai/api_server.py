@@ -116,6 +116,15 @@ async def _parse(request: Request, model: type, limits: PromptLimits, precheck=p
     return await asyncio.to_thread(validate_body, data, model)
 
 
+def route_path(scope) -> str:
+    """A request's path as the app routes it: without the root path (--root-path) when it starts
+    with it, as Starlette's routing strips it (a proxy may forward the prefix or strip it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 class Server:
     """The app, its engine and its lifecycle (start, drain, die)."""
 
@@ -130,8 +139,9 @@ class Server:
                  request_id_headers: bool = False, log_stats_interval: float | None = None,
                  request_logger: RequestLogger | None = None, chat_template: str | None = None,
                  response_role: str = "assistant", force_include_usage: bool = False,
-                 return_tokens_as_token_ids: bool = False) -> None:  # fmt: skip
+                 return_tokens_as_token_ids: bool = False, root_path: str = "") -> None:  # fmt: skip
         self.engine_args = engine_args
+        self.root_path = root_path  # --root-path: served under this prefix too (FastAPI's root_path)
         self.log_stats_interval = log_stats_interval  # None: --disable-log-stats
         self.cors = cors  # CORSMiddleware's options (http_middleware.py); None: no browser access
         self.request_id_headers = request_id_headers
@@ -231,7 +241,7 @@ class Server:
     # -- routes -----------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="ferry", lifespan=self._lifespan, docs_url=None, redoc_url=None)
+        app = FastAPI(title="ferry", lifespan=self._lifespan, docs_url=None, redoc_url=None, root_path=self.root_path)
         state = self.state
 
         if self.api_keys:
@@ -239,8 +249,9 @@ class Server:
 
             @app.middleware("http")
             async def _require_api_key(request: Request, call_next):
-                # Probes, metrics and /ferry/info stay open (kubelets and Prometheus carry no key).
-                path = request.url.path
+                # Probes, metrics and /ferry/info stay open (kubelets and Prometheus carry no key). The
+                # path as routed: a --root-path prefix, if sent, is not part of it.
+                path = route_path(request.scope)
                 if path.startswith("/v1/") or path == "/v1" or path in _KEYED_PATHS:
                     if match_digest(request.headers.get("authorization"), keys) is None:
                         return _error_response(OpenAIError(
@@ -475,7 +486,7 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
                     log_stats_interval=args.log_stats_interval,
                     request_logger=RequestLogger.from_flags(args), chat_template=args.chat_template,
                     response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)  # fmt: skip
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, root_path=args.root_path)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

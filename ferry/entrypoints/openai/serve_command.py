@@ -76,6 +76,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS)
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per HTTP request from uvicorn (it logs them at --uvicorn-log-level info)")  # fmt: skip
+    p.add_argument("--root-path", default="",
+                   help="the path prefix a path-based proxy serves this server under (e.g. /llm): requests come "
+                        "with it or without it (vLLM's; FastAPI's root_path)")  # fmt: skip
     p.add_argument(
         "--response-role",
         default="assistant",
@@ -198,6 +201,8 @@ def serve(args: argparse.Namespace) -> int:
     args.log_stats_interval = None if args.disable_log_stats else log_stats_interval()  # ValueError: exit 2
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise ValueError(f"--root-path must start with / and not end with one (e.g. /llm), got {args.root_path!r}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"max_log_len must be >= 0, got {args.max_log_len}")
     path = resolve_model_path(engine_args.model, engine_args.load_format)  # FileNotFoundError: a clear message, exit 2
