@@ -17,7 +17,7 @@ from torch import nn
 
 from ferry.layers.gguf_linear import GGUFWeight, concat_rows, gguf_linear
 from ferry.layers.int8_linear import Int8Rows, Int8Weight, int8_linear, pack_int8_weight
-from ferry.layers.lora import LoRADelta, add_lora
+from ferry.layers.lora import LayerLoRA
 
 
 def onednn_packing_available() -> bool:
@@ -46,7 +46,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     int8: Int8Weight | Int8Rows | None = None
     gguf: list[GGUFWeight] | None = None
-    lora: dict[int, LoRADelta] | None = None
+    lora: LayerLoRA | None = None
 
     def drop_weight(self) -> None:
         """Free the fp32 weight (before it is ever allocated, on a meta model): the GGUF parts
@@ -91,7 +91,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
-        return add_lora(self.lora, x, y) if self.lora else y
+        return self.lora.apply(x, y) if self.lora else y
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.gguf is not None:

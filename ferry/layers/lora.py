@@ -4,7 +4,11 @@ An adapter adds `scale · B(A x)` to a linear layer's output, A [r, in] and B [o
 r. The base weight is never changed, so one batch mixes requests of several adapters and of none:
 each step names, per row, the adapter slot it runs under (`LoRABatch`), and every adapted layer
 gathers the rows of each slot, runs their two thin matmuls, and adds the result into those rows
-(one gather and one `index_add_` per adapter in the step, never per request).
+(one gather and one `index_add_` per adapter in the step, never per request). While the ranks of all
+the adapters a layer holds add up to little (`STACKED_MAX_RANK`), a step mixing adapters instead runs
+them all stacked: x times every adapter's A at once, each row's product masked to its own adapter's
+columns, times every B at once: two matmuls whatever the number of adapters, each as thin as the
+ranks together.
 
 A fused layer (q/k/v, gate/up) holds one adapter part per projection; they are stacked into one A
 (their ranks side by side) and one B that is block-diagonal over the output rows, so the fused
@@ -30,12 +34,19 @@ class LoRADelta:
     b: torch.Tensor  # [out, rank]
 
 
+# The most rank, all adapters of a layer together, run stacked in a step mixing adapters: below it the
+# stacked matmuls cost less than a gather, two matmuls and a scatter per adapter (`ferry bench lora`).
+STACKED_MAX_RANK = 256
+
+
 class LoRABatch:
     """Which rows of the step run under which adapter slot: (slot, row indices) per slot present;
-    None for the rows when one adapter has every row (no gather, no scatter)."""
+    None for the rows when one adapter has every row (no gather, no scatter). `row_slots`: each
+    row's slot (-1: none), for the stacked path."""
 
-    def __init__(self, groups: list[tuple[int, torch.Tensor | None]]) -> None:
+    def __init__(self, groups: list[tuple[int, torch.Tensor | None]], row_slots: torch.Tensor | None = None) -> None:
         self.groups = groups
+        self.row_slots = row_slots
 
     @classmethod
     def from_slots(cls, slots: np.ndarray, device: torch.device) -> LoRABatch | None:
@@ -46,7 +57,7 @@ class LoRABatch:
         if len(present) == 1 and present[0] >= 0 and (slots == present[0]).all():
             return cls([(int(present[0]), None)])
         groups = [(int(s), torch.from_numpy(np.flatnonzero(slots == s)).to(device)) for s in present]
-        return cls(groups)
+        return cls(groups, torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(device))
 
 
 _active: LoRABatch | None = None
@@ -69,23 +80,57 @@ def lora_active() -> bool:
     return _active is not None
 
 
-def add_lora(deltas: dict[int, LoRADelta], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y plus each adapter's update on its own rows (x: [T, in], y: [T, out], rows aligned)."""
-    batch = _active
-    if batch is None:
+class LayerLoRA:
+    """A layer's adapters: per slot its update, and all of them stacked (built when first needed)."""
+
+    def __init__(self) -> None:
+        self.deltas: dict[int, LoRADelta] = {}
+        self._stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.deltas)
+
+    def set(self, slot: int, delta: LoRADelta) -> None:
+        self.deltas[slot] = delta
+        self._stacked = None
+
+    def remove(self, slot: int) -> None:
+        self.deltas.pop(slot, None)
+        self._stacked = None
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every adapter's A stacked [sum r, in], B side by side [out, sum r], and each column's slot."""
+        if self._stacked is None:
+            slots = sorted(self.deltas)
+            a = torch.cat([self.deltas[s].a for s in slots])
+            b = torch.cat([self.deltas[s].b for s in slots], dim=1)
+            col = torch.cat([torch.full((self.deltas[s].a.shape[0],), s, dtype=torch.int64) for s in slots])
+            self._stacked = (a, b, col.to(a.device))
+        return self._stacked
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus each adapter's update on its own rows (x: [T, in], y: [T, out], rows aligned)."""
+        batch = _active
+        if batch is None:
+            return y
+        y = y.contiguous()  # (the base paths' outputs are; a copy otherwise, so the update is never lost)
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if batch.row_slots is not None:
+            a, b, col = self.stacked()
+            if a.shape[0] <= STACKED_MAX_RANK:
+                mask = (batch.row_slots[:, None] == col[None, :]).to(a.dtype)  # a row: its own adapter's ranks
+                y2.add_((((x2.to(a.dtype) @ a.T) * mask) @ b.T).to(y2.dtype))
+                return y
+        for slot, rows in batch.groups:
+            d = self.deltas.get(slot)
+            if d is None:
+                continue
+            if rows is None:
+                y2.add_(((x2.to(d.a.dtype) @ d.a.T) @ d.b.T).to(y2.dtype))
+                continue
+            xs = x2.index_select(0, rows).to(d.a.dtype)
+            y2.index_add_(0, rows, ((xs @ d.a.T) @ d.b.T).to(y2.dtype))
         return y
-    y = y.contiguous()  # (the base paths' outputs are; a copy otherwise, so the update is never lost)
-    x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-    for slot, rows in batch.groups:
-        d = deltas.get(slot)
-        if d is None:
-            continue
-        if rows is None:
-            y2.add_(((x2.to(d.a.dtype) @ d.a.T) @ d.b.T).to(y2.dtype))
-            continue
-        xs = x2.index_select(0, rows).to(d.a.dtype)
-        y2.index_add_(0, rows, ((xs @ d.a.T) @ d.b.T).to(y2.dtype))
-    return y
 
 
 def fuse_parts(parts: list[tuple[int, LoRADelta]], out_features: int) -> LoRADelta:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.layers.linear import Linear
-from ferry.layers.lora import LoRADelta, fuse_parts
+from ferry.layers.lora import LayerLoRA, LoRADelta, fuse_parts
 from ferry.models.llama import Attention, LlamaForCausalLM
 
 _WEIGHT = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
@@ -161,14 +161,18 @@ def attach(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
     for layer, parts in fused.items():
         delta = parts[0][1] if len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1].b) == layer.out_features \
             else fuse_parts(parts, layer.out_features)  # fmt: skip
-        layer.lora = {**(layer.lora or {}), slot: delta}
+        if layer.lora is None:
+            layer.lora = LayerLoRA()
+        layer.lora.set(slot, delta)
 
 
 def detach(model: LlamaForCausalLM, slot: int) -> None:
     """Remove slot's updates from every layer."""
     for m in model.modules():
-        if isinstance(m, Linear) and m.lora and slot in m.lora:
-            m.lora = {s: d for s, d in m.lora.items() if s != slot} or None
+        if isinstance(m, Linear) and m.lora is not None:
+            m.lora.remove(slot)
+            if not m.lora:
+                m.lora = None
 
 
 def _target(model: LlamaForCausalLM, adapter: str, module: str) -> tuple[Linear, str, int | None, int, int]:

@@ -79,9 +79,14 @@ def run(llm: LLM, prompts, adapters) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_each_adapter_alone_and_all_batched_give_peft_tokens(lora_setup):
+@pytest.mark.parametrize("stacked", [True, False])
+def test_each_adapter_alone_and_all_batched_give_peft_tokens(lora_setup, stacked, monkeypatch):
     """Greedy tokens equal PEFT's per adapter and for the base model, one request at a time and
-    in one batch mixing the base model and both adapters (each row its own adapter's update)."""
+    in one batch mixing the base model and both adapters (each row its own adapter's update), the
+    mixed steps run stacked (all adapters' ranks at once, masked per row) or adapter by adapter."""
+    import ferry.layers.lora
+
+    monkeypatch.setattr(ferry.layers.lora, "STACKED_MAX_RANK", 256 if stacked else 0)
     _, _, prompts, expected = lora_setup
     llm = lora_llm(lora_setup, max_loras=2)
     for name in (None, "every", "qv"):
