@@ -226,10 +226,18 @@ class KVMirrors(BackgroundTask):
     def block_hashes(self, token_ids: list[int], block_size: int, cache_salt: str | None,
                      model: str | None = None, worker: Worker | None = None) -> list[bytes]:  # fmt: skip
         """A prompt's block hashes as this deployment's workers compute them; for a request whose
-        `model` is a LoRA adapter of `worker` (its /ferry/info), as that adapter's requests hash them."""
-        digests = ((worker.info or {}).get("lora_digests") or {}) if worker is not None and model else {}
-        digest = digests.get(lora_name_fingerprint(model)) if digests else None
-        lora_key = lora_hash_key(model, digest) if isinstance(digest, str) else None
+        `model` is a LoRA adapter of `worker` (its /ferry/info), as that adapter's requests hash them.
+        None of them ([]: routed by load) for a model `worker`'s /ferry/info does not name as its own
+        and gives no adapter digest for (not described yet, or not a ferry serve): the base model's
+        hashes would credit blocks the adapter cannot use."""
+        lora_key = None
+        if worker is not None and model:
+            info = worker.info or {}
+            if model not in (info.get("models") or ()):
+                digest = (info.get("lora_digests") or {}).get(lora_name_fingerprint(model))
+                if not isinstance(digest, str):
+                    return []
+                lora_key = lora_hash_key(model, digest)
         return hash_prompt_blocks(token_ids, block_size, cache_salt, self.hash_salt, lora_key)
 
     def overlap(self, worker: Worker, hashes: list[bytes]) -> int:

@@ -39,10 +39,11 @@ class Routing:
         hashes: list[bytes] = []
         overlaps = None
         if self.router.needs_block_hashes:
-            block_size = next((w.info["block_size"] for w in pool if w.info and w.info.get("block_size")), None)
+            described = next((w for w in pool if w.info and w.info.get("block_size")), None)
+            block_size = described.info["block_size"] if described is not None else None
             ids = await ctx.token_ids(self.prompts, pool[0]) if block_size else None
             if ids:
-                hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt, ctx.model, pool[0])
+                hashes = self.kv.block_hashes(ids, block_size, ctx.cache_salt, ctx.model, described)
                 if self.router.policy == "kv-aware":
                     overlaps = [self.kv.overlap(w, hashes) for w in pool]
                 else:

@@ -92,21 +92,29 @@ class LayerLoRA:
 
     def set(self, slot: int, delta: LoRADelta) -> None:
         self.deltas[slot] = delta
-        self._stacked = None
+        self._restack()
 
     def remove(self, slot: int) -> None:
         self.deltas.pop(slot, None)
-        self._stacked = None
+        self._restack()
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every adapter's A stacked [sum r, in], B side by side [out, sum r], and each column's slot."""
-        if self._stacked is None:
-            slots = sorted(self.deltas)
-            a = torch.cat([self.deltas[s].a for s in slots])
-            b = torch.cat([self.deltas[s].b for s in slots], dim=1)
-            col = torch.cat([torch.full((self.deltas[s].a.shape[0],), s, dtype=torch.int64) for s in slots])
-            self._stacked = (a, b, col.to(a.device))
-        return self._stacked
+    def _restack(self) -> None:
+        """While the ranks together stay within STACKED_MAX_RANK: every adapter's A stacked [sum r, in],
+        B side by side [out, sum r], each column's slot; each adapter's own A and B become views of
+        them (one copy of the weights, made when the adapter is attached, before the KV cache is sized)."""
+        self._stacked = None
+        slots = sorted(self.deltas)
+        if not slots or sum(self.deltas[s].a.shape[0] for s in slots) > STACKED_MAX_RANK:
+            return
+        a = torch.cat([self.deltas[s].a for s in slots])
+        b = torch.cat([self.deltas[s].b for s in slots], dim=1)
+        col = torch.cat([torch.full((self.deltas[s].a.shape[0],), s, dtype=torch.int64) for s in slots])
+        start = 0
+        for s in slots:
+            rank = self.deltas[s].a.shape[0]
+            self.deltas[s] = LoRADelta(a[start : start + rank], b[:, start : start + rank])
+            start += rank
+        self._stacked = (a, b, col.to(a.device))
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus each adapter's update on its own rows (x: [T, in], y: [T, out], rows aligned)."""
@@ -115,12 +123,11 @@ class LayerLoRA:
             return y
         y = y.contiguous()  # (the base paths' outputs are; a copy otherwise, so the update is never lost)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        if batch.row_slots is not None:
-            a, b, col = self.stacked()
-            if a.shape[0] <= STACKED_MAX_RANK:
-                mask = (batch.row_slots[:, None] == col[None, :]).to(a.dtype)  # a row: its own adapter's ranks
-                y2.add_((((x2.to(a.dtype) @ a.T) * mask) @ b.T).to(y2.dtype))
-                return y
+        if batch.row_slots is not None and self._stacked is not None:
+            a, b, col = self._stacked
+            mask = (batch.row_slots[:, None] == col[None, :]).to(a.dtype)  # a row: its own adapter's ranks
+            y2.add_((((x2.to(a.dtype) @ a.T) * mask) @ b.T).to(y2.dtype))
+            return y
         for slot, rows in batch.groups:
             d = self.deltas.get(slot)
             if d is None:

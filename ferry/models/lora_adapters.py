@@ -150,10 +150,10 @@ def attach(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
         if model.tp.size > 1:  # this rank's part, as its layer's weight is sharded (column: B's rows; row: A's
             # columns, the partial products summed by the layer's all-reduce with the base output's)
             sharding = model._SHARDING.get(name.rsplit(".", 1)[-1])
-            if sharding == "column":
-                b = model._tensor_parallel_slice(name + ".weight", b, shard)
+            if sharding == "column":  # (clones: a view would keep the whole tensor alive on every rank)
+                b = model._tensor_parallel_slice(name + ".weight", b, shard).clone()
             elif sharding == "row":
-                a = model._tensor_parallel_slice(name + ".weight", a)
+                a = model._tensor_parallel_slice(name + ".weight", a).clone()
         if a.shape[1] != layer.in_features or b.shape[0] != rows:
             raise ValueError(f"LoRA adapter {adapter.name!r}: {module} is [{b.shape[0]}, {a.shape[1]}], the "
                              f"model's is [{rows}, {layer.in_features}]: an adapter of another model?")  # fmt: skip

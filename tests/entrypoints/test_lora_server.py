@@ -67,5 +67,9 @@ def test_an_adapter_is_served_as_its_own_model(smollm_gguf, tmp_path):
         as_worker = Request("r", ids, SamplingParams(), block_size=16, lora_key=key, max_tokens=1).block_hashes
         assert mirrors.block_hashes(ids, 16, None, "tuned", worker) == as_worker
         assert mirrors.block_hashes(ids, 16, None, "smol", worker) == hash_prompt_blocks(ids, 16) != as_worker
+        # A worker not described yet, or with no digest for the name: routed by load, not by the
+        # base model's hashes (which would credit blocks the adapter cannot use).
+        assert mirrors.block_hashes(ids, 16, None, "tuned", Worker(server.url)) == []
+        assert mirrors.block_hashes(ids, 16, None, "tuned", Worker(server.url, info={**info, "lora_digests": {}})) == []
     finally:
         server.stop()

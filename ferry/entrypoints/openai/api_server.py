@@ -116,6 +116,19 @@ async def _parse(request: Request, model: type, limits: PromptLimits, precheck=p
     return await asyncio.to_thread(validate_body, data, model)
 
 
+class RootPathMiddleware:
+    """--root-path: each request's ASGI root_path (what FastAPI's deprecated `root_path=` did), so
+    the router takes paths with the prefix or without it."""
+
+    def __init__(self, app, root_path: str) -> None:
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 def route_path(scope) -> str:
     """A request's path as the app routes it: without the root path (--root-path) when it starts
     with it, as Starlette's routing strips it (a proxy may forward the prefix or strip it)."""
@@ -241,7 +254,7 @@ class Server:
     # -- routes -----------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="ferry", lifespan=self._lifespan, docs_url=None, redoc_url=None, root_path=self.root_path)
+        app = FastAPI(title="ferry", lifespan=self._lifespan, docs_url=None, redoc_url=None)
         state = self.state
 
         if self.api_keys:
@@ -446,6 +459,8 @@ class Server:
                                                           "/v1/embeddings": EmbeddingRequest,
                                                           "/v1/responses": ResponsesRequest})  # fmt: skip
         add_http_middleware(app, self.cors, self.request_id_headers)
+        if self.root_path:  # added last, so outermost: every middleware and the router see it
+            app.add_middleware(RootPathMiddleware, root_path=self.root_path)
         return app
 
 
