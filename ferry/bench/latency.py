@@ -137,15 +137,17 @@ def _requests(rng: random.Random, n: int, length: int, vocab: int) -> list[list[
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str) -> list[tuple[object, float]]:
-    """Run the prompts to completion; returns (StepRecord, wall seconds) of every step.
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag: str,
+              loras: list[str | None] | None = None) -> list[tuple[object, float]]:  # fmt: skip
+    """Run the prompts to completion; returns (StepRecord, wall seconds) of every step. `loras`: per
+    prompt, the LoRA adapter it runs under (None: the base model).
 
     Steps are timed back to back (one device sync, at the end), so an engine that overlaps
     a step's host work with the previous step's device work is not slowed down by the timing.
     """
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, ids in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params, lora_request=loras[i] if loras else None)
     records: list = []
     engine.core.step_records = records
     ends: list[tuple[int, float]] = []  # (records so far, time) after every step

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ferry.bench.latency import _requests
+from ferry.bench.latency import _requests, run_batch
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.lora_request import LoRARequest
 from ferry.models.config import ModelConfig
-from ferry.sampling_params import SamplingParams
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -71,21 +70,11 @@ def write_random_adapter(path: Path, cfg: ModelConfig, rank: int, targets=ALL_TA
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, loras: list[str | None]) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    records: list = []
-    engine.core.step_records = records
     t0 = time.perf_counter()
-    for i, (ids, lora) in enumerate(zip(prompts, loras)):
-        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params, lora_request=lora)
-    steps = []
-    while engine.has_unfinished_requests():
-        seen, s0 = len(records), time.perf_counter()
-        engine.step()
-        if len(records) > seen and not records[-1].num_prefill_tokens:
-            steps.append(time.perf_counter() - s0)
+    steps = run_batch(engine, prompts, output_len, "lora", loras)
     wall = time.perf_counter() - t0
-    engine.core.step_records = None
-    return {"output_tok_per_s": len(prompts) * output_len / wall, "decode_step_ms": statistics.fmean(steps) * 1e3,
+    decode = [dt for rec, dt in steps if not rec.num_prefill_tokens]
+    return {"output_tok_per_s": len(prompts) * output_len / wall, "decode_step_ms": statistics.fmean(decode) * 1e3,
             "seconds": wall}  # fmt: skip
 
 

@@ -127,7 +127,7 @@ def _build(
         block_size=bs,
         num_kv_blocks=num_blocks,
         max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else min(args.max_logprobs, cfg.vocab_size),
-        lora_digests=dict(runner.lora_digests),
+        lora_digests={name: lora.digest for name, lora in runner.loras.items()},
     )
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * block_bytes / 2**30)
     proposer = None

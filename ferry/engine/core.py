@@ -124,8 +124,8 @@ class EngineCore:
                 block_size=self.kv.block_size,
                 cache_salt=request.cache_salt,
                 deployment_salt=self.kv.block_hash_salt,
-                lora_key=self.runner.lora_keys[request.lora_name] if request.lora_name else None,
-                lora_slot=self.runner.loras[request.lora_name] if request.lora_name else -1,
+                lora_key=self.runner.loras[request.lora_name].key if request.lora_name else None,
+                lora_slot=self.runner.loras[request.lora_name].slot if request.lora_name else -1,
                 max_tokens=request.max_tokens,
             )
         if request.sampling_params.pooling is not None and self.embed_max_delay > 0:

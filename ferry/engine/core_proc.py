@@ -114,7 +114,7 @@ class EngineCoreProc:
         # The files, not the argument (None for the bundled model): what names the model to peers.
         model_path = resolve_model_path(self.args.model, self.args.load_format)
         transfers = KVTransferCoordinator(config, self.ctx, self.core.kv, self.core.runner.kv_caches, model_path,
-                                          self.send, self.core.runner.lora_keys)  # fmt: skip
+                                          self.send, self.core.runner.lora_key)  # fmt: skip
         info.kv_role = config.role
         info.kv_transfer = config.transport
         info.kv_receiver = transfers.receiver_addr

@@ -142,20 +142,21 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load a LoRA adapter (vLLM's `add_lora`) unless one of its name is loaded; whether it
         loaded it. ValueError for an engine without enable_lora, or an adapter that does not fit."""
-        loaded = self.core.runner.lora_paths.get(lora_request.lora_name)
+        loaded = self.core.runner.loras.get(lora_request.lora_name)
         if loaded is not None:
-            if lora_request.lora_path and lora_request.lora_path != loaded:
-                raise InvalidParameterError("lora_request", f"a LoRA adapter named {lora_request.lora_name!r} is "
-                                            f"already loaded from {loaded}, not {lora_request.lora_path}")  # fmt: skip
+            if lora_request.lora_path and lora_request.lora_path != loaded.path:
+                name, path = lora_request.lora_name, lora_request.lora_path
+                raise InvalidParameterError("lora_request", f"a LoRA adapter named {name!r} is already loaded from "
+                                            f"{loaded.path}, not {path}")  # fmt: skip
             return False
         if not self.args.enable_lora:
             raise InvalidParameterError("lora_request", "this engine was built without enable_lora")
         if self.tp_workers is not None:  # every rank would have to load it, in step with rank 0
             raise InvalidParameterError("lora_request", "under tensor parallelism adapters load at start "
                                         "(lora_modules); this one is not among them")  # fmt: skip
-        args = self.args
-        self.core.runner.add_lora(read_peft_adapter(lora_request.lora_name, lora_request.lora_path, args.max_lora_rank))
-        self.core.info.lora_digests[lora_request.lora_name] = self.core.runner.lora_digests[lora_request.lora_name]
+        adapter = read_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.args.max_lora_rank)
+        self.core.runner.add_lora(adapter)
+        self.core.info.lora_digests[adapter.name] = adapter.digest
         return True
 
     def list_loras(self) -> list[str]:

@@ -94,11 +94,11 @@ class KVTransferCoordinator:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         model_path: str,
         report: Callable[[KVTransferDone], None],
-        lora_keys: dict[str, str] | None = None,
+        lora_key: Callable[[str], str | None] | None = None,
     ) -> None:
-        """`lora_keys`: the runner's LoRA adapters, name -> what their block hashes mix in (its live dict)."""
+        """`lora_key`: a LoRA adapter's name -> what its requests' block hashes mix in (the runner's)."""
         self.kv = kv
-        self.lora_keys = lora_keys if lora_keys is not None else {}
+        self.lora_key = lora_key or (lambda name: None)
         self.kv_caches = kv_caches
         self.report = report
         k0 = kv_caches[0][0]
@@ -120,7 +120,7 @@ class KVTransferCoordinator:
     def _lora_key(self, r: TransferRequest) -> str | None:
         """The block-hash key of the request's adapter, as the core hashes it (an unknown name keeps
         its own: the core refuses the request, and it matches no adapter's blocks)."""
-        return self.lora_keys.get(r.lora_name, r.lora_name) if r.lora_name else None
+        return (self.lora_key(r.lora_name) or r.lora_name) if r.lora_name else None
 
     @property
     def receiver_addr(self) -> str | None:

@@ -54,7 +54,7 @@ class LoRABatch:
         present = np.unique(slots[slots >= 0])
         if not len(present):
             return None
-        if len(present) == 1 and present[0] >= 0 and (slots == present[0]).all():
+        if len(present) == 1 and (slots == present[0]).all():
             return cls([(int(present[0]), None)])
         groups = [(int(s), torch.from_numpy(np.flatnonzero(slots == s)).to(device)) for s in present]
         return cls(groups, torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(device))

@@ -159,8 +159,7 @@ def attach(model: LlamaForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
                              f"model's is [{rows}, {layer.in_features}]: an adapter of another model?")  # fmt: skip
         fused.setdefault(layer, []).append((row, LoRADelta(a.to(param), b.to(param))))
     for layer, parts in fused.items():
-        delta = parts[0][1] if len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1].b) == layer.out_features \
-            else fuse_parts(parts, layer.out_features)  # fmt: skip
+        delta = fuse_parts(parts, layer.out_features)  # (one part covering every row: a copy of it)
         if layer.lora is None:
             layer.lora = LayerLoRA()
         layer.lora.set(slot, delta)

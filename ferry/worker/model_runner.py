@@ -40,6 +40,17 @@ from ferry.worker.step_plan import CollectStep, StepPlan, StepRecord, build_step
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class LoadedLoRA:
+    """An adapter attached to the model: its slot, what its requests' block hashes mix in (its name
+    and `digest`, core/block_hash.py), the digest of its files, and its directory."""
+
+    slot: int
+    key: str
+    digest: str
+    path: str
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -111,12 +122,8 @@ class ModelRunner:
         # local/global mix (Gemma), whose global layers read the whole context.
         self.sliding_window: int | None = None if cfg.full_attention_layers else cfg.sliding_window
         self.graphs: CUDAGraphRunner | None = None
-        # LoRA adapters attached to the model (models/lora_adapters.py): name -> slot, name -> what
-        # its requests' block hashes mix in (name and content digest), name -> that digest, name -> its directory.
-        self.loras: dict[str, int] = {}
-        self.lora_keys: dict[str, str] = {}
-        self.lora_digests: dict[str, str] = {}
-        self.lora_paths: dict[str, str] = {}
+        # LoRA adapters attached to the model (models/lora_adapters.py), by name.
+        self.loras: dict[str, LoadedLoRA] = {}
         # The last step's hidden states (the LM head's input) of its logits rows, the requests that
         # sampled in it and, per request, the row whose draw is its last token: what Medusa heads
         # draft from (`last_row_of`).
@@ -201,12 +208,10 @@ class ModelRunner:
         model unchanged) for one that does not fit this model or a name already taken."""
         if adapter.name in self.loras:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
-        slot = min(set(range(len(self.loras) + 1)) - set(self.loras.values()))
+        slot = min(set(range(len(self.loras) + 1)) - {lora.slot for lora in self.loras.values()})
         attach(self.model, slot, adapter)
-        self.loras[adapter.name] = slot
-        self.lora_keys[adapter.name] = lora_hash_key(adapter.name, adapter.digest)
-        self.lora_digests[adapter.name] = adapter.digest
-        self.lora_paths[adapter.name] = adapter.path
+        self.loras[adapter.name] = LoadedLoRA(slot, lora_hash_key(adapter.name, adapter.digest), adapter.digest,
+                                              adapter.path)  # fmt: skip
         return slot
 
     def add_lora_modules(self, args: EngineArgs) -> None:
@@ -219,8 +224,12 @@ class ModelRunner:
     def remove_lora(self, name: str) -> None:
         """Detach an adapter; the caller makes sure no request still runs under it. (Its cached
         blocks stay unreachable to another adapter of that name: they are keyed by content too.)"""
-        detach(self.model, self.loras.pop(name))
-        del self.lora_keys[name], self.lora_digests[name], self.lora_paths[name]
+        detach(self.model, self.loras.pop(name).slot)
+
+    def lora_key(self, name: str) -> str | None:
+        """The block-hash key of adapter `name` (None: not loaded)."""
+        lora = self.loras.get(name)
+        return lora.key if lora is not None else None
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor | None:

@@ -204,7 +204,7 @@ def test_bad_adapters_are_refused_and_leave_the_model_untouched(lora_setup, tmp_
     assert runner.add_lora(read_peft_adapter("every", str(dirs["every"]), 16)) == 0
     with pytest.raises(ValueError, match="already loaded"):
         runner.add_lora(read_peft_adapter("every", str(dirs["every"]), 16))
-    key = runner.lora_keys["every"]
+    key = runner.loras["every"].key
     runner.remove_lora("every")
     assert all(m.lora is None for m in loaded.model.modules() if isinstance(m, Linear))
     # Block hashes mix in the adapter's name and files: the same files, the same key; another
