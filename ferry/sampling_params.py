@@ -128,6 +128,13 @@ class SamplingParams:
     # the most likely alternatives; such a request computes its whole prompt (no prefix-cache hits).
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (every other logit masked); None: any.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to generate. Each is tokenized as it would start the text and as it would
+    # follow a space; a step forbids a word's last token when the output ends with the tokens before it.
+    bad_words: list[str] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds, less one).
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a grammar (JSON schema, regex, choice, Lark); None: unconstrained.
@@ -136,6 +143,8 @@ class SamplingParams:
     pooling: PoolingParams | None = None
     # Filled by the engine from the model's config (EOS ids); not a user knob.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the input processor from `bad_words` (the tokenizer lives there, not in the core).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,6 +160,9 @@ class SamplingParams:
                 "stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
             )
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("allowed_token_ids", "bad_words"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
         self.verify()
@@ -206,6 +218,20 @@ class SamplingParams:
                 for b in self.logit_bias.values()
             ):
                 bad("logit_bias", "must map token ids to finite numbers")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+            or any(type(t) is not int or t < 0 for t in self.allowed_token_ids)
+        ):  # fmt: skip
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            bad("bad_words", "must be a list of non-blank strings")
+        if self.truncate_prompt_tokens is not None and (
+            type(self.truncate_prompt_tokens) is not int or self.truncate_prompt_tokens == 0
+            or self.truncate_prompt_tokens < -1
+        ):  # fmt: skip
+            bad("truncate_prompt_tokens", "must be -1 (the context's length) or an integer >= 1")
 
     @property
     def greedy(self) -> bool:

@@ -83,6 +83,8 @@ class Request:
         self.noise_seed: int | None = None
         # The sampler's tensors of `sampling_params.logit_bias`, built at the first step (worker/sampler.py).
         self.logit_bias_tensors: tuple | None = None
+        # The tokens `sampling_params.allowed_token_ids` leaves out, as a vocabulary-wide mask (same).
+        self.disallowed_mask: Any = None
         # Where the request stands in its grammar (structured output; set by the engine core once
         # compiled): the sampler masks what it forbids, each kept token advances it.
         self.grammar: GrammarState | None = None

@@ -51,6 +51,32 @@ def _token_id(t):
         return t
 
 
+def truncated_prompt(ids: list, truncate_prompt_tokens: int | None, max_model_len: int) -> list:
+    """The prompt `truncate_prompt_tokens` leaves (vLLM's): its last k tokens; -1: as many as the
+    context holds with room for one token generated; None: all of it."""
+    if truncate_prompt_tokens is None:
+        return ids
+    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return ids[-keep:] if len(ids) > keep else ids
+
+
+def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as vLLM finds them: the word (leading blanks dropped) as it would
+    start the text, and again after a space where that gives another first token and as many tokens
+    (a word inside the text)."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        word = word.lstrip()
+        alone = tokenizer.encode(word, add_special_tokens=False)
+        if not alone:  # nothing the tokenizer keeps: no token to forbid
+            continue
+        out.append(alone)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
+
+
 def check_logprobs(params: SamplingParams, limit: int, logprobs_field: str = "logprobs") -> None:
     """Hold a request's logprobs and prompt_logprobs to `limit` (--max-logprobs), in vLLM's words;
     `logprobs_field`: what the client called it (a chat's `top_logprobs`)."""
@@ -113,6 +139,9 @@ class InputProcessor:
             loaded = ", ".join(self.info.lora_digests) or "none"
             raise InvalidParameterError("model", f"no LoRA adapter named {lora_name!r} is loaded (loaded: {loaded})")
         text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncated_prompt(ids, params.truncate_prompt_tokens, self.info.max_model_len)
+            text, ids = (text, ids) if len(kept) == len(ids) else (None, kept)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameterError("cache_salt", "cache_salt must be a non-empty string")
@@ -143,6 +172,10 @@ class InputProcessor:
             raise InvalidParameterError("stop_token_ids", f"stop_token_ids must be < vocabulary size {vocab}")
         if params.logit_bias and any(not 0 <= int(t) < vocab for t in params.logit_bias):
             raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.allowed_token_ids is not None and any(t >= vocab for t in params.allowed_token_ids):
+            raise InvalidParameterError("allowed_token_ids", f"allowed_token_ids must be token ids in [0, {vocab})")
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidParameterError("bad_words", "bad_words need the model's tokenizer")
         check_logprobs(params, info.max_logprobs)
         if params.pooling is not None and (params.n != 1 or params.structured_outputs is not None
                                            or params.logprobs is not None):  # fmt: skip
@@ -163,6 +196,12 @@ class InputProcessor:
         if params.top_k >= vocab:
             params.top_k = 0  # keeps every token anyway; avoids huge ints on the device
         resolve_stop_token_ids(params, self.eos_token_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            if any(t >= vocab for word in params.bad_words_token_ids for t in word):  # added tokens past the model's
+                raise InvalidParameterError(
+                    "bad_words", f"bad_words tokenize to ids outside the vocabulary [0, {vocab})"
+                )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         # Stop strings are matched on text, in the process that detokenizes: the core never needs them.

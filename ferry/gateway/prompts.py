@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from ferry.engine.input_processor import truncated_prompt
 from ferry.entrypoints.openai.protocol import MAX_BODY_BYTES, PromptLimits
 from ferry.gateway.replicas import Worker
 
@@ -67,8 +68,17 @@ class PromptTokenizer:
         return self._tokenizers[source]
 
     def token_ids(self, kind: str, data: dict, worker: Worker) -> list[int] | None:
-        """The token ids the replica will see for this body (its first prompt), or None when
-        they cannot be known here (the replica then reports whatever is wrong)."""
+        """The token ids the replica will see for this body (its first prompt, cut to the last
+        `truncate_prompt_tokens` as the replica will), or None when they cannot be known here (the
+        replica then reports whatever is wrong)."""
+        ids = self._prompt_token_ids(kind, data, worker)
+        k = data.get("truncate_prompt_tokens")
+        max_model_len = (worker.info or {}).get("max_model_len")
+        if ids is None or type(k) is not int or not (k >= 1 or k == -1) or type(max_model_len) is not int:
+            return ids
+        return truncated_prompt(ids, k, max_model_len)
+
+    def _prompt_token_ids(self, kind: str, data: dict, worker: Worker) -> list[int] | None:
         try:
             if kind in ("completions", "embeddings"):
                 prompt = prompts_of(data)

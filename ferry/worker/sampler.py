@@ -1,6 +1,7 @@
 """Batched, vectorized sampling over the rows of a logits matrix.
 
-Order (as vLLM): the grammar's token mask (structured output), logit bias, min_tokens (stop tokens masked), repetition /
+Order (as vLLM): the grammar's token mask (structured output), allowed_token_ids, bad_words, logit bias,
+min_tokens (stop tokens masked), repetition /
 presence / frequency penalties, then greedy argmax or temperature, top-k,
 top-p, min-p and a draw. The draw is `argmax(p / q)` with `q ~ Exp(1)`, which
 samples from `p`. A seeded request's `q` for its k-th output token comes from a
@@ -63,6 +64,31 @@ def _logit_bias_tensors(request: Request, device: torch.device) -> tuple[torch.T
         cached = (ids, torch.tensor([float(b) for b in bias.values()], dtype=torch.float32, device=device))
         request.logit_bias_tensors = cached
     return cached
+
+
+def _disallowed_mask(request: Request, vocab: int, device: torch.device) -> torch.Tensor:
+    """True for each token `allowed_token_ids` leaves out, built on the request's first step only."""
+    mask = request.disallowed_mask
+    if mask is None or mask.device != device or mask.shape[0] != vocab:
+        mask = torch.ones(vocab, dtype=torch.bool, device=device)
+        mask[torch.tensor(request.sampling_params.allowed_token_ids, dtype=torch.long, device=device)] = False
+        request.disallowed_mask = mask
+    return mask
+
+
+def banned_bad_words(bad_words: list[list[int]], output: list[int], prior: list[int]) -> list[int]:
+    """The last tokens of the bad words (token ids) whose other tokens end `output + prior`: the next
+    token must not complete them (vLLM's rule; a one-token word is always banned)."""
+    banned = []
+    for word in bad_words:
+        n = len(word) - 1
+        if n == 0:
+            banned.append(word[0])
+        elif n <= len(output) + len(prior):
+            tail = (output[-n:] + prior)[-n:] if len(prior) < n else prior[-n:]
+            if tail == word[:-1]:
+                banned.append(word[-1])
+    return banned
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +276,7 @@ class Sampler:
         if constrained:  # structured output: what the grammar forbids is never drawn
             bitmask = fill_bitmask([(rows[i].request.grammar, rows[i].prior) for i in constrained], logits.shape[1])
             logits = apply_bitmask(logits, constrained, bitmask)
-        logits = self._apply_logit_bias_and_min_tokens(logits, rows)
+        logits = self._apply_token_rules(logits, rows)
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
             logits = self._penalize(logits, rows)
         return logits, raw_logprobs, params
@@ -291,11 +317,20 @@ class Sampler:
             out.append((lp, rank, top_ids[:n], top_lps[:n]))
         return out
 
-    def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, sample_rows: list[_Row]) -> torch.Tensor:
+    def _apply_token_rules(self, logits: torch.Tensor, sample_rows: list[_Row]) -> torch.Tensor:
+        """allowed_token_ids, bad_words, logit_bias and min_tokens applied to a copy of `logits`
+        (the caller's is left as it is)."""
         rows, cols, vals = [], [], []
         ban_rows, ban_cols = [], []
+        allowed_rows = []
         for i, row in enumerate(sample_rows):
             p = row.request.sampling_params
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(i)
+            if p.bad_words_token_ids:
+                banned = banned_bad_words(p.bad_words_token_ids, row.request.output_token_ids, row.prior)
+                ban_rows += [i] * len(banned)
+                ban_cols += banned
             if p.logit_bias:
                 ids, bias = _logit_bias_tensors(row.request, logits.device)
                 rows.append(torch.full_like(ids, i))
@@ -306,11 +341,16 @@ class Sampler:
                 for tok in p.all_stop_token_ids:
                     ban_rows.append(i)
                     ban_cols.append(tok)
+        if not (rows or ban_rows or allowed_rows):
+            return logits
+        logits = logits.clone()
+        if allowed_rows:
+            V = logits.shape[1]
+            masks = torch.stack([_disallowed_mask(sample_rows[i].request, V, logits.device) for i in allowed_rows])
+            logits[allowed_rows] = logits[allowed_rows].masked_fill(masks, float("-inf"))
         if rows:
-            logits = logits.clone()
             logits[torch.cat(rows), torch.cat(cols)] += torch.cat(vals).to(logits.dtype)
         if ban_rows:
-            logits = logits.clone() if not rows else logits
             logits[ban_rows, ban_cols] = float("-inf")
         return logits
 

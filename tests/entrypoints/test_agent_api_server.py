@@ -287,9 +287,15 @@ def test_embeddings_alone_equal_batched_and_base64(server, client):
     ids = httpx.post(server.url + "/tokenize", json={"prompt": texts[0]}).json()["tokens"]
     by_ids = httpx.post(server.url + "/v1/embeddings", json={"input": [ids]}).json()
     np.testing.assert_allclose(by_ids["data"][0]["embedding"], batch.data[0].embedding, atol=1e-5)
+    # vLLM's truncate_prompt_tokens: the input's last k tokens embedded, as if sent alone.
+    cut = httpx.post(server.url + "/v1/embeddings", json={"input": texts[0], "truncate_prompt_tokens": 5}).json()
+    tail = httpx.post(server.url + "/v1/embeddings", json={"input": [ids[-5:]]}).json()
+    assert cut["usage"]["prompt_tokens"] == 5 < len(ids)
+    np.testing.assert_allclose(cut["data"][0]["embedding"], tail["data"][0]["embedding"], atol=1e-5)
     for body, param in [({"input": []}, "input"), ({"input": "x", "dimensions": 64}, "dimensions"),
                         ({"input": [1, 10**9]}, "prompt"), ({"input": "x", "encoding_format": "int8"},
-                                                            "encoding_format")]:  # fmt: skip
+                                                            "encoding_format"),
+                        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]:  # fmt: skip
         r = httpx.post(server.url + "/v1/embeddings", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -70,3 +70,59 @@ def test_chat_applies_template(llm):
         with pytest.raises(ValueError, match="messages"):
             llm.chat(bad, SamplingParams(max_tokens=1))
     assert_no_blocks_referenced(llm.llm_engine)
+
+
+def _contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i : i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_bad_words_and_allowed_token_ids(llm):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "Write a sentence about the sea."
+    free = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+    def spellings(word: str) -> list[list[int]]:
+        return [tok.encode(word, add_special_tokens=False), tok.encode(" " + word, add_special_tokens=False)]
+
+    # Each of the free output's words whose tokens it holds, banned one at a time and all together.
+    words = [w for w in dict.fromkeys(free.text.split()) if w.isalpha()
+             and any(_contains(free.token_ids, s) for s in spellings(w))][:3]  # fmt: skip
+    assert words, free.text
+    for banned in ([words[0]], words):
+        out = llm.generate(prompt, params.clone(bad_words=banned), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids != free.token_ids
+        assert not any(_contains(out.token_ids, s) for w in banned for s in spellings(w)), (banned, out.text)
+    # Only these tokens, greedy or sampled.
+    allowed = tok.encode(" yes no maybe", add_special_tokens=False)
+    for p in (params, params.clone(temperature=1.0, seed=1)):
+        out = llm.generate(prompt, p.clone(allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 24 and set(out.token_ids) <= set(allowed)
+    for field, value in (("allowed_token_ids", [10**7]), ("allowed_token_ids", []), ("bad_words", [" "]),
+                         ("bad_words", "sea")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            llm.generate(prompt, params.clone(**{field: value}), use_tqdm=False)
+    assert_no_blocks_referenced(llm.llm_engine)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm):
+    tok = llm.get_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    ids = tok.encode(text)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cut = llm.generate(text, params.clone(truncate_prompt_tokens=7), use_tqdm=False)[0]
+    tail = llm.generate({"prompt_token_ids": ids[-7:]}, params, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-7:] and cut.prompt is None
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    whole = llm.generate(text, params.clone(truncate_prompt_tokens=1000), use_tqdm=False)[0]
+    assert whole.prompt == text and whole.prompt_token_ids == ids  # a shorter prompt is left as it is
+    # -1: as much as the context (512) holds with room for one token; a prompt past it runs instead of failing.
+    past = (ids * 40)[:700]
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": past}, params, use_tqdm=False)
+    most = llm.generate({"prompt_token_ids": past}, params.clone(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert most.prompt_token_ids == past[-511:] and len(most.outputs[0].token_ids) == 1
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    assert_no_blocks_referenced(llm.llm_engine)

@@ -304,6 +304,38 @@ def test_prompt_forms_and_extras(client, server):
     assert extra.usage.completion_tokens == 6
 
 
+def test_allowed_token_ids_bad_words_and_prompt_truncation(server, client):
+    """vLLM's extras: only the allowed tokens sampled; a bad word's tokens never completed; the
+    prompt's last k tokens kept, so a prompt past the context runs instead of failing."""
+    tok_ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    allowed = [28, 30, 216]
+    r = client.completions.create(model="smol", prompt=tok_ids, max_tokens=8, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": allowed, "return_token_ids": True})  # fmt: skip
+    assert r.usage.completion_tokens == 8 and set(r.choices[0].model_extra["token_ids"]) <= set(allowed)
+    free = client.completions.create(model="smol", prompt=tok_ids, max_tokens=6, temperature=0)
+    word = free.choices[0].text.split()[0].strip(".,")
+    assert word.isalpha(), free.choices[0].text  # "Paris" for SmolLM2
+    banned = client.completions.create(model="smol", prompt=tok_ids, max_tokens=6, temperature=0,
+                                       extra_body={"bad_words": [word]})  # fmt: skip
+    assert word not in banned.choices[0].text and banned.choices[0].text != free.choices[0].text
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Capital of France?"}],
+                                          max_tokens=12, temperature=0, extra_body={"bad_words": [word]})  # fmt: skip
+    assert word not in chat.choices[0].message.content
+    long = LONG_PROMPT * 8
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": long}).json()["tokens"]
+    assert len(ids) > 512
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="smol", prompt=long, max_tokens=4)
+    cut = client.completions.create(model="smol", prompt=long, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 100})  # fmt: skip
+    tail = client.completions.create(model="smol", prompt=ids[-100:], max_tokens=4, temperature=0, echo=True)
+    assert cut.usage.prompt_tokens == 100 and cut.choices[0].text == tail.choices[0].text  # the kept part echoed
+    most = client.completions.create(model="smol", prompt=long, max_tokens=1, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    assert most.usage.prompt_tokens == 511 and most.usage.completion_tokens == 1
+    wait_idle(server)
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -326,6 +358,11 @@ def test_prompt_forms_and_extras(client, server):
         ({"prompt": "x", "best_of": 2}, 400, "best_of"),
         ({"prompt": ["x"] * 1025}, 400, "prompt"),
         ({"prompt": ["x"] * 20, "n": 100}, 400, "n"),  # 2,000 sequences > --max-queue-len 1024
+        ({"prompt": "x", "allowed_token_ids": [10**7]}, 400, "allowed_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        ({"prompt": "x", "bad_words": ["no"] * 257}, 400, "bad_words"),
+        ({"prompt": "x", "bad_words": [" "]}, 400, "bad_words"),
+        ({"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ],
 )
 def test_errors_are_openai_shaped(server, body, status, param):
@@ -537,7 +574,8 @@ def _mutations(rng: random.Random):
     fields = ["prompt", "model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "logprobs",
               "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
               "min_tokens", "priority", "stop_token_ids", "stream_options", "echo", "ignore_eos", "messages",
-              "top_logprobs", "max_completion_tokens", "user"]  # fmt: skip
+              "top_logprobs", "max_completion_tokens", "user", "allowed_token_ids", "bad_words",
+              "truncate_prompt_tokens"]  # fmt: skip
     for _ in range(160):
         base = (
             {"prompt": "Hi", "max_tokens": 2}

@@ -58,3 +58,17 @@ def test_a_tokenizer_that_is_its_own_code_loads_with_the_gateways_trust_remote_c
     assert type(own).__name__ == "FerryTestTokenizerFast"
     assert trusting.token_ids("completions", {"prompt": "Hi there"}, worker) == own.encode("Hi there")
     assert PromptTokenizer().token_ids("completions", {"prompt": "Hi there"}, worker) is None  # refused: by load
+
+
+def test_the_gateway_hashes_the_prompt_the_worker_keeps_after_truncate_prompt_tokens():
+    """vLLM's truncate_prompt_tokens: routing looks at the last k tokens, as the worker runs them."""
+    worker = Worker("http://w", info={"tokenizer": default_model_path(), "max_model_len": 8})
+    prompts = PromptTokenizer()
+    ids = list(range(1, 21))
+    assert prompts.token_ids("completions", {"prompt": ids, "truncate_prompt_tokens": 5}, worker) == ids[-5:]
+    assert prompts.token_ids("completions", {"prompt": ids, "truncate_prompt_tokens": -1}, worker) == ids[-7:]
+    text = "a prompt of some tokens, more than five"
+    full = prompts.token_ids("completions", {"prompt": text}, worker)
+    assert prompts.token_ids("embeddings", {"input": text, "truncate_prompt_tokens": 5}, worker) == full[-5:]
+    for junk in (0, -2, "5", 2.5, True, None):  # the worker refuses these (or ignores None): ids as sent
+        assert prompts.token_ids("completions", {"prompt": ids, "truncate_prompt_tokens": junk}, worker) == ids

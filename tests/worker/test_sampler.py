@@ -5,7 +5,7 @@ import torch
 
 from ferry.core.request import Request
 from ferry.sampling_params import SamplingParams
-from ferry.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p, argmax_rows
+from ferry.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p, argmax_rows, banned_bad_words
 
 NEG = float("-inf")
 
@@ -95,6 +95,43 @@ def test_logit_bias_and_min_tokens():
     p.all_stop_token_ids = {0}
     assert s(logits, [make_req(p, output=[3])]).token_ids == [1]  # EOS (0) banned before min_tokens
     assert s(logits, [make_req(p, output=[3, 3])]).token_ids == [0]
+
+
+def test_allowed_token_ids_leave_only_their_tokens_to_draw():
+    s = Sampler(6)
+    logits = torch.tensor([[5.0, 4.0, 0.0, 1.0, -1.0, 3.0]])
+    greedy = make_req(SamplingParams(temperature=0, allowed_token_ids=[2, 3]))
+    assert s(logits, [greedy]).token_ids == [3]
+    mask = greedy.disallowed_mask
+    assert mask.tolist() == [True, True, False, False, True, True]
+    # Sampled rows draw only allowed tokens, beside a row without the rule, whose logits stay as they were.
+    torch.manual_seed(0)
+    free, before = make_req(SamplingParams(temperature=0)), logits.clone()
+    rows = [make_req(SamplingParams(temperature=1.0, allowed_token_ids=[2, 4])) for _ in range(300)]
+    drawn = s(logits.repeat(301, 1), [*rows, free]).token_ids
+    assert set(drawn[:-1]) == {2, 4} and drawn[-1] == 0
+    assert torch.equal(logits, before)
+    assert s(logits, [greedy]).token_ids == [3] and greedy.disallowed_mask is mask  # built once per request
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    words = [[1], [3, 0], [2, 3, 5]]
+    assert banned_bad_words(words, [], []) == [1]
+    assert banned_bad_words(words, [4, 3], []) == [1, 0]
+    assert banned_bad_words(words, [2], [3]) == [1, 0, 5]  # the drafts before a row count as output
+    assert banned_bad_words(words, [2, 3], [4]) == [1]
+    assert banned_bad_words(words, [], [2, 3]) == [1, 0, 5]
+    s = Sampler(6)
+    logits = torch.tensor([[5.0, 6.0, 0.0, 1.0, -1.0, 4.0]])
+    p = SamplingParams(temperature=0)
+    p.bad_words_token_ids = words  # as the input processor fills it from bad_words
+    assert s(logits, [make_req(p)]).token_ids == [0]
+    assert s(logits, [make_req(p, output=[3])]).token_ids == [5]
+    assert s(logits, [make_req(p, output=[2, 3])]).token_ids == [3]
+    # Verifying the draft 3 after the output [2]: the row after the draft bans 0 and 5 as well.
+    first = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 0.0]])
+    assert s.verify(torch.cat([first, logits]), [make_req(p, output=[2])], [[3]]).token_ids == [[3, 3]]
+    assert s.verify(torch.cat([first, logits]), [make_req(p, output=[4])], [[3]]).token_ids == [[3, 5]]
 
 
 def test_sampling_follows_the_distribution():

@@ -9,7 +9,7 @@ number sent as a string (`"n": "64"`) or an integer sent as a float
 (`"max_tokens": 10.0`) is refused rather than coerced, so what a gateway counts
 is what the worker runs. Floats reject NaN and infinity. Everything a client
 can multiply work by has a cap: counts have OpenAI's bounds, `stop` and
-`logit_bias` are bounded in number and size, and `precheck_body` bounds prompt
+`logit_bias`, `bad_words` and `allowed_token_ids` are bounded in number and size, and `precheck_body` bounds prompt
 lengths against the model's context before any per-token work.
 """
 
@@ -35,6 +35,9 @@ MAX_INT = 2**31 - 1  # token counts: far above any context, far below what msgsp
 MAX_STOP_STRINGS = 64  # the detokenizer scans every stop string at every step
 MAX_STOP_BYTES = 16 * 1024  # all of a request's stop strings together, UTF-8
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary (Gemma's 262,144 entries)
+MAX_BAD_WORDS = 256  # every step checks each against the output's tail
+MAX_BAD_WORD_CHARS = 256
 MAX_MESSAGES = 16384  # a chat's messages (each renders to at least one token anyway)
 MAX_CACHE_SALT = 256
 # chat_template_kwargs keys that would let a client swap the template or the rendering itself
@@ -429,6 +432,10 @@ class _GenerationRequest(Strict):
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # lower runs first, as in vLLM
     stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)  # only these sampled
+    bad_words: list[Annotated[str, Field(max_length=MAX_BAD_WORD_CHARS)]] | None = Field(None, max_length=MAX_BAD_WORDS)
+    # the prompt's last k tokens only (-1: as many as the context holds with room for one generated)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: each prompt token's logprob (and rank) with this many alternatives; the whole prompt is
@@ -507,6 +514,9 @@ class _GenerationRequest(Strict):
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
@@ -644,7 +654,8 @@ class DetokenizeRequest(Strict):
 
 
 class EmbeddingRequest(Strict):
-    """POST /v1/embeddings: OpenAI's body, with vLLM's `normalize` and `priority`."""
+    """POST /v1/embeddings: OpenAI's body, with vLLM's `normalize`, `priority` and
+    `truncate_prompt_tokens` (each input's last k tokens embedded; -1: as many as the context holds)."""
 
     _no_ops = NO_OP_FIELDS
 
@@ -653,4 +664,5 @@ class EmbeddingRequest(Strict):
     encoding_format: Literal["float", "base64"] = "float"
     normalize: bool = True
     priority: int = Field(0, ge=-(2**31), lt=2**31)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # its blocks' hashes, as above

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ferry.engine.input_processor import check_logprobs
+from ferry.engine.input_processor import check_logprobs, truncated_prompt
 from ferry.entrypoints.openai.protocol import MAX_PROMPTS, CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import (
     SSE_DONE,
@@ -138,9 +138,11 @@ async def create_completion(request: Request, state: ServerState, body: Completi
 
     def echo_text(i: int) -> str:
         p = prompts[i]
-        if isinstance(p, dict):
+        ids = p["prompt_token_ids"] if isinstance(p, dict) else p
+        kept = truncated_prompt(ids, params.truncate_prompt_tokens, engine.info.max_model_len)
+        if isinstance(p, dict) and len(kept) == len(ids):
             return p["prompt"]
-        return tokenizer.decode(p) if tokenizer is not None else ""
+        return tokenizer.decode(kept) if tokenizer is not None else ""  # what the model read
 
     # A scored prompt generates nothing the client sees (the one token computed is dropped): no output log.
     outputs = merged_outputs(engine, streams, None if score_only else output_log(state, params))

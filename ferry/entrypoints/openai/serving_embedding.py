@@ -42,6 +42,7 @@ async def create_embedding(request: Request, state: ServerState, body: Embedding
     except OpenAIError as e:
         raise OpenAIError(e.status, e.message.replace("prompt", "input"), param="input", code=400) from None
     params = SamplingParams(max_tokens=1, pooling=PoolingParams(normalize=body.normalize),
+                            truncate_prompt_tokens=body.truncate_prompt_tokens,
                             output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
     check_priority(state, body)
     admit(state, engine, len(inputs))
