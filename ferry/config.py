@@ -96,11 +96,15 @@ class EngineArgs:
     embed_max_delay_ms: float = 5.0
     # LoRA adapters (PEFT directories) served beside the base model, as vLLM's --enable-lora: each
     # `name=path` (or {"name": ..., "path": ...}); requests choose one by name. max_loras: the most
-    # adapters the running requests use together; max_lora_rank: the largest rank accepted.
+    # adapters the running requests use together; max_lora_rank: the largest rank accepted;
+    # max_cpu_loras (vLLM's name): the most adapters loaded at once (ferry keeps every loaded one on
+    # the model's device), which bounds what loading at run time can take; None: the larger of 32,
+    # max_loras and the number of lora_modules.
     enable_lora: bool = False
     lora_modules: list[str | dict] | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
@@ -165,6 +169,13 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+    @property
+    def max_loaded_loras(self) -> int:
+        """The most LoRA adapters loaded at once (`max_cpu_loras`, or its default)."""
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return max(32, self.max_loras, len(self.lora_adapters))
+
     def _check_lora(self) -> None:
         if self.lora_adapters and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
@@ -172,6 +183,9 @@ class EngineArgs:
             return
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < max(self.max_loras, len(self.lora_adapters)):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}) and "
+                             f"the number of lora_modules ({len(self.lora_adapters)})")  # fmt: skip
         if self.pipeline_parallel_size > 1:
             raise ValueError("LoRA adapters do not run under pipeline parallelism yet")
         if self.quantization == "int8":

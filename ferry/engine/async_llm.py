@@ -343,7 +343,7 @@ class AsyncLLM:
         """Sequences sent to the core that have not produced a token yet (waiting or prefilling)."""
         return len(self.unstarted)
 
-    async def call(self, method: str, timeout: float = 5.0) -> EngineStats | None:
+    async def call(self, method: str, *args: str, timeout: float = 5.0) -> EngineStats | str | None:
         """A utility call into the core loop (answered between steps)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
@@ -351,13 +351,34 @@ class AsyncLLM:
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self.client.send(UtilityCall(call_id, method))
+            self.client.send(UtilityCall(call_id, method, list(args)))
             result: UtilityResult = await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
         if not result.ok:
             raise RuntimeError(result.error)
         return result.value
+
+    async def add_lora(self, name: str, path: str) -> bool:
+        """Load the PEFT adapter in `path` as `name` in the core (EngineCore.add_lora), between
+        steps; whether it loaded it now (False: loaded from there already). InvalidParameterError
+        naming why not."""
+        try:
+            digest = await self.call("add_lora", name, path, timeout=120.0)  # reads the adapter's files
+        except RuntimeError as e:
+            raise InvalidParameterError("lora_path", str(e)) from None
+        loaded_now = name not in self.info.lora_digests
+        self.info.lora_digests[name] = digest
+        return loaded_now
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload adapter `name` in the core (EngineCore.remove_lora); InvalidParameterError while
+        requests still run under it. New requests naming it are refused from now on."""
+        try:
+            await self.call("remove_lora", name)
+        except RuntimeError as e:
+            raise InvalidParameterError("lora_name", str(e)) from None
+        self.info.lora_digests.pop(name, None)
 
     # -- the output loop ------------------------------------------------------
 

@@ -143,9 +143,10 @@ def _build(
             drafter = DraftModelProposer(draft_runner, draft_kv, cfg.vocab_size, args.max_num_batched_tokens)
         medusa = _medusa_proposer(args, runner, tp, max_len) if args.speculative.method == "medusa" else None
         proposer = DraftProposer(args.speculative, max_len, drafter, medusa, seed=args.seed)
+    lora_limits = (args.max_lora_rank, args.max_loaded_loras) if args.enable_lora else None
     return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
                       tp_workers=tp_workers, proposer=proposer, embed_max_batch=args.embed_max_batch,
-                      embed_max_delay=args.embed_max_delay_ms / 1000)  # fmt: skip
+                      embed_max_delay=args.embed_max_delay_ms / 1000, lora_limits=lora_limits)  # fmt: skip
 
 
 def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft: LoadedModel | None):

@@ -27,7 +27,8 @@ from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.request import Request, RequestStatus
 from ferry.core.scheduler import Scheduler
 from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
-from ferry.sampling_params import resolve_stop_token_ids
+from ferry.models.lora_adapters import read_peft_adapter
+from ferry.sampling_params import InvalidParameterError, resolve_stop_token_ids
 from ferry.structured_output.compiler import GrammarCompiler, GrammarState
 from ferry.utils.math import cdiv
 from ferry.worker.model_runner import ModelRunner, SubmittedStep
@@ -51,11 +52,13 @@ class EngineCore:
         proposer: DraftProposer | None = None,
         embed_max_batch: int = 32,
         embed_max_delay: float = 0.0,
+        lora_limits: tuple[int, int] | None = None,
     ) -> None:
         """Usually made by `engine/builder.py: build_engine_core`. `info` is what the API side
         needs to know of this engine; `tokenizer` is the one loaded with the model (None without
         one); `tp_workers` are the other tensor-parallel ranks, stopped by `shutdown`;
-        `proposer` drafts tokens for speculative decoding (None: off)."""
+        `proposer` drafts tokens for speculative decoding (None: off); `lora_limits`, (the largest
+        rank, the most adapters loaded at once) for LoRA adapters loaded at run time (None: off)."""
         self.scheduler = scheduler
         self.runner = runner
         self.kv: KVCacheManager = scheduler.kv
@@ -64,6 +67,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.tp_workers = tp_workers
         self.proposer = proposer
+        self.lora_limits = lora_limits
         self.spec_num_drafts = 0
         self.step_tokens = 0  # the tokens of the step the last step() applied (0: none)
         self.spec_num_draft_tokens = 0
@@ -104,6 +108,58 @@ class EngineCore:
         if self.tp_workers is not None:
             self.tp_workers.shutdown()
             self.tp_workers = None
+
+    def add_lora(self, name: str, path: str) -> bool:
+        """Load the PEFT adapter in directory `path` as `name` (vLLM's `add_lora`) unless one of that
+        name is loaded from there already; whether it loaded it now. InvalidParameterError, with
+        the model unchanged: LoRA off, the name loaded from elsewhere, `max_cpu_loras` adapters
+        loaded already, tensor parallelism (every rank would have to load it in step), or an
+        adapter that cannot be read or does not fit this model."""
+        loaded = self.runner.loras.get(name)
+        if loaded is not None:
+            if path and path != loaded.path:
+                raise InvalidParameterError("lora_path", f"a LoRA adapter named {name!r} is already loaded from "
+                                            f"{loaded.path}, not {path}")  # fmt: skip
+            return False
+        if self.lora_limits is None:
+            raise InvalidParameterError("lora_request", "this engine was built without enable_lora")
+        if self.tp_workers is not None:
+            raise InvalidParameterError("lora_request", "under tensor parallelism adapters load at start "
+                                        "(lora_modules); this one is not among them")  # fmt: skip
+        max_rank, max_loaded = self.lora_limits
+        if len(self.runner.loras) >= max_loaded:
+            raise InvalidParameterError("lora_name", f"{len(self.runner.loras)} LoRA adapters are loaded, the most "
+                                        "--max-cpu-loras allows; unload one first")  # fmt: skip
+        try:
+            adapter = read_peft_adapter(name, path, max_rank)
+        except Exception as e:  # whatever files a path leads to: unreadable, malformed, not an adapter
+            raise InvalidParameterError("lora_path", f"cannot read LoRA adapter {name!r}: {e}") from None
+        try:
+            self.runner.add_lora(adapter)  # checks every layer before it changes one
+        except ValueError as e:
+            raise InvalidParameterError("lora_path", f"LoRA adapter {name!r} does not fit this model: {e}") from None
+        if self.info is not None:
+            self.info.lora_digests[name] = adapter.digest
+        return True
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name` (vLLM's `remove_lora`). InvalidParameterError while a request still
+        runs under it (or waits to), or when none of that name is loaded. Its cached blocks stay
+        in the prefix cache, out of any other adapter's reach (keyed by its name and digest)."""
+        loaded = self.runner.loras.get(name)
+        if loaded is None:
+            raise InvalidParameterError("lora_name", f"no LoRA adapter named {name!r} is loaded")
+        if self.tp_workers is not None:
+            raise InvalidParameterError("lora_name", "under tensor parallelism adapters stay loaded")
+        held = [*self.scheduler.requests.values(), *(r for r, _, _ in self._awaiting_grammar.values()),
+                *self._embed_held]  # fmt: skip
+        users = sum(r.lora_slot == loaded.slot for r in held)
+        if users:
+            raise InvalidParameterError("lora_name", f"{users} request(s) still run under LoRA adapter {name!r}; "
+                                        "unload it once they finish")  # fmt: skip
+        self.runner.remove_lora(name)
+        if self.info is not None:
+            self.info.lora_digests.pop(name, None)
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
         prefilled: list[int] = []

@@ -169,6 +169,16 @@ class EngineCoreProc:
             elif msg.method == "reset_prefix_cache":
                 if not self.core.kv.pool.reset_prefix_cache():
                     error = "cannot reset the prefix cache while requests hold blocks"
+            elif msg.method in ("add_lora", "remove_lora"):
+                try:
+                    if msg.method == "add_lora":
+                        name, path = msg.args
+                        self.core.add_lora(name, path)
+                        value = self.core.info.lora_digests.get(name)
+                    else:
+                        self.core.remove_lora(*msg.args)
+                except (ValueError, TypeError) as e:  # refused (InvalidParameterError), or malformed args
+                    error = str(e)
             elif msg.method == "shutdown":
                 self.running = False
             else:

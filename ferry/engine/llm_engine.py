@@ -21,9 +21,8 @@ from ferry.kv_transfer.blocks import KVBlocks, export_blocks, import_blocks
 from ferry.lora_request import LoRARequest, lora_name_of
 from ferry.models.config import ModelConfig
 from ferry.models.llama import LlamaForCausalLM
-from ferry.models.lora_adapters import read_peft_adapter
 from ferry.outputs import RequestOutput
-from ferry.sampling_params import InvalidParameterError, SamplingParams
+from ferry.sampling_params import SamplingParams
 from ferry.worker.model_loading import LoadedModel
 from ferry.worker.model_runner import ModelRunner
 from ferry.worker.tp_worker import TensorParallelWorkers
@@ -141,23 +140,12 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load a LoRA adapter (vLLM's `add_lora`) unless one of its name is loaded; whether it
-        loaded it. ValueError for an engine without enable_lora, or an adapter that does not fit."""
-        loaded = self.core.runner.loras.get(lora_request.lora_name)
-        if loaded is not None:
-            if lora_request.lora_path and lora_request.lora_path != loaded.path:
-                name, path = lora_request.lora_name, lora_request.lora_path
-                raise InvalidParameterError("lora_request", f"a LoRA adapter named {name!r} is already loaded from "
-                                            f"{loaded.path}, not {path}")  # fmt: skip
-            return False
-        if not self.args.enable_lora:
-            raise InvalidParameterError("lora_request", "this engine was built without enable_lora")
-        if self.tp_workers is not None:  # every rank would have to load it, in step with rank 0
-            raise InvalidParameterError("lora_request", "under tensor parallelism adapters load at start "
-                                        "(lora_modules); this one is not among them")  # fmt: skip
-        adapter = read_peft_adapter(lora_request.lora_name, lora_request.lora_path, self.args.max_lora_rank)
-        self.core.runner.add_lora(adapter)
-        self.core.info.lora_digests[adapter.name] = adapter.digest
-        return True
+        loaded it. ValueError naming why not (EngineCore.add_lora), the model unchanged."""
+        return self.core.add_lora(lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload adapter `lora_name`; ValueError while requests still run under it."""
+        self.core.remove_lora(lora_name)
 
     def list_loras(self) -> list[str]:
         """The LoRA adapters loaded, by name."""

@@ -116,7 +116,8 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
     call_id: int
-    method: str  # "ping" | "stats" | "reset_prefix_cache" | "shutdown"
+    method: str  # "ping" | "stats" | "reset_prefix_cache" | "add_lora" | "remove_lora" | "shutdown"
+    args: list[str] = []  # add_lora: [name, path]; remove_lora: [name]
 
 
 InputMessage = AddRequest | AbortRequests | UtilityCall
@@ -137,7 +138,7 @@ class CoreOutputs(msgspec.Struct, tag="outputs", array_like=True):
 class UtilityResult(msgspec.Struct, tag="result", array_like=True):
     call_id: int
     ok: bool
-    value: EngineStats | None = None
+    value: EngineStats | str | None = None  # stats; add_lora: the adapter's digest
     error: str | None = None
 
 

@@ -162,6 +162,36 @@ def test_adapters_load_on_first_use_and_unknown_names_are_refused(lora_setup):
             EngineArgs(model=str(base), enable_lora=True, **refused)
 
 
+def test_adapters_unload_once_idle_and_max_cpu_loras_bounds_the_loaded(lora_setup):
+    """remove_lora is refused while a request runs (or waits) under the adapter, then frees its slot
+    for another; a load past max_cpu_loras is refused, the model unchanged; a name unloaded is
+    refused for new requests, and loads again (from elsewhere too)."""
+    base, dirs, prompts, expected = lora_setup
+    llm = lora_llm(lora_setup, lora_modules=[f"qv={dirs['qv']}"], max_cpu_loras=1)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineArgs(model=str(base), enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="1 LoRA adapters are loaded, the most --max-cpu-loras allows"):
+        engine.add_lora(LoRARequest("every", 2, str(dirs["every"])))
+    assert engine.list_loras() == ["qv"]
+    engine.add_request("r", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=4), lora_request="qv")
+    with pytest.raises(ValueError, match=r"1 request\(s\) still run under LoRA adapter 'qv'") as e:
+        engine.remove_lora("qv")
+    assert e.value.param == "lora_name"
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.remove_lora("qv")
+    assert engine.list_loras() == [] and "qv" not in engine.core.info.lora_digests
+    with pytest.raises(ValueError, match="no LoRA adapter named 'qv'"):
+        run(llm, prompts[:1], "qv")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'qv' is loaded"):
+        engine.remove_lora("qv")
+    assert run(llm, prompts[:1], LoRARequest("every", 2, str(dirs["every"]))) == expected["every"][:1]
+    engine.remove_lora("every")
+    assert run(llm, prompts[:1], LoRARequest("qv", 1, str(dirs["every"]))) == expected["every"][:1]  # a new qv
+    assert run(llm, prompts[:1], None) == expected[None][:1]
+
+
 def _rewrite_config(src, dst, **changes):
     import shutil
 

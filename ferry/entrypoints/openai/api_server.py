@@ -41,7 +41,7 @@ from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError, SpawnedCore
 from ferry.entrypoints.draining_server import DrainingServer, wait_drained
-from ferry.entrypoints.openai import serving_tokenization
+from ferry.entrypoints.openai import serving_lora, serving_tokenization
 from ferry.entrypoints.openai.chat_template import template_digest
 from ferry.entrypoints.openai.http_middleware import add_http_middleware, cors_options
 from ferry.entrypoints.openai.metrics import ServerMetrics
@@ -152,7 +152,8 @@ class Server:
                  request_id_headers: bool = False, log_stats_interval: float | None = None,
                  request_logger: RequestLogger | None = None, chat_template: str | None = None,
                  response_role: str = "assistant", force_include_usage: bool = False,
-                 return_tokens_as_token_ids: bool = False, root_path: str = "") -> None:  # fmt: skip
+                 return_tokens_as_token_ids: bool = False, root_path: str = "",
+                 lora_update_dirs: list[str] | None = None) -> None:  # fmt: skip
         self.engine_args = engine_args
         self.root_path = root_path  # --root-path: served under this prefix too (FastAPI's root_path)
         self.log_stats_interval = log_stats_interval  # None: --disable-log-stats
@@ -171,7 +172,8 @@ class Server:
                                  request_logger=request_logger, chat_template=chat_template,
                                  response_role=response_role, force_include_usage=force_include_usage,
                                  return_tokens_as_token_ids=return_tokens_as_token_ids,
-                                 lora_modules=dict(engine_args.lora_adapters))  # fmt: skip
+                                 lora_modules=dict(engine_args.lora_adapters),
+                                 lora_update_dirs=lora_update_dirs)  # fmt: skip
         self.metrics = ServerMetrics(served_model_names[0])
         self.drain_timeout = drain_timeout
         self.model_path = resolve_model_path(engine_args.model, engine_args.load_format)
@@ -434,6 +436,24 @@ class Server:
         async def detokenize(request: Request) -> Response:
             return await tokenization(request, serving_tokenization.detokenize, lambda d: DetokenizeRequest)
 
+        async def lora_update(request: Request, body_type: type, handler) -> Response:
+            try:
+                raw = await read_body(request)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            return await handler(
+                state, validate_body(_decode(raw, state.prompt_limits(ready_engine(state))), body_type)
+            )
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            """vLLM's: load a PEFT adapter from a directory under --allow-runtime-lora-updating's."""
+            return await lora_update(request, serving_lora.LoadLoRAAdapterRequest, serving_lora.load_lora_adapter)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            return await lora_update(request, serving_lora.UnloadLoRAAdapterRequest, serving_lora.unload_lora_adapter)
+
         @app.get("/version")
         async def version() -> Response:
             return JSONResponse({"version": _version()})
@@ -501,7 +521,8 @@ def run_server(args: argparse.Namespace, engine_args: EngineArgs, names: list[st
                     log_stats_interval=args.log_stats_interval,
                     request_logger=RequestLogger.from_flags(args), chat_template=args.chat_template,
                     response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, root_path=args.root_path)  # fmt: skip
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, root_path=args.root_path,
+                    lora_update_dirs=args.allow_runtime_lora_updating)  # fmt: skip
     config = uvicorn.Config(
         server.app,
         host=args.host,

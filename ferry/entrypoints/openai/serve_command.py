@@ -87,6 +87,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name each token `token_id:<id>` (exact whatever its text; a request's own "
                         "return_tokens_as_token_ids wins)")  # fmt: skip
+    p.add_argument("--allow-runtime-lora-updating", nargs="+", default=None, metavar="DIR",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) for adapters in these "
+                        "directories (a path elsewhere is refused); needs --enable-lora")  # fmt: skip
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with its usage chunk, whether or not the request asked "
                         "(stream_options.include_usage)")  # fmt: skip
@@ -178,6 +181,26 @@ def api_keys_from(flag: list[str] | None, env) -> list[str] | None:
     return flag or ([env_key] if env_key else None)
 
 
+def check_runtime_lora_updating(args: argparse.Namespace, engine_args: EngineArgs) -> None:
+    """--allow-runtime-lora-updating's directories, resolved in place (serving_lora.py compares
+    resolved paths with them); ValueError for a setup that cannot load adapters at run time."""
+    dirs = args.allow_runtime_lora_updating
+    if dirs is None:
+        if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"):
+            raise ValueError("VLLM_ALLOW_RUNTIME_LORA_UPDATING: ferry loads adapters at run time only from "
+                             "directories it is given: --allow-runtime-lora-updating DIR [DIR ...]")  # fmt: skip
+        return
+    if not engine_args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    if engine_args.tensor_parallel_size > 1:
+        raise ValueError("--allow-runtime-lora-updating: under tensor parallelism adapters load at start "
+                         "(--lora-modules)")  # fmt: skip
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise ValueError(f"--allow-runtime-lora-updating: {d!r} is not a directory")
+    args.allow_runtime_lora_updating = [os.path.realpath(d) for d in dirs]
+
+
 def serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -220,6 +243,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--lora-modules: {name!r} is also a served model name; give the adapter another")
         if not os.path.isfile(os.path.join(lora_path, "adapter_config.json")):
             raise ValueError(f"--lora-modules: {lora_path!r} has no adapter_config.json (a PEFT LoRA adapter's)")
+    check_runtime_lora_updating(args, engine_args)
     secret = load_secret(args.kv_transfer_secret_file)  # the deployment's (utils/deployment_secret.py)
     kv_events = None
     if args.enable_kv_events:

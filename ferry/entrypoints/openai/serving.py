@@ -54,6 +54,10 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
     # --lora-modules: adapter name -> its directory; a request naming one as its model runs under it.
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # --allow-runtime-lora-updating: the directories (resolved) adapters may be loaded from over
+    # HTTP (serving_lora.py); None: off. The lock keeps one load or unload at a time.
+    lora_update_dirs: list[str] | None = None
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     engine: AsyncLLM | None = None
     draining: bool = False
     startup_error: str | None = None
