@@ -49,6 +49,22 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair (vLLM's shape: `.outputs.score`): the cosine similarity of
+    the two texts' embeddings, and the token ids of both (the first text's, then the second's)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """What `LLM.embed` returns per prompt (vLLM's shape: `.outputs.embedding`)."""
 

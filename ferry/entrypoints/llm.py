@@ -9,7 +9,7 @@ from ferry.config import EngineArgs
 from ferry.engine.input_processor import PromptType
 from ferry.engine.llm_engine import LLMEngine
 from ferry.lora_request import LoRARequest
-from ferry.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from ferry.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
@@ -110,6 +110,29 @@ class LLM:
         outs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding), o.finished)
                 for o in outs]  # fmt: skip
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model: the cosine similarity of each pair's normalised
+        embeddings. One `text_1` is scored against each `text_2`; lists of one length pairwise."""
+        firsts = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)  # as generate() reads prompts
+        seconds = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
+        if not firsts or not seconds or len(firsts) not in (1, len(seconds)):
+            raise ValueError(f"text_1 has {len(firsts)} prompts and text_2 {len(seconds)}: give one text_1, or "
+                             "as many as text_2 (scored pairwise)")  # fmt: skip
+        embedded = self.embed([*firsts, *seconds], PoolingParams(normalize=True), use_tqdm=use_tqdm)
+        outs = []
+        for i, b in enumerate(embedded[len(firsts) :]):
+            a = embedded[i if len(firsts) > 1 else 0]
+            similarity = sum(x * y for x, y in zip(a.outputs.embedding, b.outputs.embedding))
+            outs.append(ScoringRequestOutput(b.request_id, a.prompt_token_ids + b.prompt_token_ids,
+                                             ScoringOutput(max(-1.0, min(1.0, similarity)))))  # fmt: skip
+        return outs
 
     def chat(
         self,

@@ -43,6 +43,8 @@ from ferry.entrypoints.openai.protocol import (
     EmbeddingRequest,
     OpenAIError,
     PromptLimits,
+    RerankRequest,
+    ScoreRequest,
     decode_json_object,
     precheck_body,
     precheck_raw,
@@ -65,7 +67,7 @@ def _limited(limits) -> bool:
 
 @dataclass
 class RequestContext:
-    kind: str  # "completions" | "chat" | "embeddings" | "responses"
+    kind: str  # "completions" | "chat" | "embeddings" | "responses" | "score" | "rerank"
     path: str
     raw: bytes
     data: dict
@@ -114,7 +116,7 @@ def _completion_estimate(body, pool: list[Worker]) -> int:
     """The validated request's max tokens (chat: max_completion_tokens first, as the worker reads
     it) x n x prompts; without one, the room a replica's context leaves (or 1,024). An embedding
     generates nothing."""
-    if isinstance(body, EmbeddingRequest):
+    if isinstance(body, (EmbeddingRequest, ScoreRequest, RerankRequest)):
         return 0
     if isinstance(body, ResponsesRequest):
         limit = body.max_output_tokens
@@ -126,9 +128,11 @@ def _completion_estimate(body, pool: list[Worker]) -> int:
 
 
 _SCHEMAS = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "embeddings": EmbeddingRequest,
-            "responses": ResponsesRequest}  # fmt: skip
+            "responses": ResponsesRequest, "score": ScoreRequest, "rerank": RerankRequest}  # fmt: skip
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings",
-         "responses": "/v1/responses"}  # fmt: skip
+         "responses": "/v1/responses", "score": "/v1/score", "rerank": "/v1/rerank"}  # fmt: skip
+# Kinds whose answer is a function of the body alone (vectors, similarities): cacheable as they are.
+POOLING_KINDS = ("embeddings", "score", "rerank")
 
 
 def _parse(raw: bytes, kind: str, limits_of: Callable[[object], PromptLimits | None]) -> tuple[dict, object]:
@@ -219,7 +223,7 @@ class Admission:
                              request_id=request_id)  # fmt: skip
 
         cache = self.result_cache
-        deterministic = kind == "embeddings" or is_deterministic(data)  # an embedding is, alone or batched
+        deterministic = kind in POOLING_KINDS or is_deterministic(data)  # an embedding is, alone or batched
         if cache is not None and request.headers.get(CACHE_HEADER, "").lower() != "skip" and deterministic:
             ctx.cache_key = cache_key(path, data, key_name)
             hit = cache.get(ctx.cache_key) if ctx.cache_key is not None else None

@@ -302,6 +302,17 @@ class Gateway:
         async def responses(request: Request) -> Response:
             return await self.handle(request, "responses")
 
+        async def score(request: Request) -> Response:
+            return await self.handle(request, "score")
+
+        async def rerank(request: Request) -> Response:
+            return await self.handle(request, "rerank")
+
+        for path in ("/score", "/v1/score"):  # as ferry serve (and vLLM) serve them
+            app.add_api_route(path, score, methods=["POST"])
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.add_api_route(path, rerank, methods=["POST"])
+
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             if self.api_keys is not None and self.api_keys.authenticate(request.headers.get("authorization")) is None:

@@ -56,7 +56,7 @@ def choose_decode(workers: list[Worker], turn: int, kv_usage_weight: float = 0.5
 
 def why_not_disaggregated(data: dict, kind: str) -> str | None:
     """Why a body must be prefilled where it decodes (None: it can be split)."""
-    if kind == "embeddings":
+    if kind in ("embeddings", "score", "rerank"):
         return "an embedding"  # a prompt's pass and nothing after it: the decode worker runs it whole
     if kind == "responses":
         return "the Responses API"  # its body takes no kv_transfer_params: the decode worker runs it whole

@@ -79,6 +79,8 @@ class PromptTokenizer:
         return truncated_prompt(ids, k, max_model_len)
 
     def _prompt_token_ids(self, kind: str, data: dict, worker: Worker) -> list[int] | None:
+        if kind in ("score", "rerank"):  # several texts, each its own prompt: routed by load
+            return None
         try:
             if kind in ("completions", "embeddings"):
                 prompt = prompts_of(data)

@@ -30,6 +30,8 @@ def _usage_of(obj) -> tuple[int | None, int | None]:
     total = usage.get("total_tokens")
     if c is None and isinstance(p, int) and isinstance(total, int):  # embeddings report no completion
         c = total - p
+    if p is None and c is None and isinstance(total, int):  # /rerank reports its total only: all prompt
+        p, c = total, 0
     return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
 
 

@@ -92,6 +92,22 @@ def test_the_same_text_alone_or_in_a_batch_of_32(smollm):
     assert similar > different  # two cat sentences are nearer each other than a cat and a market one
 
 
+def test_score_is_the_cosine_of_the_pooled_hidden_states(tiny):
+    """LLM.score (vLLM's, for an embedding model): each pair's cosine similarity of HF's pooled
+    (last token) hidden states; one text_1 against each text_2, or pairwise."""
+    loaded, prompts, hidden = tiny
+    llm = LLM.from_engine(engine_over(loaded))
+    vec = [hf_pooled(h, "last") for h in hidden]
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    one = llm.score(ids[0], ids[1:], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in one], [vec[0] @ v for v in vec[1:]], atol=1e-5)
+    assert one[1].prompt_token_ids == prompts[0] + prompts[2]
+    pairs = llm.score(ids[:2], ids[2:], use_tqdm=False)
+    np.testing.assert_allclose([o.outputs.score for o in pairs], [vec[0] @ vec[2], vec[1] @ vec[3]], atol=1e-5)
+    with pytest.raises(ValueError, match="text_1 has 2 prompts and text_2 3"):
+        llm.score(ids[:2], ids[1:], use_tqdm=False)
+
+
 def test_held_embeddings_abort_and_bad_ones_are_refused(smollm):
     engine = engine_over(smollm, embed_max_delay_ms=10_000, embed_max_batch=4)
     params = SamplingParams(max_tokens=1, pooling=PoolingParams())

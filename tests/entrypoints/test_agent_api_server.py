@@ -300,6 +300,43 @@ def test_embeddings_alone_equal_batched_and_base64(server, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(server, client):
+    """vLLM's /score and /rerank over a decoder model: each pair's score is the cosine similarity of
+    the texts' /v1/embeddings vectors; rerank orders the documents by it, best first."""
+    query = "What is the capital of France?"
+    docs = ["The capital of Brazil is Brasilia.", "The capital of France is Paris.", "Horses and cows are animals."]
+    embedded = client.embeddings.create(model="smol", input=[query, *docs]).data
+    vectors = {t: np.asarray(d.embedding) for t, d in zip([query, *docs], embedded)}
+    want = [float(vectors[query] @ vectors[d]) for d in docs]
+    tokens = sum(len(httpx.post(server.url + "/tokenize", json={"prompt": t}).json()["tokens"]) for t in [query, *docs])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = httpx.post(server.url + path, json={"model": "smol", "query": query, "documents": docs}).json()
+        assert [x["index"] for x in r["results"]] == sorted(range(3), key=lambda i: -want[i])
+        for x in r["results"]:
+            assert abs(x["relevance_score"] - want[x["index"]]) < 1e-5 and x["document"]["text"] == docs[x["index"]]
+        assert r["usage"]["total_tokens"] == tokens and r["model"] == "smol"
+    top = httpx.post(server.url + "/v1/rerank", json={"query": query, "documents": docs, "top_n": 1,
+                                                      "return_documents": False}).json()["results"]  # fmt: skip
+    assert len(top) == 1 and top[0]["index"] == max(range(3), key=lambda i: want[i]) and "document" not in top[0]
+    one_to_many = httpx.post(server.url + "/score", json={"text_1": query, "text_2": docs}).json()
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2]
+    np.testing.assert_allclose([d["score"] for d in one_to_many["data"]], want, atol=1e-5)
+    pairwise = httpx.post(server.url + "/v1/score", json={"text_1": [query, docs[0]], "text_2": [docs[1], docs[2]]})
+    np.testing.assert_allclose(
+        [d["score"] for d in pairwise.json()["data"]],
+        [vectors[query] @ vectors[docs[1]], vectors[docs[0]] @ vectors[docs[2]]],
+        atol=1e-5,
+    )
+    for path, body, param in (("/score", {"text_1": [query] * 2, "text_2": docs}, "text_1"),
+                              ("/score", {"text_1": query, "text_2": []}, "text_2"),
+                              ("/rerank", {"query": "", "documents": docs}, "query"),
+                              ("/rerank", {"query": query, "documents": []}, "documents"),
+                              ("/rerank", {"query": query, "documents": docs, "top_n": -1}, "top_n"),
+                              ("/rerank", {"query": query, "documents": docs, "model": "other"}, "model")):  # fmt: skip
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
 def test_prompt_logprobs_and_echo_with_logprobs(server, client):
     prompt = "The capital of France is"
     n_prompt = len(httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"])

@@ -385,6 +385,21 @@ def test_embeddings_go_through_keys_limits_and_the_result_cache(replicas, tmp_pa
         assert post("sk-e", {"model": "nope", "input": "x"}).status_code == 404
         r = post("sk-e", {"model": MODEL, "input": "x", "encoding_format": "hex"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format", r.text
+        # /v1/rerank and /score (vLLM's): the worker's answer, cached, charged its total tokens as input.
+        rerank = {"model": MODEL, "query": "A river:", "documents": inputs}
+        headers = {"Authorization": "Bearer sk-e"}
+        want = httpx.post(replicas[0].url + "/v1/rerank", json=rerank, timeout=60).json()
+        before = gw.metric("gen_ai_client_token_usage_sum", key="e", gen_ai_token_type="input")
+        for cache in ("miss", "hit"):
+            r = httpx.post(gw.url + "/v1/rerank", json=rerank, headers=headers, timeout=60)
+            assert r.headers["x-ferry-cache"] == cache and r.json()["results"] == want["results"], r.text
+        assert (gw.metric("gen_ai_client_token_usage_sum", key="e", gen_ai_token_type="input") - before
+                == want["usage"]["total_tokens"])  # fmt: skip
+        score = {"model": MODEL, "text_1": "A river:", "text_2": inputs}
+        r = httpx.post(gw.url + "/score", json=score, headers=headers, timeout=60)
+        by_index = sorted(want["results"], key=lambda x: x["index"])
+        assert [d["score"] for d in r.json()["data"]] == [x["relevance_score"] for x in by_index]
+        assert httpx.post(gw.url + "/v1/score", json=score, timeout=60).status_code == 401
         # A small key's tokens run out: 429 with Retry-After, as for generation.
         statuses = [post("sk-small", {"model": MODEL, "input": f"Item {i}: a short line."}).status_code
                     for i in range(6)]  # fmt: skip

@@ -41,7 +41,7 @@ from ferry.core.kv_events import HASH_ALGORITHM, TOPIC
 from ferry.engine.async_llm import AsyncLLM, EngineStalledError
 from ferry.engine.core_client import EngineDeadError, SpawnedCore
 from ferry.entrypoints.draining_server import DrainingServer, wait_drained
-from ferry.entrypoints.openai import serving_lora, serving_tokenization
+from ferry.entrypoints.openai import serving_lora, serving_score, serving_tokenization
 from ferry.entrypoints.openai.chat_template import template_digest
 from ferry.entrypoints.openai.http_middleware import add_http_middleware, cors_options
 from ferry.entrypoints.openai.metrics import ServerMetrics
@@ -53,6 +53,8 @@ from ferry.entrypoints.openai.protocol import (
     EmbeddingRequest,
     OpenAIError,
     PromptLimits,
+    RerankRequest,
+    ScoreRequest,
     StreamOptions,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -84,7 +86,7 @@ from ferry.utils.web_pages import WebPages
 
 logger = logging.getLogger("ferry.server")
 # Outside /v1/ but behind --api-key too: they cost the server work (probes and /metrics stay open).
-_KEYED_PATHS = frozenset({"/reset_prefix_cache", "/tokenize", "/detokenize"})
+_KEYED_PATHS = frozenset({"/reset_prefix_cache", "/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"})
 
 
 def _version() -> str:
@@ -474,9 +476,24 @@ class Server:
         async def responses(request: Request) -> Response:
             return await generate(request, ResponsesRequest, create_response, precheck_responses)
 
+        async def score(request: Request) -> Response:
+            """vLLM's: cosine similarity of text pairs' embeddings (serving_score.py)."""
+            return await generate(request, ScoreRequest, serving_score.create_score)
+
+        async def rerank(request: Request) -> Response:
+            """vLLM's (Jina's and Cohere's shape): documents by their similarity to a query, best first."""
+            return await generate(request, RerankRequest, serving_score.create_rerank)
+
+        for path in ("/score", "/v1/score"):
+            app.add_api_route(path, score, methods=["POST"])
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.add_api_route(path, rerank, methods=["POST"])
+
         app.openapi = partial(_openapi_with_bodies, app, {"/v1/completions": CompletionRequest,
                                                           "/v1/chat/completions": ChatCompletionRequest,
                                                           "/v1/embeddings": EmbeddingRequest,
+                                                          "/v1/score": ScoreRequest,
+                                                          "/v1/rerank": RerankRequest,
                                                           "/v1/responses": ResponsesRequest})  # fmt: skip
         add_http_middleware(app, self.cors, self.request_id_headers)
         if self.root_path:  # added last, so outermost: every middleware and the router see it

@@ -666,3 +666,27 @@ class EmbeddingRequest(Strict):
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # its blocks' hashes, as above
+
+
+_Texts = str | list[str]
+
+
+class _ScoringRequest(Strict):
+    """What /score and /rerank (serving_score.py) take besides their texts, as /v1/embeddings."""
+
+    model: str | None = None
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_INT)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
+
+
+class ScoreRequest(_ScoringRequest):
+    text_1: _Texts
+    text_2: _Texts
+
+
+class RerankRequest(_ScoringRequest):
+    query: str
+    documents: list[str] = Field(min_length=1, max_length=MAX_PROMPTS)
+    top_n: int = Field(0, ge=0, le=MAX_INT)  # 0: every document
+    return_documents: bool = True  # Cohere's: each result carries its document's text
