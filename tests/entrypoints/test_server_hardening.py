@@ -59,7 +59,7 @@ def test_api_key_guards_the_v1_routes_and_not_the_probes(server):
     """The key guards the same routes whether the --root-path prefix comes with the path or not."""
     body = {"prompt": "Hi", "max_tokens": 2}
     for route in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/embeddings", "/reset_prefix_cache",
-                  "/tokenize", "/detokenize"):  # fmt: skip
+                  "/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/v1/load_lora_adapter"):  # fmt: skip
         path = route if route != "/v1/models" else PREFIX + route
         method = httpx.get if route == "/v1/models" else httpx.post
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
