@@ -98,8 +98,8 @@ class EngineArgs:
     # `name=path` (or {"name": ..., "path": ...}); requests choose one by name. max_loras: the most
     # adapters the running requests use together; max_lora_rank: the largest rank accepted;
     # max_cpu_loras (vLLM's name): the most adapters loaded at once (ferry keeps every loaded one on
-    # the model's device), which bounds what loading at run time can take; None: the larger of 32,
-    # max_loras and the number of lora_modules.
+    # the model's device, beside a KV cache sized before any loaded at run time), which bounds what
+    # loading at run time can take; None: as vLLM, max_loras (or the number of lora_modules if more).
     enable_lora: bool = False
     lora_modules: list[str | dict] | None = None
     max_loras: int = 1
@@ -174,7 +174,7 @@ class EngineArgs:
         """The most LoRA adapters loaded at once (`max_cpu_loras`, or its default)."""
         if self.max_cpu_loras is not None:
             return self.max_cpu_loras
-        return max(32, self.max_loras, len(self.lora_adapters))
+        return max(self.max_loras, len(self.lora_adapters))
 
     def _check_lora(self) -> None:
         if self.lora_adapters and not self.enable_lora:

@@ -241,6 +241,15 @@ class SamplingParams:
         return replace(self, **changes)
 
 
+def truncated_prompt(ids: list, truncate_prompt_tokens: int | None, max_model_len: int) -> list:
+    """The prompt `truncate_prompt_tokens` leaves (vLLM's): its last k tokens; -1: as many as the
+    context holds with room for one token generated; None: all of it."""
+    if truncate_prompt_tokens is None:
+        return ids
+    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def resolve_stop_token_ids(params: SamplingParams, eos_token_ids: set[int]) -> None:
     """Fill `all_stop_token_ids`: the user's stop ids plus EOS unless `ignore_eos` (sets do not
     cross the API -> core wire, so the core resolves them again)."""

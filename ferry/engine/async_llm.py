@@ -24,6 +24,7 @@ from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
 from ferry.engine.core_client import EngineCoreClient, EngineDeadError, SpawnedCore
 from ferry.engine.input_processor import InputProcessor, PromptType
 from ferry.engine.messages import (
+    LORA_NOT_LOADED,
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -359,25 +360,30 @@ class AsyncLLM:
             raise RuntimeError(result.error)
         return result.value
 
-    async def add_lora(self, name: str, path: str) -> bool:
+    async def add_lora(self, name: str, path: str, replace: bool = False) -> bool:
         """Load the PEFT adapter in `path` as `name` in the core (EngineCore.add_lora), between
-        steps; whether it loaded it now (False: loaded from there already). InvalidParameterError
-        naming why not."""
+        steps; whether it loaded it now (False: loaded from there already). `replace`: over the
+        adapter of that name. InvalidParameterError naming why not."""
         try:
-            digest = await self.call("add_lora", name, path, timeout=120.0)  # reads the adapter's files
-        except RuntimeError as e:
+            digest = await self.call("add_lora", name, path, *(["replace"] if replace else []), timeout=120.0)
+        except EngineDeadError:
+            raise
+        except RuntimeError as e:  # the core's refusal
             raise InvalidParameterError("lora_path", str(e)) from None
-        loaded_now = name not in self.info.lora_digests
+        loaded_now = replace or name not in self.info.lora_digests
         self.info.lora_digests[name] = digest
         return loaded_now
 
     async def remove_lora(self, name: str) -> None:
         """Unload adapter `name` in the core (EngineCore.remove_lora); InvalidParameterError while
-        requests still run under it. New requests naming it are refused from now on."""
+        requests still run under it. One the core no longer holds counts as unloaded."""
         try:
-            await self.call("remove_lora", name)
+            await self.call("remove_lora", name, timeout=120.0)
+        except EngineDeadError:
+            raise
         except RuntimeError as e:
-            raise InvalidParameterError("lora_name", str(e)) from None
+            if LORA_NOT_LOADED not in str(e):
+                raise InvalidParameterError("lora_name", str(e)) from None
         self.info.lora_digests.pop(name, None)
 
     # -- the output loop ------------------------------------------------------

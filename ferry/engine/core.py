@@ -26,7 +26,14 @@ from typing import Any
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.request import Request, RequestStatus
 from ferry.core.scheduler import Scheduler
-from ferry.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo, EngineStats
+from ferry.engine.messages import (
+    LORA_IN_USE,
+    LORA_NOT_LOADED,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineStats,
+)
 from ferry.models.lora_adapters import read_peft_adapter
 from ferry.sampling_params import InvalidParameterError, resolve_stop_token_ids
 from ferry.structured_output.compiler import GrammarCompiler, GrammarState
@@ -109,14 +116,16 @@ class EngineCore:
             self.tp_workers.shutdown()
             self.tp_workers = None
 
-    def add_lora(self, name: str, path: str) -> bool:
+    def add_lora(self, name: str, path: str, replace: bool = False) -> bool:
         """Load the PEFT adapter in directory `path` as `name` (vLLM's `add_lora`) unless one of that
-        name is loaded from there already; whether it loaded it now. InvalidParameterError, with
-        the model unchanged: LoRA off, the name loaded from elsewhere, `max_cpu_loras` adapters
-        loaded already, tensor parallelism (every rank would have to load it in step), or an
-        adapter that cannot be read or does not fit this model."""
+        name is loaded from there already; whether it loaded it now. `replace`: load it over the
+        adapter of that name (vLLM's load_inplace; the old one stays if the new one fails).
+        InvalidParameterError, with the model unchanged: LoRA off, the name loaded from elsewhere,
+        `max_cpu_loras` adapters loaded already, tensor parallelism (every rank would have to load
+        it in step), requests running under the adapter replaced, or an adapter that cannot be read
+        or attached."""
         loaded = self.runner.loras.get(name)
-        if loaded is not None:
+        if loaded is not None and not replace:
             if path and path != loaded.path:
                 raise InvalidParameterError("lora_path", f"a LoRA adapter named {name!r} is already loaded from "
                                             f"{loaded.path}, not {path}")  # fmt: skip
@@ -127,20 +136,34 @@ class EngineCore:
             raise InvalidParameterError("lora_request", "under tensor parallelism adapters load at start "
                                         "(lora_modules); this one is not among them")  # fmt: skip
         max_rank, max_loaded = self.lora_limits
-        if len(self.runner.loras) >= max_loaded:
+        if loaded is None and len(self.runner.loras) >= max_loaded:
             raise InvalidParameterError("lora_name", f"{len(self.runner.loras)} LoRA adapters are loaded, the most "
                                         "--max-cpu-loras allows; unload one first")  # fmt: skip
+        if loaded is not None:
+            self._check_unused(name, loaded.slot)
         try:
             adapter = read_peft_adapter(name, path, max_rank)
         except Exception as e:  # whatever files a path leads to: unreadable, malformed, not an adapter
             raise InvalidParameterError("lora_path", f"cannot read LoRA adapter {name!r}: {e}") from None
         try:
-            self.runner.add_lora(adapter)  # checks every layer before it changes one
+            self.runner.add_lora(adapter, replace=replace)  # checks every layer before it changes one
         except ValueError as e:
             raise InvalidParameterError("lora_path", f"LoRA adapter {name!r} does not fit this model: {e}") from None
+        except Exception as e:  # past the checks (out of memory): the runner took back what it attached
+            logger.exception("attaching LoRA adapter %r", name)
+            raise InvalidParameterError("lora_path", f"LoRA adapter {name!r} could not be attached: "
+                                        f"{type(e).__name__}") from None  # fmt: skip
         if self.info is not None:
             self.info.lora_digests[name] = adapter.digest
         return True
+
+    def _check_unused(self, name: str, slot: int) -> None:
+        held = [*self.scheduler.requests.values(), *(r for r, _, _ in self._awaiting_grammar.values()),
+                *self._embed_held]  # fmt: skip
+        users = sum(r.lora_slot == slot for r in held)
+        if users:
+            raise InvalidParameterError("lora_name", f"{users} request(s) {LORA_IN_USE} {name!r}; unload or "
+                                        "replace it once they finish")  # fmt: skip
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name` (vLLM's `remove_lora`). InvalidParameterError while a request still
@@ -148,15 +171,10 @@ class EngineCore:
         in the prefix cache, out of any other adapter's reach (keyed by its name and digest)."""
         loaded = self.runner.loras.get(name)
         if loaded is None:
-            raise InvalidParameterError("lora_name", f"no LoRA adapter named {name!r} is loaded")
+            raise InvalidParameterError("lora_name", f"{LORA_NOT_LOADED} {name!r} is loaded")
         if self.tp_workers is not None:
             raise InvalidParameterError("lora_name", "under tensor parallelism adapters stay loaded")
-        held = [*self.scheduler.requests.values(), *(r for r, _, _ in self._awaiting_grammar.values()),
-                *self._embed_held]  # fmt: skip
-        users = sum(r.lora_slot == loaded.slot for r in held)
-        if users:
-            raise InvalidParameterError("lora_name", f"{users} request(s) still run under LoRA adapter {name!r}; "
-                                        "unload it once they finish")  # fmt: skip
+        self._check_unused(name, loaded.slot)
         self.runner.remove_lora(name)
         if self.info is not None:
             self.info.lora_digests.pop(name, None)

@@ -172,12 +172,14 @@ class EngineCoreProc:
             elif msg.method in ("add_lora", "remove_lora"):
                 try:
                     if msg.method == "add_lora":
-                        name, path = msg.args
-                        self.core.add_lora(name, path)
+                        name, path, *how = msg.args
+                        self.core.add_lora(name, path, replace=how == ["replace"])
                         value = self.core.info.lora_digests.get(name)
                     else:
                         self.core.remove_lora(*msg.args)
-                except (ValueError, TypeError) as e:  # refused (InvalidParameterError), or malformed args
+                except Exception as e:  # refused (InvalidParameterError), or malformed args: the loop goes on
+                    if not isinstance(e, ValueError):
+                        logger.exception("utility call %s", msg.method)
                     error = str(e)
             elif msg.method == "shutdown":
                 self.running = False

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferry.engine.messages import EngineCoreRequest, EngineInfo
-from ferry.sampling_params import InvalidParameterError, SamplingParams, resolve_stop_token_ids
+from ferry.sampling_params import InvalidParameterError, SamplingParams, resolve_stop_token_ids, truncated_prompt
 from ferry.structured_output.grammar import check as check_grammar
 
 # A dict holds "prompt" (text) and/or "prompt_token_ids", and may hold vLLM's "cache_salt".
@@ -49,15 +49,6 @@ def _token_id(t):
         return operator.index(t)
     except TypeError:
         return t
-
-
-def truncated_prompt(ids: list, truncate_prompt_tokens: int | None, max_model_len: int) -> list:
-    """The prompt `truncate_prompt_tokens` leaves (vLLM's): its last k tokens; -1: as many as the
-    context holds with room for one token generated; None: all of it."""
-    if truncate_prompt_tokens is None:
-        return ids
-    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-    return ids[-keep:] if len(ids) > keep else ids
 
 
 def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
@@ -198,10 +189,15 @@ class InputProcessor:
         resolve_stop_token_ids(params, self.eos_token_ids)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-            if any(t >= vocab for word in params.bad_words_token_ids for t in word):  # added tokens past the model's
-                raise InvalidParameterError(
-                    "bad_words", f"bad_words tokenize to ids outside the vocabulary [0, {vocab})"
-                )
+            if any(t >= vocab for word in params.bad_words_token_ids for t in word):  # a tokenizer's added tokens
+                raise InvalidParameterError("bad_words", f"bad_words tokenize to ids past the vocabulary ({vocab})")
+        if params.allowed_token_ids is not None:  # a step must have a token left to sample
+            usable = set(params.allowed_token_ids) - {w[0] for w in params.bad_words_token_ids if len(w) == 1}
+            if not usable:
+                raise InvalidParameterError("allowed_token_ids", "bad_words forbid every allowed token")
+            if params.min_tokens and usable <= params.all_stop_token_ids:
+                raise InvalidParameterError("min_tokens", "every allowed token stops the request (EOS or a stop "
+                                            "token), so min_tokens cannot be met")  # fmt: skip
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         # Stop strings are matched on text, in the process that detokenizes: the core never needs them.

@@ -114,10 +114,16 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+# Words of the core's LoRA refusals that the server tells apart (serving_lora.py: 409, and an unload
+# of what the core no longer holds), as a UtilityResult carries only the text.
+LORA_IN_USE = "still run under LoRA adapter"
+LORA_NOT_LOADED = "no LoRA adapter named"
+
+
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
     call_id: int
     method: str  # "ping" | "stats" | "reset_prefix_cache" | "add_lora" | "remove_lora" | "shutdown"
-    args: list[str] = []  # add_lora: [name, path]; remove_lora: [name]
+    args: list[str] = []  # add_lora: [name, path] or [name, path, "replace"]; remove_lora: [name]
 
 
 InputMessage = AddRequest | AbortRequests | UtilityCall

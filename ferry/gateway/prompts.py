@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from ferry.engine.input_processor import truncated_prompt
 from ferry.entrypoints.openai.protocol import MAX_BODY_BYTES, PromptLimits
 from ferry.gateway.replicas import Worker
+from ferry.sampling_params import truncated_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -203,13 +203,21 @@ class ModelRunner:
             )
             self.graphs.capture()
 
-    def add_lora(self, adapter: LoRAAdapter) -> int:
+    def add_lora(self, adapter: LoRAAdapter, replace: bool = False) -> int:
         """Attach an adapter read from disk under the lowest free slot; its slot. ValueError (and the
-        model unchanged) for one that does not fit this model or a name already taken."""
-        if adapter.name in self.loras:
+        model unchanged) for one that does not fit this model or a name already taken (unless
+        `replace`: the new version is attached first, then the old one's slot freed)."""
+        old = self.loras.get(adapter.name)
+        if old is not None and not replace:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
         slot = min(set(range(len(self.loras) + 1)) - {lora.slot for lora in self.loras.values()})
-        attach(self.model, slot, adapter)
+        try:
+            attach(self.model, slot, adapter)
+        except BaseException:
+            detach(self.model, slot)  # what an error past the checks (out of memory) left attached
+            raise
+        if old is not None:
+            detach(self.model, old.slot)
         self.loras[adapter.name] = LoadedLoRA(slot, lora_hash_key(adapter.name, adapter.digest), adapter.digest,
                                               adapter.path)  # fmt: skip
         return slot

@@ -71,7 +71,8 @@ def _disallowed_mask(request: Request, vocab: int, device: torch.device) -> torc
     mask = request.disallowed_mask
     if mask is None or mask.device != device or mask.shape[0] != vocab:
         mask = torch.ones(vocab, dtype=torch.bool, device=device)
-        mask[torch.tensor(request.sampling_params.allowed_token_ids, dtype=torch.long, device=device)] = False
+        ids = [t for t in request.sampling_params.allowed_token_ids if t < vocab]  # (a draft's narrower vocabulary)
+        mask[torch.tensor(ids, dtype=torch.long, device=device)] = False
         request.disallowed_mask = mask
     return mask
 
@@ -329,6 +330,7 @@ class Sampler:
                 allowed_rows.append(i)
             if p.bad_words_token_ids:
                 banned = banned_bad_words(p.bad_words_token_ids, row.request.output_token_ids, row.prior)
+                banned = [t for t in banned if t < logits.shape[1]]
                 ban_rows += [i] * len(banned)
                 ban_cols += banned
             if p.logit_bias:

@@ -187,6 +187,18 @@ def test_adapters_unload_once_idle_and_max_cpu_loras_bounds_the_loaded(lora_setu
     with pytest.raises(ValueError, match="no LoRA adapter named 'qv' is loaded"):
         engine.remove_lora("qv")
     assert run(llm, prompts[:1], LoRARequest("every", 2, str(dirs["every"]))) == expected["every"][:1]
+    # In place (vLLM's load_inplace): refused while a request runs under it; a version that does not
+    # load leaves the old one; one that does replaces it.
+    engine.add_request("r2", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=4), lora_request="every")
+    with pytest.raises(ValueError, match="still run under LoRA adapter 'every'"):
+        engine.core.add_lora("every", str(dirs["qv"]), replace=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(ValueError, match="cannot read LoRA adapter 'every'"):
+        engine.core.add_lora("every", str(base), replace=True)  # the base model's directory: no adapter there
+    assert run(llm, prompts[:1], "every") == expected["every"][:1]
+    assert engine.core.add_lora("every", str(dirs["qv"]), replace=True) and engine.list_loras() == ["every"]
+    assert run(llm, prompts[:1], "every") == expected["qv"][:1]
     engine.remove_lora("every")
     assert run(llm, prompts[:1], LoRARequest("qv", 1, str(dirs["every"]))) == expected["every"][:1]  # a new qv
     assert run(llm, prompts[:1], None) == expected[None][:1]

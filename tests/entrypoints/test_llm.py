@@ -102,6 +102,13 @@ def test_bad_words_and_allowed_token_ids(llm):
                          ("bad_words", "sea")):  # fmt: skip
         with pytest.raises(ValueError, match=field):
             llm.generate(prompt, params.clone(**{field: value}), use_tqdm=False)
+    # Nothing left to sample is refused up front: every allowed token a bad word, or a stop before min_tokens.
+    sea = tok.encode("sea", add_special_tokens=False)
+    with pytest.raises(ValueError, match="bad_words forbid every allowed token"):
+        llm.generate(prompt, params.clone(allowed_token_ids=sea, bad_words=["sea"]), use_tqdm=False)
+    eos = tok.eos_token_id
+    with pytest.raises(ValueError, match="min_tokens cannot be met"):
+        llm.generate(prompt, SamplingParams(allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
     assert_no_blocks_referenced(llm.llm_engine)
 
 

@@ -31,7 +31,7 @@ def test_an_adapter_is_served_as_its_own_model(smollm_gguf, tmp_path):
     write_random_adapter(dyn / "v2", smollm_gguf.model.config, rank=4, targets=("o_proj",), seed=8, b_scale=0.5)
     prompt = "The capital of France is"
     params = SamplingParams(max_tokens=12, temperature=0)
-    engine = engine_over(smollm_gguf, enable_lora=True, lora_modules=[f"tuned={adapter}"])
+    engine = engine_over(smollm_gguf, enable_lora=True, lora_modules=[f"tuned={adapter}"], max_cpu_loras=2)
     try:
         engine.add_request("base", prompt, params)
         engine.add_request("tuned", prompt, params, lora_request="tuned")
@@ -41,7 +41,7 @@ def test_an_adapter_is_served_as_its_own_model(smollm_gguf, tmp_path):
             offline.update({o.request_id: o.outputs[0].text for o in engine.step() if o.finished})
     finally:
         for name in engine.list_loras():
-            engine.remove_lora(name)  # the session's shared model, as it was
+            engine.runner.remove_lora(name)  # the session's shared model, as it was
     assert len({offline["tuned"], offline["v2"], offline["base"]}) == 3
     server = ServerProcess("--max-model-len", "256", "--served-model-name", "smol", "--enable-lora",
                            "--lora-modules", f"tuned={adapter}", "--max-loras", "2", "--max-cpu-loras", "2",
@@ -99,7 +99,8 @@ def check_runtime_updating(server: ServerProcess, dyn, outside, prompt: str, off
                               ({"lora_name": "x", "lora_path": str(dyn / "escape")}, 400, "not under a directory"),
                               ({"lora_name": "x", "lora_path": str(dyn / "v2" / "..")}, 400, "no adapter_config"),
                               ({"lora_name": "smol", "lora_path": str(dyn / "v2")}, 400, "base model's name"),
-                              ({"lora_name": "x"}, 400, "lora_path")):  # fmt: skip
+                              ({"lora_name": "x"}, 400, "lora_path"),
+                              ({"lora_name": "x", "lora_path": str(dyn) + "\0"}, 400, "NUL")):  # fmt: skip
         r = post("/v1/load_lora_adapter", body)
         assert r.status_code == status and why in r.text, (body, r.text)
     r = post("/v1/load_lora_adapter", {"lora_name": "v2", "lora_path": str(dyn / "v2")})
@@ -125,6 +126,9 @@ def check_runtime_updating(server: ServerProcess, dyn, outside, prompt: str, off
     assert post("/v1/completions", body).status_code == 404
     assert post("/v1/unload_lora_adapter", {"lora_name": "v2"}).status_code == 404
     assert len(httpx.get(server.url + "/ferry/info").json()["lora_digests"]) == 1  # tuned's only
+    r = post("/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(dyn / "broken"), "load_inplace": True})
+    assert r.status_code == 400 and "cannot read" in r.text  # the old version still serves
+    assert post("/v1/completions", {**body, "model": "tuned"}).json()["choices"][0]["text"] == offline["tuned"]
     r = post("/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": str(dyn / "v2"), "load_inplace": True})
     assert r.status_code == 200  # tuned is v2's weights now
     assert post("/v1/completions", {**body, "model": "tuned"}).json()["choices"][0]["text"] == offline["v2"]

@@ -112,6 +112,9 @@ def test_allowed_token_ids_leave_only_their_tokens_to_draw():
     assert set(drawn[:-1]) == {2, 4} and drawn[-1] == 0
     assert torch.equal(logits, before)
     assert s(logits, [greedy]).token_ids == [3] and greedy.disallowed_mask is mask  # built once per request
+    # A draft model's logits may be narrower than the target's vocabulary: ids past them are left out.
+    wide = make_req(SamplingParams(temperature=0, allowed_token_ids=[4, 9]))
+    assert s(logits, [wide]).token_ids == [4]
 
 
 def test_bad_words_ban_the_token_that_would_complete_them():

@@ -35,9 +35,11 @@ MAX_INT = 2**31 - 1  # token counts: far above any context, far below what msgsp
 MAX_STOP_STRINGS = 64  # the detokenizer scans every stop string at every step
 MAX_STOP_BYTES = 16 * 1024  # all of a request's stop strings together, UTF-8
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
-MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary (Gemma's 262,144 entries)
-MAX_BAD_WORDS = 256  # every step checks each against the output's tail
-MAX_BAD_WORD_CHARS = 256
+# allowed_token_ids cross to the core with every prompt and n-sequence of a request, and are checked
+# again there: a label set or a digit class, not a vocabulary's worth.
+MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_BAD_WORDS = 128  # every step checks each (both spellings) against the output's tail
+MAX_BAD_WORD_CHARS = 64
 MAX_MESSAGES = 16384  # a chat's messages (each renders to at least one token anyway)
 MAX_CACHE_SALT = 256
 # chat_template_kwargs keys that would let a client swap the template or the rendering itself

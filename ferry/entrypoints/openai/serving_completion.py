@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ferry.engine.input_processor import check_logprobs, truncated_prompt
+from ferry.engine.input_processor import check_logprobs
 from ferry.entrypoints.openai.protocol import MAX_PROMPTS, CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import (
     SSE_DONE,
@@ -38,6 +38,7 @@ from ferry.entrypoints.openai.serving import (
     usage,
 )
 from ferry.outputs import CompletionOutput
+from ferry.sampling_params import truncated_prompt
 
 
 def prompt_list(prompt: Any) -> list:

@@ -6,7 +6,8 @@ may be loaded from: vLLM turns these on with `VLLM_ALLOW_RUNTIME_LORA_UPDATING` 
 a client sends; here a path must resolve (symbolic links followed) inside one of those directories,
 so a client cannot make the server read files elsewhere. `--api-key` covers both routes, as every
 `/v1/` route. The core loads an adapter between steps; how many may be loaded at once is
-`--max-cpu-loras`. Unloading is refused (409) while requests still run under the adapter.
+`--max-cpu-loras`. Unloading, or loading in place (`load_inplace`: the old version stays if the new
+one fails), is refused (409) while requests still run under the adapter.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import Field
 from starlette.responses import PlainTextResponse
 
 from ferry.engine.core_client import EngineDeadError
+from ferry.engine.messages import LORA_IN_USE
 from ferry.entrypoints.openai.protocol import OpenAIError, Strict
 from ferry.entrypoints.openai.serving import ServerState, ready_engine
 from ferry.sampling_params import InvalidParameterError
@@ -39,6 +41,8 @@ class UnloadLoRAAdapterRequest(Strict):
 def allowed_adapter_dir(path: str, roots: list[str]) -> str:
     """`path` resolved, if it lies inside one of `roots` (resolved already) and holds a PEFT
     adapter; else a 400 that names only what the client sent."""
+    if "\0" in path:
+        raise OpenAIError(400, "lora_path must not hold a NUL character", param="lora_path", code=400)
     real = os.path.realpath(path)
     if not any(os.path.commonpath([real, root]) == root for root in roots):
         raise OpenAIError(400, f"lora_path {path!r} is not under a directory this server loads adapters from "
@@ -56,11 +60,10 @@ def _updating(state: ServerState):
     return ready_engine(state)
 
 
-async def _remove(engine, name: str) -> None:
-    try:
-        await engine.remove_lora(name)
-    except InvalidParameterError as e:  # requests still run under it
-        raise OpenAIError(409, str(e), param="lora_name", code=409) from None
+def _in_use(e: InvalidParameterError) -> OpenAIError:
+    """The core's refusal as the client's error: 409 while requests run under the adapter, else 400."""
+    status = 409 if LORA_IN_USE in str(e) else 400
+    return OpenAIError(status, str(e), param=e.param, code=status)
 
 
 async def load_lora_adapter(state: ServerState, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
@@ -71,16 +74,13 @@ async def load_lora_adapter(state: ServerState, body: LoadLoRAAdapterRequest) ->
                           code=400)  # fmt: skip
     path = allowed_adapter_dir(body.lora_path, state.lora_update_dirs)
     async with state.lora_lock:  # one change at a time: a load and an unload of a name never cross
+        replace = name in state.lora_modules
+        if replace and not body.load_inplace:
+            raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name", code=400)
         try:
-            if name in state.lora_modules:
-                if not body.load_inplace:
-                    raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
-                                      code=400)  # fmt: skip
-                await _remove(engine, name)
-                del state.lora_modules[name]
-            await engine.add_lora(name, path)
+            await engine.add_lora(name, path, replace=replace)  # in place: the old version stays if this fails
         except InvalidParameterError as e:
-            raise OpenAIError(400, str(e), param=e.param, code=400) from None
+            raise _in_use(e) from None
         except (EngineDeadError, asyncio.TimeoutError) as e:
             raise OpenAIError(503, f"the engine did not answer: {e}", "service_unavailable", code=503) from None
         state.lora_modules[name] = path
@@ -95,7 +95,9 @@ async def unload_lora_adapter(state: ServerState, body: UnloadLoRAAdapterRequest
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", param="lora_name",
                               code=404)  # fmt: skip
         try:
-            await _remove(engine, name)
+            await engine.remove_lora(name)
+        except InvalidParameterError as e:
+            raise _in_use(e) from None
         except (EngineDeadError, asyncio.TimeoutError) as e:
             raise OpenAIError(503, f"the engine did not answer: {e}", "service_unavailable", code=503) from None
         del state.lora_modules[name]
