@@ -670,11 +670,15 @@ class EmbeddingRequest(Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # its blocks' hashes, as above
 
 
-_Texts = str | list[str]
+_Texts = str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
 
 
 class _ScoringRequest(Strict):
-    """What /score and /rerank (serving_score.py) take besides their texts, as /v1/embeddings."""
+    """What /score and /rerank (serving_score.py) take besides their texts, as /v1/embeddings. Fields
+    of Cohere's and Jina's clients that change nothing here are accepted (Cohere's
+    `max_tokens_per_doc` and `rank_fields`, `user`)."""
+
+    _no_ops = NO_OP_FIELDS | {"max_tokens_per_doc", "rank_fields"}
 
     model: str | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)

@@ -39,6 +39,10 @@ async def _similarities(request: Request, state: ServerState, body, firsts: list
     """The cosine similarity of each pair (firsts[i] or firsts[0], seconds[i]), and the tokens the
     texts took; each distinct text embedded once."""
     texts = list(dict.fromkeys([*firsts, *seconds]))
+    param = "documents" if isinstance(body, RerankRequest) else "text_2"
+    if len(texts) > state.max_queue_len:  # each text is a request of its own in the engine's queue
+        raise OpenAIError(400, f"{len(texts)} distinct texts, more than this server queues at once "
+                               f"(--max-queue-len {state.max_queue_len})", param=param, code=400)  # fmt: skip
     embedded = await embed(request, state, body, texts, normalize=True, prefix=prefix)
     if embedded is None:
         return None
