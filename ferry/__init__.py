@@ -6,9 +6,10 @@ process must not load the model code behind them.
 
 from typing import TYPE_CHECKING
 
+from ferry.beam_search import BeamSearchOutput, BeamSearchParams
 from ferry.config import EngineArgs
 from ferry.lora_request import LoRARequest
-from ferry.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from ferry.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, ScoringRequestOutput
 from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -28,6 +29,9 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "LoRARequest",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"
 

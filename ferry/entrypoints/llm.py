@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from ferry.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from ferry.config import EngineArgs
 from ferry.engine.input_processor import PromptType
 from ferry.engine.llm_engine import LLMEngine
@@ -110,6 +111,36 @@ class LLM:
         outs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding), o.finished)
                 for o in outs]  # fmt: skip
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `beam_width` best beams (ferry/beam_search.py),
+        best first; a beam's `text` is its whole sequence's, the prompt's included, as vLLM's."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        engine = self.llm_engine
+        eos = set(engine.info.eos_token_ids)
+        searches = [BeamSearch(engine.tokenize(p)[1], params, eos, engine.info.max_model_len) for p in prompts]
+        step = params.step_params()
+        rounds = 0
+        while live := [s for s in searches if not s.done(rounds)]:
+            batch = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
+            outs = iter(self.generate(batch, step, use_tqdm=False, lora_request=lora_request))
+            for s in live:
+                s.advance([next(outs).outputs[0].logprobs[0] for _ in s.beams])
+            rounds += 1
+        tok = engine.tokenizer
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = tok.decode(beam.tokens, skip_special_tokens=True) if tok is not None else None
+            results.append(BeamSearchOutput(best))
+        return results
 
     def score(
         self,

@@ -336,6 +336,30 @@ def test_allowed_token_ids_bad_words_and_prompt_truncation(server, client):
     wait_idle(server)
 
 
+def test_use_beam_search_gives_the_offline_beams(server, client, make_engine):
+    """vLLM's use_beam_search: the n best beams, as LLM.beam_search finds them over the same model."""
+    from ferry import LLM, BeamSearchParams
+
+    prompts = ["The capital of France is", "Once upon a time"]
+    r = client.completions.create(model="smol", prompt=prompts, n=3, max_tokens=5,
+                                  extra_body={"use_beam_search": True, "length_penalty": 0.5})  # fmt: skip
+    llm = LLM.from_engine(make_engine(max_model_len=512))
+    offline = llm.beam_search(prompts, BeamSearchParams(3, 5, length_penalty=0.5))
+    assert [c.index for c in r.choices] == list(range(6))
+    tok, generated = llm.get_tokenizer(), 0
+    for i, out in enumerate(offline):
+        want = [
+            tok.decode(s.tokens[len(s.tokens) - len(s.logprobs) :], skip_special_tokens=True) for s in out.sequences
+        ]
+        assert [c.text for c in r.choices[3 * i : 3 * i + 3]] == want
+        generated += sum(len(s.logprobs) for s in out.sequences)
+    assert r.usage.completion_tokens == generated
+    for field, value in (("stream", True), ("logprobs", 1), ("stop", ["."]), ("bad_words", ["x"])):
+        bad = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "use_beam_search": True, field: value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+    wait_idle(server)
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

@@ -550,6 +550,10 @@ class CompletionRequest(_GenerationRequest):
     # vLLM's extra: also return the prompt's and the completion's token ids in each choice.
     # Unset: only when the model has no tokenizer (--load-format dummy), where the text is empty.
     return_token_ids: bool | None = None
+    # vLLM's extras: the n best beams instead of n samples (serving_beam_search.py), scored by their
+    # cumulative logprob over their length to the power length_penalty.
+    use_beam_search: bool = False
+    length_penalty: Finite = 1.0
 
 
 class TextPart(Strict):

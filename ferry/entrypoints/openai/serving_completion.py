@@ -37,6 +37,7 @@ from ferry.entrypoints.openai.serving import (
     until_disconnect,
     usage,
 )
+from ferry.entrypoints.openai.serving_beam_search import beam_search_completion, check_beam_search
 from ferry.outputs import CompletionOutput
 from ferry.sampling_params import truncated_prompt
 
@@ -119,6 +120,12 @@ async def create_completion(request: Request, state: ServerState, body: Completi
     if score_only and not body.echo:
         raise OpenAIError(400, "max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
                                "prompt scored, nothing generated)", param="max_tokens", code=400)  # fmt: skip
+    if body.use_beam_search:
+        check_beam_search(body)
+        check_priority(state, body)
+        admit(state, engine, len(prompts) * body.n)  # before tokenizing, as below
+        return await beam_search_completion(request, state, engine, body, model,
+                                            await tokenize_prompts(engine.tokenizer, prompts))  # fmt: skip
     params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs, state.sampling_defaults)
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
         params.prompt_logprobs = max(params.prompt_logprobs or 0, body.logprobs)

@@ -1,0 +1,82 @@
+"""`use_beam_search` on /v1/completions (vLLM's extra): the `n` best beams of each prompt
+(ferry/beam_search.py), one round of requests through the engine per token, as `LLM.beam_search`.
+
+Each round's beams go in as prompts of their own (under the request's priority, cache salt and
+adapter), so the prefix cache carries what they share from round to round; a client that leaves
+aborts the round in flight. The answer comes whole: no streaming; and the fields a search would not
+honour (logprobs, echo, grammars, stop conditions, biases, penalties) are 400s naming the field.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ferry.beam_search import BeamSearch, BeamSearchParams
+from ferry.engine.async_llm import AsyncLLM
+from ferry.engine.input_processor import context_length_message
+from ferry.entrypoints.openai.protocol import CompletionRequest, OpenAIError
+from ferry.entrypoints.openai.serving import (
+    ServerState,
+    add_requests,
+    deadline,
+    merged_outputs,
+    now_s,
+    request_ids,
+    until_disconnect,
+    usage,
+)
+
+# What a beam search would not honour (it takes the most likely tokens, unprocessed): refused, not dropped.
+_REFUSED = ("stream", "echo", "logprobs", "prompt_logprobs", "structured_outputs", "response_format",
+            "kv_transfer_params", "suffix", "stop", "stop_token_ids", "min_tokens", "logit_bias",
+            "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")  # fmt: skip
+
+
+def check_beam_search(body: CompletionRequest) -> None:
+    for name in _REFUSED:
+        if getattr(body, name) not in (None, False):
+            raise OpenAIError(400, f"{name} is not supported with use_beam_search", param=name, code=400)
+
+
+async def beam_search_completion(request: Request, state: ServerState, engine: AsyncLLM, body: CompletionRequest,
+                                 model: str, prompts: list) -> JSONResponse | None:  # fmt: skip
+    """The completion of `prompts` (tokenized) by beam search, `body.n` beams each; None if the
+    client left."""
+    max_len = engine.info.max_model_len
+    ids = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+    max_tokens = body.max_tokens if body.max_tokens is not None else max_len
+    for p in ids:
+        if len(p) >= max_len or (body.max_tokens is not None and len(p) + body.max_tokens > max_len):
+            raise OpenAIError(400, context_length_message(max_len, len(p), body.max_tokens or 1), param="max_tokens",
+                              code=400)  # fmt: skip
+    params = BeamSearchParams(body.n, max_tokens, ignore_eos=body.ignore_eos, length_penalty=body.length_penalty)
+    searches = [BeamSearch(p, params, set(engine.info.eos_token_ids), max_len) for p in ids]
+    step = params.step_params()
+    base_id, reply_id = request_ids(request, "cmpl")
+    due = deadline(state)
+    rounds = 0
+    while live := [s for s in searches if not s.done(rounds)]:
+        batch = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
+        streams = add_requests(state, engine, f"{base_id}-r{rounds}", batch, step, body)
+        finals: dict[int, object] = {}
+        async for i, out in until_disconnect(request, merged_outputs(engine, streams), due):
+            finals[i] = out
+        if len(finals) < len(batch):
+            return None  # the client went away (the round's requests are aborted)
+        outs = iter(finals[i] for i in range(len(batch)))
+        for s in live:
+            s.advance([next(outs).outputs[0].logprobs[0] for _ in s.beams])
+        rounds += 1
+    tokenizer = engine.tokenizer
+    choices, completion_tokens = [], 0
+    for i, (s, p) in enumerate(zip(searches, ids)):
+        for j, beam in enumerate(s.best()):
+            generated = beam.tokens[len(p) :]
+            completion_tokens += len(generated)
+            text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+            choices.append({"index": i * body.n + j, "text": text, "logprobs": None,
+                            "finish_reason": beam.finish_reason, "stop_reason": None})  # fmt: skip
+    return JSONResponse({"id": reply_id, "object": "text_completion", "created": now_s(), "model": model,
+                         "choices": choices, "usage": usage(sum(map(len, ids)), completion_tokens, 0)})  # fmt: skip
