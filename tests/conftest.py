@@ -18,6 +18,7 @@ from ferry.config import EngineArgs  # noqa: E402
 from ferry.engine.llm_engine import LLMEngine
 from ferry.models.config import ModelConfig
 from ferry.models.llama import LlamaForCausalLM
+from ferry.models.paths import default_model_path
 from ferry.worker.model_loading import load_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -39,6 +40,18 @@ def smollm():
     """(model, tokenizer, device, dtype, path) of the bundled SmolLM2 in fp32 on the CPU, its Q4_1
     tensors dequantized (`quantization="none"`): the HF-exact reference."""
     return load_model(EngineArgs(device="cpu", dtype="float32", quantization="none"))
+
+
+@pytest.fixture(scope="session")
+def smollm_hf():
+    """Hugging Face transformers' own model of the bundled GGUF (its GGUF loader, fp32, eval), loaded
+    once a session: the reference the parity and loader tests hold ferry to (~15 s to load)."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32)  # fmt: skip
+    return hf.eval()
 
 
 @pytest.fixture(scope="session")

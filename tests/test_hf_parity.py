@@ -7,8 +7,6 @@ must reproduce HF's greedy continuation of every prompt exactly.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from conftest import assert_no_blocks_referenced, engine_over, run_to_completion
@@ -55,17 +53,10 @@ def ferry_greedy(engine: LLMEngine, prompts_ids: list[list[int]], max_tokens: in
 
 
 @pytest.fixture(scope="module")
-def smol_reference(smollm):
-    from transformers import AutoModelForCausalLM
-
-    _, tokenizer, _, _, path = smollm
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    hf.eval()
+def smol_reference(smollm, smollm_hf):
+    tokenizer = smollm[1]
     prompts_ids = [tokenizer.encode(p) for p in PROMPTS]
-    expected = [hf_greedy(hf, ids, MAX_TOKENS) for ids in prompts_ids]
-    del hf
+    expected = [hf_greedy(smollm_hf, ids, MAX_TOKENS) for ids in prompts_ids]
     return prompts_ids, expected
 
 

@@ -40,11 +40,8 @@ TINY = dict(
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf() -> AutoModelForCausalLM:
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+def smollm2_hf(smollm_hf) -> AutoModelForCausalLM:
+    return smollm_hf
 
 
 @pytest.fixture(scope="module")
