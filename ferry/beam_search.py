@@ -20,6 +20,7 @@ from ferry.outputs import Logprob
 from ferry.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 
 MAX_BEAM_WIDTH = 128  # as `n`: each round sends this many sequences a prompt
+MAX_LENGTH_PENALTY = 10.0  # length ** penalty stays a float for any context
 
 
 @dataclass
@@ -39,8 +40,10 @@ class BeamSearchParams:
             raise InvalidParameterError("beam_width", f"beam_width must be in [1, {MAX_BEAM_WIDTH}]")
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise InvalidParameterError("max_tokens", "max_tokens must be an integer >= 1")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
-            raise InvalidParameterError("length_penalty", "length_penalty must be a number")
+        if (isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float))
+                or not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY):  # fmt: skip
+            raise InvalidParameterError("length_penalty", f"length_penalty must be a number in "
+                                        f"[-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]")  # fmt: skip
 
     def step_params(self) -> SamplingParams:
         """One round's request for a beam: one token, with the logprobs of the candidates."""
@@ -78,7 +81,12 @@ class BeamSearch:
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: set[int],
                  max_model_len: int) -> None:  # fmt: skip
-        self.params, self.eos = params, set() if params.ignore_eos else set(eos_token_ids)
+        if len(prompt_token_ids) >= max_model_len:
+            raise InvalidParameterError("prompt", f"prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
+                                        f"{max_model_len}: no room left to generate")  # fmt: skip
+        self.params = params
+        self.eos = set() if params.ignore_eos else set(eos_token_ids)  # what finishes a beam
+        self.eos_ids = set(eos_token_ids)  # a final one is left out of a beam's length, as vLLM's
         self.prompt_len = len(prompt_token_ids)
         self.rounds = min(params.max_tokens, max_model_len - self.prompt_len)  # a beam's tokens fit the context
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]
@@ -97,6 +105,8 @@ class BeamSearch:
                     new.append(child)
         new.sort(key=self._score, reverse=True)
         self.beams = new[: self.params.beam_width]
+        # (a finished beam's score is final: only the beam_width best can ever be returned)
+        self.finished = sorted(self.finished, key=self._score, reverse=True)[: self.params.beam_width]
 
     def done(self, rounds: int) -> bool:
         return not self.beams or rounds >= self.rounds
@@ -109,4 +119,13 @@ class BeamSearch:
         return ranked[: self.params.beam_width]
 
     def _score(self, beam: BeamSearchSequence) -> float:
-        return beam_score(beam, self.eos, self.params.length_penalty)
+        return beam_score(beam, self.eos_ids, self.params.length_penalty)
+
+
+def candidates_of(output) -> dict[int, Logprob]:
+    """A round's answer for one beam: its next tokens' logprobs. RuntimeError if the request did
+    not run (aborted: e.g. its adapter unloaded meanwhile)."""
+    completion = output.outputs[0]
+    if not completion.logprobs:
+        raise RuntimeError(f"a beam's request ended without a token ({completion.finish_reason})")
+    return completion.logprobs[0]

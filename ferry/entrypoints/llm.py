@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from ferry.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from ferry.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of
 from ferry.config import EngineArgs
 from ferry.engine.input_processor import PromptType
 from ferry.engine.llm_engine import LLMEngine
@@ -127,11 +127,13 @@ class LLM:
         searches = [BeamSearch(engine.tokenize(p)[1], params, eos, engine.info.max_model_len) for p in prompts]
         step = params.step_params()
         rounds = 0
-        while live := [s for s in searches if not s.done(rounds)]:
-            batch = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        while live := [i for i, s in enumerate(searches) if not s.done(rounds)]:
+            batch = [{"prompt_token_ids": b.tokens, **({"cache_salt": salts[i]} if salts[i] else {})}
+                     for i in live for b in searches[i].beams]  # fmt: skip
             outs = iter(self.generate(batch, step, use_tqdm=False, lora_request=lora_request))
-            for s in live:
-                s.advance([next(outs).outputs[0].logprobs[0] for _ in s.beams])
+            for i in live:
+                searches[i].advance([candidates_of(next(outs)) for _ in searches[i].beams])
             rounds += 1
         tok = engine.tokenizer
         results = []

@@ -354,9 +354,10 @@ def test_use_beam_search_gives_the_offline_beams(server, client, make_engine):
         assert [c.text for c in r.choices[3 * i : 3 * i + 3]] == want
         generated += sum(len(s.logprobs) for s in out.sequences)
     assert r.usage.completion_tokens == generated
-    for field, value in (("stream", True), ("logprobs", 1), ("stop", ["."]), ("bad_words", ["x"])):
+    for field, value in (("stream", True), ("logprobs", 0), ("stop", ["."]), ("bad_words", ["x"]), ("n", 11),
+                         ("length_penalty", 400)):  # fmt: skip
         bad = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "use_beam_search": True, field: value})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text  # (n: 2n > --max-logprobs)
     wait_idle(server)
 
 

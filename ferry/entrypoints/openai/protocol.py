@@ -553,7 +553,7 @@ class CompletionRequest(_GenerationRequest):
     # vLLM's extras: the n best beams instead of n samples (serving_beam_search.py), scored by their
     # cumulative logprob over their length to the power length_penalty.
     use_beam_search: bool = False
-    length_penalty: Finite = 1.0
+    length_penalty: Finite = Field(1.0, ge=-10.0, le=10.0)
 
 
 class TextPart(Strict):

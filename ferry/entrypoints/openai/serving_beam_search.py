@@ -4,7 +4,9 @@
 Each round's beams go in as prompts of their own (under the request's priority, cache salt and
 adapter), so the prefix cache carries what they share from round to round; a client that leaves
 aborts the round in flight. The answer comes whole: no streaming; and the fields a search would not
-honour (logprobs, echo, grammars, stop conditions, biases, penalties) are 400s naming the field.
+honour (logprobs, echo, grammars, stop conditions, biases, penalties) are 400s naming the field. The
+temperature and the sampling fields change nothing (the likeliest tokens are taken, as in vLLM). Each
+round asks for 2n logprobs, so n is held to half of --max-logprobs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ferry.beam_search import BeamSearch, BeamSearchParams
+from ferry.beam_search import BeamSearch, BeamSearchParams, candidates_of
 from ferry.engine.async_llm import AsyncLLM
 from ferry.engine.input_processor import context_length_message
 from ferry.entrypoints.openai.protocol import CompletionRequest, OpenAIError
@@ -34,10 +36,13 @@ _REFUSED = ("stream", "echo", "logprobs", "prompt_logprobs", "structured_outputs
             "repetition_penalty")  # fmt: skip
 
 
-def check_beam_search(body: CompletionRequest) -> None:
+def check_beam_search(body: CompletionRequest, max_logprobs: int) -> None:
     for name in _REFUSED:
-        if getattr(body, name) not in (None, False):
+        if getattr(body, name) != type(body).model_fields[name].default:
             raise OpenAIError(400, f"{name} is not supported with use_beam_search", param=name, code=400)
+    if 2 * body.n > max_logprobs:  # each round asks for the 2n likeliest next tokens
+        raise OpenAIError(400, f"use_beam_search with n = {body.n} asks {2 * body.n} logprobs a round, more than "
+                               f"--max-logprobs ({max_logprobs}) allows", param="n", code=400)  # fmt: skip
 
 
 async def beam_search_completion(request: Request, state: ServerState, engine: AsyncLLM, body: CompletionRequest,
@@ -45,6 +50,8 @@ async def beam_search_completion(request: Request, state: ServerState, engine: A
     """The completion of `prompts` (tokenized) by beam search, `body.n` beams each; None if the
     client left."""
     max_len = engine.info.max_model_len
+    if any(isinstance(p, str) for p in prompts):  # (tokenize_prompts leaves text as it is without a tokenizer)
+        raise OpenAIError(400, "this model has no tokenizer: send token ids", param="prompt", code=400)
     ids = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
     max_tokens = body.max_tokens if body.max_tokens is not None else max_len
     for p in ids:
@@ -66,17 +73,24 @@ async def beam_search_completion(request: Request, state: ServerState, engine: A
         if len(finals) < len(batch):
             return None  # the client went away (the round's requests are aborted)
         outs = iter(finals[i] for i in range(len(batch)))
-        for s in live:
-            s.advance([next(outs).outputs[0].logprobs[0] for _ in s.beams])
+        try:
+            for s in live:
+                s.advance([candidates_of(next(outs)) for _ in s.beams])
+        except RuntimeError as e:
+            raise OpenAIError(503, str(e), "service_unavailable", code=503) from None
         rounds += 1
     tokenizer = engine.tokenizer
+    with_ids = body.return_token_ids if body.return_token_ids is not None else tokenizer is None
     choices, completion_tokens = [], 0
     for i, (s, p) in enumerate(zip(searches, ids)):
         for j, beam in enumerate(s.best()):
             generated = beam.tokens[len(p) :]
             completion_tokens += len(generated)
             text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
-            choices.append({"index": i * body.n + j, "text": text, "logprobs": None,
-                            "finish_reason": beam.finish_reason, "stop_reason": None})  # fmt: skip
+            choice = {"index": i * body.n + j, "text": text, "logprobs": None, "finish_reason": beam.finish_reason,
+                      "stop_reason": None}  # fmt: skip
+            if with_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = list(p), generated
+            choices.append(choice)
     return JSONResponse({"id": reply_id, "object": "text_completion", "created": now_s(), "model": model,
                          "choices": choices, "usage": usage(sum(map(len, ids)), completion_tokens, 0)})  # fmt: skip

@@ -121,7 +121,7 @@ async def create_completion(request: Request, state: ServerState, body: Completi
         raise OpenAIError(400, "max_tokens: Input should be greater than or equal to 1 (0 only with echo: the "
                                "prompt scored, nothing generated)", param="max_tokens", code=400)  # fmt: skip
     if body.use_beam_search:
-        check_beam_search(body)
+        check_beam_search(body, engine.info.max_logprobs)
         check_priority(state, body)
         admit(state, engine, len(prompts) * body.n)  # before tokenizing, as below
         return await beam_search_completion(request, state, engine, body, model,
