@@ -6,8 +6,8 @@ process must not load the model code behind them.
 
 from typing import TYPE_CHECKING
 
-from ferry.beam_search import BeamSearchOutput, BeamSearchParams
 from ferry.config import EngineArgs
+from ferry.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams
 from ferry.lora_request import LoRARequest
 from ferry.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput, ScoringRequestOutput
 from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams

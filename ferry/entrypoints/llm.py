@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from ferry.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of
 from ferry.config import EngineArgs
 from ferry.engine.input_processor import PromptType
 from ferry.engine.llm_engine import LLMEngine
+from ferry.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of
 from ferry.lora_request import LoRARequest
 from ferry.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
@@ -119,7 +119,7 @@ class LLM:
         *,
         lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
-        """vLLM's `LLM.beam_search`: each prompt's `beam_width` best beams (ferry/beam_search.py),
+        """vLLM's `LLM.beam_search`: each prompt's `beam_width` best beams (ferry/entrypoints/beam_search.py),
         best first; a beam's `text` is its whole sequence's, the prompt's included, as vLLM's."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         engine = self.llm_engine

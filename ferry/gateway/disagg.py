@@ -60,6 +60,8 @@ def why_not_disaggregated(data: dict, kind: str) -> str | None:
         return "an embedding"  # a prompt's pass and nothing after it: the decode worker runs it whole
     if kind == "responses":
         return "the Responses API"  # its body takes no kv_transfer_params: the decode worker runs it whole
+    if data.get("use_beam_search"):
+        return "beam search"  # rounds of one-token requests: the decode worker runs them all
     if data.get("prompt_logprobs") is not None:
         return "prompt logprobs"  # every prompt position's logits: the decode worker computes the prompt whole
     n = data.get("n", 1)

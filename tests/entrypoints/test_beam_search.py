@@ -1,4 +1,4 @@
-"""LLM.beam_search (vLLM's algorithm, ferry/beam_search.py) against the same search written out here
+"""LLM.beam_search (vLLM's algorithm, ferry/entrypoints/beam_search.py) against the same search written out here
 over Hugging Face's own next-token logprobs, on a tiny random Llama."""
 
 from __future__ import annotations

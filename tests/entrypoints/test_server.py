@@ -336,14 +336,17 @@ def test_allowed_token_ids_bad_words_and_prompt_truncation(server, client):
     wait_idle(server)
 
 
-def test_use_beam_search_gives_the_offline_beams(server, client, make_engine):
-    """vLLM's use_beam_search: the n best beams, as LLM.beam_search finds them over the same model."""
+def test_use_beam_search_gives_the_offline_beams(server, client, smollm_gguf):
+    """vLLM's use_beam_search: the n best beams, as LLM.beam_search finds them over the same model
+    (the GGUF run as stored, as `ferry serve` runs it)."""
+    from conftest import engine_over
+
     from ferry import LLM, BeamSearchParams
 
     prompts = ["The capital of France is", "Once upon a time"]
     r = client.completions.create(model="smol", prompt=prompts, n=3, max_tokens=5,
                                   extra_body={"use_beam_search": True, "length_penalty": 0.5})  # fmt: skip
-    llm = LLM.from_engine(make_engine(max_model_len=512))
+    llm = LLM.from_engine(engine_over(smollm_gguf, max_model_len=512))
     offline = llm.beam_search(prompts, BeamSearchParams(3, 5, length_penalty=0.5))
     assert [c.index for c in r.choices] == list(range(6))
     tok, generated = llm.get_tokenizer(), 0
@@ -354,6 +357,18 @@ def test_use_beam_search_gives_the_offline_beams(server, client, make_engine):
         assert [c.text for c in r.choices[3 * i : 3 * i + 3]] == want
         generated += sum(len(s.logprobs) for s in out.sequences)
     assert r.usage.completion_tokens == generated
+    # A chat: the rendered conversation's beams, as messages.
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model="smol", messages=messages, n=2, max_tokens=4,
+                                          extra_body={"use_beam_search": True})  # fmt: skip
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    want = llm.beam_search({"prompt_token_ids": ids}, BeamSearchParams(2, 4))[0].sequences
+    assert [c.message.content for c in chat.choices] == [tok.decode(s.tokens[len(ids) :], skip_special_tokens=True)
+                                                         for s in want]  # fmt: skip
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens == len(ids)
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "use_beam_search": True,
+                                                                "logprobs": True})  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs", bad.text
     for field, value in (("stream", True), ("logprobs", 0), ("stop", ["."]), ("bad_words", ["x"]), ("n", 11),
                          ("length_penalty", 400)):  # fmt: skip
         bad = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "use_beam_search": True, field: value})

@@ -118,3 +118,14 @@ def test_kv_index_counts_just_routed_prompts_until_events_confirm_or_time_out():
     assert b"a" not in idx.pending and idx.overlap([b"a", b"b"]) == 2
     now[0] += 11  # "b" never arrived (evicted before it was published, or the request failed)
     assert idx.overlap([b"a", b"b"]) == 1 and b"b" not in idx.pending
+
+
+def test_what_runs_whole_on_a_decode_worker():
+    """Bodies a prefill/decode split cannot serve run where they decode, each with its reason."""
+    from ferry.gateway.disagg import why_not_disaggregated
+
+    assert why_not_disaggregated({"prompt": "Hi"}, "completions") is None
+    for data, kind, why in (({"input": "x"}, "embeddings", "an embedding"), ({"query": "q"}, "rerank", "an embedding"),
+                            ({"prompt": "Hi", "use_beam_search": True, "n": 2}, "completions", "beam search"),
+                            ({"messages": [], "use_beam_search": True}, "chat", "beam search")):  # fmt: skip
+        assert why_not_disaggregated(data, kind) == why

@@ -456,6 +456,10 @@ class _GenerationRequest(Strict):
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's extras: the n best beams instead of n samples (serving_beam_search.py), scored by their
+    # cumulative logprob over their length to the power length_penalty.
+    use_beam_search: bool = False
+    length_penalty: Finite = Field(1.0, ge=-10.0, le=10.0)
 
     def structured_output_params(self) -> tuple[StructuredOutputsParams | None, str]:
         """The grammar this request asks for (None: free text) and the field it came from."""
@@ -550,10 +554,6 @@ class CompletionRequest(_GenerationRequest):
     # vLLM's extra: also return the prompt's and the completion's token ids in each choice.
     # Unset: only when the model has no tokenizer (--load-format dummy), where the text is empty.
     return_token_ids: bool | None = None
-    # vLLM's extras: the n best beams instead of n samples (serving_beam_search.py), scored by their
-    # cumulative logprob over their length to the power length_penalty.
-    use_beam_search: bool = False
-    length_penalty: Finite = Field(1.0, ge=-10.0, le=10.0)
 
 
 class TextPart(Strict):

@@ -45,6 +45,7 @@ from ferry.entrypoints.openai.serving import (
     until_disconnect,
     usage,
 )
+from ferry.entrypoints.openai.serving_beam_search import check_beam_search, search
 from ferry.entrypoints.openai.tool_choice import ToolPlan, tool_plan
 from ferry.outputs import CompletionOutput
 from ferry.tokenizer import token_bytes
@@ -148,7 +149,37 @@ def answer_role(state: ServerState, body: ChatCompletionRequest) -> str:
     return state.response_role if body.add_generation_prompt else body.messages[-1].role
 
 
+async def _beam_search_chat(request: Request, state: ServerState, body: ChatCompletionRequest):
+    """vLLM's use_beam_search on a chat: the n best beams of the rendered conversation as choices."""
+    model = check_model(state, body.model)
+    engine = ready_engine(state)
+    check_beam_search(body, engine.info.max_logprobs)
+    check_priority(state, body)
+    admit(state, engine, body.n)
+    prompt = await asyncio.to_thread(render_chat_prompt, engine.tokenizer, body, state.chat_template)
+    ids = prompt["prompt_token_ids"]
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    base_id, reply_id = request_ids(request, "chatcmpl")
+    found = await search(request, state, engine, body, [ids], max_tokens, base_id)
+    if found is None:
+        return None  # the client went away
+    tools = tool_plan(body, state.tool_parser, state.enable_auto_tool_choice)  # (none: tools are refused)
+    reasoning_open = reasoning_open_in_prompt(prompt["prompt"]) if state.reasoning_parser else None
+    choices, completion_tokens = [], 0
+    for j, beam in enumerate(found[0]):
+        generated = beam.tokens[len(ids) :]
+        completion_tokens += len(generated)
+        msg, called = message(engine.tokenizer.decode(generated, skip_special_tokens=True), tools, reasoning_open)
+        msg["role"] = answer_role(state, body)
+        choices.append({"index": j, "message": msg, "logprobs": None,
+                        "finish_reason": finish_reason(beam.finish_reason, called), "stop_reason": None})  # fmt: skip
+    return JSONResponse({"id": reply_id, "object": "chat.completion", "created": now_s(), "model": model,
+                         "choices": choices, "usage": usage(len(ids), completion_tokens, 0)})  # fmt: skip
+
+
 async def create_chat_completion(request: Request, state: ServerState, body: ChatCompletionRequest):
+    if body.use_beam_search:
+        return await _beam_search_chat(request, state, body)
     run = await start_chat(request, state, body, "chatcmpl")
     role, as_ids = answer_role(state, body), tokens_as_ids(state, body)
     engine, model, tools, reasoning_open, top = run.engine, run.model, run.tools, run.reasoning_open, run.top
