@@ -24,7 +24,7 @@ from ferry.config import EngineArgs, KVEventsConfig, KVTransferConfig
 from ferry.engine.core_client import EngineCoreClient, EngineDeadError, SpawnedCore
 from ferry.engine.input_processor import InputProcessor, PromptType
 from ferry.engine.messages import (
-    LORA_NOT_LOADED,
+    UTILITY_ERRORS,
     AbortRequests,
     AddRequest,
     CoreFailed,
@@ -32,6 +32,7 @@ from ferry.engine.messages import (
     EngineCoreOutput,
     EngineInfo,
     EngineStats,
+    LoRANotLoadedError,
     UtilityCall,
     UtilityResult,
 )
@@ -357,7 +358,8 @@ class AsyncLLM:
         finally:
             self._calls.pop(call_id, None)
         if not result.ok:
-            raise RuntimeError(result.error)
+            refusal = UTILITY_ERRORS.get(result.error_kind or "")
+            raise refusal(result.error_param, result.error) if refusal else RuntimeError(result.error)
         return result.value
 
     async def add_lora(self, name: str, path: str, replace: bool = False) -> bool:
@@ -368,7 +370,7 @@ class AsyncLLM:
             digest = await self.call("add_lora", name, path, *(["replace"] if replace else []), timeout=120.0)
         except EngineDeadError:
             raise
-        except RuntimeError as e:  # the core's refusal
+        except RuntimeError as e:  # malformed args, or an unknown method: the core's refusal all the same
             raise InvalidParameterError("lora_path", str(e)) from None
         loaded_now = replace or name not in self.info.lora_digests
         self.info.lora_digests[name] = digest
@@ -379,11 +381,12 @@ class AsyncLLM:
         requests still run under it. One the core no longer holds counts as unloaded."""
         try:
             await self.call("remove_lora", name, timeout=120.0)
+        except LoRANotLoadedError:
+            pass
         except EngineDeadError:
             raise
         except RuntimeError as e:
-            if LORA_NOT_LOADED not in str(e):
-                raise InvalidParameterError("lora_name", str(e)) from None
+            raise InvalidParameterError("lora_name", str(e)) from None
         self.info.lora_digests.pop(name, None)
 
     # -- the output loop ------------------------------------------------------

@@ -27,12 +27,12 @@ from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.request import Request, RequestStatus
 from ferry.core.scheduler import Scheduler
 from ferry.engine.messages import (
-    LORA_IN_USE,
-    LORA_NOT_LOADED,
     EngineCoreOutput,
     EngineCoreRequest,
     EngineInfo,
     EngineStats,
+    LoRAInUseError,
+    LoRANotLoadedError,
 )
 from ferry.models.lora_adapters import read_peft_adapter
 from ferry.sampling_params import InvalidParameterError, resolve_stop_token_ids
@@ -162,8 +162,8 @@ class EngineCore:
                 *self._embed_held]  # fmt: skip
         users = sum(r.lora_slot == slot for r in held)
         if users:
-            raise InvalidParameterError("lora_name", f"{users} request(s) {LORA_IN_USE} {name!r}; unload or "
-                                        "replace it once they finish")  # fmt: skip
+            raise LoRAInUseError("lora_name", f"{users} request(s) still run under LoRA adapter {name!r}; unload "
+                                 "or replace it once they finish")  # fmt: skip
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name` (vLLM's `remove_lora`). InvalidParameterError while a request still
@@ -171,7 +171,7 @@ class EngineCore:
         in the prefix cache, out of any other adapter's reach (keyed by its name and digest)."""
         loaded = self.runner.loras.get(name)
         if loaded is None:
-            raise InvalidParameterError("lora_name", f"{LORA_NOT_LOADED} {name!r} is loaded")
+            raise LoRANotLoadedError("lora_name", f"no LoRA adapter named {name!r} is loaded")
         if self.tp_workers is not None:
             raise InvalidParameterError("lora_name", "under tensor parallelism adapters stay loaded")
         self._check_unused(name, loaded.slot)

@@ -36,6 +36,7 @@ from ferry.engine.messages import (
     InputMessage,
     UtilityCall,
     UtilityResult,
+    utility_error_kind,
 )
 from ferry.kv_transfer.coordinator import KVTransferCoordinator
 from ferry.kv_transfer.outcome import KVTransferDone
@@ -161,7 +162,7 @@ class EngineCoreProc:
                 self.transfers.abort(msg.request_ids)
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, UtilityCall):
-            value, error = None, None
+            value, error, kind, param = None, None, None, None
             if msg.method == "ping":
                 pass
             elif msg.method == "stats":
@@ -180,12 +181,12 @@ class EngineCoreProc:
                 except Exception as e:  # refused (InvalidParameterError), or malformed args: the loop goes on
                     if not isinstance(e, ValueError):
                         logger.exception("utility call %s", msg.method)
-                    error = str(e)
+                    error, kind, param = str(e), utility_error_kind(e), getattr(e, "param", None)
             elif msg.method == "shutdown":
                 self.running = False
             else:
                 error = f"unknown method {msg.method!r}"
-            self.send(UtilityResult(msg.call_id, error is None, value, error))
+            self.send(UtilityResult(msg.call_id, error is None, value, error, kind, param))
 
     def add_request(self, r: EngineCoreRequest) -> None:
         if self.transfers is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from ferry.kv_transfer.outcome import KVTransferDone
-from ferry.sampling_params import SamplingParams
+from ferry.sampling_params import InvalidParameterError, SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True):
@@ -114,10 +114,26 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
-# Words of the core's LoRA refusals that the server tells apart (serving_lora.py: 409, and an unload
-# of what the core no longer holds), as a UtilityResult carries only the text.
-LORA_IN_USE = "still run under LoRA adapter"
-LORA_NOT_LOADED = "no LoRA adapter named"
+class LoRAInUseError(InvalidParameterError):
+    """An unload or in-place replace of an adapter that requests still run under (the server's 409)."""
+
+
+class LoRANotLoadedError(InvalidParameterError):
+    """An unload of an adapter the core does not hold."""
+
+
+# The core's refusals the API process tells apart, by their name in a UtilityResult (`error_kind`):
+# raised again there as the same class, so no caller matches words of the message.
+UTILITY_ERRORS: dict[str, type[InvalidParameterError]] = {
+    "lora_in_use": LoRAInUseError,
+    "lora_not_loaded": LoRANotLoadedError,
+    "invalid_parameter": InvalidParameterError,
+}
+
+
+def utility_error_kind(e: Exception) -> str | None:
+    """The name under which `e` crosses to the API process (the most specific class's), if any."""
+    return next((kind for kind, cls in UTILITY_ERRORS.items() if isinstance(e, cls)), None)
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True):
@@ -146,6 +162,8 @@ class UtilityResult(msgspec.Struct, tag="result", array_like=True):
     ok: bool
     value: EngineStats | str | None = None  # stats; add_lora: the adapter's digest
     error: str | None = None
+    error_kind: str | None = None  # a key of UTILITY_ERRORS: the refusal's class
+    error_param: str | None = None  # its `param`
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):

@@ -8,12 +8,14 @@ included, a final EOS not) to the power `length_penalty`; a prompt keeps its `be
 candidates, and those that end in EOS are set aside as finished. After `max_tokens` rounds, or when
 no beam is left, the `beam_width` best of the finished and the live beams are the answer.
 
-`BeamSearch` is that bookkeeping for one prompt; `LLM.beam_search` and the server's
-`use_beam_search` drive it, the one with `generate`, the other with the async engine.
+`BeamSearch` is that bookkeeping for one prompt and `BeamSearches` the rounds of several together;
+`LLM.beam_search` and the server's `use_beam_search` drive them, the one with `generate`, the other
+with the async engine: each only sends a round's sequences and hands back the answers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ferry.outputs import Logprob
@@ -120,6 +122,34 @@ class BeamSearch:
 
     def _score(self, beam: BeamSearchSequence) -> float:
         return beam_score(beam, self.eos_ids, self.params.length_penalty)
+
+
+class BeamSearches:
+    """Several prompts' searches, round by round: `next_round()` gives the sequences to send (each
+    with its prompt's index), `advance(outputs)` takes the engine's answers to them, in order."""
+
+    def __init__(self, searches: list[BeamSearch]) -> None:
+        self.searches = searches
+        self.rounds = 0
+        self._live: list[BeamSearch] = []
+
+    def next_round(self) -> list[tuple[int, list[int]]]:
+        """(prompt index, tokens) of every live beam; empty once every search is done."""
+        live = [i for i, s in enumerate(self.searches) if not s.done(self.rounds)]
+        self._live = [self.searches[i] for i in live]
+        return [(i, beam.tokens) for i in live for beam in self.searches[i].beams]
+
+    def advance(self, outputs: Iterable) -> None:
+        """The round's answers (RequestOutputs, in the order `next_round` gave the sequences).
+        RuntimeError if a beam's request ended without a token."""
+        outs = iter(outputs)
+        for search in self._live:
+            search.advance([candidates_of(next(outs)) for _ in search.beams])
+        self.rounds += 1
+
+    def best(self) -> list[list[BeamSearchSequence]]:
+        """Each prompt's best beams, best first (BeamSearch.best)."""
+        return [s.best() for s in self.searches]
 
 
 def candidates_of(output) -> dict[int, Logprob]:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from ferry.config import EngineArgs
 from ferry.engine.input_processor import PromptType
 from ferry.engine.llm_engine import LLMEngine
-from ferry.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, candidates_of
+from ferry.entrypoints.beam_search import BeamSearch, BeamSearches, BeamSearchOutput, BeamSearchParams
 from ferry.lora_request import LoRARequest
 from ferry.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from ferry.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
@@ -124,21 +124,17 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         engine = self.llm_engine
         eos = set(engine.info.eos_token_ids)
-        searches = [BeamSearch(engine.tokenize(p)[1], params, eos, engine.info.max_model_len) for p in prompts]
+        searches = BeamSearches([BeamSearch(engine.tokenize(p)[1], params, eos, engine.info.max_model_len)
+                                 for p in prompts])  # fmt: skip
         step = params.step_params()
-        rounds = 0
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
-        while live := [i for i, s in enumerate(searches) if not s.done(rounds)]:
-            batch = [{"prompt_token_ids": b.tokens, **({"cache_salt": salts[i]} if salts[i] else {})}
-                     for i in live for b in searches[i].beams]  # fmt: skip
-            outs = iter(self.generate(batch, step, use_tqdm=False, lora_request=lora_request))
-            for i in live:
-                searches[i].advance([candidates_of(next(outs)) for _ in searches[i].beams])
-            rounds += 1
+        while batch := searches.next_round():
+            sequences = [{"prompt_token_ids": tokens, **({"cache_salt": salts[i]} if salts[i] else {})}
+                         for i, tokens in batch]  # fmt: skip
+            searches.advance(self.generate(sequences, step, use_tqdm=False, lora_request=lora_request))
         tok = engine.tokenizer
         results = []
-        for s in searches:
-            best = s.best()
+        for best in searches.best():
             for beam in best:
                 beam.text = tok.decode(beam.tokens, skip_special_tokens=True) if tok is not None else None
             results.append(BeamSearchOutput(best))

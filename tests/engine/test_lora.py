@@ -14,6 +14,7 @@ import torch
 from ferry import LLM, EngineArgs, LoRARequest, SamplingParams
 from ferry.core.block_hash import lora_hash_key
 from ferry.core.request import RequestStatus
+from ferry.engine.messages import LoRAInUseError, LoRANotLoadedError
 from ferry.layers.linear import Linear
 from ferry.models.lora_adapters import read_peft_adapter
 from ferry.worker.model_loading import load_model
@@ -175,7 +176,7 @@ def test_adapters_unload_once_idle_and_max_cpu_loras_bounds_the_loaded(lora_setu
         engine.add_lora(LoRARequest("every", 2, str(dirs["every"])))
     assert engine.list_loras() == ["qv"]
     engine.add_request("r", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=4), lora_request="qv")
-    with pytest.raises(ValueError, match=r"1 request\(s\) still run under LoRA adapter 'qv'") as e:
+    with pytest.raises(LoRAInUseError, match=r"1 request\(s\) still run under LoRA adapter 'qv'") as e:
         engine.remove_lora("qv")
     assert e.value.param == "lora_name"
     while engine.has_unfinished_requests():
@@ -184,13 +185,13 @@ def test_adapters_unload_once_idle_and_max_cpu_loras_bounds_the_loaded(lora_setu
     assert engine.list_loras() == [] and "qv" not in engine.core.info.lora_digests
     with pytest.raises(ValueError, match="no LoRA adapter named 'qv'"):
         run(llm, prompts[:1], "qv")
-    with pytest.raises(ValueError, match="no LoRA adapter named 'qv' is loaded"):
+    with pytest.raises(LoRANotLoadedError, match="no LoRA adapter named 'qv' is loaded"):
         engine.remove_lora("qv")
     assert run(llm, prompts[:1], LoRARequest("every", 2, str(dirs["every"]))) == expected["every"][:1]
     # In place (vLLM's load_inplace): refused while a request runs under it; a version that does not
     # load leaves the old one; one that does replaces it.
     engine.add_request("r2", {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=4), lora_request="every")
-    with pytest.raises(ValueError, match="still run under LoRA adapter 'every'"):
+    with pytest.raises(LoRAInUseError, match="still run under LoRA adapter 'every'"):
         engine.core.add_lora("every", str(dirs["qv"]), replace=True)
     while engine.has_unfinished_requests():
         engine.step()

@@ -154,7 +154,9 @@ def test_one_row_takes_the_gemv_kernel_split_or_not(type_name, kernel, monkeypat
     k = 7 * 256 if type_name.endswith("_K") else 100 * 32  # 7 super-blocks; 100 blocks: steps of 64, then 36
     if type_name == "Q4_K" and words:
         k = 20 * 256  # 2 warps' 16 super-blocks a step, then 4
-    n = 75  # not a multiple of any kernel's rows a program: the last row tile is partial
+    # two row tiles, the last partial: one SM then takes no split (8 rows a program; the K-quant float
+    # kernel and the integer dots take 32)
+    n = 41 if int8_dots or (type_name.endswith("_K") and not words) else 11
     launched = _LaunchCounter(getattr(tg, _gemv_kernel_name(type_name, kernel)))
     monkeypatch.setattr(tg, _gemv_kernel_name(type_name, kernel), launched)
     w = _weight(type_name, n=n, k=k, seed=3)
@@ -200,7 +202,7 @@ def test_decode_tiles_with_packed_nibbles(type_name, monkeypatch):
     """Decode tiles (2-16 rows of x) asked to take their nibbles packed (exact integers in x's 16-bit
     dtype, the block scale after the dots): the dequantized weight's product, split or not, bf16 and
     fp16, a partial row tile; other types, fp32 x and prompt tiles keep the plain path."""
-    k, n = 100 * 32, 75
+    k, n = 10 * 32, 75  # 2.5 K tiles of 128 (split in two at 132 SMs); 64-row tiles, the second partial
     w = _weight(type_name, n=n, k=k, seed=6)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(7))
     for sms in (1, 132):

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 
 from ferry.engine.async_llm import AsyncLLM
 from ferry.engine.input_processor import context_length_message
-from ferry.entrypoints.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence, candidates_of
+from ferry.entrypoints.beam_search import BeamSearch, BeamSearches, BeamSearchParams, BeamSearchSequence
 from ferry.entrypoints.openai.protocol import CompletionRequest, OpenAIError
 from ferry.entrypoints.openai.serving import (
     ServerState,
@@ -61,26 +61,22 @@ async def search(request: Request, state: ServerState, engine: AsyncLLM, body, i
                               code=400)  # fmt: skip
     params = BeamSearchParams(body.n, max_tokens if max_tokens is not None else max_len,
                               ignore_eos=body.ignore_eos, length_penalty=body.length_penalty)  # fmt: skip
-    searches = [BeamSearch(p, params, set(engine.info.eos_token_ids), max_len) for p in ids]
+    searches = BeamSearches([BeamSearch(p, params, set(engine.info.eos_token_ids), max_len) for p in ids])
     step = params.step_params()
     due = deadline(state)
-    rounds = 0
-    while live := [s for s in searches if not s.done(rounds)]:
-        batch = [{"prompt_token_ids": b.tokens} for s in live for b in s.beams]
-        streams = add_requests(state, engine, f"{base_id}-r{rounds}", batch, step, body)
+    while batch := searches.next_round():
+        sequences = [{"prompt_token_ids": tokens} for _, tokens in batch]
+        streams = add_requests(state, engine, f"{base_id}-r{searches.rounds}", sequences, step, body)
         finals: dict[int, object] = {}
         async for i, out in until_disconnect(request, merged_outputs(engine, streams), due):
             finals[i] = out
         if len(finals) < len(batch):
             return None  # the client went away (the round's requests are aborted)
-        outs = iter(finals[i] for i in range(len(batch)))
         try:
-            for s in live:
-                s.advance([candidates_of(next(outs)) for _ in s.beams])
+            searches.advance(finals[i] for i in range(len(batch)))
         except RuntimeError as e:
             raise OpenAIError(503, str(e), "service_unavailable", code=503) from None
-        rounds += 1
-    return [s.best() for s in searches]
+    return searches.best()
 
 
 async def beam_search_completion(request: Request, state: ServerState, engine: AsyncLLM, body: CompletionRequest,

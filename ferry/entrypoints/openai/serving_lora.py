@@ -19,7 +19,7 @@ from pydantic import Field
 from starlette.responses import PlainTextResponse
 
 from ferry.engine.core_client import EngineDeadError
-from ferry.engine.messages import LORA_IN_USE
+from ferry.engine.messages import LoRAInUseError
 from ferry.entrypoints.openai.protocol import OpenAIError, Strict
 from ferry.entrypoints.openai.serving import ServerState, ready_engine
 from ferry.sampling_params import InvalidParameterError
@@ -62,7 +62,7 @@ def _updating(state: ServerState):
 
 def _in_use(e: InvalidParameterError) -> OpenAIError:
     """The core's refusal as the client's error: 409 while requests run under the adapter, else 400."""
-    status = 409 if LORA_IN_USE in str(e) else 400
+    status = 409 if isinstance(e, LoRAInUseError) else 400
     return OpenAIError(status, str(e), param=e.param, code=status)
 
 
