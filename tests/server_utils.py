@@ -11,7 +11,9 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import httpx
 import openai
@@ -19,6 +21,15 @@ import pytest
 
 from ferry.bench.launch import LaunchedServer
 from ferry.utils.network import free_port, reserve_port, reserve_ports
+
+T = TypeVar("T")
+
+# Servers that run beside each other (a gateway's replicas, PD workers) take one torch thread each: on
+# two cores, OpenMP teams of two threads each spin at their barriers for a descheduled peer, and a burst
+# of ten 24-token chats over two replicas took 3-17 s instead of 0.7 s (2026-11-30). A server whose
+# outputs a test compares with this process's keeps the thread count it inherits (this process's): the
+# order of a GEMM's sums, and so a near-tie's greedy token, can depend on it.
+SIDE_BY_SIDE = {"OMP_NUM_THREADS": "1"}
 
 
 class ServerProcess:
@@ -96,6 +107,22 @@ class GatewayProcess:
 
     def stop(self) -> None:
         self.launched.__exit__(None, None, None)
+
+
+def start_together(*starts: Callable[[], T]) -> list[T]:
+    """Run several starts (`lambda: ServerProcess(...)`) at once and return what they started, in
+    order: a start is mostly one process's imports and load, so on two cores overlapping them takes
+    about half the time of one after another. If one fails, the others are stopped and its error raised."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+        wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]
 
 
 def finished(server: ServerProcess, reason: str) -> float:

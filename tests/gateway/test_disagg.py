@@ -11,12 +11,14 @@ import time
 import httpx
 import pytest
 from server_utils import (
+    SIDE_BY_SIDE,
     GatewayProcess,
     ServerProcess,
     finished,
     open_request,
     read_until,
     redis_server,
+    start_together,
     wait_for,
 )
 
@@ -49,23 +51,28 @@ def redis_url():
 
 # Every transfer message and KV-event batch carries an HMAC with the deployment's secret, and block
 # hashes its salt (utils/deployment_secret.py): the workers and the gateways share it.
-DEPLOYMENT = {"FERRY_KV_TRANSFER_SECRET": "test-deployment-secret-42"}
+DEPLOYMENT = {"FERRY_KV_TRANSFER_SECRET": "test-deployment-secret-42", **SIDE_BY_SIDE}
 
 
 @pytest.fixture(scope="module")
 def cluster(redis_url):
     """Two decode workers (they pull from Redis too) and one prefill worker per transport."""
     env = DEPLOYMENT
+
     # Request logs: the tests read which ids each worker saw.
-    decode = [ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url, "--enable-log-requests",
-                            *FLAGS, env=env) for _ in range(2)]  # fmt: skip
-    prefill = {}
-    for t in TRANSPORTS:
+    def decode_worker() -> ServerProcess:
+        return ServerProcess("--role", "decode", "--enable-kv-events", "--redis-url", redis_url,
+                             "--enable-log-requests", *FLAGS, env=env)  # fmt: skip
+
+    def prefill_worker(t: str) -> ServerProcess:
         # The Redis prefill worker takes its URL from the environment, as deploy/'s pd-redis overlay
         # gives it (a password stays out of the process list); the decode workers take the flag.
         penv = {**env, "FERRY_REDIS_URL": redis_url} if t == "redis" else env
-        prefill[t] = ServerProcess("--role", "prefill", "--kv-transfer", t, "--kv-transfer-timeout", "3",
-                                   "--enable-kv-events", "--enable-log-requests", *FLAGS, env=penv)  # fmt: skip
+        return ServerProcess("--role", "prefill", "--kv-transfer", t, "--kv-transfer-timeout", "3",
+                             "--enable-kv-events", "--enable-log-requests", *FLAGS, env=penv)  # fmt: skip
+
+    started = start_together(decode_worker, decode_worker, *[lambda t=t: prefill_worker(t) for t in TRANSPORTS])
+    decode, prefill = started[:2], dict(zip(TRANSPORTS, started[2:]))
     yield {"decode": decode, "prefill": prefill, "redis": redis_url}
     for s in [*decode, *prefill.values()]:
         if s.proc.poll() is None:

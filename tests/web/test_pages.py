@@ -10,7 +10,7 @@ import shutil
 import httpx
 import openai
 import pytest
-from server_utils import GatewayProcess, ServerProcess, path_prefix_proxy
+from server_utils import SIDE_BY_SIDE, GatewayProcess, ServerProcess, path_prefix_proxy, start_together
 
 MODEL = "smol"
 # No prefix cache: the playground test asks the page's question again through the API and expects the
@@ -42,7 +42,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def workers():
-    servers = [ServerProcess(*FLAGS) for _ in range(2)]
+    servers = start_together(*[lambda: ServerProcess(*FLAGS, env=SIDE_BY_SIDE)] * 2)
     yield servers
     for s in servers:
         s.stop()
@@ -178,7 +178,7 @@ def test_dashboard_shows_a_worker_go_down_and_come_back(page, workers):
         assert page.text_content(f"{row} .health") == "down"
         assert page.text_content("#card-healthy") == "1 / 2"
 
-        workers[1] = ServerProcess(*FLAGS, port=down.port)  # the same replica, back where it was
+        workers[1] = ServerProcess(*FLAGS, port=down.port, env=SIDE_BY_SIDE)  # the same replica, back where it was
         page.wait_for_function(f"() => document.querySelector(\"{row}\").dataset.healthy === 'true'", timeout=60_000)
         assert page.text_content(f"{row} .health") == "healthy"
         assert page.text_content("#card-healthy") == "2 / 2"
