@@ -126,16 +126,17 @@ def test_bad_tokenizer_paths(tmp_path) -> None:
         load_tokenizer(str(other))
 
 
-def test_saved_tokenizers_load_without_torch(tmp_path, reference) -> None:
+def test_saved_tokenizers_load_without_torch(tmp_path, reference, monkeypatch) -> None:
     """The API process loads the tokenizer while the engine core starts: a converted GGUF's (from
     the cache) and an HF directory's must not import torch (~1-2.5 s, and memory the API process has
     no use for), and they tokenize as transformers does."""
-    env = {**os.environ, "FERRY_CACHE_DIR": str(tmp_path / "cache")}
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path / "cache"))
+    env = dict(os.environ)
     hf_dir = tmp_path / "hf"
     reference.save_pretrained(hf_dir)
     expected = reference("Hi").input_ids
+    ferry_tokenizer.load_tokenizer(default_model_path())  # converts the GGUF's, and caches it
     gguf = "from ferry.models.paths import default_model_path as p; from ferry.tokenizer import load_tokenizer; "
-    subprocess.run([sys.executable, "-c", gguf + "load_tokenizer(p())"], env=env, check=True)  # converts, caches
     for source in (
         gguf + "t = load_tokenizer(p())",
         f"from ferry.tokenizer import load_tokenizer; t = load_tokenizer({str(hf_dir)!r})",
