@@ -66,6 +66,15 @@ logger = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape otherwise
 
 
+def internal_error(exc: Exception) -> Response:
+    """A bug answers an OpenAI-style 500, as ferry serve's does, not Starlette's plain text; the
+    exception stays in the log under the id the client is told (its text may name a worker or
+    another request's data)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=exc)
+    return error_response(500, f"internal server error (id {error_id} in the gateway log)", "internal_server_error")
+
+
 @dataclass
 class GatewayConfig:
     workers: list[str]
@@ -276,15 +285,9 @@ class Gateway:
 
         app = FastAPI(title="ferry gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
-        @app.exception_handler(Exception)
+        @app.exception_handler(Exception)  # (what InternalErrorAnswer, inside the middleware, did not see)
         async def _internal_error(request: Request, exc: Exception) -> Response:
-            """A bug answers an OpenAI-style 500, as ferry serve's does, not Starlette's plain text; the
-            exception stays in the log under the id the client is told (its text may name a worker or
-            another request's data)."""
-            error_id = uuid.uuid4().hex[:12]
-            logger.error("internal error %s", error_id, exc_info=exc)
-            return error_response(500, f"internal server error (id {error_id} in the gateway log)",
-                                  "internal_server_error")  # fmt: skip
+            return internal_error(exc)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -380,7 +383,7 @@ class Gateway:
                 return unauthorized()
             return Response(self.metrics.render(self.workers), media_type="text/plain; version=0.0.4")
 
-        add_http_middleware(app, self.config.cors, self.config.request_id_headers)
+        add_http_middleware(app, self.config.cors, self.config.request_id_headers, internal_error)
         drop = None if self.config.worker_header else WORKER_HEADER.lower().encode()
         self._outermost = _Outermost(app, self.metrics.in_progress, drop)
         return self._outermost

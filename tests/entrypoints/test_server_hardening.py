@@ -362,3 +362,42 @@ def test_internal_errors_keep_their_text_in_the_log(caplog):
     assert err.status == 500 and "tenant-b" not in err.message
     error_id = err.message.split("id ")[1][:12]
     assert error_id in caplog.text and "tenant-b" in caplog.text
+
+
+def test_an_internal_error_reaches_a_browser_with_its_cors_headers_and_request_id(caplog):
+    """An exception no handler takes is answered inside the CORS and X-Request-Id layers (Starlette's
+    last-resort 500 is outside them: a page could not read it, nor a log find its id); once a stream
+    has started, the connection closes instead of a second answer."""
+    from fastapi import FastAPI
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.testclient import TestClient
+
+    from ferry.entrypoints.openai.http_middleware import add_http_middleware
+    from ferry.entrypoints.openai.serving import as_openai_error
+
+    app = FastAPI()
+
+    @app.get("/bug")
+    async def bug():
+        raise RuntimeError("/srv/tenant-b/secret: a bug")
+
+    @app.get("/stream")
+    async def stream():
+        async def chunks():
+            yield b"data: 1\n\n"
+            raise RuntimeError("mid-stream")
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    def answer(exc: Exception):
+        err = as_openai_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    add_http_middleware(app, {"allow_origins": [APP]}, True, answer)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/bug", headers={"Origin": APP, "X-Request-Id": "trace-9"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error", r.text
+        assert "tenant-b" not in r.text and "tenant-b" in caplog.text
+        assert r.headers["access-control-allow-origin"] == APP and r.headers["x-request-id"] == "trace-9"
+    with TestClient(app) as client, pytest.raises(RuntimeError, match="mid-stream"):
+        client.get("/stream")  # the stream's 200 was sent: the error is not answered over it

@@ -495,7 +495,7 @@ class Server:
                                                           "/v1/score": ScoreRequest,
                                                           "/v1/rerank": RerankRequest,
                                                           "/v1/responses": ResponsesRequest})  # fmt: skip
-        add_http_middleware(app, self.cors, self.request_id_headers)
+        add_http_middleware(app, self.cors, self.request_id_headers, lambda exc: _error_response(as_openai_error(exc)))
         if self.root_path:  # added last, so outermost: every middleware and the router see it
             app.add_middleware(RootPathMiddleware, root_path=self.root_path)
         return app

@@ -12,12 +12,14 @@ import argparse
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ferry.utils.json_args import json_list
 
 if TYPE_CHECKING:  # (serve's argument parsing imports this module before the core starts: kept light)
     from fastapi import FastAPI
+    from starlette.responses import Response
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -61,11 +63,14 @@ def cors_options(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
-def add_http_middleware(app: FastAPI, cors: dict[str, Any] | None, request_id_headers: bool) -> None:
+def add_http_middleware(app: FastAPI, cors: dict[str, Any] | None, request_id_headers: bool,
+                        internal_error: Callable[[Exception], Response]) -> None:  # fmt: skip
     """Added last, so they wrap everything: a browser's preflight (OPTIONS, with no API key) is
-    answered before the key check, and 401s carry the CORS headers a page needs to read them."""
+    answered before the key check, and 401s carry the CORS headers a page needs to read them.
+    `internal_error`: the 500 that answers an exception no handler took (InternalErrorAnswer)."""
     from starlette.middleware.cors import CORSMiddleware
 
+    app.add_middleware(InternalErrorAnswer, answer=internal_error)  # innermost of the three
     if request_id_headers:
         app.add_middleware(RequestIdHeader)
     if cors is not None:  # (pages may read the id too)
@@ -73,11 +78,41 @@ def add_http_middleware(app: FastAPI, cors: dict[str, Any] | None, request_id_he
         app.add_middleware(CORSMiddleware, **cors, expose_headers=expose)
 
 
+class InternalErrorAnswer:
+    """An exception no handler took, answered by `answer` (the OpenAI-shaped 500 naming the log's
+    error id) here, inside the CORS and X-Request-Id layers: Starlette's own last-resort layer sits
+    outside every middleware, so its 500 reached a browser without the CORS headers that let the page
+    read it, and without the request's id. Once an answer has started (a stream), no other can be
+    sent: the exception goes on, and the connection closes."""
+
+    def __init__(self, app: ASGIApp, answer: Callable[[Exception], Response]) -> None:
+        self.app = app
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            await self.answer(exc)(scope, receive, send)
+
+
 class RequestIdHeader:
-    """X-Request-Id on every answer the app makes (a 500 from Starlette's outermost error layer
-    has none, as in vLLM): the client's header, else (none, or one request_ids would not take) a
-    new id, which replaces it on the request, so the answer's `id` names it and logs and client
-    agree."""
+    """X-Request-Id on every answer the app makes (a bug's 500 too: InternalErrorAnswer answers it
+    inside this layer, where Starlette's outermost one would not carry the id): the client's header,
+    else (none, or one request_ids would not take) a new id, which replaces it on the request, so the
+    answer's `id` names it and logs and client agree."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
