@@ -113,16 +113,23 @@ def start_together(*starts: Callable[[], T]) -> list[T]:
     """Run several starts (`lambda: ServerProcess(...)`) at once and return what they started, in
     order: a start is mostly one process's imports and load, so on two cores overlapping them takes
     about half the time of one after another. If one fails, the others are stopped and its error raised."""
-    with ThreadPoolExecutor(len(starts)) as pool:
-        futures = [pool.submit(start) for start in starts]
+    pool = ThreadPoolExecutor(len(starts))
+    futures = [pool.submit(start) for start in starts]
+    started = False
+    try:
         wait(futures)
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        for f in futures:
-            if f.exception() is None:
-                f.result().stop()
-        raise failed[0]
-    return [f.result() for f in futures]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            raise failed[0]
+        started = True
+        return [f.result() for f in futures]
+    finally:  # a start failed, or this thread was interrupted: stop whatever did start
+        pool.shutdown(wait=True)  # (each start is bounded by its ready timeout)
+        if not started:
+            for f in futures:
+                if f.exception() is None:
+                    with contextlib.suppress(Exception):
+                        f.result().stop()
 
 
 def finished(server: ServerProcess, reason: str) -> float:

@@ -113,12 +113,13 @@ def check_runtime_updating(server: ServerProcess, dyn, outside, prompt: str, off
     )
     r = post("/v1/load_lora_adapter", {"lora_name": "v3", "lora_path": str(dyn / "v2")})
     assert r.status_code == 400 and "--max-cpu-loras" in r.text  # two loaded: tuned and v2
+    assert r.json()["error"]["param"] == "lora_name"  # (the core's own, carried across with its class)
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={**body, "max_tokens": 240, "ignore_eos": True, "stream": True}) as running:  # fmt: skip
         lines = running.iter_lines()  # held: a generator dropped would close the stream
         next(lines)  # its first token is out: it runs under v2
         r = post("/v1/unload_lora_adapter", {"lora_name": "v2"})
-        assert r.status_code == 409 and "still run under" in r.text
+        assert r.status_code == 409 and "still run under" in r.text and r.json()["error"]["param"] == "lora_name"
     wait_for(lambda: server.metric("ferry:num_requests_running") + server.metric("ferry:num_requests_waiting") == 0,
              "the stream closed early to be aborted")  # fmt: skip
     r = post("/v1/unload_lora_adapter", {"lora_name": "v2"})

@@ -286,7 +286,7 @@ class Server:
             kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
             return _error_response(OpenAIError(exc.status_code, str(exc.detail), kind, code=exc.status_code))
 
-        @app.exception_handler(Exception)
+        @app.exception_handler(Exception)  # (what InternalErrorAnswer, inside the middleware, did not see)
         async def _internal_error(request: Request, exc: Exception):
             return _error_response(as_openai_error(exc))  # logs the exception with the id it answers
 

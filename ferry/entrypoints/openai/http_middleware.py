@@ -105,7 +105,11 @@ class InternalErrorAnswer:
         except Exception as exc:
             if started:
                 raise
-            await self.answer(exc)(scope, receive, send)
+            response = self.answer(exc)  # (a 500 logs its exception under the id it names)
+            if response.status_code < 500:  # a refusal that escaped its route's handling: a bug to find
+                logger.warning("%s escaped its route, answered %d", type(exc).__name__, response.status_code,
+                               exc_info=exc)  # fmt: skip
+            await response(scope, receive, send)
 
 
 class RequestIdHeader:
