@@ -102,6 +102,11 @@ def _error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+def _internal_error_response(exc: Exception) -> JSONResponse:
+    """An exception no handler took, as its OpenAI error (a 500 logs it with the id it answers)."""
+    return _error_response(as_openai_error(exc))
+
+
 def _decode(raw: bytes, limits: PromptLimits, precheck=precheck_body) -> dict:
     precheck_raw(raw, lambda _model: limits)  # millions of token ids refused before they are built
     data = decode_json_object(raw)
@@ -288,7 +293,7 @@ class Server:
 
         @app.exception_handler(Exception)  # (what InternalErrorAnswer, inside the middleware, did not see)
         async def _internal_error(request: Request, exc: Exception):
-            return _error_response(as_openai_error(exc))  # logs the exception with the id it answers
+            return _internal_error_response(exc)
 
         @app.get("/health")
         async def health() -> Response:
@@ -495,7 +500,7 @@ class Server:
                                                           "/v1/score": ScoreRequest,
                                                           "/v1/rerank": RerankRequest,
                                                           "/v1/responses": ResponsesRequest})  # fmt: skip
-        add_http_middleware(app, self.cors, self.request_id_headers, lambda exc: _error_response(as_openai_error(exc)))
+        add_http_middleware(app, self.cors, self.request_id_headers, _internal_error_response)
         if self.root_path:  # added last, so outermost: every middleware and the router see it
             app.add_middleware(RootPathMiddleware, root_path=self.root_path)
         return app
