@@ -59,10 +59,72 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
         return _load_gguf_tokenizer(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
-    if not any(os.path.isfile(os.path.join(path, n)) for n in _HF_TOKENIZER_FILES):
+    if not has_tokenizer(path):
         logger.warning("%s has no tokenizer files; requests must carry token ids", path)
         return None
     return _load_saved(path, trust_remote_code)
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether load_tokenizer(path) returns a tokenizer rather than None (its files exist), without
+    loading it."""
+    if os.path.isfile(path):
+        return path.endswith(".gguf")
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in _HF_TOKENIZER_FILES)
+
+
+def eos_token_id_from_files(path: str) -> int | None:
+    """load_tokenizer(path).eos_token_id, read from the tokenizer's files without loading it: an engine
+    core process reads this at start instead of importing transformers (~1 s of a 5 s start, and ~70 MB)
+    for a tokenizer its API process already runs.
+
+    A `.gguf` file's tokenizer is converted with its metadata's EOS id (`tokenizer.ggml.eos_token_id`,
+    which the checkpoint's config already lists): None here. A directory's EOS token is named by
+    tokenizer_config.json (or special_tokens_map.json) and found in tokenizer.json. Raises LookupError
+    where the files do not say for certain (no tokenizer.json, no EOS named: a tokenizer class may
+    default one), so the caller loads the tokenizer instead."""
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return None
+        raise LookupError(f"{path} is not a tokenizer ferry reads without loading it")
+    if not has_tokenizer(path):
+        return None  # no tokenizer at all (load_tokenizer returns None)
+    if os.path.isfile(os.path.join(path, "added_tokens.json")):  # (a slow tokenizer's extra ids)
+        raise LookupError(f"{path} has added_tokens.json")
+    name, legacy = (_eos_named_in(os.path.join(path, f)) for f in ("tokenizer_config.json", "special_tokens_map.json"))
+    # transformers reads special_tokens_map.json only for some tokenizer_config.json files (which varies
+    # by version), over the config's own: believed only where both agree or the map names none.
+    if not isinstance(name, str) or legacy not in (None, name):
+        raise LookupError(f"the tokenizer files in {path} name no single EOS token")
+    spec = _read_json(os.path.join(path, "tokenizer.json"))
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == name and isinstance(added.get("id"), int):
+            return added["id"]
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and isinstance(vocab.get(name), int):
+        return vocab[name]
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs, ids in order
+        ids = [i for i, piece in enumerate(vocab) if isinstance(piece, list) and piece and piece[0] == name]
+        if ids:
+            return ids[0]
+    raise LookupError(f"the EOS token {name!r} is not in {path}/tokenizer.json")
+
+
+def _eos_named_in(path: str) -> object:
+    entry = _read_json(path).get("eos_token")
+    return entry.get("content") if isinstance(entry, dict) else entry  # (an AddedToken's dict)
+
+
+def _read_json(path: str) -> dict:
+    """A JSON file's top-level object; {} where the file is missing or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise LookupError(f"cannot read {path}: {e}") from e
+    return value if isinstance(value, dict) else {}
 
 
 def _load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

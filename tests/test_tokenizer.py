@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 import ferry.tokenizer as ferry_tokenizer
 from ferry.models.paths import default_model_path
-from ferry.tokenizer import gguf_tokenizer_cache_dir, load_tokenizer
+from ferry.tokenizer import eos_token_id_from_files, gguf_tokenizer_cache_dir, has_tokenizer, load_tokenizer
 
 TEXT = "Hello, world!"
 
@@ -124,6 +124,63 @@ def test_bad_tokenizer_paths(tmp_path) -> None:
     other.write_text("x")
     with pytest.raises(ValueError, match=".gguf file or a Hugging Face model directory"):
         load_tokenizer(str(other))
+
+
+def test_eos_token_id_from_files_agrees_with_the_loaded_tokenizer(tmp_path, reference) -> None:
+    """An engine core reads the tokenizer's EOS id from its files (it loads no tokenizer at start):
+    the same id transformers gives, however the files name it; where they do not say for certain,
+    LookupError (the core loads the tokenizer then)."""
+    reference.save_pretrained(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+
+    def agreed() -> int:
+        expected = load_tokenizer(str(tmp_path)).eos_token_id
+        assert eos_token_id_from_files(str(tmp_path)) == expected
+        return expected
+
+    assert agreed() == reference.eos_token_id == 2  # <|im_end|>, an added token
+    config["eos_token"] = "<|endoftext|>"
+    config_path.write_text(json.dumps(config))
+    assert agreed() == 0
+    config["eos_token"] = "Hello"  # a plain vocabulary entry, not an added token
+    config_path.write_text(json.dumps(config))
+    assert agreed() == reference.convert_tokens_to_ids("Hello") > 2
+
+    special_map = tmp_path / "special_tokens_map.json"
+    special_map.write_text(json.dumps({"eos_token": {"content": "Hello", "special": True}}))  # (AddedToken's form)
+    assert agreed() == reference.convert_tokens_to_ids("Hello")
+    special_map.write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(LookupError, match="no single EOS token"):  # which file wins is the version's
+        eos_token_id_from_files(str(tmp_path))
+    special_map.unlink()
+    config["eos_token"] = "never-a-token"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(LookupError, match="not in"):
+        eos_token_id_from_files(str(tmp_path))
+    del config["eos_token"]  # a tokenizer class may default one
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(LookupError, match="no single EOS token"):
+        eos_token_id_from_files(str(tmp_path))
+    config["eos_token"] = "<|im_end|>"
+    config_path.write_text(json.dumps(config))
+    (tmp_path / "added_tokens.json").write_text("{}")
+    with pytest.raises(LookupError, match="added_tokens.json"):
+        eos_token_id_from_files(str(tmp_path))
+
+
+def test_eos_token_id_from_files_of_a_gguf_and_of_no_tokenizer(tmp_path, smollm) -> None:
+    """A GGUF's converted tokenizer ends at its metadata's EOS, which the model's config lists (None
+    here: nothing to add); a directory without tokenizer files has no EOS of its own."""
+    path = default_model_path()
+    assert eos_token_id_from_files(path) is None
+    assert load_tokenizer(path).eos_token_id in smollm.model.config.eos_token_ids
+    assert has_tokenizer(path) and not has_tokenizer(str(tmp_path))
+    assert eos_token_id_from_files(str(tmp_path)) is None
+    other = tmp_path / "vocab.txt"
+    other.write_text("x")
+    with pytest.raises(LookupError):
+        eos_token_id_from_files(str(other))
 
 
 def test_saved_tokenizers_load_without_torch(tmp_path, reference, monkeypatch) -> None:

@@ -95,7 +95,7 @@ def _pass(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]], c
 
 def _compile_times(loaded, vocab_size: int, eos: set[int]) -> dict:
     """Per schema: the API side's validation, cold; the engine's compile, cold and cached."""
-    fresh = GrammarCompiler(loaded.tokenizer, vocab_size, eos)
+    fresh = GrammarCompiler(lambda: loaded.tokenizer, vocab_size, eos)
     t = time.perf_counter()
     fresh.ll_tokenizer()
     result = {"tokenizer_conversion_ms": (time.perf_counter() - t) * 1e3, "schemas": {}}

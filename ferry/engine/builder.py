@@ -10,7 +10,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import threading
 import time
+from typing import Any
 
 import torch
 
@@ -22,6 +24,7 @@ from ferry.engine.core import EngineCore
 from ferry.engine.messages import EngineInfo
 from ferry.models.config import ModelConfig
 from ferry.models.cpu_decode_step import CPUDecodeStep
+from ferry.tokenizer import eos_token_id_from_files, has_tokenizer, load_tokenizer
 from ferry.utils.math import cdiv
 from ferry.utils.process import freeze_startup_heap
 from ferry.worker.memory import blocks_in_budget, gpu_kv_budget, host_kv_budget, kv_bytes_per_block
@@ -37,11 +40,16 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine_core(
-    args: EngineArgs, loaded: LoadedModel | None = None, draft: LoadedModel | None = None
+    args: EngineArgs, loaded: LoadedModel | None = None, draft: LoadedModel | None = None, *, tokenizer: bool = True
 ) -> EngineCore:
     """Load the model (unless `loaded` is given: tests share one) and any draft model (unless
     `draft` is given), start the other tensor- and pipeline-parallel ranks, size and allocate the KV
-    caches, and return the core, ready to step."""
+    caches, and return the core, ready to step.
+
+    `tokenizer=False` (an engine core process, whose API process tokenizes): the model's tokenizer is
+    not loaded at start (~1 s of a 5 s start, transformers' import most of it); its EOS id is read from
+    its files and structured output loads it when a request first needs it. A draft checkpoint's
+    vocabulary is compared with it, so speculative decoding with one loads it at start."""
     tp_workers: TensorParallelWorkers | None = None
     tp, pp = SINGLE, SINGLE_STAGE
     if args.world_size > 1:
@@ -52,9 +60,10 @@ def build_engine_core(
         tp, pp = tp_workers.tp, tp_workers.pp
     try:
         t0 = time.perf_counter()
-        loaded = loaded or load_model(args, tp, pp)
+        defer_tokenizer = not tokenizer and loaded is None and not _has_draft_checkpoint(args)
+        loaded = loaded or load_model(args, tp, pp, tokenizer=not defer_tokenizer)
         t1 = time.perf_counter()
-        core = _build(args, loaded, tp, tp_workers, draft)
+        core = _build(args, loaded, tp, tp_workers, draft, defer_tokenizer)
         core.info.startup_seconds.update(load_weights=t1 - t0, kv_cache=time.perf_counter() - t1)
         freeze_startup_heap()
         return core
@@ -70,6 +79,7 @@ def _build(
     tp: TensorParallel,
     tp_workers: TensorParallelWorkers | None,
     draft: LoadedModel | None,
+    defer_tokenizer: bool,
 ):
     cfg: ModelConfig = loaded.model.config
     cfg.check_max_model_len(args.max_model_len)  # (again: `loaded` may have been loaded for another engine)
@@ -95,9 +105,14 @@ def _build(
         block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
     num_blocks = args.num_kv_blocks or _num_kv_blocks(args, runner, tp_workers, block_bytes)
     max_len = _max_model_len(args, cfg, num_blocks, runner.sliding_window)
+    tokenizer, tokenizer_loader = loaded.tokenizer, None
+    if defer_tokenizer and tokenizer is None:
+        tokenizer, tokenizer_loader = _deferred_tokenizer(args, loaded.path)
     eos_token_ids = set(cfg.eos_token_ids)
-    if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
-        eos_token_ids.add(loaded.tokenizer.eos_token_id)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_ids.add(tokenizer.eos_token_id)
+    elif tokenizer_loader is not None and tokenizer_loader.eos_token_id is not None:
+        eos_token_ids.add(tokenizer_loader.eos_token_id)
 
     kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching, sliding_window=runner.sliding_window)
     scheduler = Scheduler(
@@ -144,9 +159,44 @@ def _build(
         medusa = _medusa_proposer(args, runner, tp, max_len) if args.speculative.method == "medusa" else None
         proposer = DraftProposer(args.speculative, max_len, drafter, medusa, seed=args.seed)
     lora_limits = (args.max_lora_rank, args.max_loaded_loras) if args.enable_lora else None
-    return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
+    return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=tokenizer, load_tokenizer=tokenizer_loader,
                       tp_workers=tp_workers, proposer=proposer, embed_max_batch=args.embed_max_batch,
                       embed_max_delay=args.embed_max_delay_ms / 1000, lora_limits=lora_limits)  # fmt: skip
+
+
+class _TokenizerLoader:
+    """Loads a tokenizer when first called (in the grammar compiler's thread), once; knows its EOS id
+    from the files before."""
+
+    def __init__(self, path: str, trust_remote_code: bool, eos_token_id: int | None) -> None:
+        self.path, self.trust_remote_code, self.eos_token_id = path, trust_remote_code, eos_token_id
+        self._lock = threading.Lock()
+        self._tokenizer = None
+
+    def __call__(self):
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.path, self.trust_remote_code)
+            return self._tokenizer
+
+
+def _deferred_tokenizer(args: EngineArgs, model_path: str) -> tuple[Any, _TokenizerLoader | None]:
+    """For a core that loaded no tokenizer: (the tokenizer, None) where its EOS id needs it loaded now
+    (eos_token_id_from_files cannot tell), else (None, a loader; None where the model has no tokenizer)."""
+    path = args.tokenizer or model_path
+    if not path or not has_tokenizer(path):
+        return None, None
+    try:
+        eos = eos_token_id_from_files(path)
+    except LookupError as e:
+        logger.info("loading the tokenizer at start: its EOS token needs it (%s)", e)
+        return load_tokenizer(path, args.trust_remote_code), None
+    return None, _TokenizerLoader(path, args.trust_remote_code, eos)
+
+
+def _has_draft_checkpoint(args: EngineArgs) -> bool:
+    """A speculative method that loads a draft model: check_same_vocabulary compares the tokenizers."""
+    return args.speculative is not None and args.speculative.method == "draft_model"
 
 
 def _load_draft(args: EngineArgs, loaded: LoadedModel, tp: TensorParallel, draft: LoadedModel | None):

@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ferry.core.kv_cache_manager import KVCacheManager
@@ -55,6 +56,7 @@ class EngineCore:
         *,
         info: EngineInfo | None = None,
         tokenizer: Any = None,
+        load_tokenizer: Callable[[], Any] | None = None,
         tp_workers: TensorParallelWorkers | None = None,
         proposer: DraftProposer | None = None,
         embed_max_batch: int = 32,
@@ -63,7 +65,8 @@ class EngineCore:
     ) -> None:
         """Usually made by `engine/builder.py: build_engine_core`. `info` is what the API side
         needs to know of this engine; `tokenizer` is the one loaded with the model (None without
-        one); `tp_workers` are the other tensor-parallel ranks, stopped by `shutdown`;
+        one, or not loaded: then `load_tokenizer`, if given, loads it when a structured-output request
+        first needs it); `tp_workers` are the other tensor-parallel ranks, stopped by `shutdown`;
         `proposer` drafts tokens for speculative decoding (None: off); `lora_limits`, (the largest
         rank, the most adapters loaded at once) for LoRA adapters loaded at run time (None: off)."""
         self.scheduler = scheduler
@@ -87,7 +90,9 @@ class EngineCore:
         # scheduler, holding no blocks) until its grammar is ready, with the tokens a prefill
         # worker sampled for it.
         vocab_size = info.vocab_size if info is not None else runner.sampler.vocab_size
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        if tokenizer is not None:
+            load_tokenizer = lambda: tokenizer  # noqa: E731
+        self.grammars = GrammarCompiler(load_tokenizer, vocab_size, eos_token_ids) if load_tokenizer else None
         self._awaiting_grammar: dict[str, tuple[Request, list[int], concurrent.futures.Future]] = {}
         # Dynamic batching of embedding requests: each waits here up to `embed_max_delay` seconds
         # for others, so they run as one batch, until `embed_max_batch` of them wait.

@@ -78,7 +78,7 @@ class EngineCoreProc:
         self.parent_pid = os.getppid()
 
         self.args = args
-        self.core = build_engine_core(args)
+        self.core = build_engine_core(args, tokenizer=False)  # its API process tokenizes
         # A deployment secret salts every block hash that may leave this process (core/block_hash.py).
         secret = (kv_events and kv_events.secret) or (kv_transfer and kv_transfer.secret)
         self.core.kv.block_hash_salt = block_hash_salt(secret)

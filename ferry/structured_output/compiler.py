@@ -17,7 +17,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import llguidance
 
@@ -107,10 +109,16 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """Compiles grammars in a background thread for one engine's tokenizer and vocabulary."""
+    """Compiles grammars in a background thread for one engine's tokenizer and vocabulary.
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_cached: int = 256) -> None:
-        self.tokenizer = tokenizer
+    `load_tokenizer` returns the tokenizer (None: the model has none, and structured output is refused);
+    it is called once, in the compile thread, when the first grammar needs it: an engine core process
+    does not load a tokenizer at start (its API process tokenizes), so its first structured-output
+    request also pays the tokenizer's load (~1 s, transformers' import most of it)."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: set[int],
+                 max_cached: int = 256) -> None:  # fmt: skip
+        self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_cached = max_cached
@@ -163,10 +171,13 @@ class GrammarCompiler:
         """llguidance's view of the tokenizer (~0.5 s to build for a 49k vocabulary: once, in the
         compile thread). Its vocabulary is the model's, which may be padded past the tokenizer's."""
         if self._ll_tokenizer is None:
+            tokenizer = self.load_tokenizer()
+            if tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer")
             import llguidance.hf
 
-            n_vocab = max(self.vocab_size, len(self.tokenizer))
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab,
+            n_vocab = max(self.vocab_size, len(tokenizer))
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab,
                                                               eos_token=self.eos_token_ids)  # fmt: skip
         return self._ll_tokenizer
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -180,15 +179,18 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 
 def load_model(args: EngineArgs, tp: TensorParallel = SINGLE, pp: PipelineStage = SINGLE_STAGE, *,
-               draft: bool = False) -> LoadedModel:  # fmt: skip
+               draft: bool = False, tokenizer: bool = True) -> LoadedModel:  # fmt: skip
     """Build our model (this rank's shard of its pipeline stage) from the checkpoint and load its
     tokenizer (separate from the engine so tests can share one loaded model). `draft`: a
-    speculative draft, which may draft past its own context (the target checks every token)."""
+    speculative draft, which may draft past its own context (the target checks every token).
+    `tokenizer=False`: none is loaded (LoadedModel.tokenizer is None) unless int8 calibration needs
+    it: an engine core process's API process tokenizes, and other ranks never do."""
     with cyclic_gc_paused():  # a GGUF's ~100k metadata arrays: ~1.5 s of full collections otherwise
-        return _load_model(args, tp, pp, draft)
+        return _load_model(args, tp, pp, draft, tokenizer)
 
 
-def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage, draft: bool) -> LoadedModel:
+def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage, draft: bool,
+                with_tokenizer: bool) -> LoadedModel:  # fmt: skip
     t0 = time.perf_counter()
     ckpt = load_checkpoint(args.model, args.load_format, args.seed)
     if not draft:
@@ -207,12 +209,13 @@ def _load_model(args: EngineArgs, tp: TensorParallel, pp: PipelineStage, draft: 
     if quantization == "int8" and pp.size > 1:
         raise ValueError("--quantization int8 calibrates on a forward through every layer, which pipeline "
                          "parallelism splits; run it with --pipeline-parallel-size 1")  # fmt: skip
-    # The tokenizer loads in a thread meanwhile (importing transformers alone takes ~1 s); the weights'
-    # copies run in torch and numpy, which release the GIL.
-    with ThreadPoolExecutor(1, thread_name_prefix="ferry-tokenizer") as pool:
-        tokenizer = pool.submit(load_tokenizer, args.tokenizer or ckpt.path, args.trust_remote_code)
-        model = _build_model(args, ckpt, tp, pp, device, dtype, quantization)
-        tokenizer = tokenizer.result()
+    model = _build_model(args, ckpt, tp, pp, device, dtype, quantization)
+    # After the weights, not in a thread beside them: the tokenizer's load is Python (transformers'
+    # import most of its ~1 s) holding the GIL, which the weights' load then waited on; the two took
+    # as long side by side as one after the other (BENCHMARKS.md, session 44).
+    tokenizer = None
+    if with_tokenizer or quantization == "int8":
+        tokenizer = load_tokenizer(args.tokenizer or ckpt.path, args.trust_remote_code)
     if quantization == "int8":
         model.quantize_linear_weights_int8(calibration_token_ids(tokenizer, ckpt.config.vocab_size))
     elif should_pack(device, dtype) and cpu_kernels_enabled():

@@ -97,7 +97,7 @@ def worker_main(args: EngineArgs, rank: int, layer_ranges: list[tuple[int, int]]
     die_with_parent()  # with the engine process (or the worker node's process)
     logging.basicConfig(level=logging.WARNING)
     tp, pp, channel = init_rank(args, rank, rendezvous_store(args, rank), layer_ranges)
-    runner = ModelRunner.create(args, load_model(args, tp, pp), tp, pp=pp, channel=channel)
+    runner = ModelRunner.create(args, load_model(args, tp, pp, tokenizer=False), tp, pp=pp, channel=channel)
     runner.add_lora_modules(args)  # as rank 0 does: the same adapters in the same slots
     if pp.is_first:
         _first_stage_loop(args, runner, tp, pp, channel)

@@ -126,6 +126,27 @@ SCHEMAS = [
 ]
 
 
+def _maps_tokenizers(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "tokenizers.abi3" in f.read()
+
+
+def test_the_engine_core_loads_its_tokenizer_for_the_first_grammar(client, server):
+    """(First in this module: no structured request has reached this server before it.) The core
+    starts without a tokenizer (its API process tokenizes; transformers' import was ~1 s of its start)
+    and stops at the tokenizer's EOS all the same; the first structured-output request loads it."""
+    core = server.core_pid()
+    plain = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi!"}],
+                                           max_tokens=200, temperature=0.0)  # fmt: skip
+    assert plain.choices[0].finish_reason == "stop"  # the chat ends at <|im_end|>, the tokenizer's EOS
+    assert not _maps_tokenizers(core)
+    assert _maps_tokenizers(server.proc.pid)
+    pick = client.completions.create(model="smol", prompt="Is the sky blue?", max_tokens=4, temperature=0.0,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
+    assert pick.choices[0].text in ("yes", "no")
+    assert _maps_tokenizers(core)
+
+
 def test_parse_returns_a_valid_object_for_every_schema_at_temperature_08(server):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 

@@ -63,7 +63,7 @@ def test_validation_is_cached_by_content(monkeypatch):
 @pytest.fixture(scope="module")
 def compiler(smollm):
     tokenizer = smollm[1]
-    c = GrammarCompiler(tokenizer, 49152, {tokenizer.eos_token_id})
+    c = GrammarCompiler(lambda: tokenizer, 49152, {tokenizer.eos_token_id})
     yield c
     c.shutdown()
 
