@@ -16,7 +16,9 @@ def test_bench_startup_reports_each_phase(tmp_path, capsys):
     for r in runs:
         assert r["wall"] > 0 and {"api_process_start", "core_process_start", "load_weights", "warm_up"} <= set(r)
         assert r["total"] <= r["wall"] + 0.5  # the server's own clock against the launcher's
-    assert "warm: median" in capsys.readouterr().out
+        assert r["first_request"] > 0 and r["second_request"] > 0  # two 512-token prompts, served
+    out = capsys.readouterr().out
+    assert "warm: median" in out and "512-token prompts after: first" in out
 
 
 def test_the_engine_core_imports_no_compiler():

@@ -8,6 +8,11 @@ the API process meanwhile). The first run is cold: the compile caches ($TORCH_EX
 C++ CPU kernels, $TRITON_CACHE_DIR) and ferry's cache ($FERRY_CACHE_DIR: converted GGUF tokenizers)
 start empty, in a temporary directory; the next runs reuse what it left (warm). The OS page cache is
 warm for the weights after the first run either way (dropping it needs root).
+
+Then the first two requests after /ready: each a prompt of `--prompt-tokens` token ids (different from
+the first id: no prefix shared) and one output token, timed by the client. Ready is meant as ready to
+serve at speed, so what the warm-up leaves to the first request shows as the first's excess over the
+second's.
 """
 
 from __future__ import annotations
@@ -36,10 +41,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="", help="more `ferry serve` flags, as one string")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one start may take")
     p.add_argument("--json", default=None, help="write every run's figures here")
+    p.add_argument("--prompt-tokens", type=int, default=512,
+                   help="the two requests timed after /ready: prompt length in tokens (0: none)")  # fmt: skip
 
 
-def start_once(model: str | None, serve_args: list[str], env: dict[str, str], timeout: float) -> dict:
-    """One `ferry serve` from launch to /ready: the wall time and the server's own phases."""
+def start_once(model: str | None, serve_args: list[str], env: dict[str, str], timeout: float,
+               prompt_tokens: int = 0) -> dict:  # fmt: skip
+    """One `ferry serve` from launch to /ready: the wall time and the server's own phases; then, with
+    `prompt_tokens`, the seconds of the first and second requests (`first_request`, `second_request`)."""
     sock, port = reserve_port()  # held until the server has it (--fd): no other process can take the port
     cmd = [sys.executable, "-m", "ferry.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
            "--port", str(port), *serve_args]  # fmt: skip
@@ -64,8 +73,14 @@ def start_once(model: str | None, serve_args: list[str], env: dict[str, str], ti
             time.sleep(0.02)
         wall = time.perf_counter() - t0
         with urllib.request.urlopen(url + "/ferry/info", timeout=10) as r:
-            phases = json.load(r)["startup_seconds"]
-        return {"wall": wall, **phases}
+            info = json.load(r)
+        result = {"wall": wall, **info["startup_seconds"]}
+        if prompt_tokens > 0:
+            n = min(prompt_tokens, info["max_model_len"] - 1)
+            for key, first_id in (("first_request", 100), ("second_request", 101)):
+                result[key] = _time_request(url, info["models"][0], [first_id + (i * 7919) % 900 for i in range(n)],
+                                            timeout)  # fmt: skip
+        return result
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -75,6 +90,16 @@ def start_once(model: str | None, serve_args: list[str], env: dict[str, str], ti
                 proc.kill()
                 proc.wait()
         log.close()
+
+
+def _time_request(url: str, model: str, prompt: list[int], timeout: float) -> float:
+    """Seconds for one completion of `prompt` (token ids, all below 1,000: in any vocabulary), one token out."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        r.read()
+    return time.perf_counter() - t0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -88,18 +113,21 @@ def main(args: argparse.Namespace) -> int:
     try:
         kinds = ([] if args.no_cold else ["cold"]) + ["warm"] * args.runs
         for kind in kinds:
-            r = start_once(args.model, serve_args, env, args.timeout)
+            r = start_once(args.model, serve_args, env, args.timeout, args.prompt_tokens)
             r["kind"] = kind
             runs.append(r)
             parts = "  ".join(f"{p} {r[p]:6.2f}" for p in PHASES if p in r)
-            print(f"{kind}: ready after {r['wall']:6.2f} s  ({parts})", flush=True)
+            after = (f"; {args.prompt_tokens}-token prompts after: first {r['first_request']:.3f} s, "
+                     f"second {r['second_request']:.3f} s" if "first_request" in r else "")  # fmt: skip
+            print(f"{kind}: ready after {r['wall']:6.2f} s  ({parts}){after}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     warm = [r for r in runs if r["kind"] == "warm"]
     if warm:
         print(f"warm: median {statistics.median(r['wall'] for r in warm):.2f} s to /ready over {len(warm)} runs; "
               "median per phase: " + ", ".join(f"{p} {statistics.median(r[p] for r in warm):.2f}"
-                                               for p in PHASES if all(p in r for r in warm)))  # fmt: skip
+                                               for p in (*PHASES, "first_request", "second_request")
+                                               if all(p in r for r in warm)))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model or "bundled SmolLM2 GGUF", "serve_args": serve_args, "runs": runs}, f,

@@ -123,10 +123,14 @@ class EngineCoreProc:
         return transfers
 
     def _warm_up(self) -> None:
-        """Run one full-budget prefill and a few decode steps so first requests don't pay for
-        lazy initialisation (kernel builds, allocator growth); then forget them in the stats."""
+        """Run a prefill and a few decode steps so first requests don't pay for lazy initialisation
+        (kernel builds, allocator growth); then forget them in the stats. On a GPU the prefill is
+        the step budget's (up to 512 tokens: kernels compile per shape); on the CPU 64 tokens: there
+        a 512-token one was ~0.6 s of compute, and the first 512-token request after /ready is no
+        slower after the short one that `ferry bench startup` can tell (BENCHMARKS.md, session 44)."""
         info = self.core.info
-        n = max(1, min(self.args.max_num_batched_tokens, info.max_model_len - 8, 512))
+        longest = 512 if self.core.runner.device.type != "cpu" else 64
+        n = max(1, min(self.args.max_num_batched_tokens, info.max_model_len - 8, longest))
         ids = [(i * 7919) % info.vocab_size for i in range(n)]
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
         self.core.add_request(EngineCoreRequest("__warmup__", ids, params, 4))
