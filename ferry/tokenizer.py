@@ -37,10 +37,10 @@ def gguf_tokenizer_cache_dir(gguf_path: str) -> str:
     multi-GB file would cost more than the conversion it saves. The transformers version is
     part of the key because the saved format is whatever that version writes.
     """
-    import transformers
+    from importlib.metadata import version  # (not transformers.__version__: its import is ~1 s)
 
     st = os.stat(gguf_path)
-    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{version('transformers')}"
     return os.path.join(cache_root(), "tokenizers", hashlib.sha256(key.encode()).hexdigest())
 
 
@@ -74,44 +74,94 @@ def has_tokenizer(path: str) -> bool:
 
 
 def eos_token_id_from_files(path: str) -> int | None:
-    """load_tokenizer(path).eos_token_id, read from the tokenizer's files without loading it: an engine
-    core process reads this at start instead of importing transformers (~1 s of a 5 s start, and ~70 MB)
-    for a tokenizer its API process already runs.
-
-    A `.gguf` file's tokenizer is converted with its metadata's EOS id (`tokenizer.ggml.eos_token_id`,
-    which the checkpoint's config already lists): None here. A directory's EOS token is named by
-    tokenizer_config.json (or special_tokens_map.json) and found in tokenizer.json. Raises LookupError
-    where the files do not say for certain (no tokenizer.json, no EOS named: a tokenizer class may
-    default one), so the caller loads the tokenizer instead."""
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            return None
-        raise LookupError(f"{path} is not a tokenizer ferry reads without loading it")
+    """load_tokenizer(path).eos_token_id for an HF directory, read from its files without loading the
+    tokenizer: an engine core process reads this at start instead of importing transformers (~1 s of a
+    5 s start, and ~70 MB) for a tokenizer its API process already runs. The EOS token is named by
+    tokenizer_config.json (and special_tokens_map.json, where it agrees) and found in tokenizer.json.
+    None for a directory without tokenizer files. Raises LookupError where the files do not say for
+    certain (no tokenizer.json, no EOS named: a tokenizer class may default one; its own code), and
+    for anything but a directory (a GGUF's EOS is its metadata's), so the caller loads the tokenizer."""
+    if not os.path.isdir(path):
+        raise LookupError(f"{path} is not a tokenizer directory")
     if not has_tokenizer(path):
         return None  # no tokenizer at all (load_tokenizer returns None)
-    if os.path.isfile(os.path.join(path, "added_tokens.json")):  # (a slow tokenizer's extra ids)
-        raise LookupError(f"{path} has added_tokens.json")
-    name, legacy = (_eos_named_in(os.path.join(path, f)) for f in ("tokenizer_config.json", "special_tokens_map.json"))
+    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    _check_no_own_code_or_slow_files(path, config)
+    name, legacy = _token_content(config.get("eos_token")), _token_content(
+        _read_json(os.path.join(path, "special_tokens_map.json")).get("eos_token"))  # fmt: skip
     # transformers reads special_tokens_map.json only for some tokenizer_config.json files (which varies
     # by version), over the config's own: believed only where both agree or the map names none.
     if not isinstance(name, str) or legacy not in (None, name):
         raise LookupError(f"the tokenizer files in {path} name no single EOS token")
-    spec = _read_json(os.path.join(path, "tokenizer.json"))
-    for added in spec.get("added_tokens") or []:
-        if isinstance(added, dict) and added.get("content") == name and isinstance(added.get("id"), int):
-            return added["id"]
-    vocab = (spec.get("model") or {}).get("vocab")
-    if isinstance(vocab, dict) and isinstance(vocab.get(name), int):
-        return vocab[name]
-    if isinstance(vocab, list):  # Unigram: [piece, score] pairs, ids in order
-        ids = [i for i, piece in enumerate(vocab) if isinstance(piece, list) and piece and piece[0] == name]
-        if ids:
-            return ids[0]
-    raise LookupError(f"the EOS token {name!r} is not in {path}/tokenizer.json")
+    token_id = _read_tokenizer_json(path).token_to_id(name)  # (an added token's, or the vocabulary's)
+    if token_id is None:
+        raise LookupError(f"the EOS token {name!r} is not in {path}/tokenizer.json")
+    return token_id
 
 
-def _eos_named_in(path: str) -> object:
-    entry = _read_json(path).get("eos_token")
+# Tokenizer classes that run tokenizer.json as it is (model-specific ones may rewrite its normalizer,
+# pre-tokenizer or post-processor when they load it).
+_GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def backend_tokenizer_from_files(path: str):
+    """The `tokenizers.Tokenizer` transformers would run for `path` (padding and truncation off), read
+    straight from tokenizer.json, without transformers: for structured output in an engine core, which
+    loads no tokenizer at start (llguidance needs only this). `path`: an HF directory, or a GGUF whose
+    tokenizer a first load has converted (cached). Raises LookupError wherever transformers might make
+    another of it: a model-specific tokenizer class, special or added tokens tokenizer.json lacks,
+    split special tokens, its own code; the caller loads the tokenizer with transformers then."""
+    directory = path
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        directory = gguf_tokenizer_cache_dir(path)
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        raise LookupError(f"no tokenizer.json in {directory}")
+    config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    _check_no_own_code_or_slow_files(directory, config)
+    if config.get("tokenizer_class") not in _GENERIC_TOKENIZER_CLASSES or config.get("split_special_tokens"):
+        raise LookupError(f"{directory}'s tokenizer class {config.get('tokenizer_class')!r} may change tokenizer.json")
+    tokenizer = _read_tokenizer_json(directory)
+    added = {(str(i), t.content) for i, t in tokenizer.get_added_tokens_decoder().items()}
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict) or any(
+        not isinstance(t, dict) or (str(i), t.get("content")) not in added for i, t in decoder.items()
+    ):
+        raise LookupError(f"{directory}/tokenizer_config.json adds tokens its tokenizer.json lacks")
+    contents = {content for _, content in added}
+    named = [_token_content(v) for k, v in config.items() if k.endswith("_token")]  # (add_bos_token: a bool)
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = config.get(key) or []
+        named += [_token_content(v) for v in (extra.values() if isinstance(extra, dict) else extra)]
+    if any(isinstance(n, str) and n not in contents for n in named):
+        raise LookupError(f"{directory}'s special tokens are not all among tokenizer.json's added tokens")
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def _read_tokenizer_json(directory: str):
+    """The directory's tokenizer.json as a `tokenizers.Tokenizer` (Rust; ~0.15 s for a 49k vocabulary)."""
+    file = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise LookupError(f"no {file}")
+    import tokenizers
+
+    try:
+        return tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # (tokenizers raises its own exception types for a malformed file)
+        raise LookupError(f"cannot read {file}: {e}") from e
+
+
+def _check_no_own_code_or_slow_files(directory: str, config: dict) -> None:
+    if "AutoTokenizer" in (config.get("auto_map") or {}):
+        raise LookupError(f"the tokenizer of {directory} is its own code")
+    if os.path.isfile(os.path.join(directory, "added_tokens.json")):  # (a slow tokenizer's extra ids)
+        raise LookupError(f"{directory} has added_tokens.json")
+    if "fast_tokenizer_files" in config:  # (versioned tokenizer files: another tokenizer.json may be read)
+        raise LookupError(f"{directory}'s tokenizer_config.json names fast_tokenizer_files")
+
+
+def _token_content(entry: object) -> object:
     return entry.get("content") if isinstance(entry, dict) else entry  # (an AddedToken's dict)
 
 

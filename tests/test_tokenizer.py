@@ -14,7 +14,13 @@ from transformers import AutoTokenizer
 
 import ferry.tokenizer as ferry_tokenizer
 from ferry.models.paths import default_model_path
-from ferry.tokenizer import eos_token_id_from_files, gguf_tokenizer_cache_dir, has_tokenizer, load_tokenizer
+from ferry.tokenizer import (
+    backend_tokenizer_from_files,
+    eos_token_id_from_files,
+    gguf_tokenizer_cache_dir,
+    has_tokenizer,
+    load_tokenizer,
+)
 
 TEXT = "Hello, world!"
 
@@ -169,18 +175,54 @@ def test_eos_token_id_from_files_agrees_with_the_loaded_tokenizer(tmp_path, refe
         eos_token_id_from_files(str(tmp_path))
 
 
-def test_eos_token_id_from_files_of_a_gguf_and_of_no_tokenizer(tmp_path, smollm) -> None:
-    """A GGUF's converted tokenizer ends at its metadata's EOS, which the model's config lists (None
-    here: nothing to add); a directory without tokenizer files has no EOS of its own."""
-    path = default_model_path()
-    assert eos_token_id_from_files(path) is None
-    assert load_tokenizer(path).eos_token_id in smollm.model.config.eos_token_ids
-    assert has_tokenizer(path) and not has_tokenizer(str(tmp_path))
-    assert eos_token_id_from_files(str(tmp_path)) is None
-    other = tmp_path / "vocab.txt"
-    other.write_text("x")
+def test_eos_token_id_from_files_of_no_tokenizer_and_of_files(tmp_path) -> None:
+    """A directory without tokenizer files has no EOS of its own; a file (a GGUF's EOS is its metadata's,
+    read by the engine builder) is not for this reader."""
+    assert not has_tokenizer(str(tmp_path)) and eos_token_id_from_files(str(tmp_path)) is None
+    assert has_tokenizer(default_model_path())
     with pytest.raises(LookupError):
-        eos_token_id_from_files(str(other))
+        eos_token_id_from_files(default_model_path())
+
+
+def test_the_backend_read_from_tokenizer_json_is_what_transformers_runs(tmp_path, reference, monkeypatch) -> None:
+    """An engine core builds llguidance's tokenizer from tokenizer.json (no transformers import): for
+    the bundled GGUF's converted tokenizer, llguidance's view is the same token for token as through
+    transformers. Where transformers might run another tokenizer than the file's, LookupError."""
+    import llguidance
+    import llguidance.hf
+
+    path = default_model_path()
+    load_tokenizer(path)  # (converted and cached, as the API process does at start)
+    backend = backend_tokenizer_from_files(path)
+    ours = llguidance.LLTokenizer(backend.to_str(), n_vocab=49152, eos_token=[2])
+    theirs = llguidance.hf.from_tokenizer(reference, n_vocab=49152, eos_token=[2])
+    assert all(ours.decode_bytes([i]) == theirs.decode_bytes([i]) for i in range(49152))
+    assert all(ours.is_special_token(i) == theirs.is_special_token(i) for i in range(49152))
+    for text in (TEXT, ' {"a": [1, 2.5]}', "<|im_end|> über\n\n  x"):
+        assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+
+    reference.save_pretrained(tmp_path)
+    assert backend_tokenizer_from_files(str(tmp_path)).to_str() == backend.to_str()
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+
+    def refused(match: str, **changes) -> None:
+        config_path.write_text(json.dumps({**config, **changes}))
+        with pytest.raises(LookupError, match=match):
+            backend_tokenizer_from_files(str(tmp_path))
+
+    refused("may change tokenizer.json", tokenizer_class="LlamaTokenizerFast")
+    refused("may change tokenizer.json", split_special_tokens=True)
+    refused("its own code", auto_map={"AutoTokenizer": ["own.OwnTokenizer", None]})
+    refused("fast_tokenizer_files", fast_tokenizer_files=["tokenizer.json"])
+    refused("adds tokens", added_tokens_decoder={"49152": {"content": "<|extra|>", "special": True}})
+    refused("special tokens", pad_token="<|pad|>")
+    refused("special tokens", extra_special_tokens=["<|tool|>"])
+    with pytest.raises(LookupError, match="no tokenizer.json"):
+        backend_tokenizer_from_files(str(tmp_path / "missing"))
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path / "empty-cache"))
+    with pytest.raises(LookupError, match="no tokenizer.json"):  # a GGUF not converted yet
+        backend_tokenizer_from_files(path)
 
 
 def test_saved_tokenizers_load_without_torch(tmp_path, reference, monkeypatch) -> None:

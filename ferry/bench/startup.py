@@ -77,9 +77,13 @@ def start_once(model: str | None, serve_args: list[str], env: dict[str, str], ti
         result = {"wall": wall, **info["startup_seconds"]}
         if prompt_tokens > 0:
             n = min(prompt_tokens, info["max_model_len"] - 1)
-            for key, first_id in (("first_request", 100), ("second_request", 101)):
-                result[key] = _time_request(url, info["models"][0], [first_id + (i * 7919) % 900 for i in range(n)],
-                                            timeout)  # fmt: skip
+            key = _flag_value(serve_args, "--api-key")
+            try:
+                for name, first_id in (("first_request", 100), ("second_request", 101)):
+                    prompt = [first_id + (i * 7919) % 899 for i in range(n)]
+                    result[name] = _time_request(url, info["models"][0], prompt, key, timeout)
+            except OSError as e:  # (urllib's HTTPError too) the start's figures stand; the requests' do not
+                result["request_error"] = str(e)
         return result
     finally:
         if proc.poll() is None:
@@ -92,10 +96,22 @@ def start_once(model: str | None, serve_args: list[str], env: dict[str, str], ti
         log.close()
 
 
-def _time_request(url: str, model: str, prompt: list[int], timeout: float) -> float:
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of `flag` among `ferry serve`'s arguments (`--flag V` or `--flag=V`; the last wins)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _time_request(url: str, model: str, prompt: list[int], api_key: str | None, timeout: float) -> float:
     """Seconds for one completion of `prompt` (token ids, all below 1,000: in any vocabulary), one token out."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
-    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    request = urllib.request.Request(url + "/v1/completions", body, headers)
     t0 = time.perf_counter()
     with urllib.request.urlopen(request, timeout=timeout) as r:
         r.read()
@@ -117,8 +133,12 @@ def main(args: argparse.Namespace) -> int:
             r["kind"] = kind
             runs.append(r)
             parts = "  ".join(f"{p} {r[p]:6.2f}" for p in PHASES if p in r)
-            after = (f"; {args.prompt_tokens}-token prompts after: first {r['first_request']:.3f} s, "
-                     f"second {r['second_request']:.3f} s" if "first_request" in r else "")  # fmt: skip
+            after = ""
+            if "second_request" in r:
+                after = (f"; {args.prompt_tokens}-token prompts after: first {r['first_request']:.3f} s, "
+                         f"second {r['second_request']:.3f} s")  # fmt: skip
+            elif "request_error" in r:
+                after = f"; the requests after failed: {r['request_error']}"
             print(f"{kind}: ready after {r['wall']:6.2f} s  ({parts}){after}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)

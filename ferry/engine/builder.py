@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
 
 import torch
 
@@ -24,7 +23,8 @@ from ferry.engine.core import EngineCore
 from ferry.engine.messages import EngineInfo
 from ferry.models.config import ModelConfig
 from ferry.models.cpu_decode_step import CPUDecodeStep
-from ferry.tokenizer import eos_token_id_from_files, has_tokenizer, load_tokenizer
+from ferry.models.gguf_file import GGUFFile
+from ferry.tokenizer import backend_tokenizer_from_files, eos_token_id_from_files, has_tokenizer, load_tokenizer
 from ferry.utils.math import cdiv
 from ferry.utils.process import freeze_startup_heap
 from ferry.worker.memory import blocks_in_budget, gpu_kv_budget, host_kv_budget, kv_bytes_per_block
@@ -62,8 +62,11 @@ def build_engine_core(
         t0 = time.perf_counter()
         defer_tokenizer = not tokenizer and loaded is None and not _has_draft_checkpoint(args)
         loaded = loaded or load_model(args, tp, pp, tokenizer=not defer_tokenizer)
+        tokenizer_loader = None
+        if defer_tokenizer and loaded.tokenizer is None:  # (int8 calibration loads it all the same)
+            loaded, tokenizer_loader = _deferred_tokenizer(args, loaded)
         t1 = time.perf_counter()
-        core = _build(args, loaded, tp, tp_workers, draft, defer_tokenizer)
+        core = _build(args, loaded, tp, tp_workers, draft, tokenizer_loader)
         core.info.startup_seconds.update(load_weights=t1 - t0, kv_cache=time.perf_counter() - t1)
         freeze_startup_heap()
         return core
@@ -79,7 +82,7 @@ def _build(
     tp: TensorParallel,
     tp_workers: TensorParallelWorkers | None,
     draft: LoadedModel | None,
-    defer_tokenizer: bool,
+    tokenizer_loader: _TokenizerLoader | None,
 ):
     cfg: ModelConfig = loaded.model.config
     cfg.check_max_model_len(args.max_model_len)  # (again: `loaded` may have been loaded for another engine)
@@ -105,14 +108,12 @@ def _build(
         block_bytes += kv_bytes_per_block(draft.model.config, bs, draft_runner.cache_dtype, 1)
     num_blocks = args.num_kv_blocks or _num_kv_blocks(args, runner, tp_workers, block_bytes)
     max_len = _max_model_len(args, cfg, num_blocks, runner.sliding_window)
-    tokenizer, tokenizer_loader = loaded.tokenizer, None
-    if defer_tokenizer and tokenizer is None:
-        tokenizer, tokenizer_loader = _deferred_tokenizer(args, loaded.path)
     eos_token_ids = set(cfg.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos_token_ids.add(tokenizer.eos_token_id)
-    elif tokenizer_loader is not None and tokenizer_loader.eos_token_id is not None:
-        eos_token_ids.add(tokenizer_loader.eos_token_id)
+    tokenizer_eos = loaded.tokenizer.eos_token_id if loaded.tokenizer is not None else None
+    if tokenizer_loader is not None:
+        tokenizer_eos = tokenizer_loader.eos_token_id
+    if tokenizer_eos is not None:
+        eos_token_ids.add(tokenizer_eos)
 
     kv = KVCacheManager(num_blocks, bs, args.enable_prefix_caching, sliding_window=runner.sliding_window)
     scheduler = Scheduler(
@@ -159,39 +160,61 @@ def _build(
         medusa = _medusa_proposer(args, runner, tp, max_len) if args.speculative.method == "medusa" else None
         proposer = DraftProposer(args.speculative, max_len, drafter, medusa, seed=args.seed)
     lora_limits = (args.max_lora_rank, args.max_loaded_loras) if args.enable_lora else None
-    return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=tokenizer, load_tokenizer=tokenizer_loader,
-                      tp_workers=tp_workers, proposer=proposer, embed_max_batch=args.embed_max_batch,
+    return EngineCore(scheduler, runner, eos_token_ids, info=info, tokenizer=loaded.tokenizer,
+                      load_tokenizer=tokenizer_loader, tp_workers=tp_workers, proposer=proposer,
+                      embed_max_batch=args.embed_max_batch,
                       embed_max_delay=args.embed_max_delay_ms / 1000, lora_limits=lora_limits)  # fmt: skip
 
 
 class _TokenizerLoader:
-    """Loads a tokenizer when first called (in the grammar compiler's thread), once; knows its EOS id
-    from the files before."""
+    """The tokenizer of a core that loaded none at start, loaded when structured output first calls (in
+    the grammar compiler's thread), once: read from tokenizer.json where that is what transformers
+    would run (tokenizers' Rust: ~0.2 s, no transformers import: its ~1 s of Python would hold the GIL
+    the core's steps need meanwhile), else by transformers. `eos_token_id`: read at start."""
 
     def __init__(self, path: str, trust_remote_code: bool, eos_token_id: int | None) -> None:
         self.path, self.trust_remote_code, self.eos_token_id = path, trust_remote_code, eos_token_id
         self._lock = threading.Lock()
         self._tokenizer = None
+        self._error: Exception | None = None  # a load that failed fails every later call at once
 
     def __call__(self):
         with self._lock:
+            if self._error is not None:
+                raise ValueError(f"the model's tokenizer did not load: {self._error}")
             if self._tokenizer is None:
-                self._tokenizer = load_tokenizer(self.path, self.trust_remote_code)
+                try:
+                    self._tokenizer = backend_tokenizer_from_files(self.path)
+                except LookupError as e:
+                    logger.info("loading the tokenizer with transformers: %s", e)
+                    try:
+                        self._tokenizer = load_tokenizer(self.path, self.trust_remote_code)
+                    except Exception as error:
+                        self._error = error
+                        logger.exception("the tokenizer of %s did not load", self.path)
+                        raise ValueError(f"the model's tokenizer did not load: {error}") from error
             return self._tokenizer
 
 
-def _deferred_tokenizer(args: EngineArgs, model_path: str) -> tuple[Any, _TokenizerLoader | None]:
-    """For a core that loaded no tokenizer: (the tokenizer, None) where its EOS id needs it loaded now
-    (eos_token_id_from_files cannot tell), else (None, a loader; None where the model has no tokenizer)."""
-    path = args.tokenizer or model_path
+def _deferred_tokenizer(args: EngineArgs, loaded: LoadedModel) -> tuple[LoadedModel, _TokenizerLoader | None]:
+    """For a core that loaded no tokenizer: a loader for structured output that knows the tokenizer's EOS
+    id (None: the model has no tokenizer), or, where the EOS id needs the tokenizer loaded (neither a
+    GGUF's metadata nor eos_token_id_from_files tells it), `loaded` with the tokenizer, loaded now."""
+    path = args.tokenizer or loaded.path
     if not path or not has_tokenizer(path):
-        return None, None
+        return loaded, None
     try:
-        eos = eos_token_id_from_files(path)
+        if path.endswith(".gguf"):  # transformers converts it with its metadata's EOS id
+            eos = GGUFFile(path).fields.get("tokenizer.ggml.eos_token_id")
+            if eos is None:
+                raise LookupError(f"{path} has no tokenizer.ggml.eos_token_id")
+            eos = int(eos.contents())
+        else:
+            eos = eos_token_id_from_files(path)
     except LookupError as e:
         logger.info("loading the tokenizer at start: its EOS token needs it (%s)", e)
-        return load_tokenizer(path, args.trust_remote_code), None
-    return None, _TokenizerLoader(path, args.trust_remote_code, eos)
+        return loaded._replace(tokenizer=load_tokenizer(path, args.trust_remote_code)), None
+    return loaded, _TokenizerLoader(path, args.trust_remote_code, eos)
 
 
 def _has_draft_checkpoint(args: EngineArgs) -> bool:

@@ -111,10 +111,10 @@ class GrammarState:
 class GrammarCompiler:
     """Compiles grammars in a background thread for one engine's tokenizer and vocabulary.
 
-    `load_tokenizer` returns the tokenizer (None: the model has none, and structured output is refused);
-    it is called once, in the compile thread, when the first grammar needs it: an engine core process
-    does not load a tokenizer at start (its API process tokenizes), so its first structured-output
-    request also pays the tokenizer's load (~1 s, transformers' import most of it)."""
+    `load_tokenizer` returns the tokenizer: transformers' (fast), or the `tokenizers.Tokenizer` it would
+    run (what an engine core reads from tokenizer.json: it loads no tokenizer at start, its API process
+    tokenizes); None: the model has none, and structured output is refused. It is called in the compile
+    thread when the first grammar needs it."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: set[int],
                  max_cached: int = 256) -> None:  # fmt: skip
@@ -174,11 +174,15 @@ class GrammarCompiler:
             tokenizer = self.load_tokenizer()
             if tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer")
-            import llguidance.hf
+            if hasattr(tokenizer, "backend_tokenizer"):  # transformers': llguidance reads its backend's JSON
+                from llguidance.hf import from_tokenizer
 
-            n_vocab = max(self.vocab_size, len(tokenizer))
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab,
-                                                              eos_token=self.eos_token_ids)  # fmt: skip
+                n_vocab = max(self.vocab_size, len(tokenizer))
+                self._ll_tokenizer = from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_ids)
+            else:  # that backend itself (tokenizers.Tokenizer), as llguidance.hf would serialize it
+                n_vocab = max(self.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+                self._ll_tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab,
+                                                            eos_token=self.eos_token_ids)  # fmt: skip
         return self._ll_tokenizer
 
     def shutdown(self) -> None:
