@@ -458,6 +458,19 @@ def test_responses_json_schema_logprobs_and_bad_requests(client, server):
     logprobs = r.output[0].content[0].logprobs
     assert "".join(lp.token for lp in logprobs) == r.output_text and len(logprobs) == r.usage.output_tokens
     assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    # Streamed, each text delta carries its own tokens' logprobs (OpenAI's events do), and together they
+    # are the done event's and the unstreamed answer's (less a last token without text, an EOS).
+    events = events_of(client.responses.create(model="smol", input="Is the sky blue?", max_output_tokens=30,
+                       temperature=0, stream=True, include=["message.output_text.logprobs"], top_logprobs=2,
+                       text={"format": {"type": "json_schema", "name": "yes_no", "schema": schema}}))  # fmt: skip
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and all(d.logprobs for d in deltas)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    streamed = [(lp.token, lp.logprob) for d in deltas for lp in d.logprobs]
+    whole = [(lp.token, lp.logprob) for lp in done.logprobs]
+    assert streamed == whole[: len(streamed)] and all(not t for t, _ in whole[len(streamed) :])
+    assert [t for t, _ in whole] == [lp.token for lp in logprobs]
+    assert all(abs(a - lp.logprob) < 1e-4 for (_, a), lp in zip(whole, logprobs))
     bad = [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),  # nothing is stored
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),  # hosted tools are OpenAI's

@@ -185,7 +185,7 @@ async def _stream(request: Request, run: ChatRun, body: ResponsesRequest) -> Asy
         current = None
         return events
 
-    def add_text(kind: str, delta: str) -> list[bytes]:
+    def add_text(kind: str, delta: str, delta_logprobs: list | None = None) -> list[bytes]:
         events = []
         if current is None or current.kind != kind:
             item_id = _item_id("msg" if kind == "message" else "rs")
@@ -196,7 +196,7 @@ async def _stream(request: Request, run: ChatRun, body: ResponsesRequest) -> Asy
         at, item_id = current.index, current.item["id"]
         if kind == "message":
             events.append(emit("response.output_text.delta", item_id=item_id, output_index=at, content_index=0,
-                               delta=delta, logprobs=[]))  # fmt: skip
+                               delta=delta, logprobs=delta_logprobs or []))  # fmt: skip
         else:
             events.append(emit("response.reasoning_text.delta", item_id=item_id, output_index=at, content_index=0,
                                delta=delta))  # fmt: skip
@@ -218,20 +218,31 @@ async def _stream(request: Request, run: ChatRun, body: ResponsesRequest) -> Asy
     yield emit("response.created", response=_response(run, body, "in_progress", [], None))
     yield emit("response.in_progress", response=_response(run, body, "in_progress", [], None))
     prompt_tokens, output_tokens, cached, finish = 0, 0, 0, None
+    # Each text delta carries its tokens' logprobs, as OpenAI's do; the tokens of text the delta builder
+    # holds back (a tag or marker not yet complete) go with the next message text. (The done events
+    # carry every output token's, reasoning's included, as the unstreamed response does.)
+    held: list = []
     try:
         async for _, out in until_disconnect(request, merged_outputs(run.engine, run.streams, run.log), run.due):
             prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
             for c in out.outputs:
                 output_tokens += len(c.token_ids)
+                new_logprobs = []
                 if logprobs is not None and c.logprobs:
-                    logprobs += chat_logprobs(c, run.top, run.engine.tokenizer)["content"]
+                    new_logprobs = chat_logprobs(c, run.top, run.engine.tokenizer)["content"]
+                    logprobs += new_logprobs
                 delta = builder.delta(c.text, final=c.finish_reason is not None)
                 finish = c.finish_reason or finish
                 events: list[bytes] = []
                 if delta.get("reasoning_content"):
                     events += add_text("reasoning", delta["reasoning_content"])
                 if delta.get("content"):
-                    events += add_text("message", delta["content"])
+                    events += add_text("message", delta["content"], held + new_logprobs)
+                    held = []
+                elif delta.get("reasoning_content") or delta.get("tool_calls"):
+                    held = []  # the tokens of reasoning or of a call, not of the message's text
+                else:
+                    held += new_logprobs
                 for entry in delta.get("tool_calls") or ():
                     events += add_call(entry)
                 for e in events:
