@@ -145,7 +145,7 @@ class Replicas:
             if pending and time.monotonic() > deadline:
                 raise RuntimeError(f"replicas not ready after {timeout:.0f}s: {[self.urls[i] for i in pending]}")
             if pending:
-                time.sleep(0.5)
+                time.sleep(0.05)  # a refused connection costs nothing; 0.5 s added ~0.25 s to every start
 
     async def supervise(self, interval: float = 0.5) -> None:
         """Start again, after a backoff, every replica that exits while we are not stopping. Runs
