@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, wait_for
+from server_utils import ServerProcess, open_request, read_until, wait_for
 
 from ferry.engine.core_client import remove_stale_ipc_dirs
 
@@ -654,20 +654,17 @@ def test_fuzz_malformed_bodies_never_5xx(server):
 
 
 def test_queue_limit_then_sigterm_drain():
-    # The running request must outlast the queue checks below, which take a second or more (a
-    # client read timeout of 1 s among them): at 240 tokens it finished within them once decode
-    # ran at ~5 ms a token, and the queued request was served. 2,000 tokens is ~10 s here. The
-    # drain timeout only bounds a failure: on a busy machine the tokens still streaming at SIGTERM
-    # can take minutes, and the drain must wait for them (as it would for a user).
-    s = ServerProcess("--max-model-len", "2048", "--max-num-seqs", "1", "--max-queue-len", "1",
+    # One request runs (8,000 tokens: it outlasts the checks however fast decode is) and takes the
+    # only slot. The drain timeout only bounds a failure: on a busy machine the queued request's
+    # tokens can take minutes, and the drain must wait for them (as it would for a user).
+    s = ServerProcess("--max-model-len", "8192", "--max-num-seqs", "1", "--max-queue-len", "1",
                       "--drain-timeout", "900")  # fmt: skip
+    running = None
     try:
-        # The queued request's first byte comes only after the running one's 2,000 tokens: on a busy
-        # machine minutes, so the client waits as long as the drain may (a timeout is no speed check).
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=900)
         results: dict[str, object] = {}
 
-        def long_stream(name: str, max_tokens: int) -> None:
+        def stream(name: str, max_tokens: int) -> None:
             try:
                 chunks = list(client.completions.create(
                     model=None, prompt="Tell me a story.", max_tokens=max_tokens, stream=True,
@@ -677,8 +674,9 @@ def test_queue_limit_then_sigterm_drain():
             except Exception as e:  # noqa: BLE001 - recorded for the assertion below
                 results[name] = e
 
-        running = threading.Thread(target=long_stream, args=("running", 2000))
-        running.start()
+        running = open_request(s.url, "/v1/completions", {"prompt": "Tell me a story.", "max_tokens": 8000,
+                               "ignore_eos": True, "stream": True, "temperature": 0})  # fmt: skip
+        read_until(running, b"data: {")
         _wait_metric(s, "ferry:num_requests_running", 1)
 
         # A client that gives up while its request is still queued (nothing streamed yet) aborts it.
@@ -693,7 +691,7 @@ def test_queue_limit_then_sigterm_drain():
             assert time.monotonic() < deadline, "the queued request was not aborted on disconnect"
             time.sleep(0.05)
         assert s.metric("ferry:num_requests_running") == 1  # the long request is still going
-        queued = threading.Thread(target=long_stream, args=("queued", 5))
+        queued = threading.Thread(target=stream, args=("queued", 5))
         queued.start()
         _wait_metric(s, "ferry:num_requests_waiting", 1)
         with pytest.raises(openai.RateLimitError) as e:
@@ -707,11 +705,19 @@ def test_queue_limit_then_sigterm_drain():
             time.sleep(0.05)
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
-        running.join(900)
+        # Draining: the running request goes on decoding and the queued one waits for the slot.
+        generated = s.metric("ferry:generation_tokens_total")
+        _wait_metric(s, "ferry:generation_tokens_total", generated + 8)
+        assert s.metric("ferry:num_requests_waiting") == 1 and "queued" not in results
+        # Its client leaves (8,000 tokens would take a minute here): the drain serves the queued request
+        # in its place, to the end, then the server exits cleanly.
+        running.close()
         queued.join(900)
-        assert results == {"running": "length", "queued": "length"}  # in-flight requests finished
+        assert results == {"queued": "length"}
         assert s.proc.wait(120) == 0, s.logs()
     finally:
+        if running is not None:
+            running.close()
         s.stop()
 
 
