@@ -211,11 +211,11 @@ def test_early_exit_limits_n_and_abort(smollm_gguf, prompts, reference):
 
 
 def test_sampling_keeps_the_models_distribution(smollm_gguf):
-    """Temperature 1, unseeded, drafts from the target's first 24 layers: over 1000 requests the
+    """Temperature 1, unseeded, drafts from the target's first 24 layers: over 500 requests the
     token after the most common first token follows the model's own distribution there (its top
     20 probabilities, the rest pooled) by a chi-squared test at 0.1%, with drafts kept and
-    rejected."""
-    n = 1000
+    rejected (500 fail the bias test_spec_decode_engine.py names as surely as 1000 do)."""
+    n = 500
     ids = smollm_gguf.tokenizer.encode("1, 2, 3, 1, 2, 3, 1, 2, 3, 1,")
     engine = engine_over(smollm_gguf, max_num_seqs=256, speculative_config=spec("early_exit", k=2))
     for i in range(n):
