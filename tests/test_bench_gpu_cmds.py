@@ -12,7 +12,7 @@ import torch
 
 from ferry.bench.hardware import known_peak_bandwidth
 from ferry.bench.latency import cache_sized_for, weight_bytes_per_step
-from ferry.bench.throughput import SHAREGPT_LIKE_CLIP, sharegpt_like_requests
+from ferry.bench.synthetic import SHAREGPT_LIKE_CLIP, sharegpt_like_requests
 from ferry.cli import main
 from ferry.models.config import ModelConfig
 from ferry.worker.memory import kv_bytes_per_token

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -71,7 +72,9 @@ def hostile_request(kind: str, host: str) -> tuple[bytes, bytes | list[bytes]]:
     elif kind == "many-prompts":
         body = json.dumps({"model": MODEL, "prompt": [[1]] * 100_000, "max_tokens": 1}).encode()
     elif kind == "slow-body":
-        body = json.dumps({"model": MODEL, "prompt": "The ferry crosses " * 50, "max_tokens": 1}).encode()
+        # ~200 bytes: ~1 s at 200 bytes/s, so a phase ends about when its duration does (a longer one
+        # ran its last body for seconds after it)
+        body = json.dumps({"model": MODEL, "prompt": "The ferry crosses " * 10, "max_tokens": 1}).encode()
         head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         return head.encode(), [body[i : i + 20] for i in range(0, len(body), 20)]
@@ -159,15 +162,20 @@ def phase(url: str, args, abusers: int) -> dict:
     threads = [threading.Thread(target=probe, args=(url, stop, args.probe_interval, health, health_errors)),
                threading.Thread(target=well_behaved, args=(url, stop, completions, completion_errors))]  # fmt: skip
     hostile: list[tuple[str, str, float]] = []
-    mp = multiprocessing.get_context("spawn")
-    with mp.Manager() as manager, concurrent.futures.ProcessPoolExecutor(max(abusers, 1), mp_context=mp) as ex:
-        ready, go = manager.Queue(), manager.Event()
-        futures = [ex.submit(abuse, url, args.duration, i, ready, go) for i in range(abusers)]
-        for _ in range(abusers):  # their start-up (imports, building the bodies) stays out of the phase
-            ready.get(timeout=600)
+    with contextlib.ExitStack() as stack:
+        futures = []
+        if abusers:  # (a quiet phase starts no processes: a manager and a pool took ~2 s to start and stop)
+            mp = multiprocessing.get_context("spawn")
+            manager = stack.enter_context(mp.Manager())
+            ex = stack.enter_context(concurrent.futures.ProcessPoolExecutor(abusers, mp_context=mp))
+            ready, go = manager.Queue(), manager.Event()
+            futures = [ex.submit(abuse, url, args.duration, i, ready, go) for i in range(abusers)]
+            for _ in range(abusers):  # their start-up (imports, building the bodies) stays out of the phase
+                ready.get(timeout=600)
         for t in threads:
             t.start()
-        go.set()
+        if abusers:
+            go.set()
         time.sleep(args.duration)
         for f in futures:
             hostile += f.result()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from ferry.bench.throughput import synthetic_requests
+from ferry.bench.synthetic import synthetic_requests
 
 PERCENTILES = (50, 90, 99)
 

@@ -22,7 +22,8 @@ import torch
 
 from ferry.bench.launch import LaunchedServer
 from ferry.bench.serve import bench_once, format_summary, parse_slos, salted
-from ferry.bench.throughput import run_ferry, synthetic_requests
+from ferry.bench.synthetic import synthetic_requests
+from ferry.bench.throughput import run_ferry
 from ferry.config import EngineArgs
 from ferry.models.loader import load_checkpoint
 from ferry.utils.network import free_port, reserve_port

@@ -24,7 +24,7 @@ import sys
 from ferry.bench.launch import LaunchedServer
 from ferry.bench.serve import bench_once, parse_slos
 from ferry.bench.spec_workloads import EDIT_PROMPTS
-from ferry.bench.throughput import synthetic_requests
+from ferry.bench.synthetic import synthetic_requests
 from ferry.config import EngineArgs
 from ferry.utils.network import reserve_port
 

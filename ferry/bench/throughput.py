@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import platform
 import random
 import statistics
@@ -36,6 +35,7 @@ import torch
 
 from ferry.bench.hardware import device_name
 from ferry.bench.latency import warm_up
+from ferry.bench.synthetic import SHAREGPT_LIKE_CLIP, SHAREGPT_LIKE_MEANS, sharegpt_like_requests, synthetic_requests
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.layers.linear import pack_weight, packed_linear, should_pack
@@ -77,38 +77,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="instead of the timed run: torch.profiler over N steps with prefill and N decode-only "
                    "steps of the workload, operators by device (or CPU) time (bench/torch_profile.py)")  # fmt: skip
     p.add_argument("--json", default=None, help="also write the results to this file")
-
-
-def synthetic_requests(n: int, in_range, out_range, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    reqs = []
-    for _ in range(n):
-        plen = rng.randint(*in_range)
-        reqs.append(([rng.randrange(100, vocab - 100) for _ in range(plen)], rng.randint(*out_range)))
-    return reqs
-
-
-# ShareGPT-like lengths: lognormal prompt / output token counts with these means (before clipping).
-SHAREGPT_LIKE_MEANS = (200, 180)
-SHAREGPT_LIKE_SIGMA = (1.0, 1.0)
-SHAREGPT_LIKE_CLIP = (4, 2048)
-
-
-def sharegpt_like_requests(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    """`n` requests with lognormal prompt/output lengths (ShareGPT's rough shape), random token ids."""
-    rng = random.Random(seed)
-    lo, hi = SHAREGPT_LIKE_CLIP
-
-    def length(mean: float, sigma: float) -> int:
-        mu = math.log(mean) - sigma**2 / 2  # the lognormal's mean is exp(mu + sigma^2 / 2)
-        return min(max(round(rng.lognormvariate(mu, sigma)), lo), hi)
-
-    reqs = []
-    for _ in range(n):
-        plen = length(SHAREGPT_LIKE_MEANS[0], SHAREGPT_LIKE_SIGMA[0])
-        olen = length(SHAREGPT_LIKE_MEANS[1], SHAREGPT_LIKE_SIGMA[1])
-        reqs.append(([rng.randrange(100, vocab - 100) for _ in range(plen)], olen))
-    return reqs
 
 
 def fit_context(reqs: list[tuple[list[int], int]], max_model_len: int) -> tuple[list[tuple[list[int], int]], int]:
