@@ -40,7 +40,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_engine_core(
-    args: EngineArgs, loaded: LoadedModel | None = None, draft: LoadedModel | None = None, *, tokenizer: bool = True
+    args: EngineArgs,
+    loaded: LoadedModel | None = None,
+    draft: LoadedModel | None = None,
+    *,
+    tokenizer: bool = True,
+    freeze_heap: bool | None = None,
 ) -> EngineCore:
     """Load the model (unless `loaded` is given: tests share one) and any draft model (unless
     `draft` is given), start the other tensor- and pipeline-parallel ranks, size and allocate the KV
@@ -49,7 +54,12 @@ def build_engine_core(
     `tokenizer=False` (an engine core process, whose API process tokenizes): the model's tokenizer is
     not loaded at start (~1 s of a 5 s start, transformers' import most of it); its EOS id is read from
     its files and structured output loads it when a request first needs it. A draft checkpoint's
-    vocabulary is compared with it, so speculative decoding with one loads it at start."""
+    vocabulary is compared with it, so speculative decoding with one loads it at start.
+
+    `freeze_heap`: collect and freeze the heap once built (utils/process.py freeze_startup_heap). By
+    default only an engine that loads its own model, as a server's core or `LLM` does: one built over
+    a `loaded` model shares a process that builds engines again and again (tests, benchmarks), where
+    each full collection walked that whole heap (0.2 s an engine here, 78 engines in one test file)."""
     tp_workers: TensorParallelWorkers | None = None
     tp, pp = SINGLE, SINGLE_STAGE
     if args.world_size > 1:
@@ -58,6 +68,8 @@ def build_engine_core(
         tp_workers = TensorParallelWorkers(args)  # ranks 1..N-1 load their shards meanwhile
         atexit.register(tp_workers.shutdown)  # LLM users rarely shut down; tear the group down cleanly
         tp, pp = tp_workers.tp, tp_workers.pp
+    if freeze_heap is None:
+        freeze_heap = loaded is None
     try:
         t0 = time.perf_counter()
         defer_tokenizer = not tokenizer and loaded is None and not _has_draft_checkpoint(args)
@@ -68,7 +80,8 @@ def build_engine_core(
         t1 = time.perf_counter()
         core = _build(args, loaded, tp, tp_workers, draft, tokenizer_loader)
         core.info.startup_seconds.update(load_weights=t1 - t0, kv_cache=time.perf_counter() - t1)
-        freeze_startup_heap()
+        if freeze_heap:
+            freeze_startup_heap()
         return core
     except BaseException:
         if tp_workers is not None:

@@ -38,12 +38,14 @@ class LLMEngine:
         device=None,
         dtype=None,
         draft_model: LoadedModel | None = None,
+        freeze_heap: bool | None = None,
     ) -> None:
         """Build an engine; pass an already loaded `model` (with tokenizer, device, dtype) to reuse
-        it, and a loaded `draft_model` for speculative method draft_model."""
+        it, and a loaded `draft_model` for speculative method draft_model. `freeze_heap`: see
+        build_engine_core (by default, only when the engine loads its own model)."""
         self.args = args
         loaded = LoadedModel(model, tokenizer, device, dtype, str(args.model or "")) if model is not None else None
-        self.core = build_engine_core(args, loaded, draft_model)
+        self.core = build_engine_core(args, loaded, draft_model, freeze_heap=freeze_heap)
         self.input_processor = InputProcessor(self.core.tokenizer, self.core.info)
         self.output_processor = OutputProcessor(self.core.tokenizer)
 

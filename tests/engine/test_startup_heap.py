@@ -7,7 +7,10 @@ import gc
 import weakref
 
 import pytest
+from conftest import engine_over
 
+from ferry.config import EngineArgs
+from ferry.engine.llm_engine import LLMEngine
 from ferry.utils.process import cyclic_gc_paused
 
 
@@ -16,16 +19,23 @@ class _Cycle:
         self.me = self
 
 
-def test_building_an_engine_freezes_the_heap_and_reclaims_dropped_cycles(make_engine):
+def _frozen_cycle() -> weakref.ref:
+    """A dropped cycle frozen out of the collector's reach, as if an earlier engine's build had
+    frozen it while it was alive."""
     gc.unfreeze()
     dropped = _Cycle()
     ref = weakref.ref(dropped)
-    gc.freeze()  # as if an earlier engine's build had frozen it while it was alive
+    gc.freeze()
     del dropped
     gc.collect()
     assert ref() is not None  # frozen: out of the collector's reach
+    return ref
 
-    engine = make_engine()
+
+def test_an_engine_that_loads_its_model_freezes_the_heap_and_reclaims_dropped_cycles():
+    """As a server's engine core or `LLM` builds one."""
+    ref = _frozen_cycle()
+    engine = LLMEngine(EngineArgs(device="cpu", max_model_len=64, num_kv_blocks=8))
     assert gc.isenabled() and gc.get_freeze_count() > 0
     assert ref() is None  # thawed and collected before the new freeze
     # Garbage made after the freeze is collected as usual.
@@ -35,6 +45,17 @@ def test_building_an_engine_freezes_the_heap_and_reclaims_dropped_cycles(make_en
     gc.collect()
     assert later_ref() is None
     assert engine.core.scheduler is not None
+
+
+def test_an_engine_over_a_shared_model_freezes_only_when_asked(smollm):
+    """Tests and benchmarks build engine after engine over one loaded model: by default no full
+    collection (each walked the whole heap), unless asked (a benchmark's timed engine)."""
+    ref = _frozen_cycle()
+    engine_over(smollm)
+    assert ref() is not None  # neither thawed nor collected
+    LLMEngine(EngineArgs(model=smollm.path, device="cpu", dtype="float32", num_kv_blocks=8), model=smollm.model,
+              tokenizer=smollm.tokenizer, device=smollm.device, dtype=smollm.dtype, freeze_heap=True)  # fmt: skip
+    assert ref() is None and gc.get_freeze_count() > 0  # thawed, collected, frozen again
 
 
 def test_collection_is_paused_inside_and_restored_after_an_error():
