@@ -72,3 +72,16 @@ def test_collection_is_paused_inside_and_restored_after_an_error():
         assert not gc.isenabled()  # a caller's own disable is left as it was
     finally:
         gc.enable()
+
+
+def test_the_loads_cyclic_garbage_is_freed_before_the_heap_is_trimmed():
+    """release_free_heap collects only the youngest generation: all a load made while collection was
+    paused, its reader's cycles included."""
+    from ferry.worker.cpu_allocator import release_free_heap
+
+    with cyclic_gc_paused():
+        reader = _Cycle()  # (a checkpoint reader's metadata, dropped once the weights are built)
+        ref = weakref.ref(reader)
+        del reader
+        release_free_heap()
+        assert ref() is None
