@@ -145,7 +145,9 @@ class Replicas:
             if pending and time.monotonic() > deadline:
                 raise RuntimeError(f"replicas not ready after {timeout:.0f}s: {[self.urls[i] for i in pending]}")
             if pending:
-                time.sleep(0.05)  # a refused connection costs nothing; 0.5 s added ~0.25 s to every start
+                # 0.5 s added ~0.25 s to every start; a poll is a refused connection, or a 503 answered
+                # in ~1 ms while the replica loads
+                time.sleep(0.05)
 
     async def supervise(self, interval: float = 0.5) -> None:
         """Start again, after a backoff, every replica that exits while we are not stopping. Runs

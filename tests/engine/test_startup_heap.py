@@ -32,10 +32,20 @@ def _frozen_cycle() -> weakref.ref:
     return ref
 
 
-def test_an_engine_that_loads_its_model_freezes_the_heap_and_reclaims_dropped_cycles():
-    """As a server's engine core or `LLM` builds one."""
+@pytest.fixture(autouse=True)
+def _thawed_after():
+    """Each test leaves the heap thawed: an engine over the shared model no longer thaws it."""
+    yield
+    gc.unfreeze()
+
+
+def test_an_engine_that_loads_its_model_freezes_the_heap_and_reclaims_dropped_cycles(smollm, monkeypatch):
+    """As a server's engine core or `LLM` builds one (its load here hands back the session's model)."""
+    import ferry.engine.builder
+
+    monkeypatch.setattr(ferry.engine.builder, "load_model", lambda *args, **kwargs: smollm)
     ref = _frozen_cycle()
-    engine = LLMEngine(EngineArgs(device="cpu", max_model_len=64, num_kv_blocks=8))
+    engine = LLMEngine(EngineArgs(model=smollm.path, device="cpu", dtype="float32", num_kv_blocks=8))
     assert gc.isenabled() and gc.get_freeze_count() > 0
     assert ref() is None  # thawed and collected before the new freeze
     # Garbage made after the freeze is collected as usual.

@@ -654,9 +654,10 @@ def test_fuzz_malformed_bodies_never_5xx(server):
 
 
 def test_queue_limit_then_sigterm_drain():
-    # One request runs (8,000 tokens: it outlasts the checks however fast decode is) and takes the
-    # only slot. The drain timeout only bounds a failure: on a busy machine the queued request's
-    # tokens can take minutes, and the drain must wait for them (as it would for a user).
+    # One request runs and takes the only slot: 8,000 tokens, ~40 s at this machine's ~5 ms a token,
+    # where the checks before SIGTERM take a few seconds (it is let go once the drain is seen). The
+    # drain timeout only bounds a failure: on a busy machine the queued request's tokens can take
+    # minutes, and the drain must wait for them (as it would for a user).
     s = ServerProcess("--max-model-len", "8192", "--max-num-seqs", "1", "--max-queue-len", "1",
                       "--drain-timeout", "900")  # fmt: skip
     running = None

@@ -317,10 +317,12 @@ def test_queue_limit_holds_under_2000_concurrent_requests():
             status = await reader.readline()  # b"HTTP/1.1 429 Too Many Requests"
             await reader.read()  # the rest, up to the server's close
             writer.close()
+            assert status, f"request {i}: the connection closed without a status line"
             return int(status.split()[1])
 
         async def blast() -> list[int]:
-            tasks = [asyncio.create_task(one(i)) for i in range(2000)]
+            # (the timeout, as httpx's was, only turns a connection left open into a failure, not a hang)
+            tasks = [asyncio.create_task(asyncio.wait_for(one(i), 300)) for i in range(2000)]
             # The admitted ones wait on the stopped core: resume it once the rest are answered
             # (if more got in, fewer are ever answered: the deadline only bounds that failure).
             deadline = time.monotonic() + 600
