@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 
-from ferry.bench.latency import cache_sized_for
+from ferry.bench.latency import cache_sized_for, timed_engine
 from ferry.bench.spec_workloads import WORKLOADS
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
@@ -115,11 +115,8 @@ def _single_stream(args, loaded, plain_args: EngineArgs, spec_args: EngineArgs, 
                for name in args.workloads}  # fmt: skip
     # one request at a time; room for the drafts of the last step beyond max_tokens
     longest = max(len(ids) for ids in itertools.chain(*prompts.values())) + args.max_tokens + 64
-    # freeze_heap: timed as a server's core runs, its heap frozen (a full collection is a 0.2 s stall)
-    share = dict(model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device, dtype=loaded.dtype,
-                 freeze_heap=True)  # fmt: skip
-    plain = LLMEngine(cache_sized_for(plain_args, 1, longest), **share)
-    spec = LLMEngine(cache_sized_for(spec_args, 1, longest), **share)
+    plain = timed_engine(cache_sized_for(plain_args, 1, longest), loaded)
+    spec = timed_engine(cache_sized_for(spec_args, 1, longest), loaded)
     print(f"model {args.model or 'default'}; speculative_config {spec_config}; max {args.max_tokens} tokens")
     result: dict = {"speculative_config": spec_config, "max_tokens": args.max_tokens, "workloads": {}}
     for name in args.workloads:

@@ -16,9 +16,8 @@ import dataclasses
 import random
 import statistics
 
-from ferry.bench.latency import _requests, cache_sized_for, run_batch
+from ferry.bench.latency import _requests, cache_sized_for, run_batch, timed_engine
 from ferry.config import EngineArgs
-from ferry.engine.llm_engine import LLMEngine
 
 
 def _placeholder_drafts(request, room: int) -> list[int]:
@@ -28,13 +27,10 @@ def _placeholder_drafts(request, room: int) -> list[int]:
 def run(args, eargs: EngineArgs, loaded) -> dict:
     k = args.drafts
     spec = f'{{"method": "ngram", "num_speculative_tokens": {k}, "draft_length": "fixed"}}'
-    # freeze_heap: timed as a server's core runs, its heap frozen (a full collection is a 0.2 s stall)
-    share = dict(model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device, dtype=loaded.dtype,
-                 freeze_heap=True)  # fmt: skip
     max_seqs = max(args.batch_sizes)
     eargs = cache_sized_for(eargs, max_seqs, args.input_len + args.output_len + k + 1)
-    plain = LLMEngine(dataclasses.replace(eargs, speculative_config=None, max_num_seqs=max_seqs), **share)
-    verifying = LLMEngine(dataclasses.replace(eargs, speculative_config=spec, max_num_seqs=max_seqs), **share)
+    plain = timed_engine(dataclasses.replace(eargs, speculative_config=None, max_num_seqs=max_seqs), loaded)
+    verifying = timed_engine(dataclasses.replace(eargs, speculative_config=spec, max_num_seqs=max_seqs), loaded)
     verifying.core.proposer.ngram.propose = _placeholder_drafts
     vocab = plain.model_config.vocab_size
     rng = random.Random(0)

@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 
+from ferry.bench.latency import timed_engine
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
 from ferry.sampling_params import SamplingParams, StructuredOutputsParams
@@ -120,8 +121,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--num-requests, --concurrency and --rounds must be >= 1")
     eargs = EngineArgs.from_cli_args(args)
     loaded = load_model(eargs)
-    engine = LLMEngine(eargs, model=loaded.model, tokenizer=loaded.tokenizer, device=loaded.device,
-                       dtype=loaded.dtype, freeze_heap=True)  # timed with its heap frozen, as a server's  # fmt: skip
+    engine = timed_engine(eargs, loaded)
     tok = loaded.tokenizer
     constrained = _requests(tok, args.num_requests, args.max_tokens)
     print(f"model {eargs.model or 'default'}; {args.num_requests} JSON-schema requests at concurrency "

@@ -34,7 +34,7 @@ from dataclasses import asdict
 import torch
 
 from ferry.bench.hardware import device_name
-from ferry.bench.latency import warm_up
+from ferry.bench.latency import timed_engine, warm_up
 from ferry.bench.synthetic import SHAREGPT_LIKE_CLIP, SHAREGPT_LIKE_MEANS, sharegpt_like_requests, synthetic_requests
 from ferry.config import EngineArgs
 from ferry.engine.llm_engine import LLMEngine
@@ -192,11 +192,10 @@ def main(args: argparse.Namespace) -> int:
     eargs.model = args.model
     if args.num_prompts is None:
         args.num_prompts = 1000 if args.dataset == "sharegpt-like" else 64
-    model, tokenizer, device, dtype, path = load_model(eargs)
+    loaded = load_model(eargs)
+    model, tokenizer, device, dtype, path = loaded
     cfg = model.config
-    # freeze_heap: timed as a server's core runs, its heap frozen (a full collection is a 0.2 s stall)
-    engine_kw = dict(model=model, tokenizer=tokenizer, device=device, dtype=dtype, freeze_heap=True)
-    engine = LLMEngine(eargs, **engine_kw)
+    engine = timed_engine(eargs, loaded)
     engine.runner.profile = True
     name = device_name(device)
     print(f"model {path} ({'random weights' if eargs.load_format == 'dummy' else 'checkpoint'}), {dtype} on {name}")
@@ -218,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
         on = run_ferry(engine, reqs, "on")
         engine = release_engine(engine)
         eargs_off = EngineArgs(**{**asdict(eargs), "enable_prefix_caching": False})
-        off = run_ferry(LLMEngine(eargs_off, **engine_kw), reqs, "off")
+        off = run_ferry(timed_engine(eargs_off, loaded), reqs, "off")
         print(
             f"shared-prefix workload: {args.num_prompts} requests, prefix {args.prefix_len} tokens, "
             f"suffix U{args.suffix_len}, output {args.prefix_output_len}"
